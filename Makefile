@@ -1,0 +1,36 @@
+# The README's two commands: `make run` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch, taken only when no torch is importable in the venv (a bare `torch`
+# requirement would pull a multi-GB CUDA build). On a GPU box, install your CUDA torch first.
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: setup run test lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) -m attngym $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check attngym tests
+	$(PY) -m ruff format --check attngym tests
+
+format: setup
+	$(PY) -m ruff format attngym tests
+	$(PY) -m ruff check --fix attngym tests
+
+test: lint
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

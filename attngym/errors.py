@@ -1,0 +1,37 @@
+"""The project's error types, in one place.
+
+`ConfigError` is what a user sees for a bad configuration value: it is a `ValueError` (so library
+callers can catch it as one) that carries the dotted key, the value received and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+
+def closest(name: str, choices: Iterable[str]) -> str | None:
+    """The choice spelled most like `name`, or None when nothing is close."""
+    matches = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def choice_error(what: str, value: Any, choices: Iterable[str]) -> str:
+    """`unknown <what> 'x'; choose one of: a, b, c (did you mean 'b'?)`."""
+    choices = sorted(choices)
+    hint = closest(str(value), choices)
+    suffix = f" (did you mean {hint!r}?)" if hint else ""
+    return f"unknown {what} {value!r}; choose one of: {', '.join(choices)}{suffix}"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run, named by its dotted key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class RankFailure(RuntimeError):
+    """A rank of a distributed run died or timed out; raised on the ranks that outlive it."""

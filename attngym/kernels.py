@@ -1,0 +1,179 @@
+"""Attend one (q chunk, kv chunk) pair: the unit context parallelism and the tasks build on.
+
+The variant is evaluated at *global* positions: query row i of the chunk is token q_offset + i, key
+j is token kv_offset + j. Offsets are captured as 0-d tensors, so a compiled kernel is reused across
+chunks instead of being recompiled for every offset.
+
+Backends:
+    flex      torch.compile(flex_attention) on CUDA with a block mask at `block_size` and
+              `kernel_options` passed through; eager flex_attention on CPU (forward only).
+    reference the dense float64/float32 oracle (attngym.reference); differentiable everywhere,
+              so it is the CPU kernel when gradients are needed.
+    auto      flex on CUDA, reference elsewhere.
+
+Both return `(out_BHSD, lse_BHS)`: out in the input dtype; lse in float32 (float64 for float64
+inputs), natural base (e), of the scaled, modified scores, -inf where a row has no key.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from attngym import reference
+from attngym.errors import choice_error
+from attngym.variants.base import MaskMod, ScoreMod, Variant
+
+BACKENDS = ("auto", "flex", "reference")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto` → flex on CUDA, reference elsewhere; explicit choices are kept as given."""
+    if backend not in BACKENDS:
+        raise ValueError(choice_error("kernel backend", backend, BACKENDS))
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "reference"
+    return backend
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process (Dynamo caches one graph per shape/variant)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def shifted_mods(
+    variant: Variant, q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor, device
+) -> tuple[ScoreMod | None, MaskMod | None]:
+    """The variant's callbacks with chunk-local indices moved to global positions."""
+    if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0:
+        return variant.score_mod, variant.mask_mod
+    q_off = torch.as_tensor(q_offset, device=device)
+    kv_off = torch.as_tensor(kv_offset, device=device)
+    score_mod = mask_mod = None
+    if variant.score_mod is not None:
+        inner_score = variant.score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return inner_score(score, b, h, q_idx + q_off, kv_idx + kv_off)
+
+    if variant.mask_mod is not None:
+        inner_mask = variant.mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return inner_mask(b, h, q_idx + q_off, kv_idx + kv_off)
+
+    return score_mod, mask_mod
+
+
+def make_block_mask(
+    variant: Variant,
+    seq_q: int,
+    seq_kv: int,
+    *,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int | torch.Tensor = 0,
+    block_size: tuple[int, int] = (128, 128),
+    device: torch.device | str = "cpu",
+):
+    """The BlockMask of the variant's mask on this chunk pair, or None when it has no mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, mask_mod = shifted_mods(variant, q_offset, kv_offset, device)
+    if mask_mod is None:
+        return None
+    return create_block_mask(
+        mask_mod, None, None, seq_q, seq_kv, device=device, BLOCK_SIZE=tuple(block_size)
+    )
+
+
+def block_mask_is_empty(block_mask) -> bool:
+    """True when no (q block, kv block) pair is kept: the chunk pair can be skipped."""
+    if block_mask is None:
+        return False
+    total = block_mask.kv_num_blocks.sum()
+    if block_mask.full_kv_num_blocks is not None:
+        total = total + block_mask.full_kv_num_blocks.sum()
+    return int(total) == 0
+
+
+def attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    *,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int | torch.Tensor = 0,
+    backend: str = "auto",
+    block_size: tuple[int, int] = (128, 128),
+    block_mask=None,
+    kernel_options: Mapping[str, Any] | None = None,
+    scale: float | None = None,
+    compile: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a q chunk over a kv chunk, the variant taken at global positions.
+
+    Args:
+        q: (B, H, Sq, D) query chunk, tokens q_offset .. q_offset + Sq - 1.
+        k, v: (B, G, Skv, D) key/value chunk, tokens kv_offset .. kv_offset + Skv - 1; G divides H.
+        variant: the attention variant (its buffers on q's device).
+        backend: "auto", "flex" or "reference" (see the module docstring).
+        block_size: (q, kv) block size of the block mask built when `block_mask` is None.
+        block_mask: a prebuilt BlockMask for exactly this chunk pair (reused across calls).
+        kernel_options: passed to flex_attention unchanged.
+        scale: score scale, default 1 / sqrt(D).
+        compile: compile flex_attention (CUDA); False runs it eagerly.
+
+    Returns:
+        out: (B, H, Sq, D) in q.dtype; lse: (B, H, Sq), float32 (float64 inputs: float64).
+    """
+    backend = resolve_backend(backend, q.device)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if backend == "reference":
+        q_pos = torch.arange(q.shape[2], device=q.device) + q_offset
+        kv_pos = torch.arange(k.shape[2], device=q.device) + kv_offset
+        out, lse = reference.attention(
+            q,
+            k,
+            v,
+            variant.score_mod,
+            variant.mask_mod,
+            scale=scale,
+            q_positions=q_pos,
+            kv_positions=kv_pos,
+            dtype=lse_dtype,
+        )
+        return out.to(q.dtype), lse
+
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    score_mod, _ = shifted_mods(variant, q_offset, kv_offset, q.device)
+    if block_mask is None:
+        block_mask = make_block_mask(
+            variant,
+            q.shape[2],
+            k.shape[2],
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            block_size=block_size,
+            device=q.device,
+        )
+    fn = compiled_flex_attention() if compile and q.device.type == "cuda" else flex_attention
+    out, aux = fn(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+        kernel_options=dict(kernel_options) if kernel_options else None,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse.to(lse_dtype)

@@ -1,0 +1,214 @@
+"""The `Variant` record and the catalogue every variant family registers into.
+
+A variant is a pair of FlexAttention callbacks (score_mod, mask_mod) plus what the rest of attngym
+needs to know about them: the parameters it was built from (for configs, logs and file names), the
+tensors its callbacks read (so `.to(device)` can move them), the sequence length it was built for
+(document lengths, a 2-D canvas) and whether plain SDPA can run it (`sdpa`: "full" or "causal").
+
+Index convention for every callback: `b, h` are batch and query-head indices, `q_idx, kv_idx` are
+*global* token positions. Callbacks use tensor ops only, so they work both inside FlexAttention and
+on broadcast index grids (the dense reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from attngym.errors import choice_error
+
+ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
+MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
+Bind = Callable[[Mapping[str, torch.Tensor]], "tuple[ScoreMod | None, MaskMod | None]"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Variant:
+    """An attention variant: FlexAttention callbacks plus the facts attngym needs about them.
+
+    Attributes:
+        name: catalogue name, e.g. "sliding_window"; composed variants join names with "+".
+        params: the factory arguments it was built from.
+        score_mod: `(score, b, h, q_idx, kv_idx) -> score`, or None.
+        mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None (attend everywhere).
+        buffers: tensors the callbacks read; `.to(device)` moves them and rebinds the callbacks.
+        bind: rebuilds `(score_mod, mask_mod)` from moved buffers; required when buffers exist.
+        seq_len: the only sequence length the variant is defined for, or None for any.
+        sdpa: "full" or "causal" when SDPA computes the same thing (is_causal), else None.
+    """
+
+    name: str
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    buffers: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    bind: Bind | None = None
+    seq_len: int | None = None
+    sdpa: str | None = None
+
+    def __post_init__(self):
+        assert not self.buffers or self.bind is not None, "a variant with buffers needs bind"
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the buffers live (None when the variant has none)."""
+        for t in self.buffers.values():
+            return t.device
+        return None
+
+    def to(self, device: torch.device | str) -> Variant:
+        """The same variant with its buffers on `device` (self when there is nothing to move)."""
+        if not self.buffers:
+            return self
+        buffers = {k: t.to(device) for k, t in self.buffers.items()}
+        score_mod, mask_mod = self.bind(buffers)
+        return dataclasses.replace(self, buffers=buffers, score_mod=score_mod, mask_mod=mask_mod)
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise ValueError when the variant is not defined at `seq_len`."""
+        if self.seq_len is not None and seq_len != self.seq_len:
+            raise ValueError(
+                f"variant {self.name!r} is built for seq_len={self.seq_len} "
+                f"(from {dict(self.params)}), got seq_len={seq_len}"
+            )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"Variant({self.name}({args}))"
+
+
+_FACTORIES: dict[str, Callable[..., Variant]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Variant]], Callable[..., Variant]]:
+    """Add a factory to the catalogue under `name` (explicit, one call per variant)."""
+
+    def deco(factory: Callable[..., Variant]) -> Callable[..., Variant]:
+        if name in _FACTORIES:
+            raise RuntimeError(f"variant {name!r} registered twice")
+        _FACTORIES[name] = factory
+        return factory
+
+    return deco
+
+
+def names() -> list[str]:
+    """Every registered variant name, sorted."""
+    return sorted(_FACTORIES)
+
+
+def factory(name: str) -> Callable[..., Variant]:
+    """The factory behind `name`; unknown names list the catalogue and suggest the closest."""
+    try:
+        return _FACTORIES[name]
+    except KeyError:
+        raise ValueError(choice_error("attention variant", name, _FACTORIES)) from None
+
+
+def check_params(name: str, params: Mapping[str, Any]) -> None:
+    """Raise ValueError for parameters the factory does not take or required ones missing."""
+    sig = inspect.signature(factory(name))
+    accepted = list(sig.parameters)
+    for key in params:
+        if key not in sig.parameters:
+            allowed = ", ".join(accepted) or "none"
+            raise ValueError(
+                f"variant {name!r} has no parameter {key!r}; its parameters: {allowed}"
+            )
+    for key, p in sig.parameters.items():
+        if p.default is inspect.Parameter.empty and key not in params:
+            raise ValueError(f"variant {name!r} needs parameter {key!r}")
+
+
+def get(name: str, **params: Any) -> Variant:
+    """Build the variant `name` with `params` (checked against its factory's signature)."""
+    check_params(name, params)
+    return _FACTORIES[name](**params)
+
+
+def compose(*variants: Variant) -> Variant:
+    """One variant from several: masks AND-ed, score_mods applied left to right."""
+    if not variants:
+        raise ValueError("compose needs at least one variant")
+    if len(variants) == 1:
+        return variants[0]
+    seq_lens = {v.seq_len for v in variants if v.seq_len is not None}
+    if len(seq_lens) > 1:
+        raise ValueError(f"cannot compose variants built for different seq_len: {sorted(seq_lens)}")
+    prefixed = {f"{i}.{k}": t for i, v in enumerate(variants) for k, t in v.buffers.items()}
+
+    def bind(buffers: Mapping[str, torch.Tensor]):
+        parts = []
+        for i, v in enumerate(variants):
+            mine = {k.split(".", 1)[1]: t for k, t in buffers.items() if k.startswith(f"{i}.")}
+            parts.append(v.bind(mine) if v.buffers else (v.score_mod, v.mask_mod))
+        return _chain([s for s, _ in parts]), _all([m for _, m in parts])
+
+    score_mod, mask_mod = bind(prefixed)
+    sdpas = [v.sdpa for v in variants]
+    sdpa = None
+    if all(s in ("full", "causal") for s in sdpas):
+        sdpa = "causal" if "causal" in sdpas else "full"
+    return Variant(
+        name="+".join(v.name for v in variants),
+        params={v.name: dict(v.params) for v in variants},
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        buffers=prefixed,
+        bind=bind if prefixed else None,
+        seq_len=seq_lens.pop() if seq_lens else None,
+        sdpa=sdpa,
+    )
+
+
+def _chain(mods: list[ScoreMod | None]) -> ScoreMod | None:
+    mods = [m for m in mods if m is not None]
+    if not mods:
+        return None
+    if len(mods) == 1:
+        return mods[0]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        for m in mods:
+            score = m(score, b, h, q_idx, kv_idx)
+        return score
+
+    score_mod.__name__ = "_then_".join(m.__name__ for m in mods)
+    return score_mod
+
+
+def _all(mods: list[MaskMod | None]) -> MaskMod | None:
+    mods = [m for m in mods if m is not None]
+    if not mods:
+        return None
+    if len(mods) == 1:
+        return mods[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            keep = keep & m(b, h, q_idx, kv_idx)
+        return keep
+
+    mask_mod.__name__ = "_and_".join(m.__name__ for m in mods)
+    return mask_mod
+
+
+def positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    """Check a size parameter: an int > 0 (or >= 0), else ValueError naming it."""
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        need = "an integer >= 0" if allow_zero else "a positive integer"
+        raise ValueError(f"{name} must be {need}, got {value!r}")
+    return value
+
+
+def positive_float(name: str, value: Any) -> float:
+    """Check a scale parameter: a finite number > 0, else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
