@@ -28,7 +28,7 @@ def index_grids(
     q_positions: torch.Tensor,
     kv_positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Broadcastable (b, h, q_idx, kv_idx) grids of shape (B,1,1,1), (1,H,1,1), (1,1,Sq,1), (1,1,1,Skv)."""
+    """Broadcastable (b, h, q_idx, kv_idx) grids: (B,1,1,1), (1,H,1,1), (1,1,Sq,1), (1,1,1,Skv)."""
     device = q_positions.device
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)

@@ -3,6 +3,7 @@
 Each family module registers its factories when imported; importing this package imports them all.
 """
 
+from attngym.variants import causal  # noqa: F401,E402  (registers full, causal)
 from attngym.variants.base import (
     MaskMod,
     ScoreMod,
@@ -14,7 +15,6 @@ from attngym.variants.base import (
     names,
     register,
 )
-from attngym.variants import causal  # noqa: F401,E402  (registers full, causal)
 
 __all__ = [
     "MaskMod",
