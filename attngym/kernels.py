@@ -18,6 +18,7 @@ inputs), natural base (e), of the scaled, modified scores, -inf where a row has 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -165,15 +166,21 @@ def attend_chunk(
             device=q.device,
         )
     fn = compiled_flex_attention() if compile and q.device.type == "cuda" else flex_attention
-    out, aux = fn(
-        q,
-        k,
-        v,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-        kernel_options=dict(kernel_options) if kernel_options else None,
-        return_aux=AuxRequest(lse=True),
-    )
+    with warnings.catch_warnings():
+        # Eager flex (the CPU path, or compile=False) is chosen on purpose here; torch's advice
+        # to compile it is noise for every first call. Only that one message is silenced.
+        warnings.filterwarnings(
+            "ignore", message="flex_attention called without torch.compile", category=UserWarning
+        )
+        out, aux = fn(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+            kernel_options=dict(kernel_options) if kernel_options else None,
+            return_aux=AuxRequest(lse=True),
+        )
     return out, aux.lse.to(lse_dtype)
