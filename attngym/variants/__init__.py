@@ -1,9 +1,21 @@
 """The variant catalogue: `get(name, **params)`, `names()`, `compose(*variants)`.
 
-Each family module registers its factories when imported; importing this package imports them all.
+Each family module registers its factories when imported; importing this package imports them all,
+so the catalogue never depends on which module a caller happened to import first.
 """
 
-from attngym.variants import causal  # noqa: F401,E402  (registers full, causal)
+from attngym.variants import (  # noqa: F401  (imported to register their factories)
+    alibi,
+    causal,
+    chunked_causal,
+    document,
+    natten,
+    prefix_lm,
+    relative_position,
+    sinks,
+    sliding_window,
+    softcap,
+)
 from attngym.variants.base import (
     MaskMod,
     ScoreMod,
