@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -209,6 +210,6 @@ def positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
 
 def positive_float(name: str, value: Any) -> float:
     """Check a scale parameter: a finite number > 0, else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
     return float(value)
