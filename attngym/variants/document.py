@@ -43,7 +43,10 @@ def document(doc_lengths: Sequence[int], causal: bool = True) -> Variant:
         raise ValueError(f"doc_lengths must be a list of positive integers, got {doc_lengths!r}")
     if len(doc_lengths) == 0:
         raise ValueError("doc_lengths must name at least one document, got []")
-    lengths = [positive_int(f"doc_lengths[{i}]", n) for i, n in enumerate(doc_lengths)]
+    try:
+        lengths = [positive_int(f"doc_lengths[{i}]", n) for i, n in enumerate(doc_lengths)]
+    except ValueError as err:
+        raise ValueError(f"{err} (doc_lengths={list(doc_lengths)!r})") from None
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be true or false, got {causal!r}")
 
