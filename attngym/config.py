@@ -1,14 +1,32 @@
 """Typed run settings, checked from the composed Hydra config before any tensor work.
 
 `Settings` is what tasks receive. Every field is plain Python (no OmegaConf), so tasks and the
-library can be driven from a notebook too. `from_config(cfg)` (added by the framework) turns a
-DictConfig into Settings and raises ConfigError naming the dotted key of the first bad value.
+library can be driven from a notebook too.
+
+Checking happens in two steps, so that configs stay pure:
+
+- `check_config(cfg)` looks at values only (types, ranges, choices, the variant and its parameters,
+  seq_len against world_size and the variant): it never probes hardware, so it gives the same answer
+  on a laptop and on a GPU node, and tests can run it anywhere.
+- `from_config(cfg)` runs `check_config`, then resolves the `auto` values against this machine
+  (device, dtype, world_size, a `flash` block size) and checks what depends on it (device=cuda
+  without CUDA, more ranks than GPUs). It still runs before any tensor is allocated.
+
+Every bad value raises `attngym.errors.ConfigError(key, message)` with the dotted key, the value
+received and what is allowed, so the CLI can print one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from attngym.errors import ConfigError, choice_error
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -58,3 +76,349 @@ class Settings:
     validate_rows: int = 256  # at most this many query rows are checked when S is large
     seed: int = 0
     profiler: str = "none"  # none | kernels | trace
+    baseline_max_mask_bytes: int = 256 * 2**20  # dense SDPA masks larger than this are skipped
+    logger: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "none"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Choices. Components that register themselves (tasks, profilers, trackers) are read from
+# attngym.registry, so a new one is accepted as soon as it registers.
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+TRANSPORTS = ("auto", "copy_engine", "nccl", "gloo")
+LAYOUTS = ("contiguous", "zigzag")
+PASSES = ("fwd", "bwd")
+BASELINES = ("sdpa", "sdpa_dense_mask")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _flash_block_size(device: str) -> tuple[int, int]:
+    from attngym.device import get_flash_block_size
+
+    return tuple(get_flash_block_size(device))  # type: ignore[return-value]
+
+
+# Named block sizes, resolved against the device when the run starts (e.g. `block_size=flash`).
+# Each maps the resolved device name to (q, kv).
+BLOCK_SIZE_RESOLVERS: dict[str, Callable[[str], tuple[int, int]]] = {"flash": _flash_block_size}
+
+
+def register_resolvers() -> None:
+    """Register the OmegaConf resolvers the YAML files use (idempotent; call before composing).
+
+    - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
+    - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
+      `total` exactly (the last one takes the rounding), e.g. document lengths.
+    """
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("div"):
+        OmegaConf.register_new_resolver("div", _div)
+    if not OmegaConf.has_resolver("split"):
+        OmegaConf.register_new_resolver("split", _split)
+
+
+def _div(a: Any, b: Any) -> int:
+    if not isinstance(a, int) or not isinstance(b, int) or b == 0:
+        raise ValueError(f"div needs two integers and a non-zero divisor, got {a!r}, {b!r}")
+    return a // b
+
+
+def _split(total: Any, fractions: Any) -> list[int]:
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"split needs a positive integer total, got {total!r}")
+    fractions = list(fractions)
+    if not fractions or any(not isinstance(f, int | float) or f <= 0 for f in fractions):
+        raise ValueError(f"split needs positive fractions, got {fractions!r}")
+    norm = sum(fractions)
+    lengths = [max(1, int(total * f / norm)) for f in fractions[:-1]]
+    return [*lengths, total - sum(lengths)]
+
+
+def to_container(cfg: Any) -> dict[str, Any]:
+    """A plain, resolved dict of a DictConfig (or a mapping), without the `hydra` node.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved; the key names where.
+    """
+    try:
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError:  # plain dicts from a notebook
+        return {k: v for k, v in dict(cfg).items() if k != "hydra"}
+    if isinstance(cfg, DictConfig):
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True, exclude_structured_config=False)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "config"
+            msg = str(err).split("\n")[0]
+            raise ConfigError(str(key), msg) from None
+    else:
+        data = dict(cfg)
+    data.pop("hydra", None)
+    return data  # type: ignore[return-value]
+
+
+def _get(data: Mapping[str, Any], key: str, default: Any = ...) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            if default is ...:
+                raise ConfigError(key, "missing; it has no default")
+            return default
+        node = node[part]
+    return node
+
+
+def _int(data: Mapping[str, Any], key: str, *, low: int = 1, default: Any = ...) -> int:
+    value = _get(data, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        need = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ConfigError(key, f"must be {need}, got {value!r}")
+    return value
+
+
+def _bool(data: Mapping[str, Any], key: str, default: Any = ...) -> bool:
+    value = _get(data, key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _choice(data: Mapping[str, Any], key: str, choices: Any, what: str, default: Any = ...) -> str:
+    value = _get(data, key, default)
+    choices = list(choices)
+    if value not in choices:
+        raise ConfigError(key, choice_error(what, value, choices))
+    return value
+
+
+def _names(kind: str) -> list[str]:
+    from attngym import registry
+
+    return registry.names(kind)
+
+
+def _block(data: Mapping[str, Any], key: str) -> int | str:
+    value = _get(data, key)
+    if isinstance(value, str):
+        if value not in BLOCK_SIZE_RESOLVERS:
+            raise ConfigError(
+                key,
+                f"must be a positive multiple of 16 or one of {sorted(BLOCK_SIZE_RESOLVERS)}, "
+                f"got {value!r}",
+            )
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
+        raise ConfigError(key, f"must be a positive multiple of 16, got {value!r}")
+    return value
+
+
+def _seq_divides(seq_len: int, world_size: int, layout: str) -> None:
+    chunks = 2 * world_size if layout == "zigzag" else world_size
+    if seq_len % chunks:
+        why = f"2 x world_size = {chunks} chunks (zigzag)" if layout == "zigzag" else "world_size"
+        raise ConfigError(
+            "shape.seq_len",
+            f"{seq_len} does not split into {why}; pick a multiple of {chunks}",
+        )
+
+
+def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
+    backend = kernel_options.get("BACKEND")
+    if isinstance(backend, str) and backend.upper() == "FLASH" and dtype in ("float32", "float64"):
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype={dtype}",
+        )
+
+
+def check_config(cfg: Any) -> dict[str, Any]:
+    """Check every value that can be judged without hardware; return the resolved plain dict.
+
+    Args:
+        cfg: the composed config (DictConfig) or an equivalent nested dict.
+
+    Raises:
+        ConfigError: the first bad value, named by its dotted key.
+    """
+    data = to_container(cfg)
+    for name in ("batch", "heads", "seq_len", "head_dim"):
+        _int(data, f"shape.{name}")
+    heads = data["shape"]["heads"]
+    kv_heads = _get(data, "shape.kv_heads", None)
+    if kv_heads is not None:
+        kv_heads = _int(data, "shape.kv_heads")
+        if heads % kv_heads:
+            raise ConfigError(
+                "shape.kv_heads",
+                f"{kv_heads} does not divide shape.heads={heads}; use a divisor of {heads}",
+            )
+    seq_len = data["shape"]["seq_len"]
+    dtype = _choice(data, "dtype", DTYPES, "dtype", "auto")
+    _int(data, "seed", low=0, default=0)
+    _bool(data, "validate", True)
+    _int(data, "validate_rows", default=256)
+    passes = _get(data, "passes", ["fwd", "bwd"])
+    if not isinstance(passes, list) or not passes:
+        raise ConfigError("passes", f"must be a non-empty list of {list(PASSES)}, got {passes!r}")
+    for p in passes:
+        if p not in PASSES:
+            raise ConfigError("passes", choice_error("pass", p, PASSES))
+    _bool(data, "compile", True)
+    kernel_options = _get(data, "kernel_options", {}) or {}
+    if not isinstance(kernel_options, Mapping):
+        raise ConfigError("kernel_options", f"must be a mapping, got {kernel_options!r}")
+    _check_flash(kernel_options, dtype)
+    _int(data, "benchmark.warmup", low=0, default=2)
+    _int(data, "benchmark.repeats", default=5)
+    baselines = _get(data, "baselines", []) or []
+    if not isinstance(baselines, list):
+        raise ConfigError("baselines", f"must be a list of {list(BASELINES)}, got {baselines!r}")
+    for b in baselines:
+        if b not in BASELINES:
+            raise ConfigError("baselines", choice_error("baseline", b, BASELINES))
+    _int(data, "baseline_max_mask_bytes", low=0, default=256 * 2**20)
+    _block(data, "block_size.q")
+    _block(data, "block_size.kv")
+    _choice(data, "device.name", DEVICES, "device")
+
+    kind = _choice(data, "topology.kind", _names("task"), "topology kind")
+    world_size = _get(data, "topology.world_size", 1)
+    if world_size != "auto":
+        world_size = _int(data, "topology.world_size")
+        if kind == "single" and world_size != 1:
+            raise ConfigError(
+                "topology.world_size", f"must be 1 (or auto) for topology single, got {world_size}"
+            )
+    _choice(data, "topology.transport", TRANSPORTS, "transport", "auto")
+    layout = _choice(data, "topology.layout", LAYOUTS, "layout", "contiguous")
+    timeout = _get(data, "topology.timeout_s", 120.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigError("topology.timeout_s", f"must be a positive number, got {timeout!r}")
+    if isinstance(world_size, int):
+        _seq_divides(seq_len, world_size, layout)
+
+    _choice(data, "profiler.name", _names("profiler"), "profiler")
+    logger = _choice(data, "logger.name", _names("tracker"), "logger")
+    if logger == "wandb":
+        _choice(data, "logger.mode", WANDB_MODES, "wandb mode", "offline")
+
+    from attngym.tasks.common import build_variant
+
+    build_variant(_get(data, "attention"), key="attention", seq_len=seq_len)
+    return data
+
+
+def _resolve_device(name: str) -> str:
+    import torch
+
+    available = torch.cuda.is_available()
+    if name == "auto":
+        chosen = "cuda" if available else "cpu"
+        log.info("device=auto: using %s", chosen)
+        return chosen
+    if name == "cuda" and not available:
+        raise ConfigError(
+            "device.name", "cuda was requested but torch sees no CUDA device; use cpu or auto"
+        )
+    return name
+
+
+def _resolve_world_size(kind: str, value: Any, device: str) -> int:
+    """auto → 1 for single; torchrun's WORLD_SIZE when launched by it; GPU count; 2 on CPU."""
+    if kind == "single":
+        return 1
+    env = os.environ.get("WORLD_SIZE")
+    if env is not None:
+        launched = int(env)
+        if value != "auto" and value != launched:
+            raise ConfigError(
+                "topology.world_size",
+                f"{value} but the launcher started {launched} ranks (WORLD_SIZE); "
+                "use auto or the launcher's count",
+            )
+        return launched
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if value == "auto":
+            log.info("topology.world_size=auto: %d GPUs", count)
+            return count
+        if value > count:
+            raise ConfigError(
+                "topology.world_size",
+                f"{value} ranks but this machine has {count} GPUs; use at most {count} "
+                "(or torchrun for several nodes)",
+            )
+        return value
+    if value == "auto":
+        log.info("topology.world_size=auto: 2 ranks on cpu")
+        return 2
+    return value
+
+
+def from_config(cfg: Any) -> Settings:
+    """Check the config, resolve `auto` values on this machine, return the run's Settings.
+
+    Args:
+        cfg: the composed config (DictConfig) or an equivalent nested dict.
+
+    Raises:
+        ConfigError: a bad value (see check_config) or one this machine cannot run.
+    """
+    data = check_config(cfg)
+    device = _resolve_device(data["device"]["name"])
+    dtype = data.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    kernel_options = dict(data.get("kernel_options") or {})
+    _check_flash(kernel_options, dtype)
+    topo = data["topology"]
+    world_size = _resolve_world_size(topo["kind"], topo.get("world_size", 1), device)
+    if world_size < 1:
+        raise ConfigError("topology.world_size", f"resolved to {world_size}; need at least 1")
+    layout = topo.get("layout", "contiguous")
+    _seq_divides(data["shape"]["seq_len"], world_size, layout)
+    blocks = []
+    for side in ("q", "kv"):
+        value = data["block_size"][side]
+        if isinstance(value, str):
+            value = BLOCK_SIZE_RESOLVERS[value](device)[0 if side == "q" else 1]
+            log.info("block_size.%s=%s: %d on %s", side, data["block_size"][side], value, device)
+        blocks.append(int(value))
+    shape = data["shape"]
+    bench = data.get("benchmark", {})
+    return Settings(
+        attention=data["attention"],
+        shape=Shape(
+            batch=shape["batch"],
+            heads=shape["heads"],
+            kv_heads=shape.get("kv_heads"),
+            seq_len=shape["seq_len"],
+            head_dim=shape["head_dim"],
+        ),
+        topology=Topology(
+            kind=topo["kind"],
+            world_size=world_size,
+            transport=topo.get("transport", "auto"),
+            layout=layout,
+            timeout_s=float(topo.get("timeout_s", 120.0)),
+        ),
+        benchmark=Benchmark(warmup=bench.get("warmup", 2), repeats=bench.get("repeats", 5)),
+        device=device,
+        dtype=dtype,
+        block_size=(blocks[0], blocks[1]),
+        kernel_options=kernel_options,
+        compile=data.get("compile", True),
+        passes=tuple(data.get("passes", ("fwd", "bwd"))),
+        baselines=tuple(data.get("baselines") or ()),
+        validate=data.get("validate", True),
+        validate_rows=data.get("validate_rows", 256),
+        seed=data.get("seed", 0),
+        profiler=data["profiler"]["name"],
+        baseline_max_mask_bytes=data.get("baseline_max_mask_bytes", 256 * 2**20),
+        logger=dict(data.get("logger") or {"name": "none"}),
+    )

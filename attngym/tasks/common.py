@@ -1,0 +1,269 @@
+"""Helpers every task shares, so single-device and context-parallel runs agree on the details.
+
+A task must build the same variant from the same config, draw the same seeded inputs, validate the
+same sampled rows the same way and report errors under the same metric names; otherwise a ring run
+and a single-device run of one config could not be compared row by row in a sweep summary. Those
+pieces live here and their names are stable: the ring and all-gather tasks import them.
+
+Shape legend: B batch, H query heads, G key/value heads, S sequence, D head dim, R sampled rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from attngym import variants
+from attngym.config import Settings
+from attngym.errors import ConfigError, choice_error
+from attngym.variants.base import Variant
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+# Metric names every task reports (values may be None where a quantity does not apply).
+METRIC_NAMES = (
+    "status",
+    "error",
+    "variant",
+    "topology",
+    "world_size",
+    "transport",
+    "device",
+    "dtype",
+    "batch",
+    "heads",
+    "kv_heads",
+    "seq_len",
+    "head_dim",
+    "block_q",
+    "block_kv",
+    "sparsity",
+    "fwd_ms",
+    "fwd_ms_min",
+    "fwd_ms_max",
+    "bwd_ms",
+    "fwd_bwd_ms",
+    "fwd_tflops",
+    "bwd_tflops",
+    "fwd_bwd_tflops",
+    "compile_s",
+    "peak_mem_bytes",
+    "err_out_max_abs",
+    "err_out_rel",
+    "err_lse_max_abs",
+    "err_dq_rel",
+    "err_dk_rel",
+    "err_dv_rel",
+    "validated_rows",
+    "bwd_status",
+)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved dtype name ("float32", "bfloat16", ...)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(choice_error("dtype", name, DTYPES)) from None
+
+
+def build_variant(
+    attention: Mapping[str, Any], *, key: str = "attention", seq_len: int | None = None
+) -> Variant:
+    """The Variant an `attention` config entry describes, composed entries included.
+
+    Args:
+        attention: `{"name": NAME, **params}` or `{"name": NAME, "compose": [entry, ...]}`; each
+            composed entry is built like a plain one, then masks are AND-ed and score_mods chained
+            (attngym.variants.compose); the result is renamed NAME.
+        key: dotted config key of `attention`, used in error messages.
+        seq_len: when given, the variant must be defined at this length (document lengths, a
+            natten canvas).
+
+    Raises:
+        ConfigError: unknown variant or parameter, a missing or bad parameter, a seq_len mismatch;
+            the key names the offending entry, e.g. `attention.compose.0.window_size`.
+    """
+    if not isinstance(attention, Mapping) or "name" not in attention:
+        raise ConfigError(key, f"needs a 'name' (one of {', '.join(variants.names())})")
+    name = attention["name"]
+    if "compose" in attention:
+        parts = attention["compose"]
+        extra = sorted(set(attention) - {"name", "compose"})
+        if extra:
+            raise ConfigError(f"{key}.{extra[0]}", "a composed attention takes only name, compose")
+        if not isinstance(parts, Sequence) or isinstance(parts, str) or not parts:
+            raise ConfigError(f"{key}.compose", f"must be a non-empty list, got {parts!r}")
+        built = [build_variant(p, key=f"{key}.compose.{i}") for i, p in enumerate(parts)]
+        try:
+            variant = variants.compose(*built)
+        except ValueError as err:
+            raise ConfigError(f"{key}.compose", str(err)) from None
+        import dataclasses
+
+        variant = dataclasses.replace(variant, name=str(name))
+    else:
+        if name not in variants.names():
+            raise ConfigError(
+                f"{key}.name", choice_error("attention variant", name, variants.names())
+            )
+        params = {k: v for k, v in attention.items() if k != "name"}
+        sig = inspect.signature(variants.factory(name))
+        for param in params:
+            if param not in sig.parameters:
+                allowed = ", ".join(sig.parameters) or "none"
+                raise ConfigError(
+                    f"{key}.{param}",
+                    f"{name!r} has no parameter {param!r} (value {params[param]!r}); "
+                    f"its parameters: {allowed}",
+                )
+        for param, p in sig.parameters.items():
+            if p.default is inspect.Parameter.empty and param not in params:
+                raise ConfigError(f"{key}.{param}", f"{name!r} needs this parameter; none given")
+        try:
+            variant = variants.get(name, **params)
+        except (ValueError, TypeError) as err:
+            message = str(err)
+            bad = next((p for p in params if message.startswith(p)), None)
+            raise ConfigError(f"{key}.{bad}" if bad else key, message) from None
+    if seq_len is not None and variant.seq_len is not None and variant.seq_len != seq_len:
+        what = {"document": "doc_lengths", "natten": "canvas_w"}.get(str(name))
+        detail = f"{dict(variant.params)}" if what is None else f"{attention.get(what)!r}"
+        hint = {
+            "doc_lengths": "the document lengths must sum to shape.seq_len",
+            "canvas_w": "canvas_w * canvas_h must equal shape.seq_len",
+        }.get(what, "the variant is built for another length")
+        raise ConfigError(
+            f"{key}.{what}" if what else key,
+            f"{detail} describes {variant.seq_len} tokens but shape.seq_len={seq_len}; {hint}",
+        )
+    return variant
+
+
+def make_inputs(
+    settings: Settings,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random q, k, v and an output gradient for the whole sequence.
+
+    The same settings give the same tensors on every rank and every topology (drawn in float32
+    on the CPU from `settings.seed`, then moved and cast), so a sharded run can be checked against
+    the unsharded one.
+
+    Returns:
+        q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D) — all in `dtype` on `device`;
+        q, k, v require grad when `requires_grad`.
+    """
+    s = settings.shape
+    kv_heads = s.kv_heads or s.heads
+    gen = torch.Generator().manual_seed(settings.seed)
+    shapes = [
+        (s.batch, s.heads, s.seq_len, s.head_dim),
+        (s.batch, kv_heads, s.seq_len, s.head_dim),
+        (s.batch, kv_heads, s.seq_len, s.head_dim),
+        (s.batch, s.heads, s.seq_len, s.head_dim),
+    ]
+    out = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes]
+    q, k, v, grad_out = out
+    if requires_grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v, grad_out
+
+
+def sample_rows(seq_len: int, max_rows: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """Sorted query positions to validate: all rows when S <= max_rows, else a seeded sample.
+
+    The first and last rows are always included (masks are most often wrong at the edges).
+
+    Returns:
+        (R,) int64 positions, R = min(S, max_rows).
+    """
+    if seq_len <= max_rows:
+        return torch.arange(seq_len, device=device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    inner = torch.randperm(seq_len - 2, generator=gen)[: max(max_rows - 2, 0)] + 1
+    rows = torch.cat([torch.tensor([0, seq_len - 1]), inner]).sort().values
+    return rows.to(device)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (0 when both are zero)."""
+    a, e = actual.double(), expected.double()
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |actual - expected|; entries where both are -inf (empty rows' lse) count as 0."""
+    a, e = actual.double(), expected.double()
+    both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    diff = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    return float(diff.max().item()) if diff.numel() else 0.0
+
+
+def output_errors(
+    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor
+) -> dict[str, float]:
+    """err_out_max_abs, err_out_rel, err_lse_max_abs of (out, lse) against the reference.
+
+    Args:
+        out: (B, H, R, D) kernel output on the validated rows; ref_out the same from the oracle.
+        lse: (B, H, R) kernel log-sum-exp; ref_lse the same from the oracle.
+    """
+    return {
+        "err_out_max_abs": max_abs_error(out, ref_out),
+        "err_out_rel": rel_error(out, ref_out),
+        "err_lse_max_abs": max_abs_error(lse, ref_lse),
+    }
+
+
+def grad_errors(
+    grads: Sequence[torch.Tensor], ref_grads: Sequence[torch.Tensor]
+) -> dict[str, float]:
+    """err_dq_rel, err_dk_rel, err_dv_rel of (dq, dk, dv) against the reference gradients."""
+    names = ("err_dq_rel", "err_dk_rel", "err_dv_rel")
+    return {n: rel_error(g, r) for n, g, r in zip(names, grads, ref_grads, strict=True)}
+
+
+def base_metrics(settings: Settings) -> dict[str, Any]:
+    """The metrics that describe the configuration (variant, shape, topology, dtype, blocks)."""
+    s = settings.shape
+    return {
+        "variant": str(settings.attention.get("name")),
+        "topology": settings.topology.kind,
+        "world_size": settings.topology.world_size,
+        "transport": settings.topology.transport,
+        "device": settings.device,
+        "dtype": settings.dtype,
+        "batch": s.batch,
+        "heads": s.heads,
+        "kv_heads": s.kv_heads or s.heads,
+        "seq_len": s.seq_len,
+        "head_dim": s.head_dim,
+        "block_q": settings.block_size[0],
+        "block_kv": settings.block_size[1],
+    }
+
+
+def baseline_metric(baseline: str, pass_name: str, what: str) -> str:
+    """`<baseline>_<pass>_<what>`, e.g. sdpa_fwd_ms, sdpa_dense_mask_fwd_tflops."""
+    return f"{baseline}_{pass_name}_{what}"
+
+
+def speedup_metric(baseline: str, pass_name: str) -> str:
+    """`flex_over_<baseline>_<pass>`: baseline time / flex time (> 1: flex is faster)."""
+    return f"flex_over_{baseline}_{pass_name}"

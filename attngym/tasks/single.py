@@ -1,0 +1,358 @@
+"""One device, the whole sequence: FlexAttention checked, timed and compared with SDPA baselines.
+
+Everything runs in one process on the same inputs, so the ratios between flex and the baselines
+are not skewed by different data, allocator state or clocks. The order is fixed:
+
+1. build the variant and the block mask (block size from the config), draw seeded inputs;
+2. the first flex call (fwd, and bwd when requested) is timed apart: on CUDA it is compilation;
+3. validation on a bounded sample of query rows against the float64 dense reference, so memory
+   stays O(rows x S) whatever S is; gradients too on CUDA, by feeding the output gradient only on
+   the sampled rows (then dk and dv of both sides depend on those rows alone);
+4. timings (attngym.bench.time_fn) of fwd, and on CUDA bwd and fwd+bwd, with peak memory;
+5. baselines that apply, timed the same way; those that do not are recorded with the reason.
+
+On CPU flex runs eagerly and forward only (FlexAttention has no CPU backward): `bwd_status` says
+so and the backward metrics are None.
+
+Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R validated rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attngym import kernels, reference, registry
+from attngym.config import Settings
+from attngym.tasks import common
+from attngym.variants.base import Variant
+
+log = logging.getLogger(__name__)
+
+NO_CPU_BWD = "not available: FlexAttention has no CPU backward"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@registry.register("task", "single")
+def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
+    """Run one configuration on one device.
+
+    Args:
+        settings: the checked, resolved run settings (topology.kind == "single").
+        run_dir: the run's output folder (profiler files go there).
+
+    Returns:
+        Flat metrics named as in attngym.tasks (status is set by the caller).
+    """
+    from attngym import bench
+    from attngym import device as device_mod
+
+    device = torch.device(settings.device)
+    dtype = common.torch_dtype(settings.dtype)
+    shape = settings.shape
+    seq_len = shape.seq_len
+    variant = common.build_variant(settings.attention, seq_len=seq_len).to(device)
+    metrics: dict[str, Any] = common.base_metrics(settings)
+
+    can_bwd = device.type == "cuda"
+    want_bwd = "bwd" in settings.passes
+    do_bwd = want_bwd and can_bwd
+    metrics["bwd_status"] = "ok" if do_bwd else (NO_CPU_BWD if want_bwd else "not requested")
+    q, k, v, grad_out = common.make_inputs(settings, device, dtype, requires_grad=do_bwd)
+
+    block_mask = kernels.make_block_mask(
+        variant, seq_len, seq_len, block_size=settings.block_size, device=device
+    )
+    sparsity = float(bench.block_sparsity(block_mask)) if block_mask is not None else 0.0
+    metrics["sparsity"] = sparsity
+    use_compile = settings.compile and device.type == "cuda"
+
+    def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.attend_chunk(
+            q,
+            k,
+            v,
+            variant,
+            backend="flex",
+            block_mask=block_mask,
+            kernel_options=settings.kernel_options,
+            compile=use_compile,
+        )
+
+    # 2. The first call, timed apart (compilation on CUDA; the first eager call on CPU).
+    device_mod.reset_peak_memory(device)
+    start = time.perf_counter()
+    out, lse = fwd()
+    if do_bwd:
+        torch.autograd.grad(out, (q, k, v), grad_out)
+    _sync(device)
+    metrics["compile_s"] = time.perf_counter() - start
+    log.info("first flex call (compile on cuda): %.2f s", metrics["compile_s"])
+
+    # 3. Validation on sampled rows.
+    if settings.validate:
+        out, lse = fwd()
+        metrics.update(_validate(settings, variant, q, k, v, grad_out, out, lse, do_bwd))
+    else:
+        metrics["validated_rows"] = 0
+    del out, lse
+
+    # 4. Timings.
+    flops = {
+        p: bench.attention_flops(
+            shape.batch,
+            shape.heads,
+            seq_len,
+            seq_len,
+            shape.head_dim,
+            sparsity=sparsity,
+            passes=passes,
+        )
+        for p, passes in (("fwd", ("fwd",)), ("bwd", ("bwd",)), ("fwd_bwd", ("fwd", "bwd")))
+    }
+    flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
+    metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device)
+    for p in ("fwd", "bwd", "fwd_bwd"):
+        timing = flex_ms.get(p)
+        metrics[f"{p}_ms"] = timing.median_ms if timing else None
+        metrics[f"{p}_tflops"] = bench.tflops(flops[p], timing.median_ms) if timing else None
+    fwd_timing = flex_ms.get("fwd")
+    metrics["fwd_ms_min"] = fwd_timing.min_ms if fwd_timing else None
+    metrics["fwd_ms_max"] = fwd_timing.max_ms if fwd_timing else None
+
+    # Profile one call, in the run folder.
+    if settings.profiler != "none":
+        metrics.update(_profile(settings, fwd, device, run_dir))
+
+    # 5. Baselines on the same inputs.
+    for name in settings.baselines:
+        fn, reason = _baseline(name, variant, q, k, v, settings, device)
+        metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
+        if fn is None:
+            log.info("baseline %s skipped: %s", name, reason)
+            continue
+        times = _time_passes(name, fn, q, k, v, grad_out, settings, device, do_bwd)
+        for p, timing in times.items():
+            metrics[common.baseline_metric(name, p, "ms")] = timing.median_ms
+            metrics[common.baseline_metric(name, p, "tflops")] = bench.tflops(
+                flops[p], timing.median_ms
+            )
+            if flex_ms.get(p):
+                metrics[common.speedup_metric(name, p)] = timing.median_ms / flex_ms[p].median_ms
+        del fn
+    return metrics
+
+
+def _validate(
+    settings: Settings,
+    variant: Variant,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    do_bwd: bool,
+) -> dict[str, Any]:
+    """Errors of flex (out, lse and, when do_bwd, dq/dk/dv) against the float64 reference.
+
+    Args:
+        q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D); out: (B, H, S, D) from flex;
+            lse: (B, H, S).
+    """
+    seq_len = q.shape[2]
+    rows = common.sample_rows(seq_len, settings.validate_rows, settings.seed, q.device)  # (R,)
+    q_rows = q.detach()[:, :, rows]  # (B, H, R, D)
+    metrics: dict[str, Any] = {"validated_rows": int(rows.numel())}
+    if do_bwd:
+        q64 = q_rows.double().requires_grad_(True)
+        k64 = k.detach().double().requires_grad_(True)
+        v64 = v.detach().double().requires_grad_(True)
+    else:
+        q64, k64, v64 = q_rows, k.detach(), v.detach()
+    ref_out, ref_lse = reference.attention(
+        q64, k64, v64, variant.score_mod, variant.mask_mod, q_positions=rows, dtype=torch.float64
+    )
+    metrics.update(
+        common.output_errors(
+            out.detach()[:, :, rows], lse.detach()[:, :, rows], ref_out.detach(), ref_lse
+        )
+    )
+    if do_bwd:
+        g_rows = grad_out[:, :, rows]  # (B, H, R, D)
+        g_masked = torch.zeros_like(grad_out)
+        g_masked[:, :, rows] = g_rows
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), g_masked)
+        ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref_out, (q64, k64, v64), g_rows.double())
+        metrics.update(common.grad_errors((dq[:, :, rows], dk, dv), (ref_dq, ref_dk, ref_dv)))
+    else:
+        metrics.update({"err_dq_rel": None, "err_dk_rel": None, "err_dv_rel": None})
+    log.info(
+        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %.3g",
+        metrics["validated_rows"],
+        metrics["err_out_max_abs"],
+        metrics["err_out_rel"],
+        metrics["err_lse_max_abs"],
+    )
+    return metrics
+
+
+def _time_passes(
+    label: str,
+    fwd: Callable[[], Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    settings: Settings,
+    device: torch.device,
+    do_bwd: bool,
+) -> dict[str, Any]:
+    """Timings of the requested passes: {"fwd": Timing, "bwd": Timing, "fwd_bwd": Timing}."""
+    from attngym import bench
+
+    def first(result: Any) -> torch.Tensor:
+        return result[0] if isinstance(result, tuple) else result
+
+    bench_cfg = settings.benchmark
+    timings: dict[str, Any] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> None:
+        timings[name] = bench.time_fn(
+            fn,
+            warmup=bench_cfg.warmup,
+            repeats=bench_cfg.repeats,
+            device=device,
+            progress=f"{label} {name}",
+        )
+
+    if "fwd" in settings.passes:
+        if do_bwd:
+            timed("fwd", fwd)
+        else:
+            with torch.no_grad():
+                timed("fwd", fwd)
+    if do_bwd:
+        out = first(fwd())
+        timed("bwd", lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True))
+        del out
+        timed("fwd_bwd", lambda: torch.autograd.grad(first(fwd()), (q, k, v), grad_out))
+    return timings
+
+
+def _baseline(
+    name: str,
+    variant: Variant,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    settings: Settings,
+    device: torch.device,
+) -> tuple[Callable[[], torch.Tensor] | None, str]:
+    """The baseline's forward closure on these inputs, or (None, why it does not apply)."""
+    import torch.nn.functional as F
+
+    gqa = k.shape[1] != q.shape[1]
+    if name == "sdpa":
+        if variant.sdpa is None:
+            return None, f"SDPA cannot express {variant.name!r} with is_causal alone"
+        is_causal = variant.sdpa == "causal"
+        return (
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa),
+            "",
+        )
+    if name == "sdpa_dense_mask":
+        mask, reason = dense_mask_or_bias(
+            variant,
+            q.shape[0],
+            q.shape[1],
+            q.shape[2],
+            device=device,
+            dtype=q.dtype,
+            max_bytes=settings.baseline_max_mask_bytes,
+        )
+        if mask is None:
+            return None, reason
+        return (
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
+            "",
+        )
+    raise ValueError(f"unknown baseline {name!r}")
+
+
+def dense_mask_or_bias(
+    variant: Variant,
+    batch: int,
+    heads: int,
+    seq_len: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_bytes: int,
+) -> tuple[torch.Tensor | None, str]:
+    """The variant as an SDPA `attn_mask`: a bool mask, or a float bias when its score_mod adds
+    a term independent of the score (ALiBi, relative position), or (None, reason).
+
+    The additive test evaluates the score_mod on two random score tiles at sampled positions:
+    an additive mod gives the same `mod(s) - s` on both.
+
+    Returns:
+        mask: (1, 1, S, S) bool or (B or 1, H or 1, S, S) in `dtype`; or None and the reason.
+    """
+    if variant.score_mod is None and variant.mask_mod is None:
+        return None, "nothing to mask (the same as sdpa)"
+    itemsize = 1 if variant.score_mod is None else torch.finfo(dtype).bits // 8 * heads
+    need = seq_len * seq_len * itemsize
+    if need > max_bytes:
+        return None, (
+            f"a dense mask needs {need / 2**20:.0f} MiB > baseline_max_mask_bytes "
+            f"({max_bytes / 2**20:.0f} MiB)"
+        )
+    positions = torch.arange(seq_len, device=device)
+    keep = reference.dense_mask(variant.mask_mod, batch, heads, positions, positions)
+    if variant.score_mod is None:
+        return keep, ""
+    if not _is_additive(variant, batch, heads, seq_len, device):
+        return None, "its score_mod is not an additive bias, so SDPA cannot express it"
+    b, h, q_idx, kv_idx = reference.index_grids(batch, heads, positions, positions)
+    zero = torch.zeros((), device=device, dtype=torch.float32)
+    bias = variant.score_mod(zero, b, h, q_idx, kv_idx).to(torch.float32)
+    bias = bias.masked_fill(~keep, float("-inf"))
+    return bias.to(dtype), ""
+
+
+def _is_additive(variant: Variant, batch: int, heads: int, seq_len: int, device) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.randperm(seq_len, generator=gen)[:64].to(device)
+    b, h, q_idx, kv_idx = reference.index_grids(batch, heads, pos, pos)
+    shape = (batch, heads, pos.numel(), pos.numel())
+    s1 = torch.randn(shape, generator=gen).to(device)
+    s2 = 3.0 * torch.randn(shape, generator=gen).to(device)
+    d1 = variant.score_mod(s1, b, h, q_idx, kv_idx) - s1
+    d2 = variant.score_mod(s2, b, h, q_idx, kv_idx) - s2
+    return bool(torch.allclose(d1, d2, rtol=1e-4, atol=1e-4))
+
+
+def _profile(
+    settings: Settings, fwd: Callable[[], Any], device: torch.device, run_dir: Path
+) -> dict[str, Any]:
+    """Profile one forward call with the configured profiler; its results go to profile.json."""
+    profiler = registry.build("profiler", settings.profiler, run_dir=Path(run_dir))
+    with profiler as result, torch.no_grad():
+        fwd()
+        _sync(device)
+    result = dict(result or {})
+    path = Path(run_dir) / "profile.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    log.info("profiler %s: results in %s", settings.profiler, path)
+    return {"profiler": settings.profiler}
