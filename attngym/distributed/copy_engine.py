@@ -1,0 +1,707 @@
+"""Copy-engine transports on PyTorch symmetric memory, for groups inside one NVLink domain.
+
+Payload moves by device-to-device copies (`Tensor.copy_` between contiguous views of peer buffers,
+i.e. cudaMemcpyAsync, run by the GPU's copy engines), and ranks signal each other with stream memory
+operations on the symmetric-memory signal pads (`cuStreamWriteValue32` to set a flag in a peer's
+pad, `cuStreamWaitValue32` to wait on a flag in this rank's pad, both from `cuda.bindings.driver`).
+Neither launches an SM kernel, so transfers overlap attention kernels; they still share HBM and
+NVLink bandwidth with them.
+
+Contract (both classes):
+    streams      The *current* stream (the caller's compute stream) carries the consumer-side
+                 signals: "my buffer/slot is free" is queued behind everything already on it, and
+                 "wait until the data has landed" is queued in front of what the caller does next.
+                 One *side* stream per object carries the payload copies, the producer-side waits
+                 ("may I write into the peer's buffer?") and the "data landed" flags. The side
+                 stream first waits for the current stream, so the parts handed in are complete.
+    flags        Every flag is set to 1 by exactly one writer and reset to 0 by the rank that waited
+                 on it, right after the wait, on the same stream. Each call issues the same
+                 signals, so a CUDA-graph-captured call replays correctly whether or not it also ran
+                 eagerly, and the pads return to their initial state after a balanced sequence.
+    in flight    CopyEngineAllGather: one gather (start ... wait). CopyEngineChannel: two slots;
+                 the push for step i+1 may be in flight while step i is being computed.
+    ownership    The symmetric buffers belong to the object and live as long as it. A gathered
+                 buffer returned by `wait` is valid until the next `start` overwrites it; the free
+                 signal of that `start` is queued behind all work already on the current stream
+                 (a backward that reads the gather included). A received slot is valid until
+                 `release(i)`, which hands it back to the sender only after the work already
+                 queued on the current stream and on the side stream (an onward push) is done.
+    timeouts     A stream wait cannot time out by itself. Every eager wait is followed by an event
+                 that a per-process watchdog thread polls; if it has not completed `timeout_s`
+                 after it was issued (a dead or stuck peer), the watchdog marks the object failed,
+                 logs it, and writes the awaited flag itself so the stream (and anyone
+                 synchronising on it) is released instead of hanging. The data behind that flag is
+                 garbage; every later call on the object raises RuntimeError, and `synchronize()`
+                 blocks the host with a bounded wait and raises RuntimeError on timeout. Waits
+                 recorded inside a CUDA graph capture are not watched at replay.
+
+Layout of a signal pad (int32 words, this rank's pad, written by peers):
+    CopyEngineAllGather  [0, P): FREE from peer p ("your shard may go into my buffer");
+                         [P, 2P): DONE from peer p ("my shard is in your buffer").
+    CopyEngineChannel    [0, 2): READY for slot s (from src); [2, 4): FREE for dst's slot s.
+
+Heavy imports (symmetric memory, cuda.bindings) happen inside the functions that use them, so this
+module imports on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+Parts = torch.Tensor | Sequence[torch.Tensor]
+
+_POLL_S = 0.002
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def _check_part_shape(part_shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in part_shape)
+    except TypeError as exc:
+        raise ValueError(f"part_shape: expected a sequence of ints, got {part_shape!r}") from exc
+    if not shape or any(s <= 0 for s in shape):
+        raise ValueError(f"part_shape: expected one or more positive sizes, got {part_shape!r}")
+    return shape
+
+
+def _check_common(
+    part_shape: Sequence[int], num_parts: int, dtype: Any, device: Any, timeout_s: float
+) -> tuple[tuple[int, ...], torch.device]:
+    """Validate the constructor arguments shared by both classes; return (shape, device)."""
+    shape = _check_part_shape(part_shape)
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise ValueError(f"num_parts: expected a positive int, got {num_parts!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: expected a CUDA device, got {device!r}") from exc
+    if dev.type != "cuda":
+        raise ValueError(
+            f"device: copy-engine transfers need a CUDA device, got {device!r} "
+            "(use P2PChannel / P2PAllGather for other devices)"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError("copy-engine transports need an initialised torch.distributed group")
+    if not torch.cuda.is_available():
+        raise RuntimeError("copy-engine transports need CUDA, which is not available here")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return shape, dev
+
+
+def _as_parts(
+    parts: Parts,
+    num_parts: int,
+    part_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """`parts` as a list of num_parts contiguous tensors of part_shape, dtype and device.
+
+    Args:
+        parts: a sequence of num_parts tensors of part_shape, or one (num_parts, *part_shape)
+            tensor (a received slot, say).
+
+    Raises:
+        ValueError: naming `parts` (or `parts[k]`) when a count, shape, dtype or device is off.
+    """
+    if isinstance(parts, torch.Tensor):
+        if tuple(parts.shape) != (num_parts, *part_shape):
+            raise ValueError(
+                f"parts: expected a tensor of shape {(num_parts, *part_shape)} or a sequence of "
+                f"{num_parts} tensors of shape {part_shape}, got a tensor of shape "
+                f"{tuple(parts.shape)}"
+            )
+        items = list(parts.unbind(0))
+    else:
+        items = list(parts)
+        if len(items) != num_parts:
+            raise ValueError(f"parts: expected {num_parts} tensors, got {len(items)}")
+    out = []
+    for k, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"parts[{k}]: expected a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != part_shape:
+            raise ValueError(f"parts[{k}]: expected shape {part_shape}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"parts[{k}]: expected dtype {dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"parts[{k}]: expected device {device}, got {t.device}")
+        # A strided source would make copy_ launch an SM kernel; contiguous ones stay memcpys.
+        out.append(t if t.is_contiguous() else t.contiguous())
+    return out
+
+
+# ----------------------------------------------------------------------------- protocol state
+
+
+@dataclass
+class _ChannelSteps:
+    """The step bookkeeping of a channel; raises RuntimeError on out-of-order use."""
+
+    last_send: int | None = None
+    last_recv: int | None = None
+    held: set[int] = field(default_factory=set)
+
+    @staticmethod
+    def _check_step(i: Any, lowest: int, what: str) -> int:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"i: expected an int step, got {i!r}")
+        if i < lowest:
+            raise ValueError(f"i: {what} takes steps >= {lowest}, got {i}")
+        return i
+
+    def on_send(self, i: Any) -> None:
+        i = self._check_step(i, 0, "send")
+        if i != 0 and i - 1 != self.last_send:
+            raise RuntimeError(
+                f"send({i}) out of order: the last send was step {self.last_send}; "
+                "steps go 0, 1, 2, ... in every sequence"
+            )
+        self.last_send = i
+
+    def on_recv(self, i: Any) -> None:
+        i = self._check_step(i, 1, "recv (step 0 uses the rank's own data)")
+        if i == 1:
+            if self.held:
+                raise RuntimeError(
+                    f"recv(1) starts a new sequence while steps {sorted(self.held)} are still "
+                    "held; release them first"
+                )
+        elif i - 1 != self.last_recv:
+            raise RuntimeError(f"recv({i}) out of order: the last recv was step {self.last_recv}")
+        if i - 2 in self.held:
+            raise RuntimeError(
+                f"recv({i}) needs the slot of step {i - 2}, which is still held; "
+                f"call release({i - 2}) first"
+            )
+        self.last_recv = i
+        self.held.add(i)
+
+    def on_release(self, i: Any) -> None:
+        i = self._check_step(i, 1, "release")
+        if i not in self.held:
+            raise RuntimeError(
+                f"release({i}) without a matching recv({i}); held steps: {sorted(self.held)}"
+            )
+        self.held.remove(i)
+
+
+# ----------------------------------------------------------------------------- device plumbing
+
+
+class _StreamMemOps:
+    """cuStreamWriteValue32 / cuStreamWaitValue32 on 32-bit words: no SM kernel, capturable."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise RuntimeError(
+                "copy-engine transports need cuda-bindings (pip install cuda-bindings) for "
+                "stream memory operations"
+            ) from exc
+        self._drv = driver
+        self._eq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+        self._fenced = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+
+    def _check(self, result: tuple, what: str) -> None:
+        err = result[0]
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what} failed: {err!r}")
+
+    def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
+        """Queue `*addr = value` on `stream`, after a fence that orders earlier writes (payload)."""
+        self._check(
+            self._drv.cuStreamWriteValue32(stream.cuda_stream, addr, value, self._fenced),
+            "cuStreamWriteValue32",
+        )
+
+    def wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
+        """Queue "block `stream` until `*addr == value`"."""
+        self._check(
+            self._drv.cuStreamWaitValue32(stream.cuda_stream, addr, value, self._eq),
+            "cuStreamWaitValue32",
+        )
+
+
+@dataclass
+class _Watch:
+    owner: Any
+    event: torch.cuda.Event
+    deadline: float
+    word: int
+    what: str
+
+
+class _Watchdog:
+    """One daemon thread per process that bounds every eager stream wait (see the contract)."""
+
+    def __init__(self) -> None:
+        self._items: list[_Watch] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, item: _Watch) -> None:
+        with self._cond:
+            self._items.append(item)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="attngym-copy-engine-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                items = list(self._items)
+            now = time.monotonic()
+            finished = []
+            for item in items:
+                if item.event.query():
+                    finished.append(item)
+                elif now > item.deadline:
+                    item.owner._expire(item)
+                    finished.append(item)
+            with self._cond:
+                self._items = [it for it in self._items if all(it is not f for f in finished)]
+            time.sleep(_POLL_S)
+
+
+_WATCHDOG = _Watchdog()
+
+
+class _SymmetricBuffer:
+    """A symmetric-memory tensor of `shape` on every rank of `group`, its peers and signal pads."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        pad_words: int,
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group_name = group.group_name
+        enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+        if enabled is not None and not enabled(group_name):
+            with warnings.catch_warnings():  # deprecated (a no-op need) in newer torch
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group_name)
+        self.local = symm_mem.empty(shape, dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.local, group_name)
+        self.rank = self.handle.rank
+        self.world_size = self.handle.world_size
+        pad_bytes = getattr(type(self.handle), "signal_pad_size", None)
+        if isinstance(pad_bytes, int) and pad_words * 4 > pad_bytes:
+            raise RuntimeError(
+                f"the symmetric-memory signal pad holds {pad_bytes // 4} words, "
+                f"{pad_words} are needed; raise it with symm_mem.set_signal_pad_size"
+            )
+        self.peers = [self.handle.get_buffer(p, shape, dtype) for p in range(self.world_size)]
+        self.pad_ptrs = list(self.handle.signal_pad_ptrs)
+        self.pad = self.handle.get_signal_pad(self.rank, (pad_words,), torch.int32)
+
+    def word(self, rank: int, index: int) -> int:
+        """Device address of int32 word `index` in `rank`'s signal pad."""
+        return self.pad_ptrs[rank] + 4 * index
+
+
+class _CopyEngineBase:
+    """Shared plumbing: group, buffers, streams, flags, the failure state."""
+
+    def __init__(
+        self,
+        buffer_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        timeout_s: float,
+        pad_words: int,
+        pad_init: Sequence[int],
+    ) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.device = device
+        self.dtype = dtype
+        self.timeout_s = float(timeout_s)
+        self._error: str | None = None
+        self._ops = _StreamMemOps()
+        with torch.cuda.device(device):
+            self._mem = _SymmetricBuffer(buffer_shape, dtype, device, self.group, pad_words)
+            self.rank = self._mem.rank
+            self.world_size = self._mem.world_size
+            self._side = torch.cuda.Stream(device)
+            self._mem.pad.copy_(torch.tensor(list(pad_init), dtype=torch.int32, device=device))
+            torch.cuda.synchronize(device)
+        dist.barrier(group=self.group)  # every pad is initialised before anyone signals
+
+    # -- failure handling ---------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"{type(self).__name__} is unusable: {self._error}")
+
+    def _expire(self, item: _Watch) -> None:
+        """Watchdog callback: record the failure, release the blocked stream."""
+        if self._error is None:
+            self._error = (
+                f"rank {self.rank} waited more than {self.timeout_s:g} s for {item.what} "
+                "(a peer died or stopped calling); the data it guarded is invalid"
+            )
+            log.error("%s: %s", type(self).__name__, self._error)
+        with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
+            self._mem.pad[item.word : item.word + 1].fill_(1)
+
+    def _wait_flag(self, stream: torch.cuda.Stream, word: int, what: str) -> None:
+        """Block `stream` until this rank's pad word is 1, then reset it to 0 (same stream)."""
+        addr = self._mem.word(self.rank, word)
+        self._ops.wait(stream, addr, 1)
+        self._ops.write(stream, addr, 0)
+        if not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event()
+            event.record(stream)
+            deadline = time.monotonic() + self.timeout_s
+            _WATCHDOG.watch(_Watch(self, event, deadline, word, what))
+
+    def _set_flag(self, stream: torch.cuda.Stream, rank: int, word: int) -> None:
+        self._ops.write(stream, self._mem.word(rank, word), 1)
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Block the host until all queued work of this object is done, at most `timeout_s`.
+
+        Raises:
+            RuntimeError: the work did not finish in time, or a watched wait timed out.
+        """
+        self._check_alive()
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        done = torch.cuda.Event()
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self._side)
+            done.record(cur)
+        deadline = time.monotonic() + limit
+        while not done.query():
+            if self._error is not None or time.monotonic() > deadline:
+                self._error = self._error or f"synchronize() timed out after {limit:g} s"
+                self._check_alive()
+            time.sleep(_POLL_S)
+        self._check_alive()
+
+
+class CopyEngineAllGather(_CopyEngineBase):
+    """All-gather into a persistent symmetric buffer, written directly in the consumer's layout.
+
+    Each rank contributes num_parts tensors of part_shape (for example K and V). The output has
+    shape (num_parts, *part_shape) with part_shape[dim] multiplied by the world size P; rank r's
+    shard of every part lands at offset r * part_shape[dim] along dim, with no gathered-then-
+    reordered intermediate. Every rank pushes its shard into every peer's buffer, one contiguous
+    copy per row in front of dim: P * num_parts * prod(part_shape[:dim]) copies on the side stream.
+
+    Example (K and V shards (B, H, S/P, D) gathered along the sequence):
+        gather = CopyEngineAllGather((B, H, S // P, D), 2, 2, dtype=k.dtype, device=k.device)
+        gather.start([k, v])      # pushes run beside whatever the current stream does next
+        kv = gather.wait([k, v])  # (2, B, H, S, D); differentiable when k or v requires grad
+
+    Args:
+        part_shape: shape of one part of this rank's shard.
+        num_parts: parts per rank (2 for K and V).
+        dim: the dimension of part_shape that is gathered.
+        dtype: dtype of the parts.
+        device: a CUDA device.
+        group: the process group (default: the default group), inside one NVLink domain.
+        timeout_s: the longest any signal wait may take before the object fails.
+
+    Raises:
+        ValueError: a bad argument (named).
+        RuntimeError: no initialised process group or no CUDA.
+    """
+
+    def __init__(
+        self,
+        part_shape: Sequence[int],
+        num_parts: int,
+        dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        shape = _check_part_shape(part_shape)
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+            raise ValueError(f"dim: expected an int in [-{len(shape)}, {len(shape)}), got {dim!r}")
+        shape, dev = _check_common(shape, num_parts, dtype, device, timeout_s)
+        self.part_shape = shape
+        self.num_parts = num_parts
+        self.dim = dim % len(shape)
+        world = dist.get_world_size(group)
+        out_part = list(shape)
+        out_part[self.dim] *= world
+        self.out_shape = (num_parts, *out_part)
+        super().__init__(self.out_shape, dtype, dev, group, timeout_s, 2 * world, [0] * (2 * world))
+        self._rows = math.prod(shape[: self.dim])
+        self._chunk = math.prod(shape[self.dim :])  # elements of one row's shard
+        self._pending = False
+        # dst[p][k][j]: rank r's slot for row j of part k in peer p's buffer (contiguous 1-D).
+        p_world, r = self.world_size, self.rank
+        self._dst = [
+            [
+                [
+                    row[r * self._chunk : (r + 1) * self._chunk]
+                    for row in peer.view(num_parts, self._rows, p_world * self._chunk)[k]
+                ]
+                for k in range(num_parts)
+            ]
+            for peer in self._mem.peers
+        ]
+
+    def start(self, parts: Parts) -> None:
+        """Issue the pushes of this rank's shard into every peer's buffer (and its own).
+
+        Args:
+            parts: num_parts tensors of part_shape (or one (num_parts, *part_shape) tensor).
+
+        Raises:
+            RuntimeError: a gather is already outstanding, or the object failed.
+        """
+        self._check_alive()
+        if self._pending:
+            raise RuntimeError("start() while a gather is outstanding; call wait() first")
+        items = _as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        p_world, r = self.world_size, self.rank
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            for p in range(p_world):  # "my buffer is free", behind everything already queued
+                if p != r:
+                    self._set_flag(cur, p, r)
+            self._side.wait_stream(cur)
+            with torch.cuda.stream(self._side):
+                for step in range(p_world):
+                    p = (r + step) % p_world
+                    if p != r:
+                        self._wait_flag(self._side, p, f"rank {p} to free its gather buffer")
+                    for k, part in enumerate(items):
+                        rows = part.view(self._rows, self._chunk)
+                        for j, dst in enumerate(self._dst[p][k]):
+                            dst.copy_(rows[j])
+                    if p != r:
+                        self._set_flag(self._side, p, p_world + r)
+            if not torch.cuda.is_current_stream_capturing():
+                for part in items:
+                    part.record_stream(self._side)
+        self._pending = True
+
+    def wait(self, parts: Parts) -> torch.Tensor:
+        """Wait for every peer's shard; return the gathered buffer (num_parts, *out_part).
+
+        The buffer is this object's and is overwritten by the next start(). When a part requires
+        grad, the result is differentiable: its backward reduce-scatters the gradient.
+
+        Args:
+            parts: the same parts given to start().
+
+        Raises:
+            RuntimeError: no gather outstanding, or the object failed.
+        """
+        self._check_alive()
+        if not self._pending:
+            raise RuntimeError("wait() without a matching start()")
+        items = _as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        p_world = self.world_size
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            for p in range(p_world):
+                if p != self.rank:
+                    self._wait_flag(cur, p_world + p, f"rank {p}'s shard")
+            cur.wait_stream(self._side)
+        self._pending = False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in items):
+            return _GatherFunction.apply(self, *items)
+        return self._mem.local
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        """Sum `grad` (shaped like the output) over ranks; return this rank's shard per part.
+
+        Args:
+            grad: (num_parts, *out_part) on this rank's device.
+
+        Returns:
+            (num_parts, *part_shape): the summed gradient of this rank's shard of every part.
+        """
+        if tuple(grad.shape) != self.out_shape:
+            raise ValueError(f"grad: expected shape {self.out_shape}, got {tuple(grad.shape)}")
+        p_world = self.world_size
+        # (parts, rows, P, chunk) -> (P, parts, rows, chunk): rank-major, what reduce-scatter takes.
+        by_rank = (
+            grad.reshape(self.num_parts, self._rows, p_world, self._chunk)
+            .permute(2, 0, 1, 3)
+            .contiguous()
+        )
+        if "nccl" in str(dist.get_backend(self.group)).lower():
+            out = torch.empty_like(by_rank[0])
+            dist.reduce_scatter_tensor(out, by_rank, group=self.group)
+        else:  # gloo has no reduce-scatter of CUDA tensors: all-reduce, keep this rank's share
+            dist.all_reduce(by_rank, group=self.group)
+            out = by_rank[self.rank]
+        return out.reshape(self.num_parts, *self.part_shape)
+
+
+class _GatherFunction(torch.autograd.Function):
+    """wait()'s autograd node: forward is the gathered buffer, backward a reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, gather: CopyEngineAllGather, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.gather = gather
+        return gather._mem.local.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        shards = ctx.gather.reduce_scatter(grad.contiguous())
+        return (None, *shards.unbind(0))
+
+
+class CopyEngineChannel(_CopyEngineBase):
+    """Double-buffered pushes to dst and receives from src (ranks within group).
+
+    Each rank owns two receive slots of shape (num_parts, *part_shape) that src writes
+    alternately, one per step: the push of step i lands in slot (i + 1) % 2 of dst, which dst
+    reads at step i + 1. A receiver frees a slot only after its compute (and any onward push from
+    that slot) is queued, so a slot is never overwritten while it is being read.
+
+    Per step i: send(parts, i) pushes into the slot dst reads at i + 1; recv(i) (i >= 1) waits for
+    and returns this rank's slot for i; release(i) hands it back. join() makes the current stream
+    wait for every pending push (needed before the end of a CUDA graph capture).
+
+    Example (ring of K/V blocks):
+        ch = CopyEngineChannel((B, H, S_local, D), 2, dtype=k.dtype, device=k.device)
+        kv = torch.stack([k, v])
+        for i in range(P):
+            if i + 1 < P:
+                ch.send(kv, i)
+            attend(kv)
+            if i > 0:
+                ch.release(i)
+            if i + 1 < P:
+                kv = ch.recv(i + 1)
+
+    Args:
+        part_shape: shape of one part.
+        num_parts: parts per step (2 for K and V).
+        dtype: dtype of the parts.
+        device: a CUDA device.
+        group: the process group (default: the default group), inside one NVLink domain.
+        src: the group rank this rank receives from (default: previous rank).
+        dst: the group rank this rank pushes to (default: next rank).
+        timeout_s: the longest any signal wait may take before the object fails.
+
+    Raises:
+        ValueError: a bad argument (named).
+        RuntimeError: no initialised process group, no CUDA; misuse of the step protocol.
+    """
+
+    SLOTS = 2
+
+    def __init__(
+        self,
+        part_shape: Sequence[int],
+        num_parts: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+        src: int | None = None,
+        dst: int | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        shape, dev = _check_common(part_shape, num_parts, dtype, device, timeout_s)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        for name, value in (("src", src), ("dst", dst)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world
+            ):
+                raise ValueError(f"{name}: expected a group rank in [0, {world}), got {value!r}")
+        self.part_shape = shape
+        self.num_parts = num_parts
+        self.src = (rank - 1) % world if src is None else src
+        self.dst = (rank + 1) % world if dst is None else dst
+        # READY words start at 0 (nothing received); FREE words at 1 (both of dst's slots free).
+        super().__init__(
+            (self.SLOTS, num_parts, *shape), dtype, dev, group, timeout_s, 4, [0, 0, 1, 1]
+        )
+        self._steps = _ChannelSteps()
+        slots_dst = self._mem.peers[self.dst]
+        self._dst_views = [[slots_dst[s, k] for k in range(num_parts)] for s in range(self.SLOTS)]
+
+    def send(self, parts: Parts, i: int) -> None:
+        """Push `parts` into the slot dst reads at step i + 1 (side stream, copy engine).
+
+        Args:
+            parts: num_parts tensors of part_shape, or a (num_parts, *part_shape) tensor.
+            i: the step, 0, 1, 2, ... in every sequence.
+        """
+        self._check_alive()
+        items = _as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        self._steps.on_send(i)
+        slot = (i + 1) % self.SLOTS
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            self._side.wait_stream(cur)
+            with torch.cuda.stream(self._side):
+                self._wait_flag(self._side, 2 + slot, f"rank {self.dst} to free slot {slot}")
+                for dst, part in zip(self._dst_views[slot], items, strict=True):
+                    dst.copy_(part)
+                self._set_flag(self._side, self.dst, slot)
+            if not torch.cuda.is_current_stream_capturing():
+                for part in items:
+                    part.record_stream(self._side)
+
+    def recv(self, i: int) -> torch.Tensor:
+        """Queue the wait for step i's data; return this rank's slot (num_parts, *part_shape).
+
+        The slot is valid until release(i).
+        """
+        self._check_alive()
+        self._steps.on_recv(i)
+        slot = i % self.SLOTS
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            self._wait_flag(cur, slot, f"step {i} from rank {self.src}")
+        return self._mem.local[slot]
+
+    def release(self, i: int) -> None:
+        """Hand step i's slot back to src once the work queued so far (compute, pushes) is done."""
+        self._check_alive()
+        self._steps.on_release(i)
+        slot = i % self.SLOTS
+        with torch.cuda.device(self.device):
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            self._set_flag(self._side, self.src, 2 + slot)
+
+    def join(self) -> None:
+        """Make the current stream wait for every push and signal queued on the side stream."""
+        self._check_alive()
+        with torch.cuda.device(self.device):
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
