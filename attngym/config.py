@@ -149,7 +149,7 @@ def to_container(cfg: Any) -> dict[str, Any]:
         return {k: v for k, v in dict(cfg).items() if k != "hydra"}
     if isinstance(cfg, DictConfig):
         try:
-            data = OmegaConf.to_container(cfg, resolve=True, exclude_structured_config=False)
+            data = OmegaConf.to_container(cfg, resolve=True)
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "config"
             msg = str(err).split("\n")[0]

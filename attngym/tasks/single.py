@@ -97,7 +97,8 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
         torch.autograd.grad(out, (q, k, v), grad_out)
     _sync(device)
     metrics["compile_s"] = time.perf_counter() - start
-    log.info("first flex call (compile on cuda): %.2f s", metrics["compile_s"])
+    what = "compile + first call" if use_compile else "first eager call"
+    log.info("flex %s: %.2f s", what, metrics["compile_s"])
 
     # 3. Validation on sampled rows.
     if settings.validate:

@@ -1,0 +1,287 @@
+"""The command line: `attngym [overrides]`, `python -m attngym`, `attngym report DIR`.
+
+This is the only @hydra.main. It turns a composed config into a run in a fixed order, so every
+topology gets the same treatment:
+
+    check + resolve (attngym.config)  →  task from the registry (topology.kind)  →  metrics.json
+    →  heatmap.png, block_mask.png  →  tracker (logger group)  →  a short results table
+
+metrics.json is written whatever happens (status ok or failed, with the error), because sweep
+summaries, reports and resumed sweeps read it. A bad value stops a single run with one line
+naming the key (exit code 2; HYDRA_FULL_ERROR=1 shows the traceback); inside a sweep it becomes a
+failed row and the other jobs still run, and the sweep exits 1 at the end.
+
+Before Hydra composes anything, `entry` checks config-group options on the command line, so a typo
+like `attention=sliding_windw` is one line with a suggestion instead of Hydra's multi-line error,
+and quotes numeric option names (`block_size=64`) that Hydra would otherwise parse as integers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from attngym.config import register_resolvers
+from attngym.errors import ConfigError, choice_error
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
+HEATMAP_WINDOW = 128  # tokens shown by heatmap.png (the top-left corner of the score matrix)
+
+# Shown at the end of a run, in this order, when present.
+RESULT_ROWS = (
+    ("variant", "variant"),
+    ("device", "device"),
+    ("dtype", "dtype"),
+    ("seq_len", "seq_len"),
+    ("sparsity", "block sparsity"),
+    ("compile_s", "first call (s)"),
+    ("fwd_ms", "fwd (ms)"),
+    ("fwd_tflops", "fwd TFLOP/s"),
+    ("bwd_ms", "bwd (ms)"),
+    ("fwd_bwd_ms", "fwd+bwd (ms)"),
+    ("fwd_bwd_tflops", "fwd+bwd TFLOP/s"),
+    ("err_out_max_abs", "max |out - ref|"),
+    ("err_lse_max_abs", "max |lse - ref|"),
+    ("err_dq_rel", "rel err dq"),
+    ("bwd_status", "bwd"),
+)
+
+
+def _group_dirs() -> set[str]:
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+_GROUP_ARG = re.compile(
+    r"^(?P<prefix>[+~]{0,2})(?P<group>[A-Za-z_][\w/]*)(?P<pkg>@[\w.]*)?=(?P<value>.*)$"
+)
+
+
+def prepare_overrides(argv: list[str]) -> list[str]:
+    """Check and normalise config-group overrides before Hydra sees them.
+
+    - `group=option` (and sweeps `group=a,b`) must name files in conf/<group>/; an unknown option
+      raises ConfigError listing the options with a suggestion;
+    - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
+      as integers and refuse them as group options.
+
+    Arguments that are not group overrides pass through unchanged.
+    """
+    groups = _group_dirs()
+    out = []
+    for arg in argv:
+        match = _GROUP_ARG.match(arg)
+        if arg.startswith("-") or not match or match["group"] not in groups:
+            out.append(arg)
+            continue
+        value = match["value"]
+        if match["prefix"].startswith("~") and not value:
+            out.append(arg)
+            continue
+        if "(" in value or "[" in value or "$" in value:  # choice(...), range(...), globs: Hydra's
+            out.append(arg)
+            continue
+        items = [v.strip().strip("'\"") for v in value.split(",")]
+        options = _options(match["group"])
+        for item in items:
+            if item not in options and item != "null":
+                raise ConfigError(match["group"], choice_error("option", item, options))
+        quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
+        out.append(f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}")
+    return out
+
+
+def _run_name(hc: Any) -> str:
+    name = str(hc.job.override_dirname or "")
+    return name or "defaults"
+
+
+def _group_name(run_dir: Path, multirun: bool) -> str:
+    folder = run_dir.parent if multirun else run_dir
+    return f"{folder.parent.name}_{folder.name}"
+
+
+def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
+    from attngym.tracking import read_metrics
+
+    previous = read_metrics(run_dir)
+    return bool(
+        previous and previous.get("status") == "ok" and previous.get("overrides") == overrides
+    )
+
+
+def _draw_pictures(settings: Any, run_dir: Path) -> dict[str, Path]:
+    """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures."""
+    from attngym import viz
+    from attngym.tasks.common import build_variant
+
+    variant = build_variant(settings.attention, seq_len=settings.shape.seq_len)
+    drawn = {}
+    seq_len = settings.shape.seq_len
+    try:
+        path = run_dir / PICTURES["heatmap"]
+        viz.save_heatmap(
+            variant, path, seq_len=seq_len, window=min(HEATMAP_WINDOW, seq_len), seed=settings.seed
+        )
+        drawn["heatmap"] = path
+    except Exception as err:
+        log.warning("heatmap.png not drawn: %s: %s", type(err).__name__, err)
+    try:
+        path = run_dir / PICTURES["block_mask"]
+        viz.save_block_mask_picture(
+            variant.mask_mod,
+            seq_len,
+            seq_len,
+            path,
+            block_size=settings.block_size,
+            title=f"{settings.attention.get('name')}: block mask at {settings.block_size}",
+        )
+        drawn["block_mask"] = path
+    except Exception as err:
+        log.warning("block_mask.png not drawn: %s: %s", type(err).__name__, err)
+    return drawn
+
+
+def _plain_config(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an unresolvable value: log the config as written
+        data = OmegaConf.to_container(cfg, resolve=False)
+    data.pop("hydra", None)  # type: ignore[union-attr]
+    return data  # type: ignore[return-value]
+
+
+def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
+    """The short table printed at the end of a single run."""
+    lines = [f"attngym: {metrics.get('status')}"]
+    rows = [(label, metrics[key]) for key, label in RESULT_ROWS if metrics.get(key) is not None]
+    rows += [
+        (
+            "flex speed-up vs "
+            + key.removeprefix("flex_over_")
+            .replace("_fwd_bwd", " fwd+bwd")
+            .replace("_fwd", " fwd")
+            .replace("_bwd", " bwd"),
+            metrics[key],
+        )
+        for key in metrics
+        if key.startswith("flex_over_") and metrics[key] is not None
+    ]
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"  {label:<{width}}  {text}")
+    if metrics.get("error"):
+        lines.append(f"  error: {metrics['error']}")
+    lines.append(f"run folder: {run_dir}")
+    return "\n".join(lines)
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any] | None:
+    """One Hydra job: check, run the topology's task, write files, draw, track."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from attngym import registry
+    from attngym.config import from_config
+    from attngym.tracking import RunRecord, write_metrics
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    overrides = [str(o) for o in hc.overrides.task]
+    if multirun and _already_ok(run_dir, overrides):
+        log.info(
+            "job %s (%s): already ok in %s, skipping", hc.job.num, " ".join(overrides), run_dir
+        )
+        return None
+
+    metrics: dict[str, Any] = {"status": "failed", "error": None}
+    settings = None
+    failure: BaseException | None = None
+    try:
+        settings = from_config(cfg)
+        task = registry.get("task", settings.topology.kind)
+        metrics.update(task(settings, run_dir))
+        metrics["status"] = "ok"
+    except Exception as err:
+        failure = err
+        metrics["error"] = (
+            str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+        )
+        if isinstance(err, ConfigError):
+            log.error("config error: %s", err)
+        else:
+            log.exception("run failed")
+    metrics["overrides"] = overrides
+    write_metrics(run_dir, metrics)
+
+    images = _draw_pictures(settings, run_dir) if settings is not None else {}
+    if settings is not None:
+        logger_cfg = dict(settings.logger)
+        tracker = registry.build("tracker", logger_cfg.pop("name"), **logger_cfg)
+        tracker.log_run(
+            RunRecord(
+                run_dir=run_dir,
+                metrics=metrics,
+                config=_plain_config(cfg),
+                images=images,
+                name=_run_name(hc),
+                group=_group_name(run_dir, multirun),
+                job_type=settings.topology.kind,
+            )
+        )
+
+    if multirun:
+        log.info("job %s %s: %s", hc.job.num, " ".join(overrides), metrics["status"])
+        return metrics
+    print(format_results(metrics, run_dir), flush=True)
+    if failure is not None:
+        if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        raise failure
+    return metrics
+
+
+main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
+
+
+def entry(argv: list[str] | None = None) -> None:
+    """Console script: `attngym report DIR ...` or a Hydra run/sweep with `argv` overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "report":
+        from attngym import report
+
+        raise SystemExit(report.main(argv[1:]))
+    try:
+        argv = prepare_overrides(argv)
+    except ConfigError as err:
+        print(f"attngym: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    register_resolvers()
+    from attngym.tracking import sweep
+
+    sweep.LAST_RESULT.update(failed=0, jobs=0)
+    sys.argv = [sys.argv[0], *argv]
+    main()
+    if sweep.LAST_RESULT["failed"]:
+        print(
+            f"attngym: {sweep.LAST_RESULT['failed']} of {sweep.LAST_RESULT['jobs']} sweep jobs "
+            "failed (see summary.md)",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)

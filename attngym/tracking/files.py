@@ -1,0 +1,118 @@
+"""metrics.json (always written, atomically) and the file-only trackers `local` and `none`.
+
+metrics.json is the contract between a run and everything after it (sweep summary, report,
+resume): it is written to a temporary file and moved into place with os.replace, so a reader never
+sees half a file, even when a job is killed while writing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from attngym import registry
+
+METRICS_FILE = "metrics.json"
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunRecord:
+    """What a finished run hands to a tracker.
+
+    Attributes:
+        run_dir: the run's output folder.
+        metrics: flat metrics (names in attngym.tasks), status included.
+        config: the resolved config as plain data.
+        images: picture name → PNG path (heatmap, block_mask) for pictures that exist.
+        name: a readable run name (the overrides that make this run different).
+        group: the sweep folder (or run folder) name, to group runs of one sweep.
+        job_type: the topology kind.
+    """
+
+    run_dir: Path
+    metrics: dict[str, Any]
+    config: dict[str, Any]
+    images: dict[str, Path]
+    name: str
+    group: str
+    job_type: str
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
+def write_metrics(run_dir: str | Path, metrics: Mapping[str, Any]) -> Path:
+    """Write `metrics` to run_dir/metrics.json atomically (temporary file + os.replace)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / METRICS_FILE
+    tmp = run_dir / f".{METRICS_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(_json_safe(dict(metrics)), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_metrics(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's metrics.json, or None when it is missing or unreadable."""
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The metrics whose values are numbers, strings, booleans or None (what trackers log)."""
+    return {
+        k: v for k, v in metrics.items() if isinstance(v, str | int | float | bool) or v is None
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+class NoneTracker:
+    """Logs nothing (metrics.json is written by the caller in any case)."""
+
+    def log_run(self, record: RunRecord) -> None:
+        """Do nothing."""
+
+
+class LocalTracker:
+    """Adds results.md, a two-column table of the run's metrics, next to metrics.json."""
+
+    def log_run(self, record: RunRecord) -> None:
+        """Write run_dir/results.md."""
+        lines = [f"# {record.name}", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in scalar_metrics(record.metrics).items()]
+        lines += [""] + [f"![{n}]({p.name})" for n, p in record.images.items()]
+        (Path(record.run_dir) / "results.md").write_text("\n".join(lines) + "\n")
+
+
+@registry.register("tracker", "none")
+def none_tracker() -> NoneTracker:
+    """Nothing besides metrics.json."""
+    return NoneTracker()
+
+
+@registry.register("tracker", "local")
+def local_tracker() -> LocalTracker:
+    """metrics.json plus results.md."""
+    return LocalTracker()

@@ -1,0 +1,233 @@
+"""The end of a sweep: one table and one plot over every job, and an exit code that tells.
+
+A sweep is judged by its summary, not by scrolling logs, so when the last job ends a Hydra
+callback (conf/hydra/default.yaml: hydra.callbacks.sweep_summary) reads each job's metrics.json
+and writes, in the sweep folder:
+
+    summary.csv   one row per job: its overrides, status, error and every metric
+    summary.md    the same, the columns that matter, as a Markdown table
+    summary.png   TFLOP/s (CUDA) or forward time (CPU) against seq_len, one line per variant
+
+Jobs are read from files, so the summary is the same with the basic launcher and with submitit
+(where jobs run on other machines). A job that failed is a row with its error; a job folder
+without metrics.json (a killed job) is a row with status failed. `summarize` is also usable on
+its own: `attngym.tracking.sweep.summarize(sweep_dir)`.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from attngym.tracking.files import read_metrics
+
+log = logging.getLogger(__name__)
+
+# Columns of summary.md (summary.csv has them all).
+MD_COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "variant",
+    "device",
+    "dtype",
+    "seq_len",
+    "block_q",
+    "sparsity",
+    "fwd_ms",
+    "fwd_tflops",
+    "bwd_ms",
+    "fwd_bwd_tflops",
+    "err_out_max_abs",
+    "err_lse_max_abs",
+    "error",
+)
+
+# Set by the callback at the end of a sweep run in this process: (failed jobs, all jobs).
+LAST_RESULT: dict[str, int] = {"failed": 0, "jobs": 0}
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Sub-folders of a sweep that are Hydra jobs (they hold .hydra/), in job order."""
+
+    def order(p: Path) -> tuple[int, str]:
+        return (int(p.name), "") if p.name.isdigit() else (math.inf, p.name)  # type: ignore
+
+    return sorted((p for p in Path(sweep_dir).iterdir() if (p / ".hydra").is_dir()), key=order)
+
+
+def job_overrides(job_dir: Path) -> list[str]:
+    """The job's task overrides, from its .hydra/overrides.yaml (empty when unreadable)."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    try:
+        import yaml
+
+        return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+    except (OSError, ValueError, ImportError):
+        return []
+
+
+def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per job folder: job, overrides, status, error and the job's metrics."""
+    rows = []
+    for job_dir in job_dirs(Path(sweep_dir)):
+        metrics = read_metrics(job_dir)
+        if metrics is None:
+            metrics = {"status": "failed", "error": "no metrics.json (the job did not finish)"}
+        row = {"job": job_dir.name, "overrides": " ".join(job_overrides(job_dir))}
+        row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
+        row.setdefault("error", None)
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = "" if value is None else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """Every column of every row (the union of metric names, in first-seen order)."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+
+
+def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """A Markdown table of the MD_COLUMNS present in at least one row."""
+    columns = [c for c in MD_COLUMNS if any(row.get(c) is not None for row in rows)]
+    failed = sum(row.get("status") != "ok" for row in rows)
+    lines = [f"# {title}", "", f"{len(rows)} jobs, {failed} failed.", ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_metric(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """(metric, axis label) the plot shows: TFLOP/s when any job ran on CUDA, else fwd time."""
+    if any(row.get("device") == "cuda" and row.get("fwd_tflops") for row in rows):
+        return "fwd_tflops", "forward TFLOP/s"
+    return "fwd_ms", "forward time (ms)"
+
+
+def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """summary.png: the plot metric against seq_len, one line per variant; False if no data."""
+    metric, label = plot_metric(rows)
+    series: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        if row.get("status") != "ok" or row.get(metric) is None or row.get("seq_len") is None:
+            continue
+        name = str(row.get("variant"))
+        series.setdefault(name, []).append((float(row["seq_len"]), float(row[metric])))
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, points in sorted(series.items()):
+        points.sort()
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("seq_len")
+    ax.set_ylabel(label)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Write summary.csv, summary.md and summary.png into `sweep_dir`; return the rows."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    if not rows:
+        log.warning("no job folders in %s: nothing to summarise", sweep_dir)
+        return rows
+    title = f"attngym sweep {sweep_dir.name}"
+    write_csv(rows, sweep_dir / "summary.csv")
+    write_markdown(rows, sweep_dir / "summary.md", title)
+    write_plot(rows, sweep_dir / "summary.png", title)
+    return rows
+
+
+def count_jobs(config: Any) -> int | None:
+    """How many jobs the basic sweeper will launch for `config` (None when it cannot tell)."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = dict(config.hydra.sweeper.get("params") or {})
+        merged = {str(k): f"{k}={v}" for k, v in params.items()}
+        for o in config.hydra.overrides.task:
+            merged[str(o).split("=", 1)[0]] = str(o)
+        total = 1
+        for override in OverridesParser.create().parse_overrides(list(merged.values())):
+            if override.is_sweep_override():
+                total *= len(list(override.sweep_string_iterator()))
+        return total
+    except Exception:  # counting is for the progress line only
+        return None
+
+
+def _callback_base() -> type:
+    from hydra.experimental.callback import Callback
+
+    return Callback
+
+
+class SweepSummary(_callback_base()):
+    """Hydra callback: progress over sweep jobs, then summarize() and the failure count."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._done = 0
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from attngym.progress import progress
+
+        total = count_jobs(config)
+        self._done = 0
+        LAST_RESULT.update(failed=0, jobs=0)
+        if total:
+            self._bar = iter(progress(range(total), total=total, label="sweep jobs"))
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        if self._bar is not None:
+            next(self._bar, None)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if self._bar is not None:
+            for _ in self._bar:  # let the bar finish
+                pass
+            self._bar = None
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        rows = summarize(sweep_dir)
+        failed = [row for row in rows if row.get("status") != "ok"]
+        LAST_RESULT.update(failed=len(failed), jobs=len(rows))
+        for row in failed:
+            log.error("job %s (%s) failed: %s", row["job"], row["overrides"], row.get("error"))
+        log.info(
+            "sweep: %d jobs, %d failed; summary in %s",
+            len(rows),
+            len(failed),
+            sweep_dir / "summary.md",
+        )
