@@ -1,0 +1,208 @@
+"""Eager FlexAttention (the CPU "flex" backend) against the float64 reference, for every variant.
+
+Tolerance: eager flex on CPU materialises the float32 score matrix and applies the same callbacks,
+so the only difference from the float64 reference is float32 rounding (eps 6e-8) of D=16 dot
+products, the softmax and an S<=256-term sum of O(1) values: measured < 1e-6 for O(1) scores, so
+atol = rtol = 1e-5 leaves a 10x margin while a wrong mask, offset or head index (errors of 1e-2
+and up) fails. Score mods that make scores large (relative_position adds up to S-1) lose absolute
+precision in proportion: a float32 score of magnitude M is off by up to M * 6e-8, which exp() turns
+into a relative error of each weight (measured 1.3e-5 in out at M = 255). The tolerance therefore
+grows linearly once the largest score M exceeds 64: 1e-5 * max(1, M / 64).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from attngym import reference
+from attngym.kernels import attend_chunk, block_mask_is_empty, make_block_mask
+from attngym.variants import Variant, compose, get, names
+
+B, H, D = 2, 4, 16
+S = 128
+BLOCK = (32, 32)
+
+
+def catalogue_case(name: str, seq_len: int) -> Variant:
+    """An instance of every catalogue variant that fits `seq_len` tokens (seq_len % 32 == 0).
+
+    Sizes are deliberately not multiples of the block size, so block edges cut through windows,
+    chunks and documents.
+    """
+    params = {
+        "full": {},
+        "causal": {},
+        "sliding_window": {"window_size": 13},
+        "bidirectional_sliding_window": {"window_size": 13},
+        "dilated_sliding_window": {"window_size": 20, "dilation": 3},
+        "sliding_window_sinks": {"window_size": 17, "num_sinks": 5},
+        "prefix_lm": {"prefix_length": 37},
+        "document": {"doc_lengths": [29, 3, seq_len - 72, 40]},
+        "chunked_causal": {"chunk_size": 24},
+        "natten": {"canvas_w": 16, "canvas_h": seq_len // 16, "kernel_w": 5, "kernel_h": 4},
+        "alibi": {"num_heads": H},
+        "softcap": {"soft_cap": 0.8},
+        "relative_position": {},
+    }
+    if name not in params:
+        raise KeyError(f"no test case for variant {name!r}: add one to catalogue_case")
+    return get(name, **params[name])
+
+
+def all_cases(seq_len: int) -> dict[str, Variant]:
+    cases = {n: catalogue_case(n, seq_len) for n in names()}
+    cases["sliding_window+softcap"] = compose(cases["sliding_window"], cases["softcap"])
+    cases["document+alibi"] = compose(cases["document"], cases["alibi"])
+    return cases
+
+
+CASE_IDS = sorted(all_cases(S))
+
+
+def rand_qkv(rng, seq_len: int, kv_heads: int = H):
+    q = torch.randn(B, H, seq_len, D, generator=rng)
+    k = torch.randn(B, kv_heads, seq_len, D, generator=rng)
+    v = torch.randn(B, kv_heads, seq_len, D, generator=rng)
+    return q, k, v
+
+
+def tolerance(q, k, variant: Variant) -> dict[str, float]:
+    """atol = rtol = 1e-5, widened for cases whose largest score M exceeds 64 (module docstring)."""
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    score = (q.double() @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if variant.score_mod is not None:
+        pos = torch.arange(q.shape[2])
+        b, h, q_idx, kv_idx = reference.index_grids(q.shape[0], q.shape[1], pos, pos)
+        score = variant.score_mod(score, b, h, q_idx, kv_idx)
+    tol = 1e-5 * max(1.0, score.abs().max().item() / 64)
+    return {"rtol": tol, "atol": tol}
+
+
+def test_every_variant_has_a_case():
+    for name in names():
+        catalogue_case(name, S)  # raises KeyError for a variant added without a case
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_flex_matches_reference(rng, case):
+    variant = all_cases(S)[case]
+    variant.check_seq_len(S)
+    q, k, v = rand_qkv(rng, S)
+    out, lse = attend_chunk(q, k, v, variant, backend="flex", block_size=BLOCK, compile=False)
+    want_out, want_lse = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
+    tol = tolerance(q, k, variant)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    torch.testing.assert_close(out.double(), want_out, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, **tol)
+
+
+# chunk pairs (q chunk, kv chunk) of a 4-chunk sequence: below, on and above the diagonal
+PAIRS = [(1, 0), (3, 3), (2, 0), (0, 3)]
+SC = 256
+CHUNK = SC // 4
+
+
+def chunk_of_full(q, k, v, variant: Variant, i: int, j: int):
+    """Rows of q chunk i attending only to keys of kv chunk j, from the full-sequence reference:
+    the variant's mask AND "key in chunk j", so no offset arithmetic is shared with the code."""
+    lo, hi = j * CHUNK, (j + 1) * CHUNK
+
+    def in_chunk(b, h, q_idx, kv_idx):
+        keep = (kv_idx >= lo) & (kv_idx < hi)
+        return keep if variant.mask_mod is None else keep & variant.mask_mod(b, h, q_idx, kv_idx)
+
+    out, lse = reference.attention(q, k, v, variant.score_mod, in_chunk)
+    rows = slice(i * CHUNK, (i + 1) * CHUNK)
+    return out[:, :, rows], lse[:, :, rows]
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_chunk_pairs_match_blocks_of_full_sequence(rng, case):
+    variant = all_cases(SC)[case]
+    q, k, v = rand_qkv(rng, SC)
+    tol = tolerance(q, k, variant)  # over the whole sequence: a bound for every chunk
+    for i, j in PAIRS:
+        qs, ks = slice(i * CHUNK, (i + 1) * CHUNK), slice(j * CHUNK, (j + 1) * CHUNK)
+        want_out, want_lse = chunk_of_full(q, k, v, variant, i, j)
+        for backend in ("flex", "reference"):
+            out, lse = attend_chunk(
+                q[:, :, qs],
+                k[:, :, ks],
+                v[:, :, ks],
+                variant,
+                q_offset=i * CHUNK,
+                kv_offset=j * CHUNK,
+                backend=backend,
+                block_size=BLOCK,
+                compile=False,
+            )
+
+            def msg(m, where=f"{backend}, q chunk {i}, kv chunk {j}"):
+                return f"{where}: {m}"
+
+            # rows with no key in this chunk: out 0 and lse -inf on both sides
+            torch.testing.assert_close(out.double(), want_out, **tol, msg=msg)
+            torch.testing.assert_close(lse.double(), want_lse, **tol, msg=msg)
+
+
+def test_tensor_offsets_equal_int_offsets(rng):
+    """Context parallelism passes offsets as 0-d tensors (no recompile per chunk)."""
+    variant = all_cases(SC)["document+alibi"]
+    q, k, v = rand_qkv(rng, SC)
+    args = (q[:, :, 128:192], k[:, :, 64:128], v[:, :, 64:128], variant)
+    kw = {"backend": "flex", "block_size": BLOCK, "compile": False}
+    a = attend_chunk(*args, q_offset=128, kv_offset=64, **kw)
+    b = attend_chunk(*args, q_offset=torch.tensor(128), kv_offset=torch.tensor(64), **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_block_mask_empty_above_the_diagonal(rng):
+    causal = get("causal")
+    above = make_block_mask(causal, 64, 64, q_offset=0, kv_offset=64, block_size=BLOCK)
+    on = make_block_mask(causal, 64, 64, q_offset=64, kv_offset=64, block_size=BLOCK)
+    below = make_block_mask(causal, 64, 64, q_offset=64, kv_offset=0, block_size=BLOCK)
+    assert block_mask_is_empty(above)
+    assert not block_mask_is_empty(on)
+    assert not block_mask_is_empty(below)  # every block full: counted via full_kv_num_blocks
+    assert not block_mask_is_empty(make_block_mask(get("full"), 64, 64, block_size=BLOCK))
+
+    # a skipped pair would have contributed nothing: out 0, lse -inf
+    q, k, v = rand_qkv(rng, 64)
+    out, lse = attend_chunk(q, k, v, causal, kv_offset=64, backend="flex", block_mask=above)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+
+
+def test_block_mask_is_empty_for_distant_window_chunks():
+    window = get("sliding_window", window_size=13)
+    far = make_block_mask(window, 64, 64, q_offset=192, kv_offset=0, block_size=BLOCK)
+    near = make_block_mask(window, 64, 64, q_offset=64, kv_offset=0, block_size=BLOCK)
+    assert block_mask_is_empty(far)
+    assert not block_mask_is_empty(near)
+
+
+@pytest.mark.parametrize("case", ["causal", "alibi", "document+alibi"])
+def test_gqa_matches_reference(rng, case):
+    variant = all_cases(S)[case]
+    q, k, v = rand_qkv(rng, S, kv_heads=2)
+    out, lse = attend_chunk(q, k, v, variant, backend="flex", block_size=BLOCK, compile=False)
+    want_out, want_lse = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
+    tol = tolerance(q, k, variant)
+    torch.testing.assert_close(out.double(), want_out, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, **tol)
+
+
+def test_eager_flex_does_not_warn_about_compile(rng):
+    from torch.nn.attention import flex_attention as flex_module
+
+    # torch warns once per process; forget that it already did, so the check is meaningful
+    getattr(flex_module, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
+    q, k, v = rand_qkv(rng, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attend_chunk(q, k, v, get("causal"), backend="flex", block_size=BLOCK, compile=False)
+    assert not [w for w in caught if "without torch.compile" in str(w.message)]
