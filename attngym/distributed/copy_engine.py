@@ -100,11 +100,14 @@ def _check_common(
         )
     if not dist.is_initialized():
         raise RuntimeError("copy-engine transports need an initialised torch.distributed group")
+    return shape, dev
+
+
+def _require_cuda(device: torch.device) -> torch.device:
+    """`device` with its index filled in; RuntimeError when CUDA is missing."""
     if not torch.cuda.is_available():
         raise RuntimeError("copy-engine transports need CUDA, which is not available here")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return shape, dev
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _as_parts(
@@ -344,6 +347,7 @@ class _CopyEngineBase:
         pad_init: Sequence[int],
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
+        device = _require_cuda(device)
         self.device = device
         self.dtype = dtype
         self.timeout_s = float(timeout_s)
