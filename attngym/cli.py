@@ -248,11 +248,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     if multirun:
         log.info("job %s %s: %s", hc.job.num, " ".join(overrides), metrics["status"])
         return metrics
+    if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     print(format_results(metrics, run_dir), flush=True)
     if failure is not None:
-        if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
-            print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
         raise failure
     return metrics
 

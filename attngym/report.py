@@ -1,0 +1,163 @@
+"""`attngym report DIR`: one self-contained report.html for a sweep or a single run.
+
+A report has to travel (attached to an issue, opened on a laptop without the cluster's
+filesystem or any network), so everything is inline: the table as HTML, the sweep plot and every
+job's heatmap and block-mask picture as base64 PNGs, no scripts, no external styles. It reads
+only files (summary rows are rebuilt from each job's metrics.json), so it works for any launcher.
+
+    attngym report multirun/2025-01-01/12-00-00
+    python -m attngym.report outputs/2025-01-01/12-00-00 --out my_report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TABLE_COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "variant",
+    "topology",
+    "world_size",
+    "device",
+    "dtype",
+    "batch",
+    "heads",
+    "seq_len",
+    "head_dim",
+    "block_q",
+    "block_kv",
+    "sparsity",
+    "fwd_ms",
+    "fwd_tflops",
+    "bwd_ms",
+    "fwd_bwd_tflops",
+    "err_out_max_abs",
+    "err_lse_max_abs",
+    "err_dq_rel",
+    "error",
+)
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; }
+th { background: #f0f0f0; } td.text { text-align: left; }
+tr.failed td { background: #fde8e8; }
+.gallery { display: flex; flex-wrap: wrap; gap: 1em; }
+.card { border: 1px solid #ddd; padding: 0.5em; max-width: 520px; }
+.card img { max-width: 250px; }
+"""
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _cell(key: str, value: Any) -> str:
+    text = "" if value is None else str(value)
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    cls = ' class="text"' if key in ("overrides", "error", "variant") else ""
+    return f"<td{cls}>{html.escape(text)}</td>"
+
+
+def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
+    """(rows, job folders, is_sweep) for a sweep folder or a single run folder."""
+    from attngym.tracking.files import read_metrics
+    from attngym.tracking.sweep import collect, job_dirs, job_overrides
+
+    if (folder / ".hydra").is_dir() or (folder / "metrics.json").is_file():
+        metrics = read_metrics(folder) or {"status": "failed", "error": "no metrics.json"}
+        row = {"job": folder.name, "overrides": " ".join(job_overrides(folder))}
+        row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
+        return [row], [folder], False
+    return collect(folder), job_dirs(folder), True
+
+
+def build_report(folder: str | Path) -> str:
+    """The report's HTML for a sweep folder (job sub-folders) or a single run folder."""
+    from attngym.tracking.sweep import plot_metric, write_plot
+
+    folder = Path(folder)
+    rows, jobs, is_sweep = _rows(folder)
+    if not rows:
+        raise ValueError(f"{folder} holds no attngym run (no metrics.json, no job folders)")
+    failed = sum(row.get("status") != "ok" for row in rows)
+    title = f"attngym {'sweep' if is_sweep else 'run'} {folder.name}"
+    columns = [c for c in TABLE_COLUMNS if any(row.get(c) is not None for row in rows)]
+    extra = sorted(
+        {k for row in rows for k in row if k.startswith("flex_over_") and row[k] is not None}
+    )
+    columns += extra
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>{len(rows)} run(s), {failed} failed. Folder: <code>{html.escape(str(folder))}"
+        "</code>. Errors are against the float64 dense reference on the validated rows.</p>",
+        "<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>",
+    ]
+    for row in rows:
+        cls = "" if row.get("status") == "ok" else ' class="failed"'
+        parts.append(f"<tr{cls}>" + "".join(_cell(c, row.get(c)) for c in columns) + "</tr>")
+    parts.append("</table>")
+
+    plot = folder / "summary.png"
+    if is_sweep and not plot.exists():
+        write_plot(rows, plot, title)
+    if is_sweep and plot.exists():
+        _, label = plot_metric(rows)
+        parts += [f"<h2>{html.escape(label)} against seq_len</h2>", _img(plot, label)]
+
+    parts.append("<h2>Pictures</h2><div class='gallery'>")
+    for row, job in zip(rows, jobs, strict=True):
+        pictures = [job / name for name in ("heatmap.png", "block_mask.png")]
+        pictures = [p for p in pictures if p.exists()]
+        caption = html.escape(f"{row['job']}: {row.get('overrides') or row.get('variant')}")
+        body = "".join(_img(p, p.stem) for p in pictures) or "<p>(no pictures)</p>"
+        parts.append(f"<div class='card'><p><b>{caption}</b></p>{body}</div>")
+    parts.append("</div></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
+    """Write report.html (default: inside `folder`) and return its path."""
+    folder = Path(folder)
+    path = Path(out) if out is not None else folder / "report.html"
+    path.write_text(build_report(folder), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`attngym report DIR [--out FILE]`; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="attngym report",
+        description="Write a self-contained report.html (table, plots, pictures inline) for a "
+        "sweep folder (multirun/...) or a run folder (outputs/...).",
+    )
+    parser.add_argument("folder", type=Path, help="a sweep folder or a single run folder")
+    parser.add_argument("--out", type=Path, default=None, help="default: FOLDER/report.html")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        parser.error(f"folder {str(args.folder)!r} does not exist")
+    try:
+        path = write_report(args.folder, args.out)
+    except ValueError as err:
+        print(f"attngym report: error: {err}")
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
