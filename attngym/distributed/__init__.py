@@ -1,0 +1,52 @@
+"""Context-parallel FlexAttention: layouts, transports, ring and all-gather attention, launch.
+
+Importing this package is light: no symmetric memory, cuda.bindings or pynvml. The copy-engine
+classes and the NVLink-domain helpers are imported when first used.
+
+Public API:
+    shard, unshard                      sequence layouts (contiguous, zigzag)
+    P2PChannel, P2PAllGather            the transport interface over NCCL / gloo
+    CopyEngineChannel, CopyEngineAllGather   the same over symmetric memory (CUDA)
+    in_one_nvlink_domain, nvlink_domain
+    ring_attention, allgather_attention context-parallel attention of sharded q, k, v
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from attngym.distributed import transport  # noqa: F401  (registers kind "transport")
+from attngym.distributed.allgather import allgather_attention
+from attngym.distributed.layout import shard, unshard
+from attngym.distributed.merge import merge
+from attngym.distributed.p2p import P2PAllGather, P2PChannel
+from attngym.distributed.ring import ring_attention
+
+_LAZY = {
+    "CopyEngineAllGather": "attngym.distributed.copy_engine",
+    "CopyEngineChannel": "attngym.distributed.copy_engine",
+    "in_one_nvlink_domain": "attngym.distributed.domain",
+    "nvlink_domain": "attngym.distributed.domain",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CopyEngineAllGather",
+    "CopyEngineChannel",
+    "P2PAllGather",
+    "P2PChannel",
+    "allgather_attention",
+    "in_one_nvlink_domain",
+    "merge",
+    "nvlink_domain",
+    "ring_attention",
+    "shard",
+    "unshard",
+]

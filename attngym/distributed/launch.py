@@ -1,0 +1,258 @@
+"""Run a function on every rank: spawn local ranks, or join the environment torchrun set up.
+
+Contract:
+    * Spawned (no RANK/WORLD_SIZE/LOCAL_RANK in the environment): `world_size` processes are
+      started with torch.multiprocessing (start method "spawn"); each sets its environment
+      (MASTER_ADDR/PORT on a free local port, RANK, WORLD_SIZE, LOCAL_RANK, and NCCL_NVLS_ENABLE=0,
+      TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1), picks its GPU, creates the
+      process group (gloo on CPU, "cpu:gloo,cuda:nccl" on CUDA, timeout `timeout_s`), runs
+      `fn(rank, world_size, *args)` and destroys the group. Rank 0's return value comes back to the
+      caller (pickled through a private temporary directory).
+    * Failure: torch.multiprocessing terminates the other ranks as soon as one dies (then kills
+      those that ignore SIGTERM), and every rank's transfers give up after `timeout_s`, so no rank
+      outlives a dead peer; a rank also dies with its parent (Linux parent-death signal). The
+      caller gets RankFailure saying which rank died and how (exit code, signal, or the exception
+      and its traceback); a ConfigError raised on a rank is re-raised as itself.
+    * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
+      rank; it joins (or reuses) the default process group and returns its own `fn` result.
+      torchrun supervises the ranks.
+    * Logs: with `run_dir`, every spawned rank writes `rank<N>.log` there; rank 0 also speaks on
+      stderr. A spawned rank is a fresh interpreter owned by this module, so it configures the root
+      logger of that process; the caller's logging is never touched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pathlib
+import pickle
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from attngym.errors import ConfigError, RankFailure
+
+log = logging.getLogger(__name__)
+
+RANK_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another elastic launcher) set this process up as one rank."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: str) -> str:
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+def _set_device(device: str, local_rank: int) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphan ranks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+def _log_to_files(rank: int, run_dir: str | None) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s")
+    handlers: list[logging.Handler] = []
+    if run_dir is not None:
+        handlers.append(logging.FileHandler(pathlib.Path(run_dir) / f"rank{rank}.log"))
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+
+
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    device: str,
+    timeout_s: float,
+    run_dir: str | None,
+    port: int,
+    result_dir: str,
+    args: tuple,
+) -> None:
+    _die_with_parent()
+    os.environ.update(RANK_ENV)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    _log_to_files(rank, run_dir)
+    import torch.distributed as dist
+
+    from attngym.distributed.transport import clear_cache
+
+    try:
+        _set_device(device, rank)
+        dist.init_process_group(
+            _backend(device),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        if rank == 0:
+            with open(pathlib.Path(result_dir) / "result.pkl", "wb") as f:
+                pickle.dump(result, f)
+    except BaseException as e:
+        logging.getLogger(__name__).exception("rank %d failed", rank)
+        try:
+            with open(pathlib.Path(result_dir) / f"error{rank}.pkl", "wb") as f:
+                pickle.dump(e, f)
+        except Exception:  # an unpicklable exception: the traceback text still reaches the caller
+            pass
+        raise
+    clear_cache()
+    dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+    run_dir: str | os.PathLike | None = None,
+) -> Any:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks and return rank 0's result.
+
+    Args:
+        fn: a module-level (picklable) function; it runs with the process group initialised.
+        world_size: number of ranks (under torchrun it must equal WORLD_SIZE).
+        args: extra picklable arguments.
+        device: "cpu" (gloo) or "cuda" (NCCL, one GPU per local rank, modulo the GPU count).
+        timeout_s: process-group timeout; a rank waiting longer on a peer fails.
+        run_dir: where spawned ranks write rank<N>.log (None: no files).
+
+    Returns:
+        Rank 0's return value (spawned), or this rank's return value (torchrun).
+
+    Raises:
+        ConfigError: a ConfigError raised on a rank, or a world size torchrun disagrees with.
+        RankFailure: a rank died (exit code or signal) or raised; the message names it.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("topology.world_size", f"must be a positive integer, got {world_size!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if under_torchrun():
+        return _join_torchrun(fn, world_size, args=args, device=device, timeout_s=timeout_s)
+    import torch.multiprocessing as mp
+
+    result_dir = tempfile.mkdtemp(prefix="attngym-launch-")
+    try:
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(
+                fn,
+                world_size,
+                device,
+                float(timeout_s),
+                None if run_dir is None else str(run_dir),
+                free_port(),
+                result_dir,
+                tuple(args),
+            ),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not ctx.join():
+                pass
+        except mp.ProcessRaisedException as e:
+            raise _rank_error(e.error_index, result_dir, f"raised an exception:\n{e}") from None
+        except mp.ProcessExitedException as e:
+            how = (
+                f"was killed by {e.signal_name}"
+                if e.signal_name
+                else f"exited with code {e.exit_code}"
+            )
+            raise RankFailure(f"rank {e.error_index} {how}") from None
+        with open(pathlib.Path(result_dir) / "result.pkl", "rb") as f:
+            return pickle.load(f)
+    finally:
+        shutil.rmtree(result_dir, ignore_errors=True)
+
+
+def _rank_error(rank: int, result_dir: str, text: str) -> Exception:
+    path = pathlib.Path(result_dir) / f"error{rank}.pkl"
+    try:
+        with open(path, "rb") as f:
+            exc = pickle.load(f)
+    except Exception:  # missing or unpicklable: report the traceback text
+        exc = None
+    if isinstance(exc, ConfigError):
+        return exc
+    return RankFailure(f"rank {rank} {text}")
+
+
+def _join_torchrun(
+    fn: Callable[..., Any], world_size: int, *, args: tuple, device: str, timeout_s: float
+) -> Any:
+    import torch.distributed as dist
+
+    env_world = int(os.environ["WORLD_SIZE"])
+    if env_world != world_size:
+        raise ConfigError(
+            "topology.world_size",
+            f"{world_size} does not match torchrun's WORLD_SIZE={env_world}; set them equal",
+        )
+    os.environ.update(RANK_ENV)  # before NCCL or symmetric memory initialise in this process
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    _set_device(device, local_rank)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(_backend(device), timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        if created:
+            from attngym.distributed.transport import clear_cache
+
+            clear_cache()
+            dist.destroy_process_group()
