@@ -118,9 +118,9 @@ def main() -> None:
         iters=args.iters,
     )
     print(meta)
-    print(
-        "| kernel | copies beside it | kernel ms | TFLOP/s | slowdown | copy GB/s alone | copy GB/s concurrent |"
-    )
+    head = ["kernel", "copies beside it", "kernel ms", "TFLOP/s", "slowdown"]
+    head += ["copy GB/s alone", "copy GB/s concurrent"]
+    print("| " + " | ".join(head) + " |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
