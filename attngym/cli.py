@@ -223,7 +223,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
         )
         if isinstance(err, ConfigError):
-            log.error("config error: %s", err)
+            if multirun:  # a single run prints the one line below instead
+                log.error("config error: %s", err)
         else:
             log.exception("run failed")
     metrics["overrides"] = overrides

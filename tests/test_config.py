@@ -1,0 +1,249 @@
+"""Every config file composes to the values it promises; every bad value is refused by its key.
+
+Configs are composed with Hydra's compose API from the repository's conf/ (no subprocess), then
+checked with attngym.config. Each rejection has a matching accepted value next to it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from attngym import registry
+from attngym.config import check_config, from_config, register_resolvers
+from attngym.errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("attention", "device", "block_size", "topology", "profiler", "logger")
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def hydra_ctx():
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def make(overrides=(), hydra_cfg=False):
+    """Compose conf/config.yaml; numeric group options are quoted as the CLI does."""
+    fixed = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        fixed.append(f"{key}='{value}'" if key in GROUPS and value.isdigit() else o)
+    return compose("config", overrides=fixed, return_hydra_config=hydra_cfg)
+
+
+def test_defaults_are_small_cpu_run(hydra_ctx):
+    cfg = make()
+    assert cfg.attention.name == "causal"
+    assert cfg.device.name == "auto"
+    assert cfg.topology.kind == "single" and cfg.topology.world_size == 1
+    assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"
+    assert cfg.dtype == "auto" and cfg.validate is True
+    assert list(cfg.passes) == ["fwd", "bwd"]
+    assert cfg.shape.seq_len * cfg.shape.heads * cfg.shape.batch <= 8192  # CPU-sized
+    data = check_config(cfg)
+    assert data["block_size"] == {"q": 128, "kv": 128}
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_checks(hydra_ctx, group):
+    found = options(group)
+    assert len(found) >= 3, found
+    for option in found:
+        cfg = make([f"{group}={option}"])
+        node = OmegaConf.to_container(cfg[group], resolve=True)
+        assert isinstance(node, dict) and node, (group, option)
+        if group == "attention":
+            assert node["name"] == option
+        if group in ("device", "profiler", "logger"):
+            assert node["name"] == option
+        if group == "topology" and option != "single" and option not in registry.names("task"):
+            continue  # the context-parallel tasks register themselves when they exist
+        check_config(cfg)
+
+
+def test_attention_params_follow_the_shape(hydra_ctx):
+    cfg = make(["attention=alibi", "shape.heads=8"])
+    assert cfg.attention.num_heads == 8
+    cfg = make(["attention=document", "shape.seq_len=2048"])
+    assert sum(cfg.attention.doc_lengths) == 2048 and len(cfg.attention.doc_lengths) == 4
+    cfg = make(["attention=natten", "shape.seq_len=512"])
+    assert (cfg.attention.canvas_w, cfg.attention.canvas_h) == (32, 16)
+    cfg = make(["attention=prefix_lm", "shape.seq_len=2048"])
+    assert cfg.attention.prefix_length == 512
+
+
+def test_gemma2_is_composed(hydra_ctx):
+    cfg = make(["attention=gemma2"])
+    assert [c.name for c in cfg.attention.compose] == ["sliding_window", "softcap"]
+    assert cfg.attention.compose[1].soft_cap == 50.0
+    from attngym.tasks.common import build_variant
+
+    variant = build_variant(OmegaConf.to_container(cfg.attention), seq_len=1024)
+    assert variant.name == "gemma2"
+    assert variant.mask_mod is not None and variant.score_mod is not None
+
+
+def test_block_sizes(hydra_ctx):
+    assert dict(make(["block_size=64"]).block_size) == {"q": 64, "kv": 64}
+    assert dict(make(["block_size=128"]).block_size) == {"q": 128, "kv": 128}
+    assert dict(make(["block_size=flash"]).block_size) == {"q": "flash", "kv": "flash"}
+    settings = from_config(make(["block_size=flash", "device=cpu"]))
+    assert all(b > 0 and b % 16 == 0 for b in settings.block_size)
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_every_experiment_composes(hydra_ctx, name):
+    cfg = make([f"+experiment={name}"], hydra_cfg=True)
+    params = cfg.hydra.sweeper.params
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    assert len(params) >= 1
+    if name == "variant_gallery":
+        listed = [v.strip() for v in params.attention.split(",")]
+        assert sorted(listed) == options("attention")
+    if name == "flex_vs_sdpa":
+        assert list(cfg.baselines) == ["sdpa", "sdpa_dense_mask"]
+        assert "shape.seq_len" in params
+    if name == "block_size_sweep":
+        assert "block_size" in params
+    check_config(make([f"+experiment={name}"]))
+
+
+def test_hydra_settings(hydra_ctx):
+    cfg = make(hydra_cfg=True)
+    assert cfg.hydra.job.chdir is False
+    assert cfg.hydra.run.dir.startswith("outputs/")
+    assert cfg.hydra.sweep.dir.startswith("multirun/")
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "attngym.tracking.sweep.SweepSummary"
+    cfg = make(["hydra/launcher=submitit_slurm"], hydra_cfg=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.timeout_min == 60
+
+
+# (bad overrides, the key the error must name, an accepted neighbour)
+CASES = [
+    (["attention.name=sliding_windw"], "attention.name", ["attention.name=causal"]),
+    (
+        ["attention=sliding_window", "attention.window=8"],
+        "attention.window",
+        ["attention=sliding_window", "attention.window_size=8"],
+    ),
+    (
+        ["attention=sliding_window", "attention.window_size=0"],
+        "attention.window_size",
+        ["attention=sliding_window", "attention.window_size=1"],
+    ),
+    (["shape.heads=0"], "shape.heads", ["shape.heads=1"]),
+    (["shape.batch=-1"], "shape.batch", ["shape.batch=2"]),
+    (["shape.seq_len=0"], "shape.seq_len", ["shape.seq_len=256"]),
+    (["shape.head_dim=0"], "shape.head_dim", ["shape.head_dim=16"]),
+    (["shape.kv_heads=3"], "shape.kv_heads", ["shape.kv_heads=2"]),
+    (["block_size.q=24"], "block_size.q", ["block_size.q=32"]),
+    (["block_size.kv=0"], "block_size.kv", ["block_size.kv=16"]),
+    (["dtype=float8"], "dtype", ["dtype=bfloat16"]),
+    (["device.name=tpu"], "device.name", ["device.name=cpu"]),
+    (["topology.kind=mesh"], "topology.kind", ["topology.kind=single"]),
+    (["topology.world_size=0"], "topology.world_size", ["topology.world_size=1"]),
+    (["topology.transport=carrier_pigeon"], "topology.transport", ["topology.transport=gloo"]),
+    (["topology.layout=spiral"], "topology.layout", ["topology.layout=zigzag"]),
+    (["profiler.name=perf"], "profiler.name", ["profiler.name=kernels"]),
+    (["logger.name=tensorboard"], "logger.name", ["logger.name=local"]),
+    (["logger.mode=sometimes"], "logger.mode", ["logger.mode=online"]),
+    (
+        ["dtype=float32", "+kernel_options.BACKEND=FLASH"],
+        "kernel_options.BACKEND",
+        ["dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
+    ),
+    (
+        ["attention=document", "attention.doc_lengths=[100,100]"],
+        "attention.doc_lengths",
+        ["attention=document", "attention.doc_lengths=[1000,24]"],
+    ),
+    (
+        ["attention=natten", "attention.canvas_w=30"],
+        "attention.canvas_w",
+        ["attention=natten", "attention.canvas_w=16"],
+    ),
+    (
+        ["attention=gemma2", "attention.compose.1.soft_cap=-1.0"],
+        "attention.compose.1.soft_cap",
+        ["attention=gemma2", "attention.compose.1.soft_cap=30.0"],
+    ),
+    (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),
+    (["baselines=[cudnn]"], "baselines", ["baselines=[sdpa]"]),
+    (["benchmark.repeats=0"], "benchmark.repeats", ["benchmark.repeats=1"]),
+]
+
+
+@pytest.mark.parametrize(("bad", "key", "good"), CASES, ids=[c[1] for c in CASES])
+def test_bad_value_named_and_neighbour_accepted(hydra_ctx, bad, key, good):
+    with pytest.raises(ConfigError) as info:
+        check_config(make(bad))
+    assert info.value.key == key
+    value = bad[-1].split("=", 1)[1].strip("[]").split(",")[-1]
+    assert value in str(info.value), f"the message should repeat the value: {info.value}"
+    check_config(make(good))
+
+
+def test_unknown_variant_suggests(hydra_ctx):
+    with pytest.raises(ConfigError, match="did you mean 'sliding_window'"):
+        check_config(make(["attention.name=sliding_windw"]))
+
+
+def test_seq_len_must_split_over_ranks(hydra_ctx):
+    if "ring" not in registry.names("task"):
+        pytest.skip("the ring task is not registered yet")
+    base = ["topology=ring", "topology.world_size=2"]
+    with pytest.raises(ConfigError) as info:
+        check_config(make([*base, "shape.seq_len=1022"]))
+    assert info.value.key == "shape.seq_len"
+    check_config(make([*base, "shape.seq_len=1026"]))
+    with pytest.raises(ConfigError) as info:
+        check_config(make([*base, "topology.layout=zigzag", "shape.seq_len=1026"]))
+    assert info.value.key == "shape.seq_len" and "zigzag" in str(info.value)
+    check_config(make([*base, "topology.layout=zigzag", "shape.seq_len=1024"]))
+    settings = from_config(make(["topology=ring", "device=cpu"]))
+    assert settings.topology.world_size == 2  # auto on CPU
+
+
+def test_single_topology_needs_one_rank(hydra_ctx):
+    with pytest.raises(ConfigError) as info:
+        check_config(make(["topology.world_size=2"]))
+    assert info.value.key == "topology.world_size"
+    check_config(make(["topology.world_size=auto"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_cuda_without_cuda_refused_at_build(hydra_ctx):
+    cfg = make(["device=cuda"])
+    check_config(cfg)  # pure: no hardware probing
+    with pytest.raises(ConfigError) as info:
+        from_config(cfg)
+    assert info.value.key == "device.name"
+    assert from_config(make(["device=auto"])).device == "cpu"
+
+
+def test_from_config_resolves_auto(hydra_ctx):
+    settings = from_config(make(["device=cpu", "shape.kv_heads=2"]))
+    assert settings.device == "cpu" and settings.dtype == "float32"
+    assert settings.shape.kv_heads == 2 and settings.topology.world_size == 1
+    assert settings.passes == ("fwd", "bwd") and settings.logger["mode"] == "offline"
+
+
+def test_resolvers():
+    from attngym.config import _div, _split
+
+    assert _split(1000, [0.4, 0.1, 0.3, 0.2]) == [400, 100, 300, 200]
+    assert sum(_split(1021, [1, 1, 1])) == 1021
+    assert _div(1024, 32) == 32
+    with pytest.raises(ValueError, match="non-zero"):
+        _div(4, 0)
