@@ -75,6 +75,8 @@ class _AllGatherAttention(torch.autograd.Function):
             clock.stop(stats.step_compute_ms if stats else [])
             del kv
         out = acc.out.to(q.dtype)
+        if stats is not None:
+            stats.lse = acc.lse
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.cfg = cfg
         return out

@@ -47,6 +47,7 @@ class CPStats:
     bytes_sent: int = 0  # bytes this rank pushed or contributed to a gather
     step_compute_ms: list[float] = dataclasses.field(default_factory=list)
     step_wait_ms: list[float] = dataclasses.field(default_factory=list)  # blocked on a transfer
+    lse: torch.Tensor | None = None  # (B, H, S/P) merged log-sum-exp of the last forward
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -337,6 +338,8 @@ class _RingAttention(torch.autograd.Function):
         if chan is not None:
             chan.join()
         out = acc.out.to(q.dtype)
+        if stats is not None:
+            stats.lse = acc.lse
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.cfg = cfg
         return out

@@ -97,6 +97,9 @@ def resolve_transport(
         The Transport (its channel and all-gather classes).
     """
     check_transport(name, device, key=key)
+    memo = (name, torch.device(device).type, id(group))
+    if memo in _RESOLVED:
+        return registry.build("transport", _RESOLVED[memo])
     chosen = name
     if torch.device(device).type == "cpu":
         chosen = "gloo"
@@ -112,18 +115,13 @@ def resolve_transport(
             )
         chosen = "copy_engine" if one_domain else "nccl"
     if name == "auto":
-        _log_once(f"transport=auto resolved to {chosen!r} on {torch.device(device).type}")
+        log.info("transport=auto resolved to %r on %s", chosen, torch.device(device).type)
+    _RESOLVED[memo] = chosen
     return registry.build("transport", chosen)
 
 
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        log.info(message)
-
+# Resolutions per (name, device type, group): the NVLink check is a collective, done once.
+_RESOLVED: dict[tuple, str] = {}
 
 _CACHE: dict[tuple, Any] = {}
 
@@ -144,5 +142,6 @@ def cached(cls: type, *args: Any, group=None, tag: str = "", **kwargs: Any) -> A
 
 
 def clear_cache() -> None:
-    """Forget every cached channel and all-gather (their buffers are freed with them)."""
+    """Forget cached channels, all-gathers and resolutions (before a group is destroyed)."""
     _CACHE.clear()
+    _RESOLVED.clear()

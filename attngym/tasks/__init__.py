@@ -26,4 +26,8 @@ quantity does not apply (e.g. gradient errors on CPU):
     <baseline>_status                ok | skipped: <reason>
 """
 
-from attngym.tasks import single  # noqa: F401  (registers "single")
+from attngym.tasks import (
+    allgather,  # noqa: F401  (registers "allgather")
+    ring,  # noqa: F401  (registers "ring")
+    single,  # noqa: F401  (registers "single")
+)
