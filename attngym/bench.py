@@ -1,0 +1,195 @@
+"""Timing and FLOP accounting: the one timer and the one FLOP formula of the project.
+
+Every TFLOP/s number attngym reports goes through `attention_flops` and `tflops`, so runs, sweeps
+and baselines are comparable; every time it reports comes from `time_fn`, which synchronises CUDA
+around its events (like gpt-fast) and keeps warm-up calls out of the numbers. The seed's helpers
+(`calculate_tflops`, `benchmark_cuda_function_in_microseconds`) are thin wrappers over these.
+
+FLOP convention (FlashAttention's): the forward pass is two matmuls of 2·Sq·Skv·D FLOPs per head,
+4·B·H·Sq·Skv·D in all, scaled by the fraction of blocks computed (1 − sparsity); the backward pass
+counts 2.5 × the forward (five matmuls instead of two). Softmax and score_mod work is not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+PASS_FACTORS = {"fwd": 1.0, "bwd": 2.5}  # multiples of the forward FLOPs
+
+
+def attention_flops(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    *,
+    sparsity: float = 0.0,
+    passes: Iterable[str] = ("fwd",),
+) -> float:
+    """FLOPs of attention over the given passes.
+
+    Args:
+        batch, heads, seq_q, seq_kv, head_dim: problem size (B, H, Sq, Skv, D).
+        sparsity: fraction of (q block, kv block) pairs skipped, in [0, 1].
+        passes: any of "fwd", "bwd"; ("fwd", "bwd") counts 3.5 × the forward.
+
+    Returns:
+        4·B·H·Sq·Skv·D·(1 − sparsity) × (sum of the pass factors).
+    """
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity must be in [0, 1], got {sparsity!r}")
+    passes = (passes,) if isinstance(passes, str) else tuple(passes)
+    for p in passes:
+        if p not in PASS_FACTORS:
+            raise ValueError(f"passes must contain only {', '.join(PASS_FACTORS)}; got {p!r}")
+    for name, value in (
+        ("batch", batch),
+        ("heads", heads),
+        ("seq_q", seq_q),
+        ("seq_kv", seq_kv),
+        ("head_dim", head_dim),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    fwd = 4.0 * batch * heads * seq_q * seq_kv * head_dim * (1.0 - sparsity)
+    return fwd * sum(PASS_FACTORS[p] for p in passes)
+
+
+def tflops(flops: float, time_ms: float) -> float:
+    """Achieved TFLOP/s of `flops` done in `time_ms` milliseconds."""
+    if not time_ms > 0:
+        raise ValueError(f"time_ms must be a positive number, got {time_ms!r}")
+    return flops / (time_ms * 1e-3) / 1e12
+
+
+def calculate_tflops(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    time_ms: float,
+    sparsity: float = 0.0,
+) -> float:
+    """TFLOP/s of an attention forward pass that took `time_ms` (the seed's helper)."""
+    flops = attention_flops(batch, heads, seq_q, seq_kv, head_dim, sparsity=sparsity)
+    return tflops(flops, time_ms)
+
+
+def block_sparsity(block_mask: Any) -> float:
+    """Fraction of (q block, kv block) pairs a FlexAttention BlockMask skips (0.0 for None).
+
+    Counted over every batch and head the mask has: 1 − (partial + full blocks) / all blocks.
+    """
+    if block_mask is None:
+        return 0.0
+    computed = int(block_mask.kv_num_blocks.sum())
+    if block_mask.full_kv_num_blocks is not None:
+        computed += int(block_mask.full_kv_num_blocks.sum())
+    kv_blocks = math.ceil(block_mask.seq_lengths[1] / block_mask.BLOCK_SIZE[1])
+    total = block_mask.kv_num_blocks.numel() * kv_blocks
+    return 1.0 - computed / total if total else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall times of the timed calls, in milliseconds."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    repeats: int
+    all_ms: list[float]
+
+    @classmethod
+    def from_times(cls, all_ms: list[float]) -> Timing:
+        """Summarise a list of per-call times (ms)."""
+        return cls(
+            median_ms=statistics.median(all_ms),
+            min_ms=min(all_ms),
+            max_ms=max(all_ms),
+            repeats=len(all_ms),
+            all_ms=list(all_ms),
+        )
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+    progress: str | None = None,
+) -> Timing:
+    """Time `fn()` per call: `warmup` untimed calls, then `repeats` timed ones.
+
+    On CUDA each call is bracketed by CUDA events, the device synchronised before the first and
+    after the last, so the times are GPU execution times. On the CPU each call is timed with
+    `time.perf_counter`.
+
+    Args:
+        fn: the work to time, called with no arguments.
+        warmup: untimed calls first (compilation, caches, allocator).
+        repeats: timed calls, at least 1.
+        device: where fn's work runs; None means CUDA when available, else CPU.
+        progress: a label to show a progress bar over the repeats (see attngym.progress).
+
+    Returns:
+        Timing with the median, min, max and every per-call time in milliseconds.
+    """
+    from attngym.device import resolve_device
+
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    dev = resolve_device("auto" if device is None else device)
+    steps: Iterable[int] = range(repeats)
+    if progress is not None:
+        from attngym.progress import progress as bar
+
+        steps = bar(steps, total=repeats, label=progress)
+
+    for _ in range(warmup):
+        fn()
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            torch.cuda.synchronize()
+            events = []
+            for _ in steps:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        times = []
+        for _ in steps:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing.from_times(times)
+
+
+def benchmark_cuda_function_in_microseconds(func: Callable[..., Any], *args, **kwargs) -> float:
+    """Median time of `func(*args, **kwargs)` in microseconds (the seed's helper).
+
+    A thin wrapper over `torch.utils.benchmark.Timer.blocked_autorange`, which synchronises CUDA
+    around its measurements and picks the number of runs itself. It times the CPU just as well.
+    """
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(
+        stmt="func(*args, **kwargs)", globals={"func": func, "args": args, "kwargs": kwargs}
+    )
+    return timer.blocked_autorange(min_run_time=0.1).median * 1e6

@@ -1,0 +1,153 @@
+"""Where tensors live: resolving device names, describing the hardware, reading peak memory.
+
+Device names resolve here and nowhere else, so every component agrees on what "auto" means and an
+explicit "cuda" on a machine without CUDA fails the same way everywhere (never a silent move to the
+CPU). `peak_memory_bytes` gives one memory number per run on both kinds of device: CUDA's allocator
+peak on a GPU, the process's peak resident set size on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import re
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+_CUDA_INDEX = re.compile(r"cuda:(\d+)")
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """Turn a device name into a torch.device.
+
+    Args:
+        name: "auto" (CUDA when available, else CPU; the choice is logged), "cpu", "cuda" or
+            "cuda:N", or a torch.device.
+
+    Returns:
+        The device. Explicit CUDA choices are checked against the hardware.
+
+    Raises:
+        ValueError: unknown name, or CUDA asked for where it is not available.
+    """
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}; got {name!r}")
+    name = name.strip().lower()
+    if name == "auto":
+        chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("device=auto resolved to %s", chosen)
+        return chosen
+    if name == "cpu":
+        return torch.device("cpu")
+    match = _CUDA_INDEX.fullmatch(name)
+    if name != "cuda" and match is None:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}; got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={name!r} was requested but CUDA is not available on this machine; "
+            "use device='cpu' (or device='auto' to take CUDA only when present)"
+        )
+    if match is not None:
+        index, count = int(match.group(1)), torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(
+                f"device={name!r}: this machine has {count} CUDA device(s), "
+                f"cuda:0..cuda:{count - 1}"
+            )
+        return torch.device("cuda", index)
+    return torch.device("cuda")
+
+
+def get_flash_block_size(device: str | torch.device = "cuda") -> tuple[int, int]:
+    """Block size (q, kv) that FlexAttention's flash backend needs on this device.
+
+    On SM100+ (Blackwell) the q block must be 256 and the kv block 128; on SM80/SM90 both are 128.
+    The CPU has no flash backend and gets the default (128, 128).
+
+    Args:
+        device: "cuda", "cuda:N", "cpu", "auto" or a torch.device.
+
+    Returns:
+        (q_block, kv_block).
+    """
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return (128, 128)
+    major, _ = torch.cuda.get_device_capability(dev)
+    return (256, 128) if major >= 10 else (128, 128)
+
+
+def device_info(device: str | torch.device) -> dict:
+    """What a run's metrics record about its device.
+
+    Returns:
+        A dict with `type`, `name`, `capability` ("9.0"; None on CPU), `count` (CUDA devices, or
+        CPU cores), `torch` and `cuda` (None for a CPU build) versions, and `python`.
+    """
+    dev = resolve_device(device)
+    info = {
+        "type": dev.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        props = torch.cuda.get_device_properties(index)
+        info |= {
+            "name": torch.cuda.get_device_name(index),
+            "capability": f"{major}.{minor}",
+            "count": torch.cuda.device_count(),
+            "memory_bytes": props.total_memory,
+        }
+    else:
+        import os
+
+        info |= {
+            "name": platform.processor() or platform.machine() or "cpu",
+            "capability": None,
+            "count": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+        }
+    return info
+
+
+def reset_peak_memory(device: str | torch.device) -> None:
+    """Start a new peak-memory window for `peak_memory_bytes`.
+
+    CUDA: resets the caching allocator's peak statistics of that device. CPU: on Linux, resets the
+    process's peak resident set size (writes 5 to /proc/self/clear_refs); where that is not
+    possible the CPU peak keeps counting from process start.
+    """
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        log.debug("cannot reset the peak RSS here; CPU peak memory counts from process start")
+
+
+def peak_memory_bytes(device: str | torch.device) -> int:
+    """Peak memory since the last `reset_peak_memory`, in bytes.
+
+    CUDA: `torch.cuda.max_memory_allocated` (tensors of this process on that device). CPU: the
+    peak resident set size of the whole process (`resource.getrusage`), which includes Python,
+    torch's own code and anything else the process holds, not only tensors.
+    """
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB

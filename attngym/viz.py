@@ -1,0 +1,456 @@
+"""Pictures of attention: the seed's score heatmap and a block-level picture of a whole mask.
+
+Two pictures answer two questions:
+
+* The heatmap (`plot_attention_scores`, `visualize_attention_scores`, `save_heatmap`) shows the
+  post-score_mod scores of one batch and head on a small window, so a reader sees what the
+  variant does token by token. It needs the dense (Sq, Skv) matrix, so it is for small windows.
+* The block picture (`block_mask_classes`, `save_block_mask_picture`) shows what FlexAttention
+  will compute at full length: every (q block, kv block) pair is empty (skipped), partial (mask
+  evaluated inside) or full (no mask needed). It never holds an S x S tensor: the mask_mod is
+  evaluated tile by tile (one q block of rows by a few thousand keys) and each tile is reduced to
+  its block classes at once, so a 64K x 64K mask needs a few MB and seconds on a laptop CPU.
+
+matplotlib is imported inside the drawing functions only, and figures are drawn on the Agg canvas
+of a `matplotlib.figure.Figure`, so importing this module and drawing change no global state
+(no pyplot, no backend switch).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attngym.device import resolve_device
+from attngym.reference import dense_mask, index_grids
+from attngym.variants.base import MaskMod, ScoreMod
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from attngym.variants.base import Variant
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+CLASS_NAMES = ("empty (skipped)", "partial (mask evaluated)", "full (no mask needed)")
+CLASS_COLOURS = ("#f2f2f2", "#f4a261", "#1d3557")
+MASKED_COLOUR = "#d9d9d9"  # heatmap entries a mask removed
+_TILE_ELEMENTS = 1 << 20  # mask entries evaluated per step: ~1 MB of bools, a few MB of indices
+
+
+# --------------------------------------------------------------------------------------------
+# The seed's score heatmap
+
+
+def _check_qk(query: torch.Tensor, key: torch.Tensor, batch_idx: int, head_idx: int) -> None:
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be a 4-D tensor (B, H, Sq, D), got {shape}")
+    if not isinstance(key, torch.Tensor) or key.dim() != 4:
+        shape = tuple(key.shape) if isinstance(key, torch.Tensor) else type(key).__name__
+        raise ValueError(f"key must be a 4-D tensor (B, G, Skv, D), got {shape}")
+    batch, heads, _, dim = query.shape
+    if key.shape[0] != batch or key.shape[-1] != dim or heads % key.shape[1]:
+        raise ValueError(
+            f"key shape {tuple(key.shape)} does not fit query shape {tuple(query.shape)}: "
+            "need the same batch and head_dim, and key heads dividing query heads"
+        )
+    if isinstance(batch_idx, bool) or not isinstance(batch_idx, int) or not 0 <= batch_idx < batch:
+        raise ValueError(f"batch_idx must be an integer in [0, {batch}), got {batch_idx!r}")
+    if isinstance(head_idx, bool) or not isinstance(head_idx, int) or not 0 <= head_idx < heads:
+        raise ValueError(f"head_idx must be an integer in [0, {heads}), got {head_idx!r}")
+
+
+def create_score_mod(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    score_mod: ScoreMod | None,
+    mask_mod: MaskMod | None,
+    device: str = "cuda",
+    _compile: bool = False,
+    scale: float | None = None,
+    batch_idx: int = 0,
+    head_idx: int = 0,
+) -> torch.Tensor:
+    """The post-mod score matrix of one batch and head, as FlexAttention sees it.
+
+    score = (q @ k^T) * scale, then score_mod, then mask_mod (masked entries → -inf). The
+    callbacks get the real `batch_idx` and `head_idx`, and positions 0..S-1.
+
+    Args:
+        query: (B, H, Sq, D) queries.
+        key: (B, G, Skv, D) keys, G dividing H (query head h reads key head h // (H / G)).
+        score_mod: `(score, b, h, q_idx, kv_idx) -> score`, or None.
+        mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None.
+        device: where to compute ("cuda", "cuda:N", "cpu", "auto"); CUDA must be available
+            when asked for.
+        _compile: wrap the callbacks in torch.compile.
+        scale: score scale, default 1 / sqrt(D).
+        batch_idx: which batch row to take.
+        head_idx: which query head to take.
+
+    Returns:
+        (Sq, Skv) float32 scores on `device`, -inf where masked.
+    """
+    dev = resolve_device(device)
+    _check_qk(query, key, batch_idx, head_idx)
+    heads, seq_q, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_head = head_idx // (heads // key.shape[1])
+    q = query[batch_idx, head_idx].to(dev, torch.float32)  # (Sq, D)
+    k = key[batch_idx, kv_head].to(dev, torch.float32)  # (Skv, D)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if _compile:
+        score_mod = torch.compile(score_mod) if score_mod is not None else None
+        mask_mod = torch.compile(mask_mod) if mask_mod is not None else None
+
+    q_pos = torch.arange(seq_q, device=dev)
+    kv_pos = torch.arange(k.shape[0], device=dev)
+    scores = ((q @ k.T) * scale).view(1, 1, seq_q, -1)  # (1, 1, Sq, Skv)
+    if score_mod is not None:
+        b, h, q_idx, kv_idx = index_grids(1, 1, q_pos, kv_pos)
+        modded = score_mod(scores, b + batch_idx, h + head_idx, q_idx, kv_idx)
+        scores = torch.broadcast_to(modded, scores.shape).to(torch.float32)
+    if mask_mod is not None:
+        inner = mask_mod
+
+        def at_index(b, h, q_idx, kv_idx):
+            return inner(b + batch_idx, h + head_idx, q_idx, kv_idx)
+
+        keep = dense_mask(at_index, 1, 1, q_pos, kv_pos)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores[0, 0]
+
+
+def _score_figure(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    score_mod: ScoreMod | None,
+    mask_mod: MaskMod | None,
+    device: str,
+    batch_idx: int,
+    head_idx: int,
+    scale: float | None,
+    title: str,
+) -> Figure:
+    """The one heatmap body: every heatmap of the project is drawn here."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    scores = create_score_mod(
+        query, key, score_mod, mask_mod, device, scale=scale, batch_idx=batch_idx, head_idx=head_idx
+    )
+    values = scores.detach().double().cpu().numpy()
+    masked = ~np.isfinite(values)
+    data = np.ma.masked_array(values, mask=masked)
+    seq_q, seq_kv = values.shape
+
+    fig = Figure(figsize=(7.0, 6.0), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    cmap = _colormap("viridis").with_extremes(bad=MASKED_COLOUR)
+    image = ax.imshow(
+        data,
+        cmap=cmap,
+        interpolation="nearest",
+        aspect="auto",
+        extent=(-0.5, seq_kv - 0.5, seq_q - 0.5, -0.5),
+    )
+    fig.colorbar(image, ax=ax, label="score (after score_mod)", shrink=0.9)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_title(title)
+    if masked.any():
+        share = 100.0 * masked.mean()
+        ax.legend(
+            handles=[
+                Patch(facecolor=MASKED_COLOUR, edgecolor="0.4", label=f"masked ({share:.0f}%)")
+            ],
+            loc="upper right",
+            framealpha=0.9,
+            fontsize="small",
+        )
+    return fig
+
+
+def _colormap(name: str):
+    import matplotlib
+
+    return matplotlib.colormaps[name]
+
+
+def plot_attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    device: str = "cuda",
+    batch_idx: int = 0,
+    head_idx: int = 0,
+    scale: float | None = None,
+) -> Figure:
+    """A heatmap of the post-mod scores of one batch and head, as a matplotlib Figure.
+
+    Args: as `visualize_attention_scores`, without `name` and `path`.
+
+    Returns:
+        The Figure (Agg canvas; save it with `fig.savefig(...)`).
+    """
+    return _score_figure(
+        query, key, score_mod, mask_mod, device, batch_idx, head_idx, scale, "attention scores"
+    )
+
+
+def visualize_attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    device: str = "cuda",
+    name: str = "attention_scores",
+    path: str | pathlib.Path | None = None,
+    batch_idx: int = 0,
+    head_idx: int = 0,
+    scale: float | None = None,
+) -> None:
+    """Draw the post-mod scores of one batch and head and save them as a PNG.
+
+    Args:
+        query: (B, H, Sq, D) queries.
+        key: (B, G, Skv, D) keys.
+        score_mod: `(score, b, h, q_idx, kv_idx) -> score`, or None.
+        mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None; masked entries are drawn grey.
+        device: where to compute; "cuda" needs CUDA (use "cpu" otherwise).
+        name: title of the picture and file name when `path` is a folder or None.
+        path: a folder (saves `<path>/<name>.png`), a file (its suffix becomes .png), or None
+            (saves `./<name>.png`).
+        batch_idx: batch row to draw.
+        head_idx: query head to draw.
+        scale: score scale, default 1 / sqrt(D).
+    """
+    fig = _score_figure(query, key, score_mod, mask_mod, device, batch_idx, head_idx, scale, name)
+    fig.savefig(png_path(path, name))
+
+
+def png_path(path: str | pathlib.Path | None, name: str) -> pathlib.Path:
+    """Where a picture goes: None → ./<name>.png; a folder → <path>/<name>.png; else <path>.png.
+
+    The parent folder is created.
+    """
+    if path is None:
+        out = pathlib.Path.cwd() / f"{name}.png"
+    else:
+        out = pathlib.Path(path)
+        out = out / f"{name}.png" if out.is_dir() else out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def save_heatmap(
+    variant: Variant,
+    path: str | pathlib.Path,
+    *,
+    seq_len: int,
+    window: int = 128,
+    head_dim: int = 16,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Draw a variant's scores on the first `min(window, seq_len)` positions of random q, k.
+
+    Args:
+        variant: the attention variant (its buffers are moved to the CPU).
+        path: the PNG file, or a folder (saves `<path>/<variant.name>.png`).
+        seq_len: the run's sequence length (variants built for one length need it).
+        window: how many leading positions to draw.
+        head_dim: D of the random q, k.
+        seed: seed of the random q, k.
+
+    Returns:
+        The path written.
+    """
+    for name, value in (("seq_len", seq_len), ("window", window), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    variant.check_seq_len(seq_len)
+    variant = variant.to("cpu")
+    n = min(window, seq_len)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, n, head_dim, generator=gen)
+    k = torch.randn(1, 1, n, head_dim, generator=gen)
+    params = ", ".join(f"{k}={v}" for k, v in variant.params.items())
+    title = f"{variant.name}({params})" if params else variant.name
+    title += f"\nscores of the first {n} of {seq_len} tokens (random q, k)"
+    fig = _score_figure(q, k, variant.score_mod, variant.mask_mod, "cpu", 0, 0, None, title)
+    out = png_path(path, variant.name)
+    fig.savefig(out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Block-level picture of a whole mask
+
+
+def block_mask_classes(
+    mask_mod: MaskMod | None,
+    seq_q: int,
+    seq_kv: int,
+    block_size: tuple[int, int] = (128, 128),
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Classify every (q block, kv block) pair of a mask, without an S x S tensor.
+
+    The mask is evaluated at batch 0, head 0, on int32 positions (as FlexAttention's kernels pass
+    them), one tile of `block_size[0]` query rows by up to ~1M / block_size[0] keys at a time.
+    Positions past the end of the sequence count as masked, as in FlexAttention's
+    `create_block_mask`: a block cut by the end of the sequence is never full.
+
+    Args:
+        mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None (every block full).
+        seq_q: query length Sq.
+        seq_kv: key length Skv.
+        block_size: (q block, kv block) sizes.
+        device: where to evaluate the mask.
+
+    Returns:
+        (ceil(Sq / bq), ceil(Skv / bkv)) uint8 on the CPU: 0 empty, 1 partial, 2 full.
+    """
+    for name, value in (("seq_q", seq_q), ("seq_kv", seq_kv)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    bq, bkv = _check_block_size(block_size)
+    dev = resolve_device(device)
+    nq, nkv = math.ceil(seq_q / bq), math.ceil(seq_kv / bkv)
+    classes = torch.full((nq, nkv), FULL, dtype=torch.uint8)
+    if mask_mod is None:
+        return classes
+
+    tile_kv_blocks = max(1, _TILE_ELEMENTS // (bq * bkv))
+    cols = tile_kv_blocks * bkv
+    b = torch.zeros((), dtype=torch.int32, device=dev)
+    h = torch.zeros((), dtype=torch.int32, device=dev)
+    for i in range(nq):
+        q0 = i * bq
+        q_idx = torch.arange(q0, min(q0 + bq, seq_q), dtype=torch.int32, device=dev).view(-1, 1)
+        for c0 in range(0, seq_kv, cols):
+            kv_idx = torch.arange(c0, min(c0 + cols, seq_kv), dtype=torch.int32, device=dev)
+            keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx.view(1, -1)), device=dev)
+            keep = torch.broadcast_to(keep, (q_idx.shape[0], kv_idx.shape[0]))
+            classes[i, c0 // bkv : c0 // bkv + math.ceil(kv_idx.shape[0] / bkv)] = _tile_classes(
+                keep, bq, bkv
+            )
+    return classes
+
+
+def _check_block_size(block_size: Any) -> tuple[int, int]:
+    ok = isinstance(block_size, tuple | list) and len(block_size) == 2
+    ok = ok and all(not isinstance(x, bool) and isinstance(x, int) and x > 0 for x in block_size)
+    if not ok:
+        raise ValueError(f"block_size must be two positive integers (q, kv), got {block_size!r}")
+    return int(block_size[0]), int(block_size[1])
+
+
+def _tile_classes(keep: torch.Tensor, bq: int, bkv: int) -> torch.Tensor:
+    """(rows <= bq, cols) bool → (ceil(cols / bkv),) uint8 classes; padding counts as masked."""
+    rows, cols = keep.shape
+    pad_rows, pad_cols = bq - rows, -cols % bkv
+    keep_u8 = keep.to(torch.bool).contiguous().view(torch.uint8)
+    if pad_rows or pad_cols:
+        keep_u8 = torch.nn.functional.pad(keep_u8, (0, pad_cols, 0, pad_rows))
+    blocks = keep_u8.view(bq, -1, bkv)  # (bq, kv blocks, bkv)
+    # max/min over the contiguous axis first: much faster than any/all over both axes at once.
+    any_kept = blocks.amax(dim=2).amax(dim=0)
+    all_kept = blocks.amin(dim=2).amin(dim=0)
+    return (any_kept + all_kept).to(torch.uint8).cpu()  # 0 empty, 1 partial, 2 full
+
+
+def classes_sparsity(classes: torch.Tensor) -> float:
+    """Fraction of block pairs that are empty (what FlexAttention skips)."""
+    return float((classes == EMPTY).double().mean())
+
+
+def save_block_mask_picture(
+    mask_mod: MaskMod | None,
+    seq_q: int,
+    seq_kv: int,
+    path: str | pathlib.Path,
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    title: str | None = None,
+    device: str | torch.device = "cpu",
+) -> pathlib.Path:
+    """Draw the block classes of a mask at full length and save them as a PNG.
+
+    Args:
+        mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None.
+        seq_q: query length Sq.
+        seq_kv: key length Skv.
+        path: the PNG file, or a folder (saves `<path>/block_mask.png`).
+        block_size: (q block, kv block) sizes.
+        title: first line of the title; default the mask_mod's name.
+        device: where to evaluate the mask.
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    classes = block_mask_classes(mask_mod, seq_q, seq_kv, block_size, device)
+    bq, bkv = _check_block_size(block_size)
+    counts = [int((classes == c).sum()) for c in (EMPTY, PARTIAL, FULL)]
+    total = classes.numel()
+    if title is None:
+        title = getattr(mask_mod, "__name__", "mask") if mask_mod is not None else "no mask"
+    subtitle = (
+        f"{seq_q:,} x {seq_kv:,} tokens, blocks {bq} x {bkv}: "
+        f"sparsity {100.0 * counts[EMPTY] / total:.1f}% of blocks skipped"
+    )
+
+    # ~1 pixel per block or more for up to ~1000 blocks a side, so partial diagonals stay visible.
+    nq, nkv = classes.shape
+    dpi = 150 if max(nq, nkv) > 512 else 120
+    fig = Figure(figsize=(8.0, 7.2), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.imshow(
+        classes.numpy(),
+        cmap=ListedColormap(CLASS_COLOURS),
+        norm=BoundaryNorm([-0.5, 0.5, 1.5, 2.5], 3),
+        interpolation="nearest",
+        aspect="auto",
+        extent=(0, nkv * bkv, nq * bq, 0),
+    )
+    ax.set_xlim(0, seq_kv)  # a block cut by the end of the sequence is drawn cut too
+    ax.set_ylim(seq_q, 0)
+    tokens = FuncFormatter(_token_label)
+    for axis, extent in ((ax.xaxis, nkv * bkv), (ax.yaxis, nq * bq)):
+        # Ticks at powers of two (8K, 16K, ...): the sizes people choose for sequences and blocks.
+        axis.set_major_locator(MultipleLocator(2 ** max(0, math.ceil(math.log2(extent / 8)))))
+        axis.set_major_formatter(tokens)
+    ax.set_xlabel("key position (tokens)")
+    ax.set_ylabel("query position (tokens)")
+    ax.set_title(f"{title}\n{subtitle}", fontsize="medium")
+    handles = [
+        Patch(facecolor=CLASS_COLOURS[c], edgecolor="0.3", label=f"{CLASS_NAMES[c]}: {counts[c]:,}")
+        for c in (FULL, PARTIAL, EMPTY)
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize="small")
+    out = png_path(path, "block_mask")
+    fig.savefig(out)
+    return out
+
+
+def _token_label(value: float, _pos: Any = None) -> str:
+    """Token counts as 0, 512, 8K, 64K, 1M."""
+    v = int(round(value))
+    if v >= 1 << 20 and v % (1 << 20) == 0:
+        return f"{v >> 20}M"
+    if v >= 1024 and v % 1024 == 0:
+        return f"{v >> 10}K"
+    return f"{v:,}"
