@@ -1,0 +1,144 @@
+"""The command line end to end on CPU: a run's files, one-line errors, --help and --cfg.
+
+Runs go through a subprocess (`python -m attngym`), as a user would, with outputs in tmp_path;
+the run is shared by the tests of this module (one Hydra subprocess costs several seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attngym.cli import prepare_overrides
+from attngym.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = [
+    "device=cpu",
+    "shape.seq_len=128",
+    "shape.heads=2",
+    "shape.head_dim=16",
+    "benchmark.warmup=0",
+    "benchmark.repeats=1",
+    "validate_rows=64",
+    "baselines=[sdpa]",
+    "block_size=64",
+]
+
+
+def attngym(args, cwd, check=False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "attngym", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    run_dir = tmp / "run"
+    proc = attngym(
+        [
+            *SMALL,
+            "attention=sliding_window",
+            "attention.window_size=32",
+            "logger=local",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp,
+        check=True,
+    )
+    return proc, run_dir
+
+
+def test_run_writes_metrics(run):
+    _, run_dir = run
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["status"] == "ok" and m["error"] is None
+    assert m["variant"] == "sliding_window" and m["seq_len"] == 128 and m["block_q"] == 64
+    assert m["err_out_max_abs"] < 1e-4 and m["err_lse_max_abs"] < 1e-4  # float32 vs float64
+    assert m["validated_rows"] == 64 and m["fwd_ms"] > 0
+    assert m["sdpa_status"].startswith("skipped")
+    assert not list(run_dir.glob(".metrics.json.*"))  # the atomic write left no temporary
+
+
+def test_run_writes_pictures_and_hydra_files(run):
+    import matplotlib.image as mpimg
+
+    _, run_dir = run
+    for name in ("heatmap.png", "block_mask.png"):
+        path = run_dir / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = mpimg.imread(path)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+        assert image[..., :3].std() > 0.05  # not a blank canvas
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert "sliding_window" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "| fwd_ms |" in (run_dir / "results.md").read_text()
+    assert (run_dir / "attngym.log").is_file()
+
+
+def test_run_prints_results_table(run):
+    proc, run_dir = run
+    assert "attngym: ok" in proc.stdout
+    assert "max |out - ref|" in proc.stdout
+    assert f"run folder: {run_dir}" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [(["attention=sliding_windw"], "attention"), (["shape.heads=0"], "shape.heads")],
+)
+def test_bad_override_is_one_line(tmp_path, args, key):
+    proc = attngym([*SMALL, *args, "logger=none", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"attngym: error: {key}:")
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_help_lists_groups_and_cfg_prints_config(tmp_path):
+    proc = attngym(["--help"], tmp_path, check=True)
+    for text in ("== Config groups ==", "attention:", "gemma2", "topology:", "+experiment"):
+        assert text in proc.stdout, text
+    proc = attngym(["--cfg", "job", "attention=alibi", "shape.heads=8"], tmp_path, check=True)
+    assert "num_heads: 8" in proc.stdout or "num_heads: ${shape.heads}" in proc.stdout
+    assert "name: alibi" in proc.stdout
+
+
+def test_prepare_overrides_quotes_and_checks():
+    assert prepare_overrides(["block_size=64", "shape.seq_len=64"]) == [
+        "block_size='64'",
+        "shape.seq_len=64",
+    ]
+    assert prepare_overrides(["block_size=64,flash"]) == ["block_size='64',flash"]
+    assert prepare_overrides(["+experiment=flex_vs_sdpa"]) == ["+experiment=flex_vs_sdpa"]
+    with pytest.raises(ConfigError, match="did you mean 'flex_vs_sdpa'") as info:
+        prepare_overrides(["+experiment=flex_vs_sdp"])
+    assert info.value.key == "experiment"
+    with pytest.raises(ConfigError) as info:
+        prepare_overrides(["-m", "attention=causal,documnt"])
+    assert info.value.key == "attention" and "'documnt'" in str(info.value)
+
+
+def test_import_is_light():
+    code = (
+        "import sys, attngym, attngym.config, attngym.tracking; "
+        "bad = [m for m in ('wandb', 'matplotlib', 'hydra') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
