@@ -139,11 +139,10 @@ def _rank_main(
                 pickle.dump(result, f)
     except BaseException as e:
         logging.getLogger(__name__).exception("rank %d failed", rank)
-        try:
-            with open(pathlib.Path(result_dir) / f"error{rank}.pkl", "wb") as f:
-                pickle.dump(e, f)
-        except Exception:  # an unpicklable exception: the traceback text still reaches the caller
-            pass
+        if isinstance(e, ConfigError):  # (key, message): the caller re-raises it as itself
+            message = str(e).removeprefix(f"{e.key}: ")
+            with open(pathlib.Path(result_dir) / f"config_error{rank}.pkl", "wb") as f:
+                pickle.dump((e.key, message), f)
         raise
     clear_cache()
     dist.destroy_process_group()
@@ -220,14 +219,11 @@ def launch(
 
 
 def _rank_error(rank: int, result_dir: str, text: str) -> Exception:
-    path = pathlib.Path(result_dir) / f"error{rank}.pkl"
-    try:
+    path = pathlib.Path(result_dir) / f"config_error{rank}.pkl"
+    if path.exists():
         with open(path, "rb") as f:
-            exc = pickle.load(f)
-    except Exception:  # missing or unpicklable: report the traceback text
-        exc = None
-    if isinstance(exc, ConfigError):
-        return exc
+            key, message = pickle.load(f)
+        return ConfigError(key, message)
     return RankFailure(f"rank {rank} {text}")
 
 

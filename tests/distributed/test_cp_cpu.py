@@ -1,0 +1,295 @@
+"""Context parallelism on CPU ranks (gloo): attention parity, transports, launch failures.
+
+Each spawn costs seconds, so one spawn runs many cases and returns their results to the test.
+Inputs are float64 and the chunk kernel is the float64 reference, so CP and the whole-sequence
+reference differ only by the order of a few sums (a handful of ulp of O(1) values); 1e-10 is far
+above that yet far below any real bug (a wrong offset or weight gives errors of order 1e-2).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from attngym import reference, variants
+from attngym.config import Settings, Shape, Topology
+from attngym.distributed import (
+    P2PAllGather,
+    P2PChannel,
+    allgather_attention,
+    ring_attention,
+    shard,
+    unshard,
+)
+from attngym.distributed.launch import launch
+from attngym.distributed.ring import CPStats
+from attngym.errors import ConfigError, RankFailure
+
+TOL = 1e-10
+S = 32
+
+
+def _cases():
+    return {
+        "causal": variants.get("causal"),
+        "alibi": variants.get("alibi", num_heads=4),
+        "sliding_window+softcap": variants.compose(
+            variants.get("sliding_window", window_size=6), variants.get("softcap", soft_cap=5.0)
+        ),
+        "document": variants.get("document", doc_lengths=[10, 14, 8]),
+    }
+
+
+def _gather(t, world_size, layout):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(parts, t.detach().contiguous())
+    return unshard(parts, layout)
+
+
+def _parity(rank, world_size, name, variant, heads, kv_heads, fns, layouts):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, heads, S if world_size == 2 else 36, 8, generator=gen, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, kv_heads, q.shape[2], 8, generator=gen, dtype=torch.float64)
+        for _ in range(2)
+    )
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference.attention(qr, kr, vr, variant.score_mod, variant.mask_mod)
+    ref_out.backward(dout)
+    errors = {}
+    for fn in fns:
+        for layout in layouts:
+            q_s, k_s, v_s = (shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v))
+            out = fn(q_s, k_s, v_s, variant, layout=layout, transport="gloo")
+            out.backward(shard(dout, rank, world_size, layout))
+            got = [out, q_s.grad, k_s.grad, v_s.grad]
+            want = [ref_out, qr.grad, kr.grad, vr.grad]
+            errors[(name, fn.__name__, layout)] = [
+                (_gather(g, world_size, layout) - w).abs().max().item()
+                for g, w in zip(got, want, strict=True)
+            ]
+    return errors
+
+
+def _attention_worker(rank, world_size):
+    import torch.distributed as dist
+
+    errors = {}
+    for name, variant in _cases().items():
+        kv_heads = 2 if name == "causal" else 4  # GQA on one case
+        errors.update(
+            _parity(
+                rank,
+                world_size,
+                name,
+                variant,
+                4,
+                kv_heads,
+                (ring_attention, allgather_attention),
+                ("contiguous", "zigzag"),
+            )
+        )
+    # Pairs computed / skipped by a causal forward, per rank.
+    counts = {}
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, S, 4, generator=gen, dtype=torch.float64)
+    for fn in (ring_attention, allgather_attention):
+        for layout in ("contiguous", "zigzag"):
+            stats = CPStats()
+            xs = shard(x, rank, world_size, layout)
+            with torch.no_grad():
+                fn(xs, xs, xs, variants.get("causal"), layout=layout, stats=stats)
+            both = [None] * world_size
+            dist.all_gather_object(both, (stats.pairs_computed, stats.pairs_skipped))
+            counts[(fn.__name__, layout)] = both
+    return errors, counts
+
+
+def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
+    errors, counts = launch(_attention_worker, 2, timeout_s=60)
+    assert len(errors) == 4 * 2 * 2
+    for case, errs in errors.items():
+        assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
+    for fn in ("ring_attention", "allgather_attention"):
+        # contiguous: rank 0's queries precede rank 1's keys, so that pair is skipped.
+        assert counts[(fn, "contiguous")] == [(1, 1), (2, 0)]
+        # zigzag (4 chunks): each rank computes 5 of its 8 chunk pairs — balanced work.
+        assert counts[(fn, "zigzag")] == [(5, 3), (5, 3)]
+
+
+def _transport_worker(rank, world_size):
+    import torch.distributed as dist
+
+    out = {}
+    # Channel: many steps over two rounds; at step i a rank holds rank (r - i)'s data.
+    chan = P2PChannel((2, 3), 2, dtype=torch.float32, device="cpu", timeout_s=30)
+    mine = torch.full((2, 2, 3), float(rank))
+    held, ptrs = [], {}
+    for _ in range(2):
+        data = mine
+        for i in range(world_size * 2):
+            if i > 0:
+                data = chan.recv(i)
+                ptrs.setdefault(i % 2, set()).add(data.data_ptr())
+                held.append(int(data[0, 0, 0]))
+            chan.send(data, i)
+            if i > 0:
+                chan.release(i)
+        chan.recv(world_size * 2)
+        chan.release(world_size * 2)
+    chan.join()
+    out["held"] = held
+    out["two_slots"] = len(ptrs[0]) == 1 and len(ptrs[1]) == 1 and ptrs[0] != ptrs[1]
+    # Misuse raises before anything is sent, so the ranks stay in step.
+    errs = []
+    for bad in (
+        lambda: chan.recv(3),  # never sent
+        lambda: chan.release(1),  # never received
+        lambda: chan.send(torch.zeros(2, 2, 4), 0),  # wrong shape
+        lambda: chan.send(torch.zeros(2, 2, 3, dtype=torch.float64), 0),  # wrong dtype
+        lambda: chan.recv(0),  # step 0 is the rank's own data
+    ):
+        try:
+            bad()
+            errs.append(None)
+        except RuntimeError as e:
+            errs.append(str(e))
+    chan.send(mine, 0)
+    chan.recv(1)
+    try:
+        chan.send(mine, 2)  # would receive step 3 into slot 1, still holding step 1
+        errs.append(None)
+    except RuntimeError as e:
+        errs.append(str(e))
+    chan.release(1)
+    chan.join()
+    out["errors"] = errs
+
+    # All-gather: offsets, reduce_scatter, differentiable wait.
+    gen = torch.Generator().manual_seed(100 + rank)
+    parts = [torch.randn(2, 3, 4, generator=gen) for _ in range(2)]
+    ag = P2PAllGather((2, 3, 4), 2, 1, dtype=torch.float32, device="cpu", timeout_s=30)
+    ag.start(parts)
+    try:
+        ag.start(parts)
+        out["double_start"] = None
+    except RuntimeError as e:
+        out["double_start"] = str(e)
+    gathered = ag.wait(parts)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, parts)
+    expect = torch.stack([torch.cat([p[j] for p in everyone], dim=1) for j in range(2)])
+    out["gather_ok"] = gathered.shape == (2, 2, 3 * world_size, 4) and torch.equal(gathered, expect)
+    try:
+        ag.wait(parts)
+        out["wait_without_start"] = None
+    except RuntimeError as e:
+        out["wait_without_start"] = str(e)
+    grad = torch.randn(gathered.shape, generator=gen)
+    grads = [None] * world_size
+    dist.all_gather_object(grads, grad)
+    total = sum(grads)
+    rows = slice(3 * rank, 3 * rank + 3)
+    out["reduce_scatter_ok"] = torch.allclose(ag.reduce_scatter(grad), total[:, :, rows], atol=1e-5)
+    leaves = [p.clone().requires_grad_() for p in parts]
+    ag.start(leaves)
+    weight = torch.randn(gathered.shape, generator=torch.Generator().manual_seed(3))
+    (ag.wait(leaves) * weight).sum().backward()
+    out["grad_ok"] = all(
+        torch.allclose(leaf.grad, world_size * weight[j][:, rows], atol=1e-5)
+        for j, leaf in enumerate(leaves)
+    )
+    # Three ranks, GQA, zigzag and contiguous.
+    out["parity"] = _parity(
+        rank,
+        world_size,
+        "sliding_window",
+        variants.get("sliding_window", window_size=9),
+        4,
+        2,
+        (ring_attention, allgather_attention),
+        ("contiguous", "zigzag"),
+    )
+    return out
+
+
+def test_p2p_transports_and_three_rank_attention():
+    out = launch(_transport_worker, 3, timeout_s=60)
+    assert out["held"] == [2, 1, 0, 2, 1] * 2  # rank 0 holds rank (0 - i) mod 3 at steps 1..5
+    assert out["two_slots"]
+    messages = out["errors"]
+    assert None not in messages, messages
+    assert "never sent" in messages[0]
+    assert "release(1)" in messages[1]
+    assert "shape" in messages[2] and "dtype" in messages[3]
+    assert "steps start at 1" in messages[4]
+    assert "release(1) first" in messages[5]
+    assert "already outstanding" in out["double_start"]
+    assert "no gather outstanding" in out["wait_without_start"]
+    assert out["gather_ok"] and out["reduce_scatter_ok"] and out["grad_ok"]
+    for case, errs in out["parity"].items():
+        assert max(errs) < TOL, f"{case}: {errs}"
+
+
+def _dying_worker(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(1)
+    chan = P2PChannel((4,), 1, dtype=torch.float32, device="cpu", timeout_s=20)
+    chan.send(torch.ones(1, 4), 0)
+    chan.recv(1)  # rank 1 never sends: this rank must fail, not hang
+    return "unreachable"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def test_dead_rank_fails_the_run_names_it_and_leaves_no_process():
+    before = set(_children(os.getpid()))
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited with code 1"):
+        launch(_dying_worker, 2, timeout_s=20)
+    assert time.monotonic() - start < 20
+    assert set(_children(os.getpid())) - before == set()
+
+
+def _config_error_worker(rank, world_size):
+    raise ConfigError("topology.transport", "copy_engine needs one NVLink domain")
+
+
+def test_config_error_on_a_rank_reaches_the_caller_as_itself():
+    with pytest.raises(ConfigError, match="topology.transport: copy_engine"):
+        launch(_config_error_worker, 1, timeout_s=20)
+
+
+def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path):
+    from attngym.tasks.ring import check_hardware
+
+    def settings(transport):
+        return Settings(
+            attention={"name": "causal"},
+            shape=Shape(seq_len=64, heads=2, head_dim=8),
+            topology=Topology(kind="ring", world_size=2, transport=transport),
+        )
+
+    with pytest.raises(ConfigError, match=r"topology.transport: .*'copy_engine'.*auto, gloo"):
+        check_hardware(settings("copy_engine"))
+    check_hardware(settings("gloo"))
+    check_hardware(settings("auto"))

@@ -1,0 +1,72 @@
+"""Layouts and the LSE merge, in one process (no ranks needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attngym import reference, variants
+from attngym.distributed import layout, merge, shard, unshard
+
+
+@pytest.mark.parametrize("name", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(rng, name, world_size):
+    x = torch.randn(2, 3, 24, 5, generator=rng)
+    shards = [shard(x, r, world_size, name) for r in range(world_size)]
+    assert all(s.shape == (2, 3, 24 // world_size, 5) for s in shards)
+    assert torch.equal(unshard(shards, name), x)
+
+
+def test_zigzag_chunks_balance_causal_work():
+    # S = 16, P = 2: 4 chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert layout.chunks(0, 2, 16, "zigzag") == [(0, 4), (12, 4)]
+    assert layout.chunks(1, 2, 16, "zigzag") == [(4, 4), (8, 4)]
+    assert layout.chunks(1, 4, 16, "contiguous") == [(4, 4)]
+    x = torch.arange(16).view(1, 1, 16, 1)
+    assert shard(x, 1, 2, "zigzag").flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_layout_rejects_bad_values_by_name():
+    x = torch.randn(1, 1, 12, 2)
+    with pytest.raises(ValueError, match="layout must be one of contiguous, zigzag; got 'zigzg'"):
+        shard(x, 0, 2, "zigzg")
+    with pytest.raises(ValueError, match=r"seq_len=12 must be divisible by 8"):
+        shard(x, 0, 4, "zigzag")
+    with pytest.raises(ValueError, match="rank must be in"):
+        layout.chunks(2, 2, 12, "contiguous")
+    # Accepts the same length where it divides.
+    assert shard(x, 0, 3, "zigzag").shape[2] == 4
+
+
+def test_merge_of_key_splits_equals_whole_attention(rng):
+    q = torch.randn(1, 2, 8, 4, generator=rng, dtype=torch.float64)
+    k = torch.randn(1, 2, 12, 4, generator=rng, dtype=torch.float64)
+    v = torch.randn(1, 2, 12, 4, generator=rng, dtype=torch.float64)
+    causal = variants.get("causal").mask_mod
+    pos = torch.arange(12)
+    ref_out, ref_lse = reference.attention(q, k, v, None, causal, q_positions=pos[:8])
+    parts = [
+        reference.attention(
+            q, k[:, :, s], v[:, :, s], None, causal, q_positions=pos[:8], kv_positions=pos[s]
+        )
+        for s in (slice(0, 3), slice(3, 9), slice(9, 12))  # the last split is empty for every row
+    ]
+    out, lse = merge([p[0] for p in parts], [p[1] for p in parts])
+    # float64 throughout: only rounding of a few exp/log differs (1e-12 is ~1e4 ulp of O(1)).
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+
+
+def test_merge_keeps_empty_rows_zero_and_minus_inf(rng):
+    out_a = torch.randn(1, 1, 3, 2, generator=rng)
+    lse_a = torch.tensor([[[float("-inf"), 0.5, float("-inf")]]])
+    out_b = torch.randn(1, 1, 3, 2, generator=rng)
+    lse_b = torch.tensor([[[float("-inf"), float("-inf"), 1.0]]])
+    out_a[0, 0, 0] = 7.0  # garbage under a -inf lse must not leak
+    out, lse = merge([out_a, out_b], [lse_a, lse_b])
+    assert not out.isnan().any()
+    assert torch.equal(out[0, 0, 0], torch.zeros(2))
+    assert torch.isneginf(lse[0, 0, 0])
+    torch.testing.assert_close(out[0, 0, 1], out_a[0, 0, 1])
+    torch.testing.assert_close(out[0, 0, 2], out_b[0, 0, 2])
