@@ -1,0 +1,109 @@
+"""Sweeps end to end on CPU: summary files, a failing job, a resumed sweep.
+
+Each sweep is one subprocess (`python -m attngym -m ...`) with tiny shapes; the module-scoped
+fixtures share them across tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attngym.tracking.sweep import collect
+
+TINY = [
+    "device=cpu",
+    "shape.heads=2",
+    "shape.head_dim=16",
+    "benchmark.warmup=0",
+    "benchmark.repeats=1",
+    "validate_rows=32",
+    "baselines=[]",
+    "block_size=64",
+    "logger=none",
+]
+
+
+def attngym(args, cwd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "attngym", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """A 2 x 2 multirun: attention x seq_len."""
+    tmp = tmp_path_factory.mktemp("grid")
+    sweep = tmp / "sweep"
+    args = [
+        "-m",
+        *TINY,
+        "attention=causal,full",
+        "shape.seq_len=64,128",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = attngym(args, tmp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return sweep
+
+
+@pytest.fixture(scope="module")
+def failing(tmp_path_factory):
+    """Two jobs, the second with a bad value; then the same sweep again into the same folder."""
+    tmp = tmp_path_factory.mktemp("failing")
+    sweep = tmp / "sweep"
+    args = ["-m", *TINY, "shape.seq_len=64", "shape.kv_heads=1,3", f"hydra.sweep.dir={sweep}"]
+    first = attngym(args, tmp)
+    second = attngym(args, tmp)
+    return sweep, first, second
+
+
+def test_grid_summary_files(grid):
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        assert (grid / name).stat().st_size > 100, name
+    with open(grid / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
+    assert sorted((r["variant"], int(r["seq_len"])) for r in rows) == [
+        ("causal", 64),
+        ("causal", 128),
+        ("full", 64),
+        ("full", 128),
+    ]
+    assert all(float(r["err_out_max_abs"]) < 1e-4 for r in rows)
+    md = (grid / "summary.md").read_text()
+    assert "4 jobs, 0 failed." in md and "| causal |" in md
+    assert (grid / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    for job in ("0", "1", "2", "3"):
+        assert (grid / job / "heatmap.png").is_file() and (grid / job / "metrics.json").is_file()
+
+
+def test_failing_job_is_a_row_and_exit_is_nonzero(failing):
+    sweep, first, _ = failing
+    assert first.returncode == 1
+    assert "1 of 2 sweep jobs failed" in first.stderr
+    rows = {r["job"]: r for r in collect(sweep)}
+    assert rows["0"]["status"] == "ok" and rows["0"]["fwd_ms"] > 0
+    assert rows["1"]["status"] == "failed"
+    assert rows["1"]["error"].startswith("shape.kv_heads:") and "3" in rows["1"]["error"]
+    assert "shape.kv_heads" in (sweep / "summary.md").read_text()
+
+
+def test_resumed_sweep_skips_finished_jobs(failing):
+    sweep, _, second = failing
+    assert second.returncode == 1  # the bad job runs again and fails again
+    log = second.stdout + second.stderr
+    assert "already ok" in log and "skipping" in log
+    assert "job 1 shape.kv_heads=3" not in log or "failed" in log
+    log0 = (sweep / "0" / "attngym.log").read_text()
+    assert log0.count("validated") == 1  # job 0 computed once, in the first sweep only

@@ -1,0 +1,82 @@
+"""Trackers: metrics.json written atomically, results.md, and a W&B offline run with its images."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attngym import registry
+from attngym.errors import ConfigError
+from attngym.tracking import RunRecord, read_metrics, write_metrics
+
+
+def test_write_metrics_atomic_and_json_safe(tmp_path):
+    path = write_metrics(tmp_path, {"status": "ok", "fwd_ms": 1.5, "lse": float("-inf")})
+    assert path == tmp_path / "metrics.json"
+    assert json.loads(path.read_text()) == {"status": "ok", "fwd_ms": 1.5, "lse": "-inf"}
+    write_metrics(tmp_path, {"status": "failed", "error": "boom"})
+    assert read_metrics(tmp_path) == {"status": "failed", "error": "boom"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+    assert read_metrics(tmp_path / "missing") is None
+
+
+def test_trackers_registered_and_local_writes_results(tmp_path):
+    assert registry.names("tracker") == ["local", "none", "wandb"]
+    record = RunRecord(
+        run_dir=tmp_path,
+        metrics={"status": "ok", "fwd_ms": 2.25, "variant": "causal"},
+        config={},
+        images={},
+        name="attention=causal",
+        group="g",
+        job_type="single",
+    )
+    registry.build("tracker", "local").log_run(record)
+    text = (tmp_path / "results.md").read_text()
+    assert "| fwd_ms | 2.25 |" in text and "# attention=causal" in text
+    registry.build("tracker", "none").log_run(record)
+
+
+def test_wandb_mode_checked():
+    with pytest.raises(ConfigError) as info:
+        registry.build("tracker", "wandb", mode="sometimes")
+    assert info.value.key == "logger.mode"
+    assert registry.build("tracker", "wandb", mode="disabled").mode == "disabled"
+
+
+def test_wandb_offline_run_holds_images(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    env.update(WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"))
+    args = [
+        "device=cpu",
+        "shape.seq_len=64",
+        "shape.heads=2",
+        "shape.head_dim=16",
+        "benchmark.warmup=0",
+        "benchmark.repeats=1",
+        "baselines=[]",
+        "block_size=64",
+        "logger=wandb",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "attngym", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((run_dir / "wandb").iterdir())
+    images = sorted(p.name for p in runs[0].glob("files/media/images/*.png"))
+    assert any(n.startswith("heatmap") for n in images), images
+    assert any(n.startswith("block_mask") for n in images), images
+    records = list(runs[0].glob("run-*.wandb"))  # config, summary and history, for wandb sync
+    assert len(records) == 1 and records[0].stat().st_size > 1000
