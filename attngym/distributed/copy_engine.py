@@ -502,7 +502,7 @@ class CopyEngineAllGather(_CopyEngineBase):
                 if p != r:
                     self._set_flag(cur, p, r)
             self._side.wait_stream(cur)
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(self._side), torch.no_grad():
                 for step in range(p_world):
                     p = (r + step) % p_world
                     if p != r:
@@ -673,7 +673,7 @@ class CopyEngineChannel(_CopyEngineBase):
         with torch.cuda.device(self.device):
             cur = torch.cuda.current_stream(self.device)
             self._side.wait_stream(cur)
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(self._side), torch.no_grad():
                 self._wait_flag(self._side, 2 + slot, f"rank {self.dst} to free slot {slot}")
                 for dst, part in zip(self._dst_views[slot], items, strict=True):
                     dst.copy_(part)

@@ -50,8 +50,7 @@ def _worker(rank: int, init_file: str, scenario: str, arg) -> None:
     try:
         globals()[f"_scenario_{scenario}"](rank, device, arg)
     finally:
-        if scenario != "dead_peer":
-            dist.barrier()
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -90,6 +89,7 @@ def _scenario_channel_stream(rank, device, steps):
                 assert torch.equal(got, _payload((2, *shape), seq, src, i - 1, device)), (seq, i)
                 ch.release(i)
         got = ch.recv(steps)
+        slots.add(got.data_ptr())
         assert torch.equal(got, _payload((2, *shape), seq, src, steps - 1, device))
         ch.release(steps)
     ch.join()
@@ -273,9 +273,12 @@ def test_profiler_shows_no_sm_kernels(monkeypatch):
 
 
 def _scenario_dead_peer(rank, device, _):
-    """Rank 1 sets up and leaves; rank 0's recv times out with an error, never hangs."""
+    """Rank 1 sets up, then stops calling; rank 0's recv times out with an error, never hangs."""
+    import faulthandler
+
     from attngym.distributed.copy_engine import CopyEngineChannel
 
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang prints stacks and fails the test
     ch = CopyEngineChannel((1024,), 1, dtype=torch.float32, device=device, timeout_s=3.0)
     if rank == 1:
         return
