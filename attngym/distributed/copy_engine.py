@@ -358,6 +358,7 @@ class _CopyEngineBase:
             self.rank = self._mem.rank
             self.world_size = self._mem.world_size
             self._side = torch.cuda.Stream(device)
+            self._rescue = torch.cuda.Stream(device)  # the watchdog's, see _expire
             self._mem.pad.copy_(torch.tensor(list(pad_init), dtype=torch.int32, device=device))
             torch.cuda.synchronize(device)
         dist.barrier(group=self.group)  # every pad is initialised before anyone signals
@@ -369,15 +370,19 @@ class _CopyEngineBase:
             raise RuntimeError(f"{type(self).__name__} is unusable: {self._error}")
 
     def _expire(self, item: _Watch) -> None:
-        """Watchdog callback: record the failure, release the blocked stream."""
+        """Watchdog callback: release the blocked stream, then record the failure.
+
+        The flag is written first (a stream memory operation on a stream made at construction, no
+        kernel, no allocation), so a caller that sees the error and synchronises does not hang.
+        """
+        with torch.cuda.device(self.device):
+            self._ops.write(self._rescue, self._mem.word(self.rank, item.word), 1)
         if self._error is None:
             self._error = (
                 f"rank {self.rank} waited more than {self.timeout_s:g} s for {item.what} "
                 "(a peer died or stopped calling); the data it guarded is invalid"
             )
             log.error("%s: %s", type(self).__name__, self._error)
-        with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
-            self._mem.pad[item.word : item.word + 1].fill_(1)
 
     def _wait_flag(self, stream: torch.cuda.Stream, word: int, what: str) -> None:
         """Block `stream` until this rank's pad word is 1, then reset it to 0 (same stream)."""
