@@ -1,0 +1,309 @@
+"""Pictures: the seed's heatmap API and the block-level mask picture.
+
+Block classes are checked against a dense construction written here (the whole S x S mask, padded
+with False to whole blocks, as FlexAttention's create_block_mask pads) and against FlexAttention's
+own BlockMask; PNGs are read back and must be real, multi-coloured images.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from attngym import utils, variants, viz
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def seed_signature(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+EMPTY = inspect.Parameter.empty
+
+
+def read_png(path):
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(path))
+    assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 300
+    colours = torch.from_numpy(image[..., :3].reshape(-1, 3).copy()).unique(dim=0)
+    assert colours.shape[0] > 3, "a picture with a single colour (or almost)"
+    return image
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(window):
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    return mask
+
+
+def prefix_lm(prefix):
+    def mask(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    return mask
+
+
+def documents(lengths):
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    def mask(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return mask
+
+
+def dense_classes(mask_mod, seq_q, seq_kv, bq, bkv):
+    """The S x S way: whole mask, pad with False to whole blocks, count kept entries per block."""
+    q = torch.arange(seq_q).view(-1, 1)
+    kv = torch.arange(seq_kv).view(1, -1)
+    keep = torch.broadcast_to(mask_mod(0, 0, q, kv), (seq_q, seq_kv))
+    nq, nkv = math.ceil(seq_q / bq), math.ceil(seq_kv / bkv)
+    padded = torch.zeros(nq * bq, nkv * bkv, dtype=torch.bool)
+    padded[:seq_q, :seq_kv] = keep
+    kept = padded.view(nq, bq, nkv, bkv).sum(dim=(1, 3))
+    classes = torch.ones(nq, nkv, dtype=torch.uint8)  # partial
+    classes[kept == 0] = 0
+    classes[kept == bq * bkv] = 2
+    return classes
+
+
+# --------------------------------------------------------------------------------------------
+# seed API
+
+
+def test_seed_signatures():
+    assert seed_signature(utils.visualize_attention_scores) == [
+        ("query", EMPTY),
+        ("key", EMPTY),
+        ("score_mod", None),
+        ("mask_mod", None),
+        ("device", "cuda"),
+        ("name", "attention_scores"),
+        ("path", None),
+        ("batch_idx", 0),
+        ("head_idx", 0),
+        ("scale", None),
+    ]
+    assert seed_signature(utils.plot_attention_scores) == [
+        ("query", EMPTY),
+        ("key", EMPTY),
+        ("score_mod", None),
+        ("mask_mod", None),
+        ("device", "cuda"),
+        ("batch_idx", 0),
+        ("head_idx", 0),
+        ("scale", None),
+    ]
+    assert seed_signature(utils.create_score_mod) == [
+        ("query", EMPTY),
+        ("key", EMPTY),
+        ("score_mod", EMPTY),
+        ("mask_mod", EMPTY),
+        ("device", "cuda"),
+        ("_compile", False),
+        ("scale", None),
+        ("batch_idx", 0),
+        ("head_idx", 0),
+    ]
+
+
+def test_create_score_mod_matches_a_hand_computation(rng):
+    q = torch.randn(2, 4, 24, 8, generator=rng)
+    k = torch.randn(2, 2, 20, 8, generator=rng)  # GQA: query head 3 reads key head 1
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 10.0 * b + h + 0.01 * (q_idx - kv_idx)
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 3 + h
+
+    scores = utils.create_score_mod(q, k, bias, band, device="cpu", batch_idx=1, head_idx=3)
+
+    raw = (q[1, 3] @ k[1, 1].T) / math.sqrt(8)
+    qi, ki = torch.arange(24).view(-1, 1), torch.arange(20).view(1, -1)
+    expected = raw + 10.0 + 3 + 0.01 * (qi - ki)
+    expected = expected.masked_fill((qi - ki).abs() > 6, float("-inf"))
+    assert scores.shape == (24, 20)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)  # float32 matmul
+
+
+def test_create_score_mod_scale_and_no_mods(rng):
+    q = torch.randn(1, 1, 6, 4, generator=rng)
+    k = torch.randn(1, 1, 7, 4, generator=rng)
+    scores = utils.create_score_mod(q, k, None, None, device="cpu", scale=2.0)
+    torch.testing.assert_close(scores, (q[0, 0] @ k[0, 0].T) * 2.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only machine")
+def test_cuda_without_cuda_is_an_error_that_suggests_cpu(rng, tmp_path):
+    q = torch.randn(1, 1, 8, 4, generator=rng)
+    with pytest.raises(ValueError, match="CUDA is not available.*device='cpu'"):
+        utils.create_score_mod(q, q, None, causal)
+    with pytest.raises(ValueError, match="device='cpu'"):
+        utils.visualize_attention_scores(q, q, mask_mod=causal, path=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_idx": 2}, "batch_idx"),
+        ({"head_idx": -1}, "head_idx"),
+        ({"query": torch.ones(3, 4)}, "query"),
+        ({"key": torch.ones(1, 3, 8, 4)}, "key shape"),
+    ],
+)
+def test_create_score_mod_rejects_bad_input(rng, kwargs, match):
+    args = {"query": torch.randn(2, 2, 8, 4, generator=rng), "key": torch.randn(2, 2, 8, 4)}
+    args |= kwargs
+    with pytest.raises(ValueError, match=match):
+        utils.create_score_mod(args.pop("query"), args.pop("key"), None, None, device="cpu", **args)
+
+
+def test_plot_attention_scores_builds_a_labelled_figure(rng):
+    q = torch.randn(1, 2, 16, 8, generator=rng)
+    fig = utils.plot_attention_scores(q, q, mask_mod=causal, device="cpu", head_idx=1)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "key position"
+    assert ax.get_ylabel() == "query position"
+    assert ax.get_title()
+    assert len(fig.axes) == 2  # the heatmap and its colorbar
+
+
+def test_visualize_attention_scores_path_rules(rng, tmp_path, monkeypatch):
+    q = torch.randn(1, 1, 32, 8, generator=rng)
+    k = torch.randn(1, 1, 32, 8, generator=rng)
+    mask = sliding_window(6)
+
+    assert (
+        utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path) is None
+    )
+    read_png(tmp_path / "attention_scores.png")  # a folder: <path>/<name>.png
+
+    utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path / "a.png")
+    read_png(tmp_path / "a.png")  # a .png file
+
+    utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path / "sub/b")
+    read_png(tmp_path / "sub" / "b.png")  # a file without suffix, parent created
+
+    monkeypatch.chdir(tmp_path)
+    utils.visualize_attention_scores(q, k, causal_score, None, device="cpu", name="biased")
+    read_png(tmp_path / "biased.png")  # None: ./<name>.png
+
+
+def causal_score(score, b, h, q_idx, kv_idx):
+    return score - 0.1 * (q_idx - kv_idx).abs()
+
+
+def test_save_heatmap_draws_a_variant(tmp_path):
+    variant = variants.get("causal")
+    out = viz.save_heatmap(variant, tmp_path / "heatmap.png", seq_len=4096, window=48)
+    assert out == tmp_path / "heatmap.png"
+    read_png(out)
+
+
+def test_save_heatmap_rejects_a_bad_window(tmp_path):
+    with pytest.raises(ValueError, match="window"):
+        viz.save_heatmap(variants.get("full"), tmp_path, seq_len=64, window=0)
+
+
+# --------------------------------------------------------------------------------------------
+# block classes
+
+
+@pytest.mark.parametrize(
+    ("mask_mod", "seq_q", "seq_kv", "block"),
+    [
+        (causal, 1024, 1024, (128, 128)),
+        (sliding_window(200), 1024, 1024, (128, 128)),
+        (prefix_lm(300), 1024, 1024, (128, 128)),  # prefix ends inside a block
+        (documents([100, 500, 300, 124]), 1024, 1024, (128, 128)),
+        (causal, 1000, 1000, (128, 128)),  # S not a multiple of the block
+        (sliding_window(50), 640, 1000, (64, 128)),  # Sq != Skv, unequal blocks
+        (prefix_lm(70), 1000, 1000, (16, 16)),  # small blocks: several tiles per row
+    ],
+)
+def test_block_classes_equal_the_dense_construction(mask_mod, seq_q, seq_kv, block):
+    classes = viz.block_mask_classes(mask_mod, seq_q, seq_kv, block)
+    expected = dense_classes(mask_mod, seq_q, seq_kv, *block)
+    assert classes.dtype == torch.uint8
+    assert torch.equal(classes, expected)
+    assert 0 < (classes == 1).sum() < classes.numel()  # these masks all have partial blocks
+
+
+def test_block_classes_tile_across_many_columns(monkeypatch):
+    monkeypatch.setattr(viz, "_TILE_ELEMENTS", 128 * 128 * 3)  # 3 kv blocks per tile, ragged end
+    mask = documents([100, 500, 300, 100])
+    expected = dense_classes(mask, 1000, 1000, 128, 128)
+    assert torch.equal(viz.block_mask_classes(mask, 1000, 1000, (128, 128)), expected)
+
+
+def test_block_classes_agree_with_flex_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = sliding_window(200)
+    classes = viz.block_mask_classes(mask, 1000, 1000, (128, 128))
+    bm = create_block_mask(mask, None, None, 1000, 1000, device="cpu", BLOCK_SIZE=(128, 128))
+    assert torch.equal((classes == 1).sum(-1), bm.kv_num_blocks[0, 0].to(torch.int64))
+    assert torch.equal((classes == 2).sum(-1), bm.full_kv_num_blocks[0, 0].to(torch.int64))
+    assert torch.equal(classes > 0, bm.to_dense()[0, 0, :, : classes.shape[1]].bool())
+
+
+def test_no_mask_is_all_full():
+    classes = viz.block_mask_classes(None, 300, 500, (128, 128))
+    assert classes.shape == (3, 4)
+    assert bool((classes == 2).all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"seq_q": 0}, "seq_q"),
+        ({"seq_kv": 1.5}, "seq_kv"),
+        ({"block_size": (128,)}, "block_size"),
+        ({"block_size": (0, 128)}, "block_size"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_block_classes_reject_bad_input(kwargs, match):
+    args = {"mask_mod": causal, "seq_q": 256, "seq_kv": 256} | kwargs
+    with pytest.raises(ValueError, match=match):
+        viz.block_mask_classes(**args)
+
+
+def test_small_block_picture_is_a_real_image(tmp_path):
+    out = viz.save_block_mask_picture(
+        prefix_lm(300), 1000, 1000, tmp_path, block_size=(64, 64), title="prefix"
+    )
+    assert out == tmp_path / "block_mask.png"
+    read_png(out)
+
+
+def test_64k_block_picture(tmp_path):
+    """The full-length picture runs without an S x S tensor (4 G entries would be 4 GB of bools)."""
+    seq, block, window = 65536, 128, 4096
+    out = viz.save_block_mask_picture(causal, seq, seq, tmp_path / "causal_64k.png")
+    read_png(out)
+
+    classes = viz.block_mask_classes(sliding_window(window), seq, seq, (block, block))
+    n = seq // block
+    assert classes.shape == (n, n)
+    # Closed form: the diagonal and the blocks at distance window/block are partial, the ones
+    # strictly between are full (except where they would fall before position 0).
+    w = window // block
+    i = torch.arange(n).view(-1, 1)
+    j = torch.arange(n).view(1, -1)
+    expected = torch.zeros(n, n, dtype=torch.uint8)
+    expected[(i - j > 0) & (i - j < w)] = 2
+    expected[(i == j) | (i - j == w)] = 1
+    assert torch.equal(classes, expected)
