@@ -43,19 +43,25 @@ def progress(iterable: Iterable[T], *, total: int | None = None, label: str = ""
         total: number of items; defaults to `len(iterable)` when it has one.
         label: text in front of the bar.
 
-    Yields:
-        The items of `iterable`, unchanged.
+    Returns:
+        An iterator over the items of `iterable`, unchanged.
+
+    Raises:
+        ValueError: `total` is not a non-negative integer or None.
     """
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
         raise ValueError(f"total must be a non-negative integer or None, got {total!r}")
     if not enabled():
-        yield from iterable
-        return
+        return iter(iterable)
     if total is None:
         try:
             total = len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
+    return _draw(iterable, total, label)
+
+
+def _draw(iterable: Iterable[T], total: int | None, label: str) -> Iterator[T]:
     stream = sys.stderr
     done = 0
     stream.write("\r" + render(done, total, label))

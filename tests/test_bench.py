@@ -1,0 +1,175 @@
+"""FLOP accounting, block sparsity, the timer and the progress bar it can draw."""
+
+from __future__ import annotations
+
+import inspect
+import io
+
+import pytest
+import torch
+
+from attngym import bench, progress, utils
+
+EMPTY = inspect.Parameter.empty
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def test_seed_signatures():
+    params = inspect.signature(utils.calculate_tflops).parameters.values()
+    assert [(p.name, p.default) for p in params] == [
+        ("batch", EMPTY),
+        ("heads", EMPTY),
+        ("seq_q", EMPTY),
+        ("seq_kv", EMPTY),
+        ("head_dim", EMPTY),
+        ("time_ms", EMPTY),
+        ("sparsity", 0.0),
+    ]
+    params = list(
+        inspect.signature(utils.benchmark_cuda_function_in_microseconds).parameters.values()
+    )
+    assert [(p.name, p.kind) for p in params] == [
+        ("func", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("args", inspect.Parameter.VAR_POSITIONAL),
+        ("kwargs", inspect.Parameter.VAR_KEYWORD),
+    ]
+
+
+def test_calculate_tflops_hand_example():
+    # 4 * 2 * 4 * 1024 * 2048 * 64 = 4_294_967_296 FLOPs, 25% skipped: 3_221_225_472 in 2 ms.
+    assert utils.calculate_tflops(2, 4, 1024, 2048, 64, 2.0, sparsity=0.25) == pytest.approx(
+        1.610612736
+    )
+    assert utils.calculate_tflops(1, 1, 1000, 1000, 100, 1.0) == pytest.approx(0.4)
+
+
+def test_attention_flops_pass_ratios():
+    fwd = bench.attention_flops(2, 8, 4096, 4096, 128)
+    assert fwd == 4.0 * 2 * 8 * 4096 * 4096 * 128
+    assert bench.attention_flops(2, 8, 4096, 4096, 128, passes=("bwd",)) == pytest.approx(2.5 * fwd)
+    both = bench.attention_flops(2, 8, 4096, 4096, 128, passes=("fwd", "bwd"))
+    assert both == pytest.approx(3.5 * fwd)
+    half = bench.attention_flops(2, 8, 4096, 4096, 128, sparsity=0.5, passes=("fwd", "bwd"))
+    assert half == pytest.approx(both / 2)
+    assert bench.tflops(2e12, 1000.0) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: bench.attention_flops(1, 1, 8, 8, 8, sparsity=1.5), "sparsity"),
+        (lambda: bench.attention_flops(1, 1, 8, 8, 8, passes=("fwd", "back")), "passes"),
+        (lambda: bench.attention_flops(1, -1, 8, 8, 8), "heads"),
+        (lambda: bench.tflops(1e9, 0.0), "time_ms"),
+        (lambda: bench.time_fn(lambda: None, repeats=0), "repeats"),
+        (lambda: bench.time_fn(lambda: None, warmup=-1), "warmup"),
+        (lambda: bench.time_fn(lambda: None, device="gpu"), "device"),
+    ],
+)
+def test_bad_input_is_rejected_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_block_sparsity_of_a_causal_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(causal, None, None, 1024, 1024, device="cpu", BLOCK_SIZE=(128, 128))
+    # 8 x 8 blocks, the 36 on or below the diagonal are computed.
+    assert bench.block_sparsity(bm) == pytest.approx(28 / 64)
+    assert bench.block_sparsity(None) == 0.0
+
+
+def test_block_sparsity_with_a_ragged_end_and_heads():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 64 * (h + 1)
+
+    bm = create_block_mask(window, 1, 2, 1000, 1000, device="cpu", BLOCK_SIZE=(128, 128))
+    computed = bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()
+    assert bench.block_sparsity(bm) == pytest.approx(1 - float(computed) / (2 * 8 * 8))
+
+
+def test_time_fn_on_cpu(rng):
+    a = torch.randn(128, 128, generator=rng)
+    calls = []
+
+    def work():
+        calls.append(1)
+        return a @ a
+
+    timing = bench.time_fn(work, warmup=3, repeats=4, device="cpu")
+    assert len(calls) == 7  # warm-up calls run, untimed
+    assert isinstance(timing, bench.Timing)
+    assert timing.repeats == 4 and len(timing.all_ms) == 4
+    assert all(t > 0 for t in timing.all_ms)
+    assert timing.min_ms <= timing.median_ms <= timing.max_ms
+    assert timing.min_ms == min(timing.all_ms) and timing.max_ms == max(timing.all_ms)
+
+
+def test_time_fn_draws_progress_on_a_terminal(monkeypatch):
+    err = _Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.delenv("ATTNGYM_PROGRESS", raising=False)
+    timing = bench.time_fn(lambda: None, warmup=0, repeats=3, device="cpu", progress="fwd")
+    assert timing.repeats == 3
+    assert "fwd [" in err.getvalue() and "3/3" in err.getvalue()
+
+
+def test_benchmark_function_in_microseconds_runs(rng):
+    a = torch.randn(64, 64, generator=rng)
+    us = utils.benchmark_cuda_function_in_microseconds(torch.matmul, a, a)
+    assert isinstance(us, float) and us > 0
+
+
+@pytest.mark.gpu
+def test_time_fn_on_cuda():
+    a = torch.randn(1024, 1024, device="cuda")
+    timing = bench.time_fn(lambda: a @ a, warmup=1, repeats=3, device="cuda")
+    assert timing.repeats == 3 and all(t > 0 for t in timing.all_ms)
+    assert utils.benchmark_cuda_function_in_microseconds(torch.matmul, a, a) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# progress bar
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_renders_the_bar():
+    assert progress.render(3, 10, "sweep") == "sweep [######              ] 3/10"
+    assert progress.render(10, 10) == "[####################] 10/10"
+    assert progress.render(4, None, "jobs") == "jobs 4"
+
+
+def test_progress_draws_on_a_terminal(monkeypatch):
+    err = _Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.delenv("ATTNGYM_PROGRESS", raising=False)
+    assert list(progress.progress(iter("abc"), total=3, label="x")) == ["a", "b", "c"]
+    text = err.getvalue()
+    assert text.count("\r") == 4 and text.endswith("x [####################] 3/3\n")
+
+
+@pytest.mark.parametrize("env", ["0", None])
+def test_progress_is_silent_when_disabled_or_not_a_terminal(monkeypatch, env):
+    err = _Terminal() if env == "0" else io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    if env is None:
+        monkeypatch.delenv("ATTNGYM_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("ATTNGYM_PROGRESS", env)
+    assert list(progress.progress(range(5), label="x")) == [0, 1, 2, 3, 4]
+    assert err.getvalue() == ""
+
+
+def test_progress_rejects_a_bad_total():
+    with pytest.raises(ValueError, match="total"):
+        progress.progress(range(3), total=-1)
