@@ -22,12 +22,12 @@ run: setup
 	$(PY) -m attngym $(ARGS)
 
 lint: setup
-	$(PY) -m ruff check attngym tests
-	$(PY) -m ruff format --check attngym tests
+	$(PY) -m ruff check attngym tests scripts experiments
+	$(PY) -m ruff format --check attngym tests scripts experiments
 
 format: setup
-	$(PY) -m ruff format attngym tests
-	$(PY) -m ruff check --fix attngym tests
+	$(PY) -m ruff format attngym tests scripts experiments
+	$(PY) -m ruff check --fix attngym tests scripts experiments
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

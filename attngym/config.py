@@ -70,6 +70,7 @@ class Settings:
     block_size: tuple[int, int] = (128, 128)  # (q, kv) block-mask block size
     kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     compile: bool = True  # compile flex_attention on CUDA
+    compile_mode: str = "default"  # torch.compile mode (attngym.kernels.COMPILE_MODES)
     passes: tuple[str, ...] = ("fwd", "bwd")  # which passes to time
     baselines: tuple[str, ...] = ()  # sdpa, sdpa_dense_mask, ... (CUDA)
     validate: bool = True  # compare against the dense reference
@@ -89,7 +90,17 @@ DEVICES = ("auto", "cpu", "cuda")
 TRANSPORTS = ("auto", "copy_engine", "nccl", "gloo")
 LAYOUTS = ("contiguous", "zigzag")
 PASSES = ("fwd", "bwd")
-BASELINES = ("sdpa", "sdpa_dense_mask")
+# sdpa: SDPA's own dispatch; sdpa_<backend>: that backend forced; sdpa_dense_mask: the variant as a
+# dense mask/bias; flex_default: compiled flex at (128, 128) with no kernel options (the contender
+# a tuned block size or kernel options are measured against).
+BASELINES = (
+    "sdpa",
+    "sdpa_cudnn",
+    "sdpa_flash",
+    "sdpa_efficient",
+    "sdpa_dense_mask",
+    "flex_default",
+)
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -200,14 +211,17 @@ def _names(kind: str) -> list[str]:
     return registry.names(kind)
 
 
+# `block_size=tuned`: block size and kernel options from attngym/tuned.json (see attngym.tuning).
+TUNED = "tuned"
+
+
 def _block(data: Mapping[str, Any], key: str) -> int | str:
     value = _get(data, key)
     if isinstance(value, str):
-        if value not in BLOCK_SIZE_RESOLVERS:
+        named = sorted([*BLOCK_SIZE_RESOLVERS, TUNED])
+        if value not in named:
             raise ConfigError(
-                key,
-                f"must be a positive multiple of 16 or one of {sorted(BLOCK_SIZE_RESOLVERS)}, "
-                f"got {value!r}",
+                key, f"must be a positive multiple of 16 or one of {named}, got {value!r}"
             )
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
@@ -267,6 +281,9 @@ def check_config(cfg: Any) -> dict[str, Any]:
         if p not in PASSES:
             raise ConfigError("passes", choice_error("pass", p, PASSES))
     _bool(data, "compile", True)
+    from attngym.kernels import COMPILE_MODES
+
+    _choice(data, "compile_mode", COMPILE_MODES, "compile mode", "default")
     kernel_options = _get(data, "kernel_options", {}) or {}
     if not isinstance(kernel_options, Mapping):
         raise ConfigError("kernel_options", f"must be a mapping, got {kernel_options!r}")
@@ -383,7 +400,18 @@ def from_config(cfg: Any) -> Settings:
     layout = topo.get("layout", "contiguous")
     _seq_divides(data["shape"]["seq_len"], world_size, layout)
     blocks = []
-    for side in ("q", "kv"):
+    if TUNED in (data["block_size"]["q"], data["block_size"]["kv"]):
+        from attngym import tuning
+        from attngym.device import device_info
+
+        blocks, kernel_options = tuning.resolve(
+            str(data["attention"].get("name")),
+            data["shape"]["head_dim"],
+            device_info(device)["capability"],
+            kernel_options,
+        )
+        _check_flash(kernel_options, dtype)
+    for side in ("q", "kv") if not blocks else ():
         value = data["block_size"][side]
         if isinstance(value, str):
             value = BLOCK_SIZE_RESOLVERS[value](device)[0 if side == "q" else 1]
@@ -413,6 +441,7 @@ def from_config(cfg: Any) -> Settings:
         block_size=(blocks[0], blocks[1]),
         kernel_options=kernel_options,
         compile=data.get("compile", True),
+        compile_mode=data.get("compile_mode", "default"),
         passes=tuple(data.get("passes", ("fwd", "bwd"))),
         baselines=tuple(data.get("baselines") or ()),
         validate=data.get("validate", True),

@@ -40,12 +40,36 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+# One compiled graph per (variant callbacks' code, their constants, shapes, kernel options):
+# a sweep of many variants and sequence lengths in one process needs far more than Dynamo's
+# default of 8, and past the limit Dynamo silently runs flex eagerly (materialising S x S).
+RECOMPILE_LIMIT = 256
+
+
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @functools.cache
-def compiled_flex_attention():
-    """flex_attention compiled once per process (Dynamo caches one graph per shape/variant)."""
+def compiled_flex_attention(mode: str = "default"):
+    """flex_attention compiled once per process and mode, with room for one graph per sweep job.
+
+    `mode="max-autotune-no-cudagraphs"` lets Inductor time FlexAttention's candidate Triton
+    configs at compile time (slow to compile, sometimes faster kernels).
+
+    Dynamo guards closures by their code object and the constants they read, so rebuilding the
+    same variant (or shifting it by tensor offsets) reuses the compiled kernel.
+    """
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+    )
+    if mode not in COMPILE_MODES:
+        raise ValueError(choice_error("compile mode", mode, COMPILE_MODES))
+    return torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
 
 
 def shifted_mods(
@@ -117,6 +141,7 @@ def attend_chunk(
     kernel_options: Mapping[str, Any] | None = None,
     scale: float | None = None,
     compile: bool = True,
+    compile_mode: str = "default",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a q chunk over a kv chunk, the variant taken at global positions.
 
@@ -130,6 +155,7 @@ def attend_chunk(
         kernel_options: passed to flex_attention unchanged.
         scale: score scale, default 1 / sqrt(D).
         compile: compile flex_attention (CUDA); False runs it eagerly.
+        compile_mode: torch.compile mode when compiling (see COMPILE_MODES).
 
     Returns:
         out: (B, H, Sq, D) in q.dtype; lse: (B, H, Sq), float32 (float64 inputs: float64).
@@ -165,7 +191,10 @@ def attend_chunk(
             block_size=block_size,
             device=q.device,
         )
-    fn = compiled_flex_attention() if compile and q.device.type == "cuda" else flex_attention
+    if compile and q.device.type == "cuda":
+        fn = compiled_flex_attention(compile_mode)
+    else:
+        fn = flex_attention
     with warnings.catch_warnings():
         # Eager flex (the CPU path, or compile=False) is chosen on purpose here; torch's advice
         # to compile it is noise for every first call. Only that one message is silenced.

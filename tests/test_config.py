@@ -112,10 +112,23 @@ def test_every_experiment_composes(hydra_ctx, name):
         listed = [v.strip() for v in params.attention.split(",")]
         assert sorted(listed) == options("attention")
     if name == "flex_vs_sdpa":
-        assert list(cfg.baselines) == ["sdpa", "sdpa_dense_mask"]
-        assert "shape.seq_len" in params
+        assert list(cfg.baselines) == [
+            "sdpa",
+            "sdpa_cudnn",
+            "sdpa_flash",
+            "sdpa_efficient",
+            "sdpa_dense_mask",
+        ]
+        listed = [v.strip() for v in params.attention.split(",")]
+        assert listed == [
+            "full", "causal", "sliding_window", "document", "prefix_lm", "alibi", "softcap",
+            "gemma2",
+        ]  # fmt: skip
+        assert params["shape.seq_len"] == "2048,4096,8192,16384,32768"
+        assert params["shape.head_dim"] == "64,128"
+        assert cfg.shape.batch * cfg.shape.seq_len == 32768  # constant tokens per job
     if name == "block_size_sweep":
-        assert "block_size" in params
+        assert "block_size" in params and "kernel_options" in params
     check_config(make([f"+experiment={name}"]))
 
 

@@ -240,8 +240,13 @@ def grad_errors(
 
 
 def base_metrics(settings: Settings) -> dict[str, Any]:
-    """The metrics that describe the configuration (variant, shape, topology, dtype, blocks)."""
+    """The metrics that describe the configuration (variant, shape, topology, dtype, blocks,
+    kernel options as `kernel_options.<NAME>`, and the device: gpu, capability, torch)."""
+    from attngym.device import device_info
+
     s = settings.shape
+    info = device_info(settings.device)
+    options = {f"kernel_options.{k}": v for k, v in sorted(settings.kernel_options.items())}
     return {
         "variant": str(settings.attention.get("name")),
         "topology": settings.topology.kind,
@@ -256,6 +261,10 @@ def base_metrics(settings: Settings) -> dict[str, Any]:
         "head_dim": s.head_dim,
         "block_q": settings.block_size[0],
         "block_kv": settings.block_size[1],
+        **options,
+        "gpu": info["name"],
+        "capability": info["capability"],
+        "torch": info["torch"],
     }
 
 
