@@ -132,6 +132,7 @@ def time_fn(
     repeats: int = 5,
     device: str | torch.device | None = None,
     progress: str | None = None,
+    setup: Callable[[], Any] | None = None,
 ) -> Timing:
     """Time `fn()` per call: `warmup` untimed calls, then `repeats` timed ones.
 
@@ -147,6 +148,9 @@ def time_fn(
         repeats: timed calls, at least 1.
         device: where fn's work runs; None means CUDA when available, else CPU.
         progress: a label to show a progress bar over the repeats (see attngym.progress).
+        setup: when given, called before every call outside the timed region, and `fn` is called
+            with its result: e.g. a forward pass whose graph a timed backward consumes (compiled
+            backwards free their buffers, so a graph cannot be replayed with retain_graph).
 
     Returns:
         Timing with the median, min, max and every per-call time in milliseconds.
@@ -166,18 +170,19 @@ def time_fn(
         steps = bar(steps, total=repeats, label=progress)
 
     for _ in range(warmup):
-        fn()
+        fn() if setup is None else fn(setup())
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=dev)
             torch.cuda.synchronize()
             events = []
             for _ in steps:
+                arg = None if setup is None else setup()
                 flush.zero_()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                fn() if setup is None else fn(arg)
                 end.record()
                 events.append((start, end))
             torch.cuda.synchronize()
@@ -185,8 +190,9 @@ def time_fn(
     else:
         times = []
         for _ in steps:
+            arg = None if setup is None else setup()
             t0 = time.perf_counter()
-            fn()
+            fn() if setup is None else fn(arg)
             times.append((time.perf_counter() - t0) * 1e3)
     return Timing.from_times(times)
 

@@ -173,3 +173,16 @@ def test_progress_is_silent_when_disabled_or_not_a_terminal(monkeypatch, env):
 def test_progress_rejects_a_bad_total():
     with pytest.raises(ValueError, match="total"):
         progress.progress(range(3), total=-1)
+
+
+def test_time_fn_setup_feeds_each_call_outside_the_timed_region():
+    made, consumed = [], []
+
+    def setup():
+        made.append(torch.randn(3))
+        return made[-1]
+
+    timing = bench.time_fn(consumed.append, warmup=2, repeats=4, device="cpu", setup=setup)
+    assert timing.repeats == 4
+    assert len(made) == 6  # one fresh input per call, warm-up included
+    assert all(a is b for a, b in zip(made, consumed, strict=True))

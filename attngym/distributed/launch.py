@@ -58,8 +58,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _backend(device: str) -> str:
-    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+def _backend(device: str, local_world_size: int) -> str:
+    """gloo on CPU; NCCL for CUDA tensors when every local rank has its own GPU.
+
+    Several ranks on one GPU (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, for testing the
+    copy-engine protocol on one device) take gloo for CUDA tensors too: NCCL refuses two ranks on
+    one device ("Duplicate GPU detected"), while symmetric memory only needs the group for its
+    rendezvous.
+    """
+    if device != "cuda":
+        return "gloo"
+    import torch
+
+    if local_world_size > torch.cuda.device_count():
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def _set_device(device: str, local_rank: int) -> None:
@@ -128,7 +141,7 @@ def _rank_main(
     try:
         _set_device(device, rank)
         dist.init_process_group(
-            _backend(device),
+            _backend(device, world_size),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -243,7 +256,10 @@ def _join_torchrun(
     _set_device(device, local_rank)
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(_backend(device), timeout=datetime.timedelta(seconds=timeout_s))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        dist.init_process_group(
+            _backend(device, local), timeout=datetime.timedelta(seconds=timeout_s)
+        )
     try:
         return fn(rank, world_size, *args)
     finally:

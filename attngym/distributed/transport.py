@@ -114,10 +114,26 @@ def resolve_transport(
                 "span several; choose one of: auto, nccl",
             )
         chosen = "copy_engine" if one_domain else "nccl"
+    if chosen == "nccl" and _cuda_backend(group) != "nccl":
+        raise ConfigError(
+            key,
+            "transport 'nccl' needs one GPU per rank (an NCCL group), and these ranks share GPUs "
+            "over gloo; choose copy_engine (several ranks on one GPU is a protocol test only)",
+        )
     if name == "auto":
         log.info("transport=auto resolved to %r on %s", chosen, torch.device(device).type)
     _RESOLVED[memo] = chosen
     return registry.build("transport", chosen)
+
+
+def _cuda_backend(group) -> str:
+    """The process group's backend for CUDA tensors ("nccl", or "gloo" when ranks share a GPU)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        return dict(part.split(":") for part in backend.split(","))["cuda"]
+    return backend
 
 
 # Resolutions per (name, device type, group): the NVLink check is a collective, done once.

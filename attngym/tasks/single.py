@@ -255,13 +255,14 @@ def _time_passes(
     bench_cfg = settings.benchmark
     timings: dict[str, Any] = {}
 
-    def timed(name: str, fn: Callable[[], Any]) -> None:
+    def timed(name: str, fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -> None:
         timings[name] = bench.time_fn(
             fn,
             warmup=bench_cfg.warmup,
             repeats=bench_cfg.repeats,
             device=device,
             progress=f"{label} {name}",
+            setup=setup,
         )
 
     if "fwd" in settings.passes:
@@ -271,9 +272,12 @@ def _time_passes(
             with torch.no_grad():
                 timed("fwd", fwd)
     if do_bwd:
-        out = first(fwd())
-        timed("bwd", lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True))
-        del out
+        # A fresh forward graph per timed backward, built outside the timed region.
+        timed(
+            "bwd",
+            lambda out: torch.autograd.grad(out, (q, k, v), grad_out),
+            setup=lambda: first(fwd()),
+        )
         timed("fwd_bwd", lambda: torch.autograd.grad(first(fwd()), (q, k, v), grad_out))
     return timings
 

@@ -21,11 +21,13 @@ REL = 2e-3
 
 
 def _transports():
+    """nccl needs a GPU per rank (NCCL refuses two ranks on one device); copy_engine also runs
+    with two ranks on one GPU when TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (a gloo group)."""
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out = ["nccl"]
+    out = ["nccl"] if n_gpu >= 2 else []
     if n_gpu >= 2 or os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1":
         out.append("copy_engine")
-    return out
+    return out or ["nccl"]  # collected and skipped without CUDA
 
 
 def _worker(rank, world_size, transport):
