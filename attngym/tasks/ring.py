@@ -221,7 +221,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         )
         with torch.no_grad():
             whole()
-            single = timed("single", whole)
+            single = timed(whole)
         metrics["single_fwd_ms"] = single.median_ms
         metrics["efficiency"] = (single.median_ms / world_size) / timings["fwd"].median_ms
         log.info(
