@@ -364,11 +364,13 @@ def _resolve_world_size(kind: str, value: Any, device: str) -> int:
         if value == "auto":
             log.info("topology.world_size=auto: %d GPUs", count)
             return count
-        if value > count:
+        overlap = os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
+        if value > count and not overlap:  # overlap: a protocol test of several ranks per GPU
             raise ConfigError(
                 "topology.world_size",
                 f"{value} ranks but this machine has {count} GPUs; use at most {count} "
-                "(or torchrun for several nodes)",
+                "(or torchrun for several nodes; TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 "
+                "shares GPUs between ranks to test the copy-engine protocol)",
             )
         return value
     if value == "auto":
