@@ -55,6 +55,17 @@ RESULT_ROWS = (
     ("err_dq_rel", "rel err dq"),
     ("bwd_status", "bwd"),
 )
+# Context-parallel runs also show how the ranks did.
+CP_ROWS = (
+    ("topology", "topology"),
+    ("world_size", "ranks"),
+    ("transport", "transport"),
+    ("layout", "layout"),
+    ("single_fwd_ms", "one device fwd (ms)"),
+    ("efficiency", "efficiency"),
+)
+# The ratios worth a line; every other flex_over_<baseline>_<pass> is in metrics.json.
+HEADLINE_BASELINES = ("best_sdpa", "sdpa_dense_mask", "flex_default")
 
 
 def _group_dirs() -> set[str]:
@@ -167,18 +178,13 @@ def _plain_config(cfg: DictConfig) -> dict[str, Any]:
 def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
     lines = [f"attngym: {metrics.get('status')}"]
-    rows = [(label, metrics[key]) for key, label in RESULT_ROWS if metrics.get(key) is not None]
+    shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
+    rows = [(label, metrics[key]) for key, label in shown if metrics.get(key) is not None]
     rows += [
-        (
-            "flex speed-up vs "
-            + key.removeprefix("flex_over_")
-            .replace("_fwd_bwd", " fwd+bwd")
-            .replace("_fwd", " fwd")
-            .replace("_bwd", " bwd"),
-            metrics[key],
-        )
-        for key in metrics
-        if key.startswith("flex_over_") and metrics[key] is not None
+        (f"flex speed-up vs {baseline} {p.replace('fwd_bwd', 'fwd+bwd')}", metrics[key])
+        for baseline in HEADLINE_BASELINES
+        for p in ("fwd", "bwd", "fwd_bwd")
+        if metrics.get(key := f"flex_over_{baseline}_{p}") is not None
     ]
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:

@@ -252,6 +252,7 @@ def base_metrics(settings: Settings) -> dict[str, Any]:
         "topology": settings.topology.kind,
         "world_size": settings.topology.world_size,
         "transport": settings.topology.transport,
+        "layout": settings.topology.layout if settings.topology.kind != "single" else None,
         "device": settings.device,
         "dtype": settings.dtype,
         "batch": s.batch,
