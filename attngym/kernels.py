@@ -57,7 +57,8 @@ def compiled_flex_attention(mode: str = "default"):
     configs at compile time (slow to compile, sometimes faster kernels).
 
     Dynamo guards closures by their code object and the constants they read, so rebuilding the
-    same variant (or shifting it by tensor offsets) reuses the compiled kernel.
+    same variant (or shifting it by tensor offsets) reuses the compiled kernel. The first call
+    raises torch._dynamo's recompile limits for the whole process (to RECOMPILE_LIMIT).
     """
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention

@@ -454,3 +454,16 @@ def test_missing_parameter_is_named():
 
 def test_optional_parameter_may_be_left_out():
     assert get("document", doc_lengths=[2, 3]).params["causal"] is True
+
+
+def test_a_variant_with_buffers_needs_bind():
+    import torch
+
+    from attngym.variants import Variant
+
+    with pytest.raises(ValueError, match="no bind"):
+        Variant(name="broken", buffers={"ids": torch.arange(4)})
+    rebound = Variant(
+        name="ok", buffers={"ids": torch.arange(4)}, bind=lambda buffers: (None, None)
+    ).to("cpu")
+    assert rebound.buffers["ids"].tolist() == [0, 1, 2, 3]

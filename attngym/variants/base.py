@@ -52,7 +52,11 @@ class Variant:
     sdpa: str | None = None
 
     def __post_init__(self):
-        assert not self.buffers or self.bind is not None, "a variant with buffers needs bind"
+        if self.buffers and self.bind is None:
+            raise ValueError(
+                f"variant {self.name!r} has buffers {sorted(self.buffers)} but no bind: "
+                "`.to(device)` could not rebuild its callbacks"
+            )
 
     @property
     def device(self) -> torch.device | None:
