@@ -123,6 +123,21 @@ class Timing:
 
 # Larger than any current L2 (H100/H200: 50/60 MB, B200: 126 MB).
 L2_FLUSH_BYTES = 256 * 2**20
+_L2_FLUSH: dict[torch.device, torch.Tensor] = {}
+
+
+def l2_flush_buffer(device: str | torch.device) -> torch.Tensor:
+    """The CUDA device's L2-flush buffer (L2_FLUSH_BYTES of int8), allocated once per device.
+
+    Kept for the process's life, so timing does not allocate: a caller that measures peak memory
+    calls this before resetting the peak, and the buffer is not counted in it.
+    """
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device(dev.type, torch.cuda.current_device())
+    if dev not in _L2_FLUSH:
+        _L2_FLUSH[dev] = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=dev)
+    return _L2_FLUSH[dev]
 
 
 def time_fn(
@@ -173,7 +188,7 @@ def time_fn(
         fn() if setup is None else fn(setup())
     if dev.type == "cuda":
         with torch.cuda.device(dev):
-            flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=dev)
+            flush = l2_flush_buffer(dev)
             torch.cuda.synchronize()
             events = []
             for _ in steps:

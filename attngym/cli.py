@@ -7,9 +7,13 @@ topology gets the same treatment:
     →  heatmap.png, block_mask.png  →  tracker (logger group)  →  a short results table
 
 metrics.json is written whatever happens (status ok or failed, with the error), because sweep
-summaries, reports and resumed sweeps read it. A bad value stops a single run with one line
-naming the key (exit code 2; HYDRA_FULL_ERROR=1 shows the traceback); inside a sweep it becomes a
-failed row and the other jobs still run, and the sweep exits 1 at the end.
+summaries, reports and resumed sweeps read it. Tasks judge their own validation
+(attngym.tasks.common.validate_rows sets `validation` to "ok" or "failed: ...") and return all
+their numbers; a failed verdict makes the run's status failed with that error (exit code 1), so
+the timings of a wrong kernel are still on record but never pass as a good run.
+A bad value stops a single run with one line naming the key (exit code 2; HYDRA_FULL_ERROR=1
+shows the traceback); inside a sweep it becomes a failed row and the other jobs still run, and
+the sweep exits 1 at the end.
 
 Before Hydra composes anything, `entry` checks config-group options on the command line, so a typo
 like `attention=sliding_windw` is one line with a suggestion instead of Hydra's multi-line error,
@@ -223,6 +227,12 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         task = registry.get("task", settings.topology.kind)
         metrics.update(task(settings, run_dir))
         metrics["status"] = "ok"
+        verdict = metrics.get("validation")
+        if isinstance(verdict, str) and verdict.startswith("failed"):
+            # The task returns every number; the verdict fails the run, metrics.json keeps both.
+            metrics["status"] = "failed"
+            metrics["error"] = f"validation {verdict}"
+            log.error("validation %s", verdict)
     except Exception as err:
         failure = err
         metrics["error"] = (
@@ -261,6 +271,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     print(format_results(metrics, run_dir), flush=True)
     if failure is not None:
         raise failure
+    if metrics["status"] != "ok":  # a validation failure: the table above says which error
+        raise SystemExit(1)
     return metrics
 
 

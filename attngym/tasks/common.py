@@ -11,16 +11,19 @@ Shape legend: B batch, H query heads, G key/value heads, S sequence, D head dim,
 from __future__ import annotations
 
 import inspect
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from attngym import variants
-from attngym.config import Settings
-from attngym.errors import ConfigError, choice_error
+from attngym import reference, variants
+from attngym.config import Settings, Shape
+from attngym.errors import ConfigError, choice_error, closest
 from attngym.variants.base import Variant
+
+log = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -64,8 +67,24 @@ METRIC_NAMES = (
     "err_dk_rel",
     "err_dv_rel",
     "validated_rows",
+    "validation",
     "bwd_status",
 )
+
+# Validation tolerances per dtype, judged against the float64 reference on the validated rows.
+# RTOL bounds the norm-wise relative errors (err_out_rel, err_dq_rel, err_dk_rel, err_dv_rel). The
+# reference sees the same rounded inputs, so what is measured is the kernel's own rounding: bf16
+# keeps 8 significant bits (unit roundoff 2^-8 ~ 4e-3) and flex rounds the probabilities to bf16
+# before P @ V and the output once more, which measures ~2e-3 to 5e-3; 2e-2 leaves a 4-5x margin
+# while a wrong mask or score_mod (errors of order 1e-1 to 1) still fails. fp16 keeps 11 bits
+# (~5e-4 roundoff): 1e-2. fp32 accumulates in fp32 (~1e-7 measured, longer sums on long rows): 1e-4.
+# fp64 runs the same arithmetic as the reference: 1e-8.
+RTOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
+# LSE_ATOL bounds err_lse_max_abs, an absolute error: the lse is a log of a sum of exp(scores),
+# of order max score + log S, and is kept in fp32 by flex whatever the input dtype, so the error
+# comes from scores computed on 16-bit inputs (1e-2 covers them), or fp32/fp64 rounding.
+LSE_ATOL = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
+REL_ERRORS = ("err_out_rel", "err_dq_rel", "err_dk_rel", "err_dv_rel")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -121,10 +140,12 @@ def build_variant(
         for param in params:
             if param not in sig.parameters:
                 allowed = ", ".join(sig.parameters) or "none"
+                hint = closest(param, sig.parameters)
+                suffix = f" (did you mean {hint!r}?)" if hint else ""
                 raise ConfigError(
                     f"{key}.{param}",
                     f"{name!r} has no parameter {param!r} (value {params[param]!r}); "
-                    f"its parameters: {allowed}",
+                    f"its parameters: {allowed}{suffix}",
                 )
         for param, p in sig.parameters.items():
             if p.default is inspect.Parameter.empty and param not in params:
@@ -277,3 +298,153 @@ def baseline_metric(baseline: str, pass_name: str, what: str) -> str:
 def speedup_metric(baseline: str, pass_name: str) -> str:
     """`flex_over_<baseline>_<pass>`: baseline time / flex time (> 1: flex is faster)."""
     return f"flex_over_{baseline}_{pass_name}"
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so host timers and peaks are honest."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def judge_errors(metrics: Mapping[str, Any], dtype: str) -> str:
+    """The validation verdict of error metrics: "ok" or "failed: <what> (<dtype>)".
+
+    Relative errors (REL_ERRORS) are judged against RTOL[dtype], err_lse_max_abs against
+    LSE_ATOL[dtype]; metrics that are None (gradients not computed) are not judged; NaN fails.
+
+    Returns:
+        e.g. "ok", or "failed: err_out_rel=0.31 > 0.02 (bfloat16)" (every violation, "; "-joined).
+    """
+    if dtype not in RTOL:
+        raise ValueError(choice_error("dtype", dtype, RTOL))
+    limits = {name: RTOL[dtype] for name in REL_ERRORS}
+    limits["err_lse_max_abs"] = LSE_ATOL[dtype]
+    bad = [
+        f"{name}={value:.3g} > {limit:g}"
+        for name, limit in limits.items()
+        if (value := metrics.get(name)) is not None and not value <= limit
+    ]
+    return f"failed: {'; '.join(bad)} ({dtype})" if bad else "ok"
+
+
+def validate_rows(
+    settings: Settings,
+    variant: Variant,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    attend: Callable[
+        [torch.Tensor | None],
+        tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor] | None],
+    ],
+    *,
+    do_bwd: bool,
+) -> dict[str, Any]:
+    """Errors of one attention call (output, lse and, when do_bwd, dq/dk/dv) on sampled rows
+    against the float64 dense reference, and their verdict.
+
+    The rows are `sample_rows(S, settings.validate_rows, settings.seed)`, so memory stays
+    O(R x S). For the gradients the output gradient is kept on the sampled rows only (`g_masked`,
+    zero elsewhere): then dk and dv of the kernel depend on those rows alone and compare exactly
+    with the reference's dk, dv for the R-row problem; dq is compared on the sampled rows.
+
+    Args:
+        q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D) — the whole-sequence inputs
+            the kernel attended (the reference works on detached float64 copies).
+        attend: `attend(g_masked) -> (out, lse, grads)` runs the kernel under test on the whole
+            problem and returns out (B, H, S, D), lse (B, H, S) and, when `g_masked` (B, H, S, D)
+            is given, the whole-sequence gradients (dq, dk, dv) for that output gradient
+            (else None). It is called once, with None when not do_bwd. A sharded task gathers
+            its shards inside `attend`.
+        do_bwd: also compare gradients.
+
+    Returns:
+        validated_rows, err_out_max_abs, err_out_rel, err_lse_max_abs, err_dq_rel, err_dk_rel,
+        err_dv_rel (None without do_bwd) and `validation` ("ok" or "failed: ...", judge_errors).
+    """
+    seq_len = q.shape[2]
+    rows = sample_rows(seq_len, settings.validate_rows, settings.seed, q.device)  # (R,)
+    metrics: dict[str, Any] = {"validated_rows": int(rows.numel())}
+    q64 = q.detach()[:, :, rows].double().requires_grad_(do_bwd)  # (B, H, R, D)
+    k64 = k.detach().double().requires_grad_(do_bwd)  # (B, G, S, D)
+    v64 = v.detach().double().requires_grad_(do_bwd)
+    ref_out, ref_lse = reference.attention(
+        q64, k64, v64, variant.score_mod, variant.mask_mod, q_positions=rows, dtype=torch.float64
+    )  # (B, H, R, D), (B, H, R)
+    g_masked = None
+    if do_bwd:
+        g_rows = grad_out.detach()[:, :, rows]  # (B, H, R, D)
+        g_masked = torch.zeros_like(grad_out)
+        g_masked[:, :, rows] = g_rows
+    out, lse, grads = attend(g_masked)
+    metrics.update(
+        output_errors(out.detach()[:, :, rows], lse.detach()[:, :, rows], ref_out.detach(), ref_lse)
+    )
+    if do_bwd and grads is not None:
+        dq, dk, dv = grads
+        ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), g_rows.double())
+        metrics.update(grad_errors((dq[:, :, rows], dk, dv), ref_grads))
+    else:
+        metrics.update({"err_dq_rel": None, "err_dk_rel": None, "err_dv_rel": None})
+    metrics["validation"] = judge_errors(metrics, settings.dtype)
+    log.info(
+        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %.3g; %s",
+        metrics["validated_rows"],
+        metrics["err_out_max_abs"],
+        metrics["err_out_rel"],
+        metrics["err_lse_max_abs"],
+        metrics["validation"],
+    )
+    return metrics
+
+
+PASS_PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd_bwd": ("fwd", "bwd")}
+
+
+def pass_flops(shape: Shape, seq_len: int, sparsity: float) -> dict[str, float]:
+    """Useful FLOPs of each pass ("fwd", "bwd", "fwd_bwd") for the whole problem.
+
+    Args:
+        shape: the run's shape (batch, heads, head_dim); seq_len: S for both q and kv.
+        sparsity: fraction of blocks the block mask skips (their FLOPs are not counted).
+    """
+    from attngym import bench
+
+    return {
+        p: bench.attention_flops(
+            shape.batch,
+            shape.heads,
+            seq_len,
+            seq_len,
+            shape.head_dim,
+            sparsity=sparsity,
+            passes=parts,
+        )
+        for p, parts in PASS_PARTS.items()
+    }
+
+
+def pass_metrics(
+    timings: Mapping[str, Any], shape: Shape, seq_len: int, sparsity: float
+) -> dict[str, Any]:
+    """fwd_ms, fwd_ms_min, fwd_ms_max, bwd_ms, fwd_bwd_ms and <pass>_tflops from timings.
+
+    Args:
+        timings: {"fwd": Timing, "bwd": Timing, "fwd_bwd": Timing} (attngym.bench.time_fn
+            results); a missing pass gives None metrics.
+        shape, seq_len, sparsity: as in pass_flops.
+    """
+    from attngym import bench
+
+    flops = pass_flops(shape, seq_len, sparsity)
+    metrics: dict[str, Any] = {}
+    for p in PASS_PARTS:
+        timing = timings.get(p)
+        metrics[f"{p}_ms"] = timing.median_ms if timing else None
+        metrics[f"{p}_tflops"] = bench.tflops(flops[p], timing.median_ms) if timing else None
+    fwd = timings.get("fwd")
+    metrics["fwd_ms_min"] = fwd.min_ms if fwd else None
+    metrics["fwd_ms_max"] = fwd.max_ms if fwd else None
+    return metrics

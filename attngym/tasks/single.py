@@ -38,11 +38,6 @@ log = logging.getLogger(__name__)
 NO_CPU_BWD = "not available: FlexAttention has no CPU backward"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @registry.register("task", "single")
 def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     """Run one configuration on one device.
@@ -96,41 +91,38 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     out, lse = fwd()
     if do_bwd:
         torch.autograd.grad(out, (q, k, v), grad_out)
-    _sync(device)
+    common.sync(device)
     metrics["compile_s"] = time.perf_counter() - start
     what = "compile + first call" if use_compile else "first eager call"
     log.info("flex %s: %.2f s", what, metrics["compile_s"])
 
-    # 3. Validation on sampled rows.
-    if settings.validate:
-        out, lse = fwd()
-        metrics.update(_validate(settings, variant, q, k, v, grad_out, out, lse, do_bwd))
-    else:
-        metrics["validated_rows"] = 0
     del out, lse
 
-    # 4. Timings.
-    flops = {
-        p: bench.attention_flops(
-            shape.batch,
-            shape.heads,
-            seq_len,
-            seq_len,
-            shape.head_dim,
-            sparsity=sparsity,
-            passes=passes,
+    # 3. Validation on sampled rows.
+    if settings.validate:
+
+        def attend(g_masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+            out, lse = fwd()
+            grads = torch.autograd.grad(out, (q, k, v), g_masked) if g_masked is not None else None
+            return out, lse, grads
+
+        metrics.update(
+            common.validate_rows(settings, variant, q, k, v, grad_out, attend, do_bwd=do_bwd)
         )
-        for p, passes in (("fwd", ("fwd",)), ("bwd", ("bwd",)), ("fwd_bwd", ("fwd", "bwd")))
-    }
+    else:
+        metrics["validated_rows"] = 0
+        metrics["validation"] = "not run (validate=false)"
+
+    # 4. Timings. The peak is reset after the float64 validation and after the L2-flush buffer
+    # exists, so peak_mem_bytes is what the flex calls themselves need.
+    if device.type == "cuda":
+        bench.l2_flush_buffer(device)
+    common.sync(device)
+    device_mod.reset_peak_memory(device)
+    flops = common.pass_flops(shape, seq_len, sparsity)
     flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
     metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device)
-    for p in ("fwd", "bwd", "fwd_bwd"):
-        timing = flex_ms.get(p)
-        metrics[f"{p}_ms"] = timing.median_ms if timing else None
-        metrics[f"{p}_tflops"] = bench.tflops(flops[p], timing.median_ms) if timing else None
-    fwd_timing = flex_ms.get("fwd")
-    metrics["fwd_ms_min"] = fwd_timing.min_ms if fwd_timing else None
-    metrics["fwd_ms_max"] = fwd_timing.max_ms if fwd_timing else None
+    metrics.update(common.pass_metrics(flex_ms, shape, seq_len, sparsity))
 
     # Profile one call, in the run folder.
     if settings.profiler != "none":
@@ -143,7 +135,13 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
         if fn is None:
             log.info("baseline %s skipped: %s", name, reason)
             continue
-        times = _time_passes(name, fn, q, k, v, grad_out, settings, device, do_bwd)
+        failures: dict[str, str] = {}
+        times = _time_passes(name, fn, q, k, v, grad_out, settings, device, do_bwd, failures)
+        if failures:  # e.g. a forced SDPA backend with a forward but no backward for these inputs
+            missing = ", ".join(failures)
+            reason = next(iter(failures.values()))
+            metrics[f"{name}_status"] = f"skipped: {missing}: {reason}"
+            log.info("baseline %s %s skipped: %s", name, missing, reason)
         for p, timing in times.items():
             metrics[common.baseline_metric(name, p, "ms")] = timing.median_ms
             metrics[common.baseline_metric(name, p, "tflops")] = bench.tflops(
@@ -181,60 +179,6 @@ def _best_sdpa(metrics: dict[str, Any], flex_ms: dict[str, Any]) -> dict[str, An
     return out
 
 
-def _validate(
-    settings: Settings,
-    variant: Variant,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    grad_out: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    do_bwd: bool,
-) -> dict[str, Any]:
-    """Errors of flex (out, lse and, when do_bwd, dq/dk/dv) against the float64 reference.
-
-    Args:
-        q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D); out: (B, H, S, D) from flex;
-            lse: (B, H, S).
-    """
-    seq_len = q.shape[2]
-    rows = common.sample_rows(seq_len, settings.validate_rows, settings.seed, q.device)  # (R,)
-    q_rows = q.detach()[:, :, rows]  # (B, H, R, D)
-    metrics: dict[str, Any] = {"validated_rows": int(rows.numel())}
-    if do_bwd:
-        q64 = q_rows.double().requires_grad_(True)
-        k64 = k.detach().double().requires_grad_(True)
-        v64 = v.detach().double().requires_grad_(True)
-    else:
-        q64, k64, v64 = q_rows, k.detach(), v.detach()
-    ref_out, ref_lse = reference.attention(
-        q64, k64, v64, variant.score_mod, variant.mask_mod, q_positions=rows, dtype=torch.float64
-    )
-    metrics.update(
-        common.output_errors(
-            out.detach()[:, :, rows], lse.detach()[:, :, rows], ref_out.detach(), ref_lse
-        )
-    )
-    if do_bwd:
-        g_rows = grad_out[:, :, rows]  # (B, H, R, D)
-        g_masked = torch.zeros_like(grad_out)
-        g_masked[:, :, rows] = g_rows
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), g_masked)
-        ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref_out, (q64, k64, v64), g_rows.double())
-        metrics.update(common.grad_errors((dq[:, :, rows], dk, dv), (ref_dq, ref_dk, ref_dv)))
-    else:
-        metrics.update({"err_dq_rel": None, "err_dk_rel": None, "err_dv_rel": None})
-    log.info(
-        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %.3g",
-        metrics["validated_rows"],
-        metrics["err_out_max_abs"],
-        metrics["err_out_rel"],
-        metrics["err_lse_max_abs"],
-    )
-    return metrics
-
-
 def _time_passes(
     label: str,
     fwd: Callable[[], Any],
@@ -245,8 +189,14 @@ def _time_passes(
     settings: Settings,
     device: torch.device,
     do_bwd: bool,
+    failures: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Timings of the requested passes: {"fwd": Timing, "bwd": Timing, "fwd_bwd": Timing}."""
+    """Timings of the requested passes: {"fwd": Timing, "bwd": Timing, "fwd_bwd": Timing}.
+
+    With `failures` (a baseline), a pass whose call raises RuntimeError (a backend with no kernel
+    for it) is left out of the timings and its reason stored in `failures[pass]`; the other passes
+    are still timed. Without it (flex) the error propagates and fails the run.
+    """
     from attngym import bench
 
     def first(result: Any) -> torch.Tensor:
@@ -256,14 +206,19 @@ def _time_passes(
     timings: dict[str, Any] = {}
 
     def timed(name: str, fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -> None:
-        timings[name] = bench.time_fn(
-            fn,
-            warmup=bench_cfg.warmup,
-            repeats=bench_cfg.repeats,
-            device=device,
-            progress=f"{label} {name}",
-            setup=setup,
-        )
+        try:
+            timings[name] = bench.time_fn(
+                fn,
+                warmup=bench_cfg.warmup,
+                repeats=bench_cfg.repeats,
+                device=device,
+                progress=f"{label} {name}",
+                setup=setup,
+            )
+        except RuntimeError as exc:
+            if failures is None:
+                raise
+            failures[name] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
 
     if "fwd" in settings.passes:
         if do_bwd:
@@ -427,7 +382,7 @@ def _profile(
     profiler = registry.build("profiler", settings.profiler, run_dir=Path(run_dir))
     with profiler as result, torch.no_grad():
         fwd()
-        _sync(device)
+        common.sync(device)
     result = dict(result or {})
     path = Path(run_dir) / "profile.json"
     path.write_text(json.dumps(result, indent=2, default=str))
