@@ -126,3 +126,94 @@ def test_build_variant_rejections_name_the_key():
     with pytest.raises(ConfigError) as info:
         common.build_variant({"name": "gemma2", "compose": [{"name": "softcapp", "soft_cap": 1.0}]})
     assert info.value.key == "attention.compose.0.name"
+
+
+def test_judge_errors_per_dtype():
+    # bf16 keeps 8 significant bits: 5e-3 is ordinary rounding, 0.31 a wrong kernel.
+    ok = {"err_out_rel": 5e-3, "err_lse_max_abs": 1e-3, "err_dq_rel": None}
+    assert common.judge_errors(ok, "bfloat16") == "ok"
+    bad = common.judge_errors({**ok, "err_out_rel": 0.31}, "bfloat16")
+    assert bad == "failed: err_out_rel=0.31 > 0.02 (bfloat16)"
+    # The same 5e-3 is far too much for float32; lse is judged with its absolute tolerance.
+    verdict = common.judge_errors({**ok, "err_lse_max_abs": 1e-3}, "float32")
+    assert verdict.startswith("failed: err_out_rel=0.005 > 0.0001; err_lse_max_abs=0.001 > ")
+    assert common.judge_errors({"err_dv_rel": math.nan}, "float64").startswith("failed")
+    assert common.judge_errors({"err_dv_rel": 1e-9}, "float64") == "ok"
+
+
+def _reference_kernel(variant, q, k, v):
+    """`attend` for validate_rows with the float32 dense reference as the kernel under test."""
+
+    def attend(g_masked):
+        out, lse = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
+        grads = torch.autograd.grad(out, (q, k, v), g_masked) if g_masked is not None else None
+        return out, lse, grads
+
+    return attend
+
+
+def test_validate_rows_accepts_a_right_kernel_with_gradients():
+    s = settings({"name": "causal"})
+    variant = common.build_variant(s.attention)
+    q, k, v, g = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
+    m = common.validate_rows(
+        s, variant, q, k, v, g, _reference_kernel(variant, q, k, v), do_bwd=True
+    )
+    assert m["validation"] == "ok" and m["validated_rows"] == 48
+    # g_masked: dk, dv of the whole problem match the 48-row reference to float32 rounding.
+    for name in ("err_out_rel", "err_dq_rel", "err_dk_rel", "err_dv_rel"):
+        assert m[name] < 1e-5, (name, m[name])
+
+
+def test_validate_rows_fails_a_wrong_kernel():
+    s = settings({"name": "causal"})
+    variant = common.build_variant(s.attention)
+    full = common.build_variant({"name": "full"})
+    q, k, v, g = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
+    m = common.validate_rows(s, variant, q, k, v, g, _reference_kernel(full, q, k, v), do_bwd=True)
+    assert m["validation"].startswith("failed: err_out_rel=") and "(float32)" in m["validation"]
+    assert m["err_out_rel"] > 0.1 and m["err_dk_rel"] > 0.1  # the numbers are kept
+
+
+def test_pass_metrics_from_timings():
+    from attngym.bench import Timing, attention_flops
+
+    shape = Shape(batch=1, heads=2, seq_len=128, head_dim=16)
+    m = common.pass_metrics({"fwd": Timing.from_times([1.0, 2.0, 4.0])}, shape, 128, 0.25)
+    flops = attention_flops(1, 2, 128, 128, 16, sparsity=0.25)
+    assert m["fwd_ms"] == 2.0 and m["fwd_ms_min"] == 1.0 and m["fwd_ms_max"] == 4.0
+    assert m["fwd_tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+    assert m["bwd_ms"] is None and m["fwd_bwd_tflops"] is None
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("No available kernel for the backward")
+
+
+def test_baseline_pass_without_backward_is_recorded_not_fatal():
+    s = settings({"name": "causal"})
+    q, k, v, g = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
+    args = (q, k, v, g, s, torch.device("cpu"), True)
+    failures: dict[str, str] = {}
+    times = single._time_passes("sdpa_x", lambda: _NoBackward.apply(q), *args, failures)
+    assert set(times) == {"fwd"} and times["fwd"].median_ms > 0
+    assert failures == {
+        "bwd": "No available kernel for the backward",
+        "fwd_bwd": "No available kernel for the backward",
+    }
+    with pytest.raises(RuntimeError, match="No available kernel"):  # flex: the run fails
+        single._time_passes("flex", lambda: _NoBackward.apply(q), *args)
+
+
+def test_unknown_variant_parameter_suggests_the_closest():
+    with pytest.raises(ConfigError) as info:
+        common.build_variant({"name": "sliding_window", "window_siz": 3})
+    assert info.value.key == "attention.window_siz"
+    assert str(info.value).endswith("(did you mean 'window_size'?)")
+    assert common.build_variant({"name": "sliding_window", "window_size": 3}).name
