@@ -85,19 +85,34 @@ _GROUP_ARG = re.compile(
 )
 
 
+# Keys whose sub-keys are open: a variant's parameters differ per variant, kernel options are
+# flex_attention's. Overrides of them are forced (`++`), so a misspelt key reaches attngym's own
+# check (one line with a suggestion) rather than Hydra's struct-mode error.
+OPEN_KEYS = ("attention", "kernel_options")
+_OPEN_ARG = re.compile(rf"^(?:{'|'.join(OPEN_KEYS)})\.[\w.]+=")
+
+
 def prepare_overrides(argv: list[str]) -> list[str]:
     """Check and normalise config-group overrides before Hydra sees them.
 
     - `group=option` (and sweeps `group=a,b`) must name files in conf/<group>/; an unknown option
       raises ConfigError listing the options with a suggestion;
     - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
-      as integers and refuse them as group options.
+      as integers and refuse them as group options;
+    - `attention.<key>=v` and `kernel_options.<key>=v` become `++attention.<key>=v` (add or
+      override): these keys are checked by attngym (attngym.tasks.common.build_variant, the
+      kernel-option checks of attngym.config), which names a misspelt key with a suggestion.
+      `kernel_options` is null in conf/config.yaml so that sweeps can set whole mappings
+      (`kernel_options={...}`); `++kernel_options.X=v` creates the mapping from null.
 
     Arguments that are not group overrides pass through unchanged.
     """
     groups = _group_dirs()
     out = []
     for arg in argv:
+        if _OPEN_ARG.match(arg):
+            out.append(f"++{arg}")
+            continue
         match = _GROUP_ARG.match(arg)
         if arg.startswith("-") or not match or match["group"] not in groups:
             out.append(arg)

@@ -83,12 +83,12 @@ class Settings:
 
 # ---------------------------------------------------------------------------------------------
 # Choices. Components that register themselves (tasks, profilers, trackers) are read from
-# attngym.registry, so a new one is accepted as soon as it registers.
+# attngym.registry, so a new one is accepted as soon as it registers. Choices the library owns
+# (transports, layouts, W&B modes) are imported from it inside the checks, so each tuple is
+# defined once and `import attngym.config` stays light; attngym.tasks.common maps DTYPES to torch.
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
-TRANSPORTS = ("auto", "copy_engine", "nccl", "gloo")
-LAYOUTS = ("contiguous", "zigzag")
 PASSES = ("fwd", "bwd")
 # sdpa: SDPA's own dispatch; sdpa_<backend>: that backend forced; sdpa_dense_mask: the variant as a
 # dense mask/bias; flex_default: compiled flex at (128, 128) with no kernel options (the contender
@@ -101,7 +101,6 @@ BASELINES = (
     "sdpa_dense_mask",
     "flex_default",
 )
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _flash_block_size(device: str) -> tuple[int, int]:
@@ -217,15 +216,12 @@ TUNED = "tuned"
 
 def _block(data: Mapping[str, Any], key: str) -> int | str:
     value = _get(data, key)
-    if isinstance(value, str):
-        named = sorted([*BLOCK_SIZE_RESOLVERS, TUNED])
-        if value not in named:
-            raise ConfigError(
-                key, f"must be a positive multiple of 16 or one of {named}, got {value!r}"
-            )
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
-        raise ConfigError(key, f"must be a positive multiple of 16, got {value!r}")
+    named = sorted([*BLOCK_SIZE_RESOLVERS, TUNED])
+    bad_int = isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16
+    if (value not in named) if isinstance(value, str) else bad_int:
+        raise ConfigError(
+            key, f"must be a positive multiple of 16 or one of {named}, got {value!r}"
+        )
     return value
 
 
@@ -239,12 +235,41 @@ def _seq_divides(seq_len: int, world_size: int, layout: str) -> None:
         )
 
 
-def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
+def _is_flash(kernel_options: Mapping[str, Any]) -> bool:
     backend = kernel_options.get("BACKEND")
-    if isinstance(backend, str) and backend.upper() == "FLASH" and dtype in ("float32", "float64"):
+    return isinstance(backend, str) and backend.upper() == "FLASH"
+
+
+def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
+    """BACKEND=FLASH needs a 16-bit dtype (judged on values only; `auto` is judged later)."""
+    if _is_flash(kernel_options) and dtype in ("float32", "float64"):
         raise ConfigError(
             "kernel_options.BACKEND",
             f"FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype={dtype}",
+        )
+
+
+def _check_flash_device(
+    kernel_options: Mapping[str, Any], device: str, block_size: tuple[int, int]
+) -> None:
+    """BACKEND=FLASH on the resolved device: a CUDA device, and the block size its kernel has.
+
+    The flash kernel is built for one block size per GPU generation
+    (attngym.device.get_flash_block_size); any other block mask cannot run on it.
+    """
+    if not _is_flash(kernel_options):
+        return
+    if device != "cuda":
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH is a CUDA backend, but device={device}; use device=cuda or drop BACKEND",
+        )
+    need = _flash_block_size(device)
+    if tuple(block_size) != need:
+        raise ConfigError(
+            "block_size",
+            f"FLASH needs block_size (q, kv) = {need} on this GPU, got {tuple(block_size)}; "
+            "use block_size=flash",
         )
 
 
@@ -309,6 +334,9 @@ def check_config(cfg: Any) -> dict[str, Any]:
             raise ConfigError(
                 "topology.world_size", f"must be 1 (or auto) for topology single, got {world_size}"
             )
+    from attngym.distributed.layout import LAYOUTS
+    from attngym.distributed.transport import TRANSPORTS
+
     _choice(data, "topology.transport", TRANSPORTS, "transport", "auto")
     layout = _choice(data, "topology.layout", LAYOUTS, "layout", "contiguous")
     timeout = _get(data, "topology.timeout_s", 120.0)
@@ -320,7 +348,9 @@ def check_config(cfg: Any) -> dict[str, Any]:
     _choice(data, "profiler.name", _names("profiler"), "profiler")
     logger = _choice(data, "logger.name", _names("tracker"), "logger")
     if logger == "wandb":
-        _choice(data, "logger.mode", WANDB_MODES, "wandb mode", "offline")
+        from attngym.tracking.wandb_logger import MODES
+
+        _choice(data, "logger.mode", MODES, "wandb mode", "offline")
 
     from attngym.tasks.common import build_variant
 
@@ -329,18 +359,13 @@ def check_config(cfg: Any) -> dict[str, Any]:
 
 
 def _resolve_device(name: str) -> str:
-    import torch
+    """`device.name` resolved by attngym.device.resolve_device (the one resolver): cpu | cuda."""
+    from attngym.device import resolve_device
 
-    available = torch.cuda.is_available()
-    if name == "auto":
-        chosen = "cuda" if available else "cpu"
-        log.info("device=auto: using %s", chosen)
-        return chosen
-    if name == "cuda" and not available:
-        raise ConfigError(
-            "device.name", "cuda was requested but torch sees no CUDA device; use cpu or auto"
-        )
-    return name
+    try:
+        return resolve_device(name).type
+    except ValueError as err:
+        raise ConfigError("device.name", str(err)) from None
 
 
 def _resolve_world_size(kind: str, value: Any, device: str) -> int:
@@ -419,6 +444,7 @@ def from_config(cfg: Any) -> Settings:
             value = BLOCK_SIZE_RESOLVERS[value](device)[0 if side == "q" else 1]
             log.info("block_size.%s=%s: %d on %s", side, data["block_size"][side], value, device)
         blocks.append(int(value))
+    _check_flash_device(kernel_options, device, (blocks[0], blocks[1]))
     shape = data["shape"]
     bench = data.get("benchmark", {})
     return Settings(

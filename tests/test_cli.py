@@ -142,3 +142,68 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["attention=sliding_window", "attention.window_siz=3"],
+            "attngym: error: attention.window_siz: 'sliding_window' has no parameter "
+            "'window_siz' (value 3); its parameters: window_size (did you mean 'window_size'?)",
+        ),
+        (
+            ["kernel_options.BACKEND=FLASH", "dtype=float32"],
+            "attngym: error: kernel_options.BACKEND: FLASH needs a 16-bit dtype "
+            "(bfloat16 or float16), but dtype=float32",
+        ),
+    ],
+    ids=["unknown_parameter", "flash_float32"],
+)
+def test_open_keys_reach_attngym_checks(tmp_path, args, message):
+    proc = attngym([*SMALL, *args, "logger=none", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [message]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_prepare_overrides_forces_open_keys():
+    out = prepare_overrides(["attention.window_size=3", "kernel_options.BACKEND=FLASH"])
+    assert out == ["++attention.window_size=3", "++kernel_options.BACKEND=FLASH"]
+    kept = ["+attention.x=1", "~kernel_options.A", "kernel_options={A:1}", "attention=causal"]
+    assert prepare_overrides(kept) == kept
+
+
+def test_forced_kernel_option_composes_from_null_and_sweeps_keep_mappings():
+    from hydra import compose, initialize_config_dir
+
+    from attngym.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=prepare_overrides(["kernel_options.BACKEND=FLASH"]))
+        assert dict(cfg.kernel_options) == {"BACKEND": "FLASH"}
+        cfg = compose("config", overrides=["kernel_options={USE_TMA:true}"])
+        assert dict(cfg.kernel_options) == {"USE_TMA": True}
+        cfg = compose(
+            "config", overrides=["+experiment=block_size_sweep"], return_hydra_config=True
+        )
+        assert "choice({}" in cfg.hydra.sweeper.params.kernel_options.replace(" ", "")
+
+
+def test_failed_validation_fails_the_run_and_keeps_the_numbers(tmp_path):
+    run_dir = tmp_path / "r"
+    args = [*SMALL, "logger=none", f"hydra.run.dir={run_dir}"]
+    code = (  # a float32 tolerance no kernel meets: the verdict, not the numbers, must change
+        "import sys; from attngym.tasks import common; common.RTOL['float32'] = 1e-15; "
+        f"from attngym.cli import entry; entry({args!r})"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["status"] == "failed" and m["validation"].startswith("failed: err_out_rel=")
+    assert m["error"] == f"validation {m['validation']}" and "(float32)" in m["error"]
+    assert 0 < m["err_out_rel"] < 1e-4 and m["fwd_ms"] > 0  # every number still recorded
+    assert "attngym: failed" in proc.stdout and "Traceback" not in proc.stderr

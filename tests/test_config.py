@@ -261,3 +261,64 @@ def test_resolvers():
     assert _div(1024, 32) == 32
     with pytest.raises(ValueError, match="non-zero"):
         _div(4, 0)
+
+
+def test_block_size_message_lists_the_named_options(hydra_ctx):
+    with pytest.raises(ConfigError, match=r"multiple of 16 or one of \['flash', 'tuned'\], got 24"):
+        check_config(make(["block_size.q=24"]))
+    with pytest.raises(ConfigError, match=r"one of \['flash', 'tuned'\], got 'flsh'"):
+        check_config(make(["block_size.kv=flsh"]))
+    check_config(make(["block_size.q=flash", "block_size.kv=32"]))
+
+
+def test_flash_backend_refused_on_cpu(hydra_ctx):
+    flash = ["device=cpu", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH", "block_size=flash"]
+    check_config(make(flash))  # pure: the device is not probed yet
+    with pytest.raises(ConfigError, match="FLASH is a CUDA backend") as info:
+        from_config(make(flash))
+    assert info.value.key == "kernel_options.BACKEND"
+    assert from_config(make(flash[:2])).dtype == "bfloat16"  # without FLASH: accepted
+
+
+def test_flash_backend_needs_the_flash_block_size(monkeypatch):
+    from attngym import config
+
+    monkeypatch.setattr(config, "_flash_block_size", lambda device: (256, 128))  # an SM100 GPU
+    flash = {"BACKEND": "FLASH"}
+    with pytest.raises(
+        ConfigError, match=r"\(256, 128\) .* got \(128, 128\); use block_size=flash"
+    ):
+        config._check_flash_device(flash, "cuda", (128, 128))
+    config._check_flash_device(flash, "cuda", (256, 128))
+    config._check_flash_device({"BACKEND": "TRITON"}, "cuda", (128, 128))
+
+
+def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
+    from attngym import device
+
+    def refuse(name):
+        raise ValueError(f"device={name!r} was requested but CUDA is not available")
+
+    monkeypatch.setattr(device, "resolve_device", refuse)
+    with pytest.raises(ConfigError, match="CUDA is not available") as info:
+        from_config(make(["device=cuda"]))
+    assert info.value.key == "device.name"
+    monkeypatch.undo()
+    assert from_config(make(["device=cpu"])).device == "cpu"
+
+
+def test_choices_are_the_library_tuples(hydra_ctx):
+    from attngym.distributed.layout import LAYOUTS
+    from attngym.distributed.transport import TRANSPORTS
+    from attngym.tasks.common import DTYPES
+    from attngym.tracking.wandb_logger import MODES
+
+    for choices, key in ((TRANSPORTS, "topology.transport"), (LAYOUTS, "topology.layout")):
+        with pytest.raises(ConfigError, match=", ".join(sorted(choices))):
+            check_config(make([f"{key}=nope"]))
+    with pytest.raises(ConfigError, match=", ".join(sorted(MODES))):
+        check_config(make(["logger.mode=nope"]))
+    import attngym.config as config
+
+    assert set(DTYPES) == set(config.DTYPES) - {"auto"}
+    assert not hasattr(config, "TRANSPORTS") and not hasattr(config, "WANDB_MODES")

@@ -18,19 +18,15 @@ from typing import Any
 
 import torch
 
-from attngym import reference, variants
+from attngym import config, reference, variants
 from attngym.config import Settings, Shape
 from attngym.errors import ConfigError, choice_error, closest
 from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+# The resolved dtype names of attngym.config.DTYPES (all but "auto") as torch dtypes.
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}
 
 # Metric names every task reports (values may be None where a quantity does not apply).
 METRIC_NAMES = (
