@@ -68,8 +68,6 @@ CP_ROWS = (
     ("single_fwd_ms", "one device fwd (ms)"),
     ("efficiency", "efficiency"),
 )
-# The ratios worth a line; every other flex_over_<baseline>_<pass> is in metrics.json.
-HEADLINE_BASELINES = ("best_sdpa", "sdpa_dense_mask", "flex_default")
 
 
 def _group_dirs() -> set[str]:
@@ -196,6 +194,8 @@ def _plain_config(cfg: DictConfig) -> dict[str, Any]:
 
 def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
+    from attngym.tasks.common import HEADLINE_BASELINES  # the ratios worth a line
+
     lines = [f"attngym: {metrics.get('status')}"]
     shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
     rows = [(label, metrics[key]) for key, label in shown if metrics.get(key) is not None]

@@ -20,32 +20,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-TABLE_COLUMNS = (
-    "job",
-    "overrides",
-    "status",
-    "variant",
-    "topology",
-    "world_size",
-    "device",
-    "dtype",
-    "batch",
-    "heads",
-    "seq_len",
-    "head_dim",
-    "block_q",
-    "block_kv",
-    "sparsity",
-    "fwd_ms",
-    "fwd_tflops",
-    "bwd_ms",
-    "fwd_bwd_tflops",
-    "err_out_max_abs",
-    "err_lse_max_abs",
-    "err_dq_rel",
-    "error",
-)
-
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; font-size: 13px; }
@@ -94,11 +68,13 @@ def build_report(folder: str | Path) -> str:
         raise ValueError(f"{folder} holds no attngym run (no metrics.json, no job folders)")
     failed = sum(row.get("status") != "ok" for row in rows)
     title = f"attngym {'sweep' if is_sweep else 'run'} {folder.name}"
-    columns = [c for c in TABLE_COLUMNS if any(row.get(c) is not None for row in rows)]
+    from attngym.tracking.sweep import md_columns
+
+    columns = [c for c in md_columns() if any(row.get(c) is not None for row in rows)]
     extra = sorted(
         {k for row in rows for k in row if k.startswith("flex_over_") and row[k] is not None}
     )
-    columns += extra
+    columns[-1:-1] = [c for c in extra if c not in columns]  # every ratio, before the error
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",

@@ -107,3 +107,30 @@ def test_resumed_sweep_skips_finished_jobs(failing):
     assert "job 1 shape.kv_heads=3" not in log or "failed" in log
     log0 = (sweep / "0" / "attngym.log").read_text()
     assert log0.count("validated") == 1  # job 0 computed once, in the first sweep only
+
+
+def test_summary_columns_follow_the_metric_names(tmp_path):
+    from attngym.tasks.common import HEADLINE_RATIOS, METRIC_NAMES
+    from attngym.tracking.sweep import md_columns, write_markdown
+
+    columns = md_columns()
+    assert set(METRIC_NAMES) | set(HEADLINE_RATIOS) <= set(columns) and columns[-1] == "error"
+    rows = [
+        {"job": "0", "status": "failed", "validation": "failed: x", "flex_over_best_sdpa_fwd": 1.5},
+        {"job": "1", "status": "ok", "validation": "ok", "sdpa_fwd_ms": 2.0},
+    ]
+    write_markdown(rows, tmp_path / "s.md", "t")
+    header = (tmp_path / "s.md").read_text().splitlines()[4]
+    assert header == "| job | status | validation | flex_over_best_sdpa_fwd |"
+
+
+def test_summary_plot_leaves_pyplot_alone(tmp_path):
+    code = (
+        "import sys, matplotlib; from attngym.tracking.sweep import write_plot; "
+        f"ok = write_plot([{{'status': 'ok', 'variant': 'causal', 'seq_len': 64, 'fwd_ms': 1.0}}], "
+        f"__import__('pathlib').Path({str(tmp_path / 'p.png')!r}), 't'); "
+        "print(ok, 'matplotlib.pyplot' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

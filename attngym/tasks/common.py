@@ -67,6 +67,20 @@ METRIC_NAMES = (
     "bwd_status",
 )
 
+# The flex_over_<baseline>_<pass> ratios worth a column in results tables (every other ratio is
+# in metrics.json): flex against the fastest SDPA, a dense-mask SDPA and flex untuned.
+HEADLINE_BASELINES = ("best_sdpa", "sdpa_dense_mask", "flex_default")
+HEADLINE_RATIOS = tuple(
+    f"flex_over_{b}_{p}" for b in HEADLINE_BASELINES for p in ("fwd", "bwd", "fwd_bwd")
+)
+
+
+def table_columns() -> tuple[str, ...]:
+    """Columns of a results table (summary.md, report.html): every METRIC_NAMES entry, then the
+    headline ratios, the error last. Tables show those present in at least one row."""
+    return (*(n for n in METRIC_NAMES if n != "error"), *HEADLINE_RATIOS, "error")
+
+
 # Validation tolerances per dtype, judged against the float64 reference on the validated rows.
 # RTOL bounds the norm-wise relative errors (err_out_rel, err_dq_rel, err_dk_rel, err_dv_rel). The
 # reference sees the same rounded inputs, so what is measured is the kernel's own rounding: bf16

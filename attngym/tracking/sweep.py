@@ -26,25 +26,14 @@ from attngym.tracking.files import read_metrics
 
 log = logging.getLogger(__name__)
 
-# Columns of summary.md (summary.csv has them all).
-MD_COLUMNS = (
-    "job",
-    "overrides",
-    "status",
-    "variant",
-    "device",
-    "dtype",
-    "seq_len",
-    "block_q",
-    "sparsity",
-    "fwd_ms",
-    "fwd_tflops",
-    "bwd_ms",
-    "fwd_bwd_tflops",
-    "err_out_max_abs",
-    "err_lse_max_abs",
-    "error",
-)
+
+def md_columns() -> tuple[str, ...]:
+    """Columns of summary.md (summary.csv has them all): job, overrides, then the metric names of
+    attngym.tasks.common.table_columns (imported here: it pulls torch)."""
+    from attngym.tasks.common import table_columns
+
+    return ("job", "overrides", *table_columns())
+
 
 # Set by the callback at the end of a sweep run in this process: (failed jobs, all jobs).
 LAST_RESULT: dict[str, int] = {"failed": 0, "jobs": 0}
@@ -104,8 +93,8 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """A Markdown table of the MD_COLUMNS present in at least one row."""
-    columns = [c for c in MD_COLUMNS if any(row.get(c) is not None for row in rows)]
+    """A Markdown table of the md_columns() present in at least one row."""
+    columns = [c for c in md_columns() if any(row.get(c) is not None for row in rows)]
     failed = sum(row.get("status") != "ok" for row in rows)
     lines = [f"# {title}", "", f"{len(rows)} jobs, {failed} failed.", ""]
     lines.append("| " + " | ".join(columns) + " |")
@@ -132,12 +121,13 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         series.setdefault(name, []).append((float(row["seq_len"]), float(row[metric])))
     if not series:
         return False
-    import matplotlib
+    # A Figure of its own with the Agg canvas (as attngym.viz draws): no pyplot, no global backend.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     for name, points in sorted(series.items()):
         points.sort()
         xs, ys = zip(*points, strict=True)
@@ -150,7 +140,6 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return True
 
 
