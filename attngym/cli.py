@@ -215,6 +215,39 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
+    """A file handler on the `attngym` logger: this process's records go to rank<N>.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    pkg = logging.getLogger("attngym")
+    pkg.addHandler(handler)
+    if pkg.getEffectiveLevel() > logging.INFO:
+        pkg.setLevel(logging.INFO)
+    return handler
+
+
+def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int) -> dict[str, Any]:
+    """A rank other than 0 under torchrun: the same checks and task (its collectives need every
+    rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
+    are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail."""
+    from attngym import registry
+    from attngym.config import from_config
+
+    handler = _rank_log(run_dir, rank)
+    try:
+        settings = from_config(cfg)
+        metrics = registry.get("task", settings.topology.kind)(settings, run_dir)
+        log.info("rank %d done: validation %s", rank, (metrics or {}).get("validation"))
+        return metrics
+    except Exception:
+        log.exception("rank %d failed", rank)
+        raise
+    finally:
+        logging.getLogger("attngym").removeHandler(handler)
+        handler.close()
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     """One Hydra job: check, run the topology's task, write files, draw, track."""
     from hydra.core.hydra_config import HydraConfig
@@ -226,6 +259,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
+        return _run_other_rank(cfg, run_dir, rank)
     multirun = hc.mode == RunMode.MULTIRUN
     overrides = [str(o) for o in hc.overrides.task]
     if multirun and _already_ok(run_dir, overrides):

@@ -207,3 +207,22 @@ def test_failed_validation_fails_the_run_and_keeps_the_numbers(tmp_path):
     assert m["error"] == f"validation {m['validation']}" and "(float32)" in m["error"]
     assert 0 < m["err_out_rel"] < 1e-4 and m["fwd_ms"] > 0  # every number still recorded
     assert "attngym: failed" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_rank_other_than_zero_runs_and_only_logs(tmp_path):
+    run_dir = tmp_path / "r"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "attngym", *SMALL, "logger=local", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env={**env, "RANK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (run_dir / "metrics.json").exists() and not (run_dir / "heatmap.png").exists()
+    assert not (run_dir / "results.md").exists()  # no tracker
+    assert "attngym: ok" not in proc.stdout  # no results table
+    text = (run_dir / "rank1.log").read_text()
+    assert "validated 64 rows" in text and "rank 1 done: validation ok" in text
