@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -80,3 +83,35 @@ def test_wandb_offline_run_holds_images(tmp_path):
     assert any(n.startswith("block_mask") for n in images), images
     records = list(runs[0].glob("run-*.wandb"))  # config, summary and history, for wandb sync
     assert len(records) == 1 and records[0].stat().st_size > 1000
+
+
+class _StuckRun:
+    """A W&B run whose finish blocks, as it does online without network."""
+
+    dir = "run-folder"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.finished = []
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)
+        self.release.wait(10)
+
+
+def test_wandb_finish_is_bounded_online(caplog):
+    from attngym.tracking.wandb_logger import WandbTracker
+
+    run = _StuckRun()
+    tracker = WandbTracker(mode="online", finish_timeout_s=0.2)
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="attngym.tracking.wandb_logger"):
+        tracker._finish(run, exit_code=1)
+    assert time.perf_counter() - start < 2 and run.finished == [1]
+    assert "did not return within" in caplog.text and "wandb sync" in caplog.text
+    run.release.set()
+    quick = _StuckRun()
+    quick.release.set()  # a finish that returns: no warning, same call
+    caplog.clear()
+    tracker._finish(quick, exit_code=0)
+    assert quick.finished == [0] and "did not return" not in caplog.text

@@ -3,8 +3,11 @@
 Offline by default because experiments often run where there is no network (compute nodes,
 laptops on a train) and a tracker must never block or fail a run: offline runs are stored in the
 run folder (`<run_dir>/wandb/offline-run-*`) and uploaded later with `wandb sync`. wandb is
-imported only here, only when the tracker logs; every W&B call is bounded by `init_timeout_s`,
-and a W&B failure is logged as a warning (metrics.json is already on disk).
+imported only here, only when the tracker logs; `wandb.init` is bounded by `init_timeout_s` and,
+online, `run.finish` (which waits for the upload) by `finish_timeout_s`: it runs in a daemon thread
+and, past the timeout, the run goes on while the upload continues in the background until the
+process exits (the local copy stays in the run folder for `wandb sync`). A W&B failure is logged
+as a warning (metrics.json is already on disk).
 
 Mapping: config = the resolved config; summary = the scalar metrics (same names as
 metrics.json); the PNGs as `wandb.Image`; group = the sweep (or run) folder name; job_type = the
@@ -14,7 +17,9 @@ topology; name = the overrides that make the run different (hydra.job.override_d
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from attngym import registry
 from attngym.errors import ConfigError, choice_error
@@ -35,7 +40,8 @@ class WandbTracker:
         project: str = "attngym",
         entity: str | None = None,
         tags: Sequence[str] = (),
-        init_timeout_s: float = 20.0,
+        init_timeout_s: float = 5.0,
+        finish_timeout_s: float = 5.0,
     ):
         if mode not in MODES:
             raise ConfigError("logger.mode", choice_error("wandb mode", mode, MODES))
@@ -44,6 +50,7 @@ class WandbTracker:
         self.entity = entity
         self.tags = list(tags)
         self.init_timeout_s = float(init_timeout_s)
+        self.finish_timeout_s = float(finish_timeout_s)
 
     def log_run(self, record: RunRecord) -> None:
         """One W&B run: config, summary metrics, images; always finished, never raises."""
@@ -95,9 +102,34 @@ class WandbTracker:
             if images:
                 run.log(images)
         finally:
-            run.finish(exit_code=0 if ok else 1)
+            self._finish(run, exit_code=0 if ok else 1)
         where = run.dir if self.mode == "offline" else getattr(run, "url", "")
         log.info("wandb (%s): %s", self.mode, where)
+
+    def _finish(self, run: Any, exit_code: int) -> None:
+        """run.finish, bounded by finish_timeout_s when online (it waits for the upload)."""
+        if self.mode != "online":
+            run.finish(exit_code=exit_code)
+            return
+        done = threading.Event()
+
+        def finish() -> None:
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as err:
+                log.warning("wandb finish failed (%s: %s)", type(err).__name__, err)
+            finally:
+                done.set()
+
+        threading.Thread(target=finish, name="wandb-finish", daemon=True).start()
+        if not done.wait(self.finish_timeout_s):
+            log.warning(
+                "wandb: finish did not return within %.0f s (no network?); the upload continues "
+                "in the background and is abandoned when the process exits; the local copy in "
+                "%s can be uploaded with `wandb sync`",
+                self.finish_timeout_s,
+                getattr(run, "dir", "the run folder"),
+            )
 
 
 @registry.register("tracker", "wandb")
@@ -106,9 +138,15 @@ def wandb_tracker(
     project: str = "attngym",
     entity: str | None = None,
     tags: Sequence[str] = (),
-    init_timeout_s: float = 20.0,
+    init_timeout_s: float = 5.0,
+    finish_timeout_s: float = 5.0,
 ) -> WandbTracker:
     """W&B tracker; `mode` offline (default), online or disabled."""
     return WandbTracker(
-        mode=mode, project=project, entity=entity, tags=tags, init_timeout_s=init_timeout_s
+        mode=mode,
+        project=project,
+        entity=entity,
+        tags=tags,
+        init_timeout_s=init_timeout_s,
+        finish_timeout_s=finish_timeout_s,
     )
