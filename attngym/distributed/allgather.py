@@ -9,7 +9,8 @@ Contract (P ranks, this rank r, an all-gather from `transport`):
     * Backward gathers K/V again the same way, recomputes each (q chunk, kv chunk) pair with
       autograd (weights w_i = exp(lse_i - lse)), accumulates dK/dV for the whole sequence and
       returns this rank's part of their sum over ranks with `reduce_scatter`.
-    * One gather is outstanding at a time; fully masked pairs are skipped (cached decision).
+    * One gather is outstanding at a time; fully masked pairs are skipped (the decision is kept
+      as in ring.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from attngym.distributed.ring import (
     CPConfig,
     CPStats,
     StepClock,
+    apply,
     backward_pairs,
     forward_pairs,
-    prepare,
 )
 from attngym.variants.base import Variant
 
@@ -127,6 +128,8 @@ def allgather_attention(
     scale: float | None = None,
     timeout_s: float = 60.0,
     stats: CPStats | None = None,
+    compile: bool = True,
+    compile_mode: str = "default",
 ) -> torch.Tensor:
     """Attention of this rank's q shard over the whole sequence, K/V all-gathered once.
 
@@ -137,25 +140,10 @@ def allgather_attention(
         q: (B, H, S/P, D) this rank's query shard in `layout`.
         k, v: (B, G, S/P, D) this rank's key/value shards, G dividing H (GQA).
         variant: the attention variant, evaluated at global positions.
-        group, transport, layout, backend, block_size, kernel_options, scale, timeout_s, stats:
-            as in ring_attention.
+        group, transport, layout, backend, block_size, kernel_options, scale, timeout_s, stats,
+            compile, compile_mode: as in ring_attention.
 
     Returns:
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
     """
-    cfg = prepare(
-        q,
-        k,
-        v,
-        variant,
-        group=group,
-        transport=transport,
-        layout=layout,
-        backend=backend,
-        block_size=block_size,
-        kernel_options=kernel_options,
-        scale=scale,
-        timeout_s=timeout_s,
-        stats=stats,
-    )
-    return _AllGatherAttention.apply(q, k, v, cfg)
+    return apply(_AllGatherAttention, **locals())

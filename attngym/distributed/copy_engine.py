@@ -52,15 +52,23 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from attngym.distributed.parts import (
+    ChannelSteps,
+    Parts,
+    as_parts,
+    check_args,
+    check_dim,
+    check_part_shape,
+    check_peer,
+)
 
-Parts = torch.Tensor | Sequence[torch.Tensor]
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
 
@@ -68,31 +76,11 @@ _POLL_S = 0.002
 # ----------------------------------------------------------------------------- argument checks
 
 
-def _check_part_shape(part_shape: Sequence[int]) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in part_shape)
-    except TypeError as exc:
-        raise ValueError(f"part_shape: expected a sequence of ints, got {part_shape!r}") from exc
-    if not shape or any(s <= 0 for s in shape):
-        raise ValueError(f"part_shape: expected one or more positive sizes, got {part_shape!r}")
-    return shape
-
-
 def _check_common(
     part_shape: Sequence[int], num_parts: int, dtype: Any, device: Any, timeout_s: float
 ) -> tuple[tuple[int, ...], torch.device]:
-    """Validate the constructor arguments shared by both classes; return (shape, device)."""
-    shape = _check_part_shape(part_shape)
-    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
-        raise ValueError(f"num_parts: expected a positive int, got {num_parts!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: expected a CUDA device, got {device!r}") from exc
+    """The shared transport checks (attngym.distributed.parts), then a CUDA device and a group."""
+    shape, dev = check_args(part_shape, num_parts, dtype, device, timeout_s)
     if dev.type != "cuda":
         raise ValueError(
             f"device: copy-engine transfers need a CUDA device, got {device!r} "
@@ -108,104 +96,6 @@ def _require_cuda(device: torch.device) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("copy-engine transports need CUDA, which is not available here")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def _as_parts(
-    parts: Parts,
-    num_parts: int,
-    part_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """`parts` as a list of num_parts contiguous tensors of part_shape, dtype and device.
-
-    Args:
-        parts: a sequence of num_parts tensors of part_shape, or one (num_parts, *part_shape)
-            tensor (a received slot, say).
-
-    Raises:
-        ValueError: naming `parts` (or `parts[k]`) when a count, shape, dtype or device is off.
-    """
-    if isinstance(parts, torch.Tensor):
-        if tuple(parts.shape) != (num_parts, *part_shape):
-            raise ValueError(
-                f"parts: expected a tensor of shape {(num_parts, *part_shape)} or a sequence of "
-                f"{num_parts} tensors of shape {part_shape}, got a tensor of shape "
-                f"{tuple(parts.shape)}"
-            )
-        items = list(parts.unbind(0))
-    else:
-        items = list(parts)
-        if len(items) != num_parts:
-            raise ValueError(f"parts: expected {num_parts} tensors, got {len(items)}")
-    out = []
-    for k, t in enumerate(items):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"parts[{k}]: expected a tensor, got {type(t).__name__}")
-        if tuple(t.shape) != part_shape:
-            raise ValueError(f"parts[{k}]: expected shape {part_shape}, got {tuple(t.shape)}")
-        if t.dtype != dtype:
-            raise ValueError(f"parts[{k}]: expected dtype {dtype}, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"parts[{k}]: expected device {device}, got {t.device}")
-        # A strided source would make copy_ launch an SM kernel; contiguous ones stay memcpys.
-        out.append(t if t.is_contiguous() else t.contiguous())
-    return out
-
-
-# ----------------------------------------------------------------------------- protocol state
-
-
-@dataclass
-class _ChannelSteps:
-    """The step bookkeeping of a channel; raises RuntimeError on out-of-order use."""
-
-    last_send: int | None = None
-    last_recv: int | None = None
-    held: set[int] = field(default_factory=set)
-
-    @staticmethod
-    def _check_step(i: Any, lowest: int, what: str) -> int:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"i: expected an int step, got {i!r}")
-        if i < lowest:
-            raise ValueError(f"i: {what} takes steps >= {lowest}, got {i}")
-        return i
-
-    def on_send(self, i: Any) -> None:
-        i = self._check_step(i, 0, "send")
-        if i != 0 and i - 1 != self.last_send:
-            raise RuntimeError(
-                f"send({i}) out of order: the last send was step {self.last_send}; "
-                "steps go 0, 1, 2, ... in every sequence"
-            )
-        self.last_send = i
-
-    def on_recv(self, i: Any) -> None:
-        i = self._check_step(i, 1, "recv (step 0 uses the rank's own data)")
-        if i == 1:
-            if self.held:
-                raise RuntimeError(
-                    f"recv(1) starts a new sequence while steps {sorted(self.held)} are still "
-                    "held; release them first"
-                )
-        elif i - 1 != self.last_recv:
-            raise RuntimeError(f"recv({i}) out of order: the last recv was step {self.last_recv}")
-        if i - 2 in self.held:
-            raise RuntimeError(
-                f"recv({i}) needs the slot of step {i - 2}, which is still held; "
-                f"call release({i - 2}) first"
-            )
-        self.last_recv = i
-        self.held.add(i)
-
-    def on_release(self, i: Any) -> None:
-        i = self._check_step(i, 1, "release")
-        if i not in self.held:
-            raise RuntimeError(
-                f"release({i}) without a matching recv({i}); held steps: {sorted(self.held)}"
-            )
-        self.held.remove(i)
 
 
 # ----------------------------------------------------------------------------- device plumbing
@@ -459,13 +349,11 @@ class CopyEngineAllGather(_CopyEngineBase):
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
     ) -> None:
-        shape = _check_part_shape(part_shape)
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
-            raise ValueError(f"dim: expected an int in [-{len(shape)}, {len(shape)}), got {dim!r}")
-        shape, dev = _check_common(shape, num_parts, dtype, device, timeout_s)
+        dim = check_dim(dim, check_part_shape(part_shape))
+        shape, dev = _check_common(part_shape, num_parts, dtype, device, timeout_s)
         self.part_shape = shape
         self.num_parts = num_parts
-        self.dim = dim % len(shape)
+        self.dim = dim
         world = dist.get_world_size(group)
         out_part = list(shape)
         out_part[self.dim] *= world
@@ -499,7 +387,7 @@ class CopyEngineAllGather(_CopyEngineBase):
         self._check_alive()
         if self._pending:
             raise RuntimeError("start() while a gather is outstanding; call wait() first")
-        items = _as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        items = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         p_world, r = self.world_size, self.rank
         with torch.cuda.device(self.device):
             cur = torch.cuda.current_stream(self.device)
@@ -538,7 +426,7 @@ class CopyEngineAllGather(_CopyEngineBase):
         self._check_alive()
         if not self._pending:
             raise RuntimeError("wait() without a matching start()")
-        items = _as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        items = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         p_world = self.world_size
         with torch.cuda.device(self.device):
             cur = torch.cuda.current_stream(self.device)
@@ -647,11 +535,8 @@ class CopyEngineChannel(_CopyEngineBase):
     ) -> None:
         shape, dev = _check_common(part_shape, num_parts, dtype, device, timeout_s)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        for name, value in (("src", src), ("dst", dst)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world
-            ):
-                raise ValueError(f"{name}: expected a group rank in [0, {world}), got {value!r}")
+        check_peer("src", src, world)
+        check_peer("dst", dst, world)
         self.part_shape = shape
         self.num_parts = num_parts
         self.src = (rank - 1) % world if src is None else src
@@ -660,7 +545,7 @@ class CopyEngineChannel(_CopyEngineBase):
         super().__init__(
             (self.SLOTS, num_parts, *shape), dtype, dev, group, timeout_s, 4, [0, 0, 1, 1]
         )
-        self._steps = _ChannelSteps()
+        self._steps = ChannelSteps()
         slots_dst = self._mem.peers[self.dst]
         self._dst_views = [[slots_dst[s, k] for k in range(num_parts)] for s in range(self.SLOTS)]
 
@@ -672,7 +557,7 @@ class CopyEngineChannel(_CopyEngineBase):
             i: the step, 0, 1, 2, ... in every sequence.
         """
         self._check_alive()
-        items = _as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        items = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         self._steps.on_send(i)
         slot = (i + 1) % self.SLOTS
         with torch.cuda.device(self.device):

@@ -13,12 +13,19 @@ Contract:
       outlives a dead peer; a rank also dies with its parent (Linux parent-death signal). The
       caller gets RankFailure saying which rank died and how (exit code, signal, or the exception
       and its traceback); a ConfigError raised on a rank is re-raised as itself.
+    * No orphans from the caller's side either: whenever `launch` returns or raises (a rank
+      failure, KeyboardInterrupt, an unreadable result), every rank still alive is terminated,
+      given 5 s, then killed. A rank tears down its transports and process group in a `finally`,
+      whatever `fn` did.
     * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
       rank; it joins (or reuses) the default process group and returns its own `fn` result.
       torchrun supervises the ranks.
-    * Logs: with `run_dir`, every spawned rank writes `rank<N>.log` there; rank 0 also speaks on
-      stderr. A spawned rank is a fresh interpreter owned by this module, so it configures the root
-      logger of that process; the caller's logging is never touched.
+    * Logs: with `run_dir`, every rank other than 0 writes `rank<N>.log` there, spawned or under
+      torchrun; spawned rank 0 writes rank0.log too and speaks on stderr. A spawned rank is a fresh
+      interpreter owned by this module, so it configures the root logger of that process. Under
+      torchrun the process is the caller's: a rank other than 0 gets one extra root handler (its
+      rank<N>.log) for the duration of `fn`, removed afterwards; nothing else of the caller's
+      logging is touched.
 """
 
 from __future__ import annotations
@@ -98,10 +105,14 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _formatter(rank: int) -> logging.Formatter:
+    return logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s")
+
+
 def _log_to_files(rank: int, run_dir: str | None) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s")
+    fmt = _formatter(rank)
     handlers: list[logging.Handler] = []
     if run_dir is not None:
         handlers.append(logging.FileHandler(pathlib.Path(run_dir) / f"rank{rank}.log"))
@@ -157,8 +168,10 @@ def _rank_main(
             with open(pathlib.Path(result_dir) / f"config_error{rank}.pkl", "wb") as f:
                 pickle.dump((e.key, message), f)
         raise
-    clear_cache()
-    dist.destroy_process_group()
+    finally:
+        clear_cache()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def launch(
@@ -178,7 +191,7 @@ def launch(
         args: extra picklable arguments.
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per local rank, modulo the GPU count).
         timeout_s: process-group timeout; a rank waiting longer on a peer fails.
-        run_dir: where spawned ranks write rank<N>.log (None: no files).
+        run_dir: where ranks write rank<N>.log (None: no files); see the module docstring.
 
     Returns:
         Rank 0's return value (spawned), or this rank's return value (torchrun).
@@ -192,10 +205,13 @@ def launch(
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if under_torchrun():
-        return _join_torchrun(fn, world_size, args=args, device=device, timeout_s=timeout_s)
+        return _join_torchrun(
+            fn, world_size, args=args, device=device, timeout_s=timeout_s, run_dir=run_dir
+        )
     import torch.multiprocessing as mp
 
     result_dir = tempfile.mkdtemp(prefix="attngym-launch-")
+    ctx = None
     try:
         ctx = mp.start_processes(
             _rank_main,
@@ -228,7 +244,22 @@ def launch(
         with open(pathlib.Path(result_dir) / "result.pkl", "rb") as f:
             return pickle.load(f)
     finally:
+        if ctx is not None:
+            _stop(ctx.processes)
         shutil.rmtree(result_dir, ignore_errors=True)
+
+
+def _stop(processes, grace_s: float = 5.0) -> None:
+    """Terminate the processes still alive, wait up to grace_s for each, then kill the rest."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    for p in alive:
+        p.join(grace_s)
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _rank_error(rank: int, result_dir: str, text: str) -> Exception:
@@ -241,7 +272,13 @@ def _rank_error(rank: int, result_dir: str, text: str) -> Exception:
 
 
 def _join_torchrun(
-    fn: Callable[..., Any], world_size: int, *, args: tuple, device: str, timeout_s: float
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple,
+    device: str,
+    timeout_s: float,
+    run_dir: str | os.PathLike | None = None,
 ) -> Any:
     import torch.distributed as dist
 
@@ -260,9 +297,17 @@ def _join_torchrun(
         dist.init_process_group(
             _backend(device, local), timeout=datetime.timedelta(seconds=timeout_s)
         )
+    handler = None
+    if run_dir is not None and rank != 0:  # rank 0's log is the caller's (Hydra's) own
+        handler = logging.FileHandler(pathlib.Path(run_dir) / f"rank{rank}.log")
+        handler.setFormatter(_formatter(rank))
+        logging.getLogger().addHandler(handler)
     try:
         return fn(rank, world_size, *args)
     finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
         if created:
             from attngym.distributed.transport import clear_cache
 

@@ -19,10 +19,19 @@ P2PChannel contract (ring of ranks; src sends to this rank, this rank sends to d
     * On CUDA `recv` makes the current stream wait for NCCL's stream (no host block); on CPU it
       blocks the host, at most `timeout_s`, then raises RankFailure naming the peer.
 
-P2PAllGather contract: one gather in flight (`start` → `wait`); `all_gather_into_tensor` fills a
-persistent (P, num_parts, *part_shape) buffer on the backend's stream; `wait` reorders it into a
-fresh (num_parts, *gathered_shape) tensor in the consumer's layout (rank r's shard at offset
-r·part_shape[dim]) that the caller owns. `reduce_scatter` is the collective of the same name.
+P2PAllGather contract: one gather in flight (`start` → `wait`); the gather fills a persistent
+(P, num_parts, *part_shape) buffer on the backend's stream; `wait` reorders it into a fresh
+(num_parts, *gathered_shape) tensor in the consumer's layout (rank r's shard at offset
+r·part_shape[dim]) that the caller owns. `reduce_scatter` sums an output-shaped gradient over ranks
+and returns this rank's shard.
+
+Collectives per backend (the one for the tensors' device): NCCL runs the tensor collectives
+`all_gather_into_tensor` and `reduce_scatter_tensor`. Any other backend (gloo) runs the list forms
+every backend documents: `all_gather` into per-rank views of the buffer, and `all_reduce` of the
+gradient keeping this rank's share (P times the bytes of a reduce-scatter; gloo is the CPU path).
+
+Arguments and parts are checked by attngym.distributed.parts, as in the copy-engine transport:
+wrong arguments or parts are ValueError, protocol misuse is RuntimeError.
 """
 
 from __future__ import annotations
@@ -32,9 +41,16 @@ from collections.abc import Sequence
 
 import torch
 
+from attngym.distributed.parts import (
+    ChannelSteps,
+    Parts,
+    as_parts,
+    check_args,
+    check_dim,
+    check_part_shape,
+    check_peer,
+)
 from attngym.errors import RankFailure
-
-Parts = torch.Tensor | Sequence[torch.Tensor]
 
 
 def _dist():
@@ -49,30 +65,19 @@ def _global(dist, group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _check_parts(
-    what: str, parts: Parts, num_parts: int, part_shape: tuple[int, ...], dtype, device
-) -> list[torch.Tensor]:
-    """The parts as a list of tensors of part_shape, or RuntimeError saying what is wrong."""
-    if isinstance(parts, torch.Tensor):
-        if tuple(parts.shape) != (num_parts, *part_shape):
-            raise RuntimeError(
-                f"{what}: expected a ({num_parts}, {', '.join(map(str, part_shape))}) tensor, "
-                f"got shape {tuple(parts.shape)}"
-            )
-        parts = list(parts.unbind(0))
-    parts = list(parts)
-    if len(parts) != num_parts:
-        raise RuntimeError(f"{what}: expected {num_parts} parts, got {len(parts)}")
-    for j, p in enumerate(parts):
-        if tuple(p.shape) != part_shape:
-            raise RuntimeError(
-                f"{what}: part {j} has shape {tuple(p.shape)}, expected {tuple(part_shape)}"
-            )
-        if p.dtype != dtype:
-            raise RuntimeError(f"{what}: part {j} has dtype {p.dtype}, expected {dtype}")
-        if p.device != device:
-            raise RuntimeError(f"{what}: part {j} is on {p.device}, expected {device}")
-    return parts
+def _device(device: torch.device) -> torch.device:
+    """`device` with its CUDA index filled in (parts carry one; bare "cuda" would not match)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _uses_nccl(dist, group, device: torch.device) -> bool:
+    """True when the group's backend for `device` tensors is NCCL."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        backend = dict(part.split(":") for part in backend.split(",")).get(device.type, "")
+    return backend == "nccl"
 
 
 def _wait(works, *, timeout_s: float, device: torch.device, what: str) -> None:
@@ -111,20 +116,21 @@ class P2PChannel:
         dst: int | None = None,
         timeout_s: float = 60.0,
     ):
+        shape, dev = check_args(part_shape, num_parts, dtype, device, timeout_s)
         dist = _dist()
-        self.part_shape = tuple(int(s) for s in part_shape)
-        self.num_parts = int(num_parts)
+        self.part_shape = shape
+        self.num_parts = num_parts
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = _device(dev)
         self.group = group
         self.timeout_s = float(timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.src = (self.rank - 1) % self.world_size if src is None else int(src)
-        self.dst = (self.rank + 1) % self.world_size if dst is None else int(dst)
-        for name, peer in (("src", self.src), ("dst", self.dst)):
-            if not 0 <= peer < self.world_size:
-                raise ValueError(f"{name} must be a rank in [0, {self.world_size}), got {peer}")
+        check_peer("src", src, self.world_size)
+        check_peer("dst", dst, self.world_size)
+        self.src = (self.rank - 1) % self.world_size if src is None else src
+        self.dst = (self.rank + 1) % self.world_size if dst is None else dst
+        self._steps = ChannelSteps()  # the step order, shared with CopyEngineChannel
         self._slots = torch.empty(
             (2, self.num_parts, *self.part_shape), dtype=dtype, device=self.device
         )
@@ -134,9 +140,7 @@ class P2PChannel:
 
     def send(self, parts: Parts, i: int) -> None:
         """Push `parts` to dst for its step i + 1 and post this rank's receive of step i + 1."""
-        parts = _check_parts(
-            f"send(parts, {i})", parts, self.num_parts, self.part_shape, self.dtype, self.device
-        )
+        parts = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         slot = (i + 1) % 2
         held = self._state[slot]
         if held is not None:
@@ -144,7 +148,7 @@ class P2PChannel:
                 f"send(parts, {i}) receives step {i + 1} into slot {slot}, which still holds step "
                 f"{held[0]}: call release({held[0]}) first"
             )
-        parts = [p.contiguous() for p in parts]
+        self._steps.on_send(i)
         # The previous push may read the slot this send receives into (an onward push of a
         # received slot): it must be finished before the receive is posted.
         self.join()
@@ -169,6 +173,8 @@ class P2PChannel:
 
     def recv(self, i: int) -> torch.Tensor:
         """Wait for step i (i >= 1) and return this rank's slot, (num_parts, *part_shape)."""
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"i: expected an int step, got {i!r}")
         if i < 1:
             raise RuntimeError(f"recv({i}): steps start at 1 (step 0 is this rank's own data)")
         held = self._state[i % 2]
@@ -178,14 +184,14 @@ class P2PChannel:
                 f"(send(parts, {i - 1}) posts it; slot {i % 2} holds "
                 f"{'nothing' if held is None else f'step {held[0]}'})"
             )
-        if held[1] is not None:
-            _wait(
-                held[1],
-                timeout_s=self.timeout_s,
-                device=self.device,
-                what=f"receive of step {i} from rank {self.src}",
-            )
-            held[1] = None
+        self._steps.on_recv(i)  # RuntimeError on a second recv(i), as on the copy engine
+        _wait(
+            held[1],
+            timeout_s=self.timeout_s,
+            device=self.device,
+            what=f"receive of step {i} from rank {self.src}",
+        )
+        held[1] = None
         return self._slots[i % 2]
 
     def release(self, i: int) -> None:
@@ -193,6 +199,7 @@ class P2PChannel:
         held = self._state[i % 2]
         if held is None or held[0] != i or held[1] is not None:
             raise RuntimeError(f"release({i}): step {i} is not a received, unreleased step")
+        self._steps.on_release(i)
         self._state[i % 2] = None
 
     def join(self) -> None:
@@ -241,14 +248,13 @@ class P2PAllGather:
         group=None,
         timeout_s: float = 60.0,
     ):
+        self.dim = check_dim(dim, check_part_shape(part_shape))
+        shape, dev = check_args(part_shape, num_parts, dtype, device, timeout_s)
         dist = _dist()
-        self.part_shape = tuple(int(s) for s in part_shape)
-        if not -len(self.part_shape) <= dim < len(self.part_shape):
-            raise ValueError(f"dim must index part_shape {self.part_shape}, got {dim}")
-        self.dim = dim % len(self.part_shape)
-        self.num_parts = int(num_parts)
+        self.part_shape = shape
+        self.num_parts = num_parts
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = _device(dev)
         self.group = group
         self.timeout_s = float(timeout_s)
         self.world_size = dist.get_world_size(group)
@@ -266,23 +272,23 @@ class P2PAllGather:
         """Issue the gather of this rank's parts (one gather may be outstanding)."""
         if self._input is not None:
             raise RuntimeError("start(): a gather is already outstanding; wait() for it first")
-        parts = _check_parts(
-            "start(parts)", parts, self.num_parts, self.part_shape, self.dtype, self.device
-        )
+        parts = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         self._input = torch.stack([p.detach() for p in parts])
         dist = _dist()
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._work = all_gather(
-            self._raw.view(-1), self._input.view(-1), group=self.group, async_op=True
-        )
+        if _uses_nccl(dist, self.group, self.device):
+            self._work = dist.all_gather_into_tensor(
+                self._raw.view(-1), self._input.view(-1), group=self.group, async_op=True
+            )
+        else:  # gloo: the list form, written straight into the buffer's per-rank rows
+            self._work = dist.all_gather(
+                list(self._raw.unbind(0)), self._input, group=self.group, async_op=True
+            )
 
     def wait(self, parts: Parts) -> torch.Tensor:
         """The gathered (num_parts, *gathered_shape) tensor; differentiable if a part needs grad."""
         if self._input is None:
             raise RuntimeError("wait(): no gather outstanding; call start(parts) first")
-        parts = _check_parts(
-            "wait(parts)", parts, self.num_parts, self.part_shape, self.dtype, self.device
-        )
+        parts = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         _wait([self._work], timeout_s=self.timeout_s, device=self.device, what="all-gather")
         self._work, self._input = None, None
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
@@ -296,14 +302,17 @@ class P2PAllGather:
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
         """Sum `grad` (output-shaped) over ranks; this rank's shard, (num_parts, *part_shape)."""
         if tuple(grad.shape) != self.out_shape:
-            raise RuntimeError(
-                f"reduce_scatter: grad has shape {tuple(grad.shape)}, expected {self.out_shape}"
-            )
+            raise ValueError(f"grad: expected shape {self.out_shape}, got {tuple(grad.shape)}")
         dist = _dist()
         split = list(self.out_shape)
         split[1 + self.dim : 2 + self.dim] = [self.world_size, self.part_shape[self.dim]]
         grad_PN = grad.reshape(split).movedim(1 + self.dim, 0).contiguous()
-        out = torch.empty((self.num_parts, *self.part_shape), dtype=grad.dtype, device=grad.device)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(out.view(-1), grad_PN.view(-1), group=self.group)
-        return out
+        if _uses_nccl(dist, self.group, grad.device):
+            out = torch.empty(
+                (self.num_parts, *self.part_shape), dtype=grad.dtype, device=grad.device
+            )
+            dist.reduce_scatter_tensor(out.view(-1), grad_PN.view(-1), group=self.group)
+            return out
+        # gloo: all-reduce, keep this rank's share (see the module docstring)
+        dist.all_reduce(grad_PN, group=self.group)
+        return grad_PN[self.rank].clone()

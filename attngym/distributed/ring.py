@@ -10,7 +10,9 @@ Contract (P ranks, this rank r, a channel from `transport`):
       w_i = exp(lse_i - lse). K/V travel again on the same channel; dK/dV travel on a second
       channel one push behind them: a rank adds its contribution to the dK/dV of the shard it holds
       and pushes the sum on, so after P pushes every shard's dK/dV is back home.
-    * Fully masked (q chunk, kv chunk) pairs are skipped; the decision is cached per pair.
+    * Fully masked (q chunk, kv chunk) pairs are skipped. The decision (and, for flex, the chunk
+      pair's BlockMask) is kept per Variant object in a weak-keyed table: it lives exactly as long
+      as the variant, so calls with one variant on its device reuse it and nothing outlives it.
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.
 
 Tensors: q_BHSD (B, H, S/P, D) and k/v_BGSD (B, G, S/P, D) are this rank's shards in `layout`;
@@ -21,8 +23,8 @@ global positions (attend_chunk q_offset / kv_offset).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +64,8 @@ class CPConfig:
     block_size: tuple[int, int]
     kernel_options: Mapping[str, Any] | None
     scale: float | None
+    compile: bool
+    compile_mode: str
     timeout_s: float
     rank: int
     world_size: int
@@ -84,6 +88,8 @@ def prepare(
     scale,
     timeout_s: float,
     stats: CPStats | None,
+    compile: bool = True,
+    compile_mode: str = "default",
 ) -> CPConfig:
     """Check the shards and arguments (ValueError naming the parameter) and resolve the choices."""
     import torch.distributed as dist
@@ -120,6 +126,8 @@ def prepare(
         block_size=tuple(int(x) for x in block_size),
         kernel_options=kernel_options,
         scale=scale,
+        compile=bool(compile),
+        compile_mode=compile_mode,
         timeout_s=float(timeout_s),
         rank=dist.get_rank(group),
         world_size=world_size,
@@ -128,7 +136,14 @@ def prepare(
     )
 
 
-@functools.lru_cache(maxsize=4096)
+# Variant -> {(batch, heads, q chunk, kv chunk, block size, backend, device): (skip, block_mask)}.
+# Weak keys: an entry (with its device BlockMasks) goes when its Variant is collected, so a caller
+# whose variant prepare() moves to the device on every call builds per call and leaks nothing.
+_PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[bool, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _pair_plan(
     variant: Variant,
     batch: int,
@@ -142,8 +157,18 @@ def _pair_plan(
     """(skip, block_mask) for one chunk pair: skip when the variant masks every entry.
 
     Reference backend: the exact dense mask over (B, H) decides (the mask is small there). Flex:
-    the block mask the kernel uses anyway decides, and is kept for it.
+    the block mask the kernel uses anyway decides, and is kept for it. Memoised in _PLANS.
     """
+    plans = _PLANS.setdefault(variant, {})
+    key = (batch, heads, q_chunk, kv_chunk, block_size, backend, device)
+    if key not in plans:
+        plans[key] = _build_pair_plan(
+            variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device
+        )
+    return plans[key]
+
+
+def _build_pair_plan(variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
     if variant.mask_mod is None:
         return False, None
     if backend == "reference":
@@ -217,6 +242,8 @@ def _attend(cfg: CPConfig, q, k, v, qc, kc, block_mask):
         block_mask=block_mask,
         kernel_options=cfg.kernel_options,
         scale=cfg.scale,
+        compile=cfg.compile,
+        compile_mode=cfg.compile_mode,
     )
 
 
@@ -398,6 +425,8 @@ def ring_attention(
     scale: float | None = None,
     timeout_s: float = 60.0,
     stats: CPStats | None = None,
+    compile: bool = True,
+    compile_mode: str = "default",
 ) -> torch.Tensor:
     """Attention of this rank's q shard over the whole sequence, K/V passed around a ring.
 
@@ -406,7 +435,8 @@ def ring_attention(
     Args:
         q: (B, H, S/P, D) this rank's query shard in `layout`.
         k, v: (B, G, S/P, D) this rank's key/value shards, G dividing H (GQA).
-        variant: the attention variant, evaluated at global positions.
+        variant: the attention variant, evaluated at global positions. Pass it already on q's
+            device to reuse its chunk block masks across calls (see the module docstring).
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (see attngym.distributed.transport).
         layout: contiguous | zigzag (see attngym.distributed.layout).
@@ -416,23 +446,19 @@ def ring_attention(
         scale: score scale, default 1 / sqrt(D).
         timeout_s: how long a CPU transfer may wait before RankFailure.
         stats: filled with pair counts, bytes and per-step timings when given.
+        compile: compile the flex chunk kernel (False: eager flex_attention); see
+            attngym.kernels.attend_chunk.
+        compile_mode: torch.compile mode when compiling (attngym.kernels.COMPILE_MODES).
 
     Returns:
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
     """
-    cfg = prepare(
-        q,
-        k,
-        v,
-        variant,
-        group=group,
-        transport=transport,
-        layout=layout,
-        backend=backend,
-        block_size=block_size,
-        kernel_options=kernel_options,
-        scale=scale,
-        timeout_s=timeout_s,
-        stats=stats,
-    )
-    return _RingAttention.apply(q, k, v, cfg)
+    return apply(_RingAttention, **locals())
+
+
+def apply(function: type[torch.autograd.Function], q, k, v, variant, **options) -> torch.Tensor:
+    """Check and resolve the arguments (prepare), then run `function` (ring or all-gather).
+
+    The one body of ring_attention and allgather_attention: they differ only in `function`.
+    """
+    return function.apply(q, k, v, prepare(q, k, v, variant, **options))

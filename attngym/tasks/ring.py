@@ -5,22 +5,38 @@ against GPUs, the variant, seq_len against the layout) and raises ConfigError be
 starts; then attngym.distributed.launch runs `_rank_run` on every rank. Every rank:
 
 1. resolves the transport (collective on CUDA: the NVLink-domain check) and draws the same seeded
-   whole-sequence inputs (attngym.tasks.common.make_inputs), then takes its shard in the layout;
+   whole-sequence inputs on the CPU (attngym.tasks.common.make_inputs, identical on every rank),
+   takes its shard in the layout and moves only the shard to its device: no device holds the
+   whole sequence, so context parallelism reaches lengths one device cannot;
 2. runs one forward (+ backward when passes include bwd; on CPU the reference chunk kernel gives
    one) timed apart (compilation on CUDA);
-3. validates: gathers the output (and lse) shards, and the gradients for an output gradient kept on
-   the sampled rows only, and compares them with the float64 dense reference on those rows;
+3. validates with attngym.tasks.common.validate_rows, judged per dtype like a single run (a
+   verdict over tolerance fails the run the same way): every rank attends with an output gradient
+   kept on the sampled rows, the shards of out, lse and the gradients are gathered to rank 0's CPU,
+   and rank 0 compares them with the float64 dense reference, computed on its CPU (sampled q rows
+   against the whole K/V: O(R·S) host memory, no device memory beyond the shards);
 4. times fwd, bwd, fwd+bwd together with its peers (bench.time_fn; every rank makes the same
    calls), then one instrumented forward (per-step compute, pairs, bytes), a transfer-only pass
    (per-step transfer time) and, on rank 0, the whole problem on one device with the same kernel
    (single_fwd_ms, efficiency).
 
-Rank 0's metrics come back to the caller; the other ranks log to rank<N>.log in the run folder.
+Rank 0 alone does the float64 reference and the one-device comparison (which needs the whole
+problem on its device, briefly). The other ranks wait for it at barriers of a separate gloo group
+whose timeout is topology.timeout_s + LONG_WAIT_S, not topology.timeout_s: the one-device run of a
+long sequence takes about P times a CP forward per call, and the peers must neither time out nor
+wait forever if rank 0 dies. Measuring the one-device run on every rank at once was rejected: it
+would put the whole problem on every device, which is what context parallelism avoids. On CPU the
+dense one-device reference materialises B·H·S² scores, so it is skipped (logged; single_fwd_ms
+and efficiency None) when they exceed SINGLE_CPU_MAX_BYTES.
+
+Rank 0's metrics come back to the caller (layout from base_metrics, the transport as resolved);
+the other ranks log to rank<N>.log in the run folder.
 Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R validated rows.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import statistics
@@ -30,12 +46,18 @@ from typing import Any
 
 import torch
 
-from attngym import kernels, reference, registry
+from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.errors import ConfigError
 from attngym.tasks import common
 
 log = logging.getLogger(__name__)
+
+# How much longer than topology.timeout_s the other ranks wait for rank 0's float64 reference and
+# one-device comparison (see the module docstring).
+LONG_WAIT_S = 3600.0
+# On CPU the one-device comparison is skipped above this many bytes of float64 B·H·S² scores.
+SINGLE_CPU_MAX_BYTES = 2 * 2**30
 
 
 def check_hardware(settings: Settings) -> None:
@@ -95,9 +117,6 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from attngym import bench
-    from attngym.distributed import allgather_attention, ring_attention, shard, unshard
-    from attngym.distributed.ring import CPStats
     from attngym.distributed.transport import resolve_transport
 
     topo = settings.topology
@@ -106,17 +125,36 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         if settings.device == "cuda"
         else torch.device("cpu")
     )
+    resolved = resolve_transport(topo.transport, device, key="topology.transport")
+    log.info("%s attention: rank %d of %d, transport %s", kind, rank, world_size, resolved.name)
+    wait_group = dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=topo.timeout_s + LONG_WAIT_S)
+    )
+    try:
+        metrics = _rank_body(rank, world_size, settings, kind, device, resolved, wait_group)
+    finally:
+        dist.destroy_process_group(wait_group)
+    return metrics
+
+
+def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from attngym import bench
+    from attngym.distributed import allgather_attention, ring_attention, shard, unshard
+    from attngym.distributed.ring import CPStats
+
+    topo = settings.topology
     dtype = common.torch_dtype(settings.dtype)
     shape = settings.shape
     seq_len = shape.seq_len
-    variant = common.build_variant(settings.attention, seq_len=seq_len).to(device)
-    resolved = resolve_transport(topo.transport, device, key="topology.transport")
+    variant_cpu = common.build_variant(settings.attention, seq_len=seq_len)
+    variant = variant_cpu.to(device)
     do_bwd = "bwd" in settings.passes
     metrics: dict[str, Any] = {
         "transport": resolved.name,
         "bwd_status": "ok" if do_bwd else "not requested",
     }
-    log.info("%s attention: rank %d of %d, transport %s", kind, rank, world_size, resolved.name)
 
     fn = ring_attention if kind == "ring" else allgather_attention
     cp_kwargs = dict(
@@ -125,49 +163,80 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         block_size=tuple(settings.block_size),
         kernel_options=settings.kernel_options or None,
         timeout_s=topo.timeout_s,
+        compile=settings.compile,
+        compile_mode=settings.compile_mode,
     )
-    q, k, v, grad_out = common.make_inputs(settings, device, dtype)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return shard(t, rank, world_size, topo.layout)
 
-    q_s, k_s, v_s, g_s = (mine(t) for t in (q, k, v, grad_out))
+    # 1. Whole-sequence inputs on the CPU (the same draw on every rank), only the shard on device.
+    whole = common.make_inputs(settings, "cpu", torch.float32)  # q, k, v, grad_out
+    q_s, k_s, v_s, g_s = (mine(t).to(device=device, dtype=dtype) for t in whole)
+    # Rank 0 keeps the whole inputs on its CPU, rounded to the run dtype like the shards.
+    whole = tuple(t.to(dtype) for t in whole) if rank == 0 else None
     for t in (q_s, k_s, v_s):
         t.requires_grad_(do_bwd)
 
     def fwd(stats=None) -> torch.Tensor:
         return fn(q_s, k_s, v_s, variant, stats=stats, **cp_kwargs)
 
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(world_size)]
-        dist.all_gather(parts, t.detach().contiguous())
-        return unshard(parts, topo.layout)
+    def gather(t: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's shard of t, unsharded on rank 0's CPU (None elsewhere)."""
+        t = t.detach().cpu().contiguous()
+        parts = [torch.empty_like(t) for _ in range(world_size)] if rank == 0 else None
+        dist.gather(t, parts, dst=0, group=wait_group)
+        return unshard(parts, topo.layout) if rank == 0 else None
 
     # 2. The first call, timed apart.
     start = time.perf_counter()
     out = fwd()
     if do_bwd:
         torch.autograd.grad(out, (q_s, k_s, v_s), g_s)
-    _sync(device)
+    common.sync(device)
     metrics["compile_s"] = time.perf_counter() - start
     del out
 
-    # 3. Validation on sampled rows.
+    # 3. Validation on sampled rows (rank 0 judges; the others attend and send their shards).
     if settings.validate:
-        metrics.update(
-            _validate(
-                settings, variant, q, k, v, grad_out, (q_s, k_s, v_s), fwd, gather, mine, do_bwd
+        rows = common.sample_rows(seq_len, settings.validate_rows, settings.seed, "cpu")
+        keep = torch.zeros(1, 1, seq_len, 1, dtype=torch.bool)
+        keep[:, :, rows] = True
+        g_masked_s = torch.where(mine(keep).to(device), g_s, torch.zeros_like(g_s))
+
+        def attend(g_masked: torch.Tensor | None = None):
+            """The CP call with the row-masked output gradient; (out, lse, grads) on rank 0."""
+            dist.barrier(group=wait_group)  # the peers wait here while rank 0 runs the reference
+            stats = CPStats()
+            out_s = fwd(stats)
+            grads = None
+            if do_bwd:
+                grads = torch.autograd.grad(out_s, (q_s, k_s, v_s), g_masked_s)
+                grads = tuple(gather(g) for g in grads)
+            return gather(out_s), gather(stats.lse), grads
+
+        if rank == 0:
+            q, k, v, grad_out = whole
+            metrics.update(
+                common.validate_rows(
+                    settings, variant_cpu, q, k, v, grad_out, attend, do_bwd=do_bwd
+                )
             )
-        )
+        else:
+            attend()
+        dist.barrier(group=wait_group)  # ... and here while it finishes the reference backward
     else:
         metrics["validated_rows"] = 0
+        metrics["validation"] = "not run (validate=false)"
 
     # 4. Timings: every rank makes the same calls.
-    block_mask = kernels.make_block_mask(
-        variant, seq_len, seq_len, block_size=settings.block_size, device=device
-    )
-    sparsity = bench.block_sparsity(block_mask) if block_mask is not None else 0.0
-    metrics["sparsity"] = float(sparsity)
+    block_mask = None
+    if rank == 0:
+        block_mask = kernels.make_block_mask(
+            variant, seq_len, seq_len, block_size=settings.block_size, device=device
+        )
+    sparsity = float(bench.block_sparsity(block_mask))
+    metrics["sparsity"] = sparsity
     b = settings.benchmark
 
     def timed(call, setup=None) -> Any:
@@ -180,21 +249,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         # A fresh forward graph per timed backward, built outside the timed region.
         timings["bwd"] = timed(lambda out: torch.autograd.grad(out, (q_s, k_s, v_s), g_s), fwd)
         timings["fwd_bwd"] = timed(lambda: torch.autograd.grad(fwd(), (q_s, k_s, v_s), g_s))
-    for p, passes in (("fwd", ("fwd",)), ("bwd", ("bwd",)), ("fwd_bwd", ("fwd", "bwd"))):
-        t = timings.get(p)
-        flops = bench.attention_flops(
-            shape.batch,
-            shape.heads,
-            seq_len,
-            seq_len,
-            shape.head_dim,
-            sparsity=sparsity,
-            passes=passes,
-        )
-        metrics[f"{p}_ms"] = t.median_ms if t else None
-        metrics[f"{p}_tflops"] = bench.tflops(flops, t.median_ms) if t else None
-    metrics["fwd_ms_min"] = timings["fwd"].min_ms
-    metrics["fwd_ms_max"] = timings["fwd"].max_ms
+    metrics.update(common.pass_metrics(timings, shape, seq_len, sparsity))
 
     # One instrumented forward: per-step compute, pairs, bytes.
     stats = CPStats()
@@ -207,8 +262,34 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     metrics["step_transfer_ms"] = _transfer_ms(kind, resolved, k_s, topo.timeout_s, b.repeats)
 
     # The same whole problem on one device with the same kernel (rank 0; the others wait).
+    metrics["single_fwd_ms"] = metrics["efficiency"] = None
     if rank == 0:
-        whole = lambda: kernels.attend_chunk(  # noqa: E731
+        dense_bytes = shape.batch * shape.heads * seq_len**2 * 8
+        if device.type == "cpu" and dense_bytes > SINGLE_CPU_MAX_BYTES:
+            log.info(
+                "one-device comparison skipped: the dense CPU reference would hold %.1f GiB of "
+                "scores (B·H·S²·8 bytes, limit %.1f GiB); efficiency not measured",
+                dense_bytes / 2**30,
+                SINGLE_CPU_MAX_BYTES / 2**30,
+            )
+        else:
+            metrics.update(
+                _single_device(settings, variant, whole, block_mask, device, timed, timings, kind)
+            )
+    del whole
+    dist.barrier(group=wait_group)
+    return metrics
+
+
+def _single_device(settings, variant, whole, block_mask, device, timed, timings, kind):
+    """single_fwd_ms and efficiency: the whole problem on rank 0's device with the same kernel."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    q, k, v = (t.to(device) for t in whole[:3])
+
+    def call():
+        return kernels.attend_chunk(
             q,
             k,
             v,
@@ -218,78 +299,32 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
             block_mask=block_mask if device.type == "cuda" else None,
             kernel_options=settings.kernel_options or None,
             compile=settings.compile,
+            compile_mode=settings.compile_mode,
         )
-        with torch.no_grad():
-            whole()
-            single = timed(whole)
-        metrics["single_fwd_ms"] = single.median_ms
-        metrics["efficiency"] = (single.median_ms / world_size) / timings["fwd"].median_ms
-        log.info(
-            "%s fwd %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
-            kind,
-            timings["fwd"].median_ms,
-            single.median_ms,
-            world_size,
-            metrics["efficiency"],
-        )
-    dist.barrier()
-    return metrics
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _validate(
-    settings, variant, q, k, v, grad_out, shards, fwd, gather, mine, do_bwd
-) -> dict[str, Any]:
-    """Errors of the unsharded output, lse and gradients against the float64 reference rows.
-
-    Args:
-        q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D) whole-sequence inputs.
-        shards: this rank's (q, k, v) shards that `fwd` attends with.
-        fwd: `fwd(stats) -> out shard`; gather: shard -> whole tensor; mine: whole -> shard.
-    """
-    from attngym.distributed.ring import CPStats
-
-    seq_len = q.shape[2]
-    rows = common.sample_rows(seq_len, settings.validate_rows, settings.seed, q.device)  # (R,)
-    metrics: dict[str, Any] = {"validated_rows": int(rows.numel())}
-    q64 = q[:, :, rows].double().requires_grad_(do_bwd)  # (B, H, R, D)
-    k64 = k.double().requires_grad_(do_bwd)
-    v64 = v.double().requires_grad_(do_bwd)
-    ref_out, ref_lse = reference.attention(
-        q64, k64, v64, variant.score_mod, variant.mask_mod, q_positions=rows, dtype=torch.float64
-    )
-    stats = CPStats()
-    out_s = fwd(stats)
-    out, lse = gather(out_s), gather(stats.lse)
-    metrics.update(
-        common.output_errors(out[:, :, rows], lse[:, :, rows], ref_out.detach(), ref_lse)
-    )
-    if do_bwd:
-        g_rows = grad_out[:, :, rows]  # (B, H, R, D): the gradient lives on the sampled rows only
-        g_masked = torch.zeros_like(grad_out)
-        g_masked[:, :, rows] = g_rows
-        grads = torch.autograd.grad(out_s, shards, mine(g_masked))
-        dq, dk, dv = (gather(g) for g in grads)
-        ref = torch.autograd.grad(ref_out, (q64, k64, v64), g_rows.double())
-        metrics.update(common.grad_errors((dq[:, :, rows], dk, dv), ref))
-    else:
-        metrics.update({"err_dq_rel": None, "err_dk_rel": None, "err_dv_rel": None})
+    with torch.no_grad():
+        call()
+        single = timed(call)
+    cp_ms = timings["fwd"].median_ms
+    efficiency = (single.median_ms / world_size) / cp_ms
     log.info(
-        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %.3g",
-        metrics["validated_rows"],
-        metrics["err_out_max_abs"],
-        metrics["err_out_rel"],
-        metrics["err_lse_max_abs"],
+        "%s fwd %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
+        kind,
+        cp_ms,
+        single.median_ms,
+        world_size,
+        efficiency,
     )
-    return metrics
+    return {"single_fwd_ms": single.median_ms, "efficiency": efficiency}
 
 
 def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> float:
-    """Median time of one step's K/V transfer alone (ring: one push; all-gather: one gather)."""
+    """Median time of one step's K/V transfer alone (ring: one push; all-gather: one gather).
+
+    The ring follows the channel's step protocol: step i pushes what it holds (its own K/V at
+    i = 0, else the slot received at step i) and receives step i + 1 once; the slot of step i is
+    released only after its onward push is queued.
+    """
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
@@ -302,15 +337,17 @@ def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repe
             tuple(k_s.shape), 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
         )
         for _ in range(repeats):
+            cur = kv
             for i in range(world_size - 1):
-                _sync(k_s.device)
+                common.sync(k_s.device)
                 start = time.perf_counter()
-                chan.send(kv if i == 0 else chan.recv(i), i)
-                chan.recv(i + 1)
-                _sync(k_s.device)
+                chan.send(cur, i)
+                nxt = chan.recv(i + 1)
+                common.sync(k_s.device)
                 times.append((time.perf_counter() - start) * 1e3)
                 if i > 0:
-                    chan.release(i)
+                    chan.release(i)  # the onward push out of this slot is queued
+                cur = nxt
             chan.release(world_size - 1)
             chan.join()
     else:
@@ -318,10 +355,10 @@ def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repe
             tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
         )
         for _ in range(repeats):
-            _sync(k_s.device)
+            common.sync(k_s.device)
             start = time.perf_counter()
             ag.start(kv)
             ag.wait(kv)
-            _sync(k_s.device)
+            common.sync(k_s.device)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)

@@ -8,6 +8,8 @@ above that yet far below any real bug (a wrong offset or weight gives errors of 
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import time
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.config import Settings, Shape, Topology
+from attngym.config import Benchmark, Settings, Shape, Topology
 from attngym.distributed import (
     P2PAllGather,
     P2PChannel,
@@ -108,11 +110,29 @@ def _attention_worker(rank, world_size):
             both = [None] * world_size
             dist.all_gather_object(both, (stats.pairs_computed, stats.pairs_skipped))
             counts[(fn.__name__, layout)] = both
-    return errors, counts
+    # compile / compile_mode reach the chunk kernel of both topologies, forward and backward.
+    import attngym.kernels
+
+    seen, attend_chunk = set(), attngym.kernels.attend_chunk
+
+    def spy(*args, **kwargs):
+        seen.add((kwargs["compile"], kwargs["compile_mode"]))
+        return attend_chunk(*args, **kwargs)
+
+    attngym.kernels.attend_chunk = spy
+    try:
+        for fn in (ring_attention, allgather_attention):
+            xs = shard(x, rank, world_size, "contiguous").requires_grad_()
+            out = fn(xs, xs, xs, variants.get("causal"), compile=False, compile_mode="max-autotune")
+            out.sum().backward()
+    finally:
+        attngym.kernels.attend_chunk = attend_chunk
+    return errors, counts, seen
 
 
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
-    errors, counts = launch(_attention_worker, 2, timeout_s=60)
+    errors, counts, seen = launch(_attention_worker, 2, timeout_s=60)
+    assert seen == {(False, "max-autotune")}
     assert len(errors) == 4 * 2 * 2
     for case, errs in errors.items():
         assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
@@ -123,8 +143,13 @@ def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
         assert counts[(fn, "zigzag")] == [(5, 3), (5, 3)]
 
 
-def _transport_worker(rank, world_size):
+def _transport_worker(rank, world_size, run_dir):
     import torch.distributed as dist
+
+    import attngym.distributed
+    from attngym.distributed import launch as launch_mod
+    from attngym.distributed.transport import resolve_transport
+    from attngym.tasks.ring import _rank_run, _transfer_ms
 
     out = {}
     # Channel: many steps over two rounds; at step i a rank holds rank (r - i)'s data.
@@ -148,6 +173,14 @@ def _transport_worker(rank, world_size):
     out["two_slots"] = len(ptrs[0]) == 1 and len(ptrs[1]) == 1 and ptrs[0] != ptrs[1]
     # Misuse raises before anything is sent, so the ranks stay in step.
     errs = []
+
+    def attempt(bad):
+        try:
+            bad()
+            errs.append(None)
+        except (RuntimeError, ValueError) as e:
+            errs.append(f"{type(e).__name__}: {e}")
+
     for bad in (
         lambda: chan.recv(3),  # never sent
         lambda: chan.release(1),  # never received
@@ -155,21 +188,18 @@ def _transport_worker(rank, world_size):
         lambda: chan.send(torch.zeros(2, 2, 3, dtype=torch.float64), 0),  # wrong dtype
         lambda: chan.recv(0),  # step 0 is the rank's own data
     ):
-        try:
-            bad()
-            errs.append(None)
-        except RuntimeError as e:
-            errs.append(str(e))
+        attempt(bad)
     chan.send(mine, 0)
     chan.recv(1)
-    try:
-        chan.send(mine, 2)  # would receive step 3 into slot 1, still holding step 1
-        errs.append(None)
-    except RuntimeError as e:
-        errs.append(str(e))
+    attempt(lambda: chan.recv(1))  # the same step twice, refused as on the copy engine
+    attempt(lambda: chan.send(mine, 2))  # would receive step 3 into slot 1, still holding step 1
     chan.release(1)
     chan.join()
     out["errors"] = errs
+    # The task's transfer-only timing follows the step protocol at three ranks (one recv a step).
+    gloo = resolve_transport("gloo", "cpu")
+    k_s = torch.randn(1, 2, 4, 8)
+    out["transfer_ms"] = [_transfer_ms(kind, gloo, k_s, 30, 2) for kind in ("ring", "allgather")]
 
     # All-gather: offsets, reduce_scatter, differentiable wait.
     gen = torch.Generator().manual_seed(100 + rank)
@@ -205,6 +235,33 @@ def _transport_worker(rank, world_size):
         torch.allclose(leaf.grad, world_size * weight[j][:, rows], atol=1e-5)
         for j, leaf in enumerate(leaves)
     )
+    # The CP task on three ranks, then with a wrong result: the verdict fails it (cli then fails
+    # the run as for a single-device run).
+    settings = Settings(
+        attention={"name": "causal"},
+        shape=Shape(batch=1, heads=2, seq_len=48, head_dim=8),
+        topology=Topology(kind="ring", world_size=3, transport="auto", timeout_s=30),
+        benchmark=Benchmark(warmup=0, repeats=1),
+    )
+    out["task_ok"] = _rank_run(rank, world_size, settings, "ring")
+    ring_attention = attngym.distributed.ring_attention
+    attngym.distributed.ring_attention = lambda *a, **kw: 1.5 * ring_attention(*a, **kw)
+    try:
+        out["task_wrong"] = _rank_run(rank, world_size, settings, "ring")
+    finally:
+        attngym.distributed.ring_attention = ring_attention
+    # Under torchrun (the group exists already), ranks other than 0 log to rank<N>.log.
+    name = "attngym.tests.torchrun"
+
+    def speak(r, p):
+        logging.getLogger(name).warning("rank %d of %d speaks", r, p)
+        return r
+
+    handlers = list(logging.getLogger().handlers)
+    out["torchrun"] = launch_mod._join_torchrun(
+        speak, world_size, args=(), device="cpu", timeout_s=30, run_dir=run_dir
+    )
+    out["handlers_restored"] = logging.getLogger().handlers == handlers
     # Three ranks, GQA, zigzag and contiguous.
     out["parity"] = _parity(
         rank,
@@ -219,17 +276,32 @@ def _transport_worker(rank, world_size):
     return out
 
 
-def test_p2p_transports_and_three_rank_attention():
-    out = launch(_transport_worker, 3, timeout_s=60)
+def test_p2p_transports_and_three_rank_attention(tmp_path):
+    out = launch(_transport_worker, 3, args=(str(tmp_path),), timeout_s=60)
     assert out["held"] == [2, 1, 0, 2, 1] * 2  # rank 0 holds rank (0 - i) mod 3 at steps 1..5
     assert out["two_slots"]
     messages = out["errors"]
     assert None not in messages, messages
-    assert "never sent" in messages[0]
-    assert "release(1)" in messages[1]
-    assert "shape" in messages[2] and "dtype" in messages[3]
-    assert "steps start at 1" in messages[4]
-    assert "release(1) first" in messages[5]
+    assert messages[0].startswith("RuntimeError") and "never sent" in messages[0]
+    assert messages[1].startswith("RuntimeError") and "release(1)" in messages[1]
+    # Wrong parts are ValueErrors naming the parameter, as in the copy-engine transport.
+    assert messages[2].startswith("ValueError: parts: expected a tensor of shape (2, 2, 3)")
+    assert messages[3].startswith("ValueError: parts[0]: expected dtype")
+    assert messages[4].startswith("RuntimeError") and "steps start at 1" in messages[4]
+    assert messages[5].startswith("RuntimeError: recv(1) twice")
+    assert messages[6].startswith("RuntimeError") and "release(1) first" in messages[6]
+    assert all(t > 0 for t in out["transfer_ms"])
+    ok, wrong = out["task_ok"], out["task_wrong"]
+    assert ok["validation"] == "ok" and ok["transport"] == "gloo"
+    assert ok["err_out_rel"] < 1e-5 and ok["err_dk_rel"] < 1e-5  # float32 CP vs float64
+    assert ok["single_fwd_ms"] > 0 and ok["efficiency"] > 0 and ok["step_transfer_ms"] > 0
+    assert wrong["validation"].startswith("failed: err_out_rel=")
+    assert wrong["err_out_rel"] > 0.4  # 1.5 x the output: a relative error of 0.5
+    assert out["torchrun"] == 0
+    for r in (1, 2):
+        assert f"rank {r} of 3 speaks" in (tmp_path / f"rank{r}.log").read_text()
+    assert not (tmp_path / "rank0.log").exists()
+    assert out["handlers_restored"]
     assert "already outstanding" in out["double_start"]
     assert "no gather outstanding" in out["wait_without_start"]
     assert out["gather_ok"] and out["reduce_scatter_ok"] and out["grad_ok"]
@@ -257,7 +329,13 @@ def _children(pid: int) -> list[int]:
             except OSError:
                 continue
             if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry))
+                try:
+                    with open(f"/proc/{entry}/cmdline") as f:
+                        helper = "resource_tracker" in f.read()  # multiprocessing's, not a rank
+                except OSError:
+                    continue
+                if not helper:
+                    kids.append(int(entry))
     return kids
 
 
@@ -293,3 +371,40 @@ def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path
         check_hardware(settings("copy_engine"))
     check_hardware(settings("gloo"))
     check_hardware(settings("auto"))
+
+
+def _sleeping_worker(rank, world_size):
+    time.sleep(120)
+
+
+def test_interrupted_launch_leaves_no_rank_alive(monkeypatch):
+    """KeyboardInterrupt while waiting on the ranks: launch terminates the live ranks."""
+    import torch.multiprocessing as mp
+
+    def interrupted(self, timeout=None, **kwargs):
+        time.sleep(3)  # the ranks are up (or starting) when the interrupt comes
+        raise KeyboardInterrupt
+
+    before = set(_children(os.getpid()))
+    monkeypatch.setattr(mp.ProcessContext, "join", interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(_sleeping_worker, 2, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert set(_children(os.getpid())) - before == set()
+
+
+def test_pair_plans_live_as_long_as_their_variant():
+    """The skip decisions are kept per Variant object and go with it (no growing global cache)."""
+    from attngym.distributed import ring
+
+    variant = variants.get("causal")
+    args = (1, 2, (16, 16), (0, 16), (16, 16), "reference", torch.device("cpu"))
+    assert ring._pair_plan(variant, *args) == (False, None)
+    assert ring._pair_plan(variant, 1, 2, (0, 16), (16, 16), *args[4:])[0] is True  # future keys
+    assert len(ring._PLANS[variant]) == 2
+    assert ring._pair_plan(variant, *args) is ring._PLANS[variant][(*args[:2], *args[2:])]
+    before = len(ring._PLANS)
+    del variant
+    gc.collect()
+    assert len(ring._PLANS) == before - 1

@@ -14,12 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attngym.distributed import copy_engine, domain
-from attngym.distributed.copy_engine import (
-    CopyEngineAllGather,
-    CopyEngineChannel,
-    _as_parts,
-    _ChannelSteps,
-)
+from attngym.distributed.copy_engine import CopyEngineAllGather, CopyEngineChannel
+from attngym.distributed.parts import ChannelSteps as _ChannelSteps
+from attngym.distributed.parts import as_parts as _as_parts
 
 
 @pytest.fixture(autouse=True)
@@ -244,7 +241,9 @@ def test_channel_steps_accept_a_ring_sequence_twice():
         ([("recv", 1), ("recv", 2), ("recv", 3)], r"step 1, which is still held"),
         ([("release", 1)], r"release\(1\) without a matching recv\(1\)"),
         ([("recv", 1), ("release", 1), ("release", 1)], r"release\(1\) without"),
-        ([("recv", 1), ("recv", 1)], r"recv\(1\) starts a new sequence"),
+        ([("recv", 1), ("recv", 1)], r"recv\(1\) twice"),
+        ([("recv", 1), ("release", 1), ("recv", 2), ("recv", 2)], r"recv\(2\) twice"),
+        ([("recv", 1), ("release", 1), ("recv", 2), ("recv", 1)], r"recv\(1\) starts a new"),
     ],
 )
 def test_channel_steps_reject_misuse(calls, match):
