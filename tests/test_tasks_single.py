@@ -217,3 +217,15 @@ def test_unknown_variant_parameter_suggests_the_closest():
     assert info.value.key == "attention.window_siz"
     assert str(info.value).endswith("(did you mean 'window_size'?)")
     assert common.build_variant({"name": "sliding_window", "window_size": 3}).name
+
+
+@pytest.mark.gpu
+def test_peak_memory_excludes_validation_and_flush_buffer(tmp_path):
+    from attngym import bench
+
+    s = settings({"name": "causal"}, device="cuda", dtype="bfloat16", baselines=(), compile=False)
+    m = single.run(s, tmp_path)
+    assert m["validation"] == "ok"
+    # Inputs and flex's buffers at this size are a few MiB; the 256 MiB flush buffer is not counted.
+    assert 0 < m["peak_mem_bytes"] < bench.L2_FLUSH_BYTES // 4
+    assert bench.l2_flush_buffer("cuda") is bench.l2_flush_buffer("cuda")  # allocated once
