@@ -57,6 +57,7 @@ RESULT_ROWS = (
     ("err_out_max_abs", "max |out - ref|"),
     ("err_lse_max_abs", "max |lse - ref|"),
     ("err_dq_rel", "rel err dq"),
+    ("validation", "validation"),
     ("bwd_status", "bwd"),
 )
 # Context-parallel runs also show how the ranks did.

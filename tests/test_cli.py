@@ -95,6 +95,7 @@ def test_run_prints_results_table(run):
     proc, run_dir = run
     assert "attngym: ok" in proc.stdout
     assert "max |out - ref|" in proc.stdout
+    assert any(line.split() == ["validation", "ok"] for line in proc.stdout.splitlines())
     assert f"run folder: {run_dir}" in proc.stdout
 
 
