@@ -7,7 +7,14 @@ bf16 (4, 16, 8192, 128)) alone and while K/V-sized buffers are copied beside it 
     sm   the same bytes moved by an elementwise kernel (`torch.mul(src, 1, out=dst)`), which
          occupies SMs, as a contrast.
 Each timing is the mean over `--iters` kernels between CUDA events, after a separate warm-up (and
-compile) run. Prints a markdown table and writes JSON to --out.
+compile) run. Prints a markdown table and writes JSON to --out. FlexAttention FLOPs come from
+attngym.bench.attention_flops (the project's one formula), with the causal block mask's sparsity.
+
+Why raw CUDA events rather than attngym.bench.time_fn: the measurement is two streams running at
+once (kernels on the current stream, copies on a side stream), each bracketed by its own events.
+time_fn times one callable per call on the current stream, synchronising and flushing L2 around
+each call, which would serialise the side-stream copies against the kernel and hide the overlap
+being measured.
 
     python scripts/copy_engine_overlap.py --kernel both --out results.json
 """
@@ -22,6 +29,7 @@ import torch
 
 
 def _time_stream(fn, iters: int, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, ...]:
+    """Queue `iters` calls of fn on `stream` between two events (see the module docstring)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         start.record()
@@ -41,12 +49,15 @@ def make_kernel(name: str, device: torch.device):
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        from attngym.bench import attention_flops, block_sparsity
+
         B, H, S, D = 4, 16, 8192, 128
         q, k, v = (torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16) for _ in range(3))
         mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=device)
         flex = torch.compile(flex_attention, dynamic=False)
-        # causal: half of the 4*B*H*S*S*D forward FLOPs are computed
-        return (lambda: flex(q, k, v, block_mask=mask)), 4 * B * H * S * S * D // 2
+        # causal: the forward FLOPs of the blocks the mask computes
+        flops = attention_flops(B, H, S, S, D, sparsity=block_sparsity(mask))
+        return (lambda: flex(q, k, v, block_mask=mask)), flops
     raise ValueError(f"kernel: expected matmul or flex, got {name!r}")
 
 

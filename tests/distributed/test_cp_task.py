@@ -40,7 +40,7 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["status"] == "ok"
+    assert metrics["status"] == "ok" and metrics["validation"] == "ok"
     assert metrics["topology"] == experiment.split("_")[0]
     assert (metrics["world_size"], metrics["transport"], metrics["layout"]) == (2, "gloo", layout)
     assert metrics["err_out_rel"] < 1e-4 and metrics["err_dq_rel"] < 1e-4
