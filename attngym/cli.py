@@ -170,13 +170,16 @@ def _draw_pictures(settings: Any, run_dir: Path) -> dict[str, Path]:
         log.warning("heatmap.png not drawn: %s: %s", type(err).__name__, err)
     try:
         path = run_dir / PICTURES["block_mask"]
+        # Evaluated on the run's device: the mask is walked strip by strip over S x S entries,
+        # seconds at 64K on a CPU, minutes at 256K; a GPU does it in a fraction of that.
         viz.save_block_mask_picture(
-            variant.mask_mod,
+            variant.to(settings.device).mask_mod,
             seq_len,
             seq_len,
             path,
             block_size=settings.block_size,
             title=f"{settings.attention.get('name')}: block mask at {settings.block_size}",
+            device=settings.device,
         )
         drawn["block_mask"] = path
     except Exception as err:

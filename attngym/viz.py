@@ -325,9 +325,9 @@ def block_mask_classes(
     bq, bkv = _check_block_size(block_size)
     dev = resolve_device(device)
     nq, nkv = math.ceil(seq_q / bq), math.ceil(seq_kv / bkv)
-    classes = torch.full((nq, nkv), FULL, dtype=torch.uint8)
+    classes = torch.full((nq, nkv), FULL, dtype=torch.uint8, device=dev)  # on dev: no sync a tile
     if mask_mod is None:
-        return classes
+        return classes.cpu()
 
     tile_kv_blocks = max(1, _TILE_ELEMENTS // (bq * bkv))
     cols = tile_kv_blocks * bkv
@@ -335,7 +335,7 @@ def block_mask_classes(
     h = torch.zeros((), dtype=torch.int32, device=dev)
     with _one_cpu_thread(dev):
         _classify_tiles(mask_mod, classes, b, h, seq_q, seq_kv, bq, bkv, cols, dev)
-    return classes
+    return classes.cpu()
 
 
 @contextlib.contextmanager
@@ -391,7 +391,7 @@ def _tile_classes(keep: torch.Tensor, bq: int, bkv: int) -> torch.Tensor:
     # max/min over the contiguous axis first: much faster than any/all over both axes at once.
     any_kept = blocks.amax(dim=2).amax(dim=0)
     all_kept = blocks.amin(dim=2).amin(dim=0)
-    return (any_kept + all_kept).to(torch.uint8).cpu()  # 0 empty, 1 partial, 2 full
+    return (any_kept + all_kept).to(torch.uint8)  # 0 empty, 1 partial, 2 full
 
 
 def classes_sparsity(classes: torch.Tensor) -> float:
