@@ -68,19 +68,27 @@ def build_report(folder: str | Path) -> str:
         raise ValueError(f"{folder} holds no attngym run (no metrics.json, no job folders)")
     failed = sum(row.get("status") != "ok" for row in rows)
     title = f"attngym {'sweep' if is_sweep else 'run'} {folder.name}"
-    from attngym.tracking.sweep import md_columns
+    from attngym.tracking.sweep import md_columns, table_layout
 
-    columns = [c for c in md_columns() if any(row.get(c) is not None for row in rows)]
     extra = sorted(
         {k for row in rows for k in row if k.startswith("flex_over_") and row[k] is not None}
     )
-    columns[-1:-1] = [c for c in extra if c not in columns]  # every ratio, before the error
+    names = list(md_columns())
+    names[-1:-1] = [c for c in extra if c not in names]  # every ratio, before the error
+    columns, shared = table_layout(rows, names)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f"<p>{len(rows)} run(s), {failed} failed. Folder: <code>{html.escape(str(folder))}"
         "</code>. Errors are against the float64 dense reference on the validated rows.</p>",
+        (
+            "<p>Every run: "
+            + html.escape(", ".join(f"{k}={v}" for k, v in shared.items()))
+            + "</p>"
+            if shared
+            else ""
+        ),
         "<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>",
     ]
     for row in rows:

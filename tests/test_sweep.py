@@ -134,3 +134,24 @@ def test_summary_plot_leaves_pyplot_alone(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"]
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_layout_names_shared_settings_once():
+    from attngym.tracking.sweep import table_layout
+
+    rows = [
+        {"job": 0, "status": "ok", "variant": "causal", "device": "cpu", "seq_len": 512, "x": None},
+        {
+            "job": 1,
+            "status": "ok",
+            "variant": "causal",
+            "device": "cpu",
+            "seq_len": 1024,
+            "x": None,
+        },
+    ]
+    columns, shared = table_layout(rows, ["job", "status", "variant", "device", "seq_len", "x"])
+    assert columns == ["job", "status", "variant", "seq_len"]  # kept, or varying; x never set
+    assert shared == {"device": "cpu"}
+    one, none_shared = table_layout(rows[:1], ["job", "device", "x"])
+    assert (one, none_shared) == (["job", "device"], {})  # one row: nothing to factor out

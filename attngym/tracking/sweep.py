@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,33 @@ def md_columns() -> tuple[str, ...]:
     from attngym.tasks.common import table_columns
 
     return ("job", "overrides", *table_columns())
+
+
+# Always columns of a table, even when every job has the same value there.
+KEPT_COLUMNS = ("job", "overrides", "status", "variant")
+
+
+def table_layout(
+    rows: list[dict[str, Any]], columns: Sequence[str]
+) -> tuple[list[str], dict[str, Any]]:
+    """Split `columns` into those that vary between rows and those every row shares.
+
+    A sweep table then shows what the sweep changed and what it measured, and names the shared
+    settings (device, dtype, heads, ...) once above it instead of in every row.
+
+    Returns:
+        (columns with at least one value that differ between rows, or are KEPT_COLUMNS;
+        {column: value} shared by every row, None-only columns left out).
+    """
+    present = [c for c in columns if any(row.get(c) is not None for row in rows)]
+    if len(rows) < 2:
+        return present, {}
+    shared = {
+        c: rows[0].get(c)
+        for c in present
+        if c not in KEPT_COLUMNS and all(row.get(c) == rows[0].get(c) for row in rows)
+    }
+    return [c for c in present if c not in shared], shared
 
 
 # Set by the callback at the end of a sweep run in this process: (failed jobs, all jobs).
@@ -93,10 +121,12 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """A Markdown table of the md_columns() present in at least one row."""
-    columns = [c for c in md_columns() if any(row.get(c) is not None for row in rows)]
+    """A Markdown table of the md_columns() that vary, the shared values named once above it."""
+    columns, shared = table_layout(rows, md_columns())
     failed = sum(row.get("status") != "ok" for row in rows)
     lines = [f"# {title}", "", f"{len(rows)} jobs, {failed} failed.", ""]
+    if shared:
+        lines += ["Every job: " + ", ".join(f"{k}={_fmt(v)}" for k, v in shared.items()), ""]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
