@@ -92,6 +92,20 @@ def _wait(works, *, timeout_s: float, device: torch.device, what: str) -> None:
         raise RankFailure(f"{what} failed or timed out after {timeout_s:g} s: {e}") from e
 
 
+def _init_common(obj, part_shape, num_parts, dtype, device, group, timeout_s) -> None:
+    """Check the shared constructor arguments and set what both P2P classes hold."""
+    shape, dev = check_args(part_shape, num_parts, dtype, device, timeout_s)
+    dist = _dist()
+    obj.part_shape = shape
+    obj.num_parts = num_parts
+    obj.dtype = dtype
+    obj.device = _device(dev)
+    obj.group = group
+    obj.timeout_s = float(timeout_s)
+    obj.rank = dist.get_rank(group)
+    obj.world_size = dist.get_world_size(group)
+
+
 class P2PChannel:
     """Double-buffered pushes to `dst` and receives from `src` over torch.distributed P2P.
 
@@ -116,16 +130,7 @@ class P2PChannel:
         dst: int | None = None,
         timeout_s: float = 60.0,
     ):
-        shape, dev = check_args(part_shape, num_parts, dtype, device, timeout_s)
-        dist = _dist()
-        self.part_shape = shape
-        self.num_parts = num_parts
-        self.dtype = dtype
-        self.device = _device(dev)
-        self.group = group
-        self.timeout_s = float(timeout_s)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        _init_common(self, part_shape, num_parts, dtype, device, group, timeout_s)
         check_peer("src", src, self.world_size)
         check_peer("dst", dst, self.world_size)
         self.src = (self.rank - 1) % self.world_size if src is None else src
@@ -249,16 +254,7 @@ class P2PAllGather:
         timeout_s: float = 60.0,
     ):
         self.dim = check_dim(dim, check_part_shape(part_shape))
-        shape, dev = check_args(part_shape, num_parts, dtype, device, timeout_s)
-        dist = _dist()
-        self.part_shape = shape
-        self.num_parts = num_parts
-        self.dtype = dtype
-        self.device = _device(dev)
-        self.group = group
-        self.timeout_s = float(timeout_s)
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        _init_common(self, part_shape, num_parts, dtype, device, group, timeout_s)
         shape = list(self.part_shape)
         shape[self.dim] *= self.world_size
         self.out_shape = (self.num_parts, *shape)

@@ -30,8 +30,12 @@ log = logging.getLogger(__name__)
 MODES = ("offline", "online", "disabled")
 
 
+@registry.register("tracker", "wandb")
 class WandbTracker:
-    """Log a run to W&B (see the module docstring for what goes where)."""
+    """Log a run to W&B (see the module docstring for what goes where).
+
+    Registered as the tracker "wandb": its keyword arguments are the `logger.*` config keys.
+    """
 
     def __init__(
         self,
@@ -130,23 +134,3 @@ class WandbTracker:
                 self.finish_timeout_s,
                 getattr(run, "dir", "the run folder"),
             )
-
-
-@registry.register("tracker", "wandb")
-def wandb_tracker(
-    mode: str = "offline",
-    project: str = "attngym",
-    entity: str | None = None,
-    tags: Sequence[str] = (),
-    init_timeout_s: float = 5.0,
-    finish_timeout_s: float = 5.0,
-) -> WandbTracker:
-    """W&B tracker; `mode` offline (default), online or disabled."""
-    return WandbTracker(
-        mode=mode,
-        project=project,
-        entity=entity,
-        tags=tags,
-        init_timeout_s=init_timeout_s,
-        finish_timeout_s=finish_timeout_s,
-    )
