@@ -68,6 +68,8 @@ CP_ROWS = (
     ("layout", "layout"),
     ("single_fwd_ms", "one device fwd (ms)"),
     ("efficiency", "efficiency"),
+    ("single_fwd_bwd_ms", "one device fwd+bwd (ms)"),
+    ("efficiency_fwd_bwd", "efficiency fwd+bwd"),
 )
 
 
@@ -231,22 +233,23 @@ def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     return handler
 
 
-def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int) -> dict[str, Any]:
+def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int, multirun: bool) -> None:
     """A rank other than 0 under torchrun: the same checks and task (its collectives need every
     rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
-    are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail."""
+    are rank 0's. A failure is logged there; a single run raises it, so torchrun sees the rank
+    fail, while a sweep goes on to its next job with rank 0 (whose metrics.json records it)."""
     from attngym import registry
     from attngym.config import from_config
 
     handler = _rank_log(run_dir, rank)
     try:
         settings = from_config(cfg)
-        metrics = registry.get("task", settings.topology.kind)(settings, run_dir)
-        log.info("rank %d done: validation %s", rank, (metrics or {}).get("validation"))
-        return metrics
+        metrics = registry.get("task", settings.topology.kind)(settings, run_dir) or {}
+        log.info("rank %d done: validation %s", rank, metrics.get("validation", "on rank 0"))
     except Exception:
         log.exception("rank %d failed", rank)
-        raise
+        if not multirun:
+            raise
     finally:
         logging.getLogger("attngym").removeHandler(handler)
         handler.close()
@@ -264,15 +267,15 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
-        return _run_other_rank(cfg, run_dir, rank)
     multirun = hc.mode == RunMode.MULTIRUN
     overrides = [str(o) for o in hc.overrides.task]
-    if multirun and _already_ok(run_dir, overrides):
+    if multirun and _already_ok(run_dir, overrides):  # every rank skips it together
         log.info(
             "job %s (%s): already ok in %s, skipping", hc.job.num, " ".join(overrides), run_dir
         )
         return None
+    if rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
+        return _run_other_rank(cfg, run_dir, rank, multirun)
 
     metrics: dict[str, Any] = {"status": "failed", "error": None}
     settings = None

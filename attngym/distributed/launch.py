@@ -18,8 +18,9 @@ Contract:
       given 5 s, then killed. A rank tears down its transports and process group in a `finally`,
       whatever `fn` did.
     * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
-      rank; it joins (or reuses) the default process group and returns its own `fn` result.
-      torchrun supervises the ranks.
+      rank; it joins (or reuses) the default process group and returns its own `fn` result. A
+      group it creates lives until the process exits (so a torchrun sweep runs every job in the
+      same group). torchrun supervises the ranks.
     * Logs: with `run_dir`, every rank other than 0 writes `rank<N>.log` there, spawned or under
       torchrun; spawned rank 0 writes rank0.log too and speaks on stderr. A spawned rank is a fresh
       interpreter owned by this module, so it configures the root logger of that process. Under
@@ -30,6 +31,7 @@ Contract:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -291,12 +293,14 @@ def _join_torchrun(
     os.environ.update(RANK_ENV)  # before NCCL or symmetric memory initialise in this process
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _set_device(device, local_rank)
-    created = not dist.is_initialized()
-    if created:
+    if not dist.is_initialized():
+        # Kept for the life of the process: a torchrun sweep runs its jobs in the same ranks, and
+        # re-creating groups between jobs races with peers still finishing the previous job.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         dist.init_process_group(
             _backend(device, local), timeout=datetime.timedelta(seconds=timeout_s)
         )
+        atexit.register(_destroy_group)
     handler = None
     if run_dir is not None and rank != 0:  # rank 0's log is the caller's (Hydra's) own
         handler = logging.FileHandler(pathlib.Path(run_dir) / f"rank{rank}.log")
@@ -308,8 +312,14 @@ def _join_torchrun(
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
-        if created:
-            from attngym.distributed.transport import clear_cache
 
-            clear_cache()
-            dist.destroy_process_group()
+
+def _destroy_group() -> None:
+    """At exit of a torchrun rank: drop the cached transports, then the groups."""
+    import torch.distributed as dist
+
+    from attngym.distributed.transport import clear_cache
+
+    clear_cache()
+    if dist.is_initialized():
+        dist.destroy_process_group()

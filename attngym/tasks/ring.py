@@ -18,7 +18,7 @@ starts; then attngym.distributed.launch runs `_rank_run` on every rank. Every ra
 4. times fwd, bwd, fwd+bwd together with its peers (bench.time_fn; every rank makes the same
    calls), then one instrumented forward (per-step compute, pairs, bytes), a transfer-only pass
    (per-step transfer time) and, on rank 0, the whole problem on one device with the same kernel
-   (single_fwd_ms, efficiency).
+   (single_fwd_ms, efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
 
 Rank 0 alone does the float64 reference and the one-device comparison (which needs the whole
 problem on its device, briefly). The other ranks wait for it at barriers of a separate gloo group
@@ -115,9 +115,8 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
 
 
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
-    import torch.distributed as dist
 
-    from attngym.distributed.transport import resolve_transport
+    from attngym.distributed.transport import cached, resolve_transport
 
     topo = settings.topology
     device = (
@@ -127,14 +126,16 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     )
     resolved = resolve_transport(topo.transport, device, key="topology.transport")
     log.info("%s attention: rank %d of %d, transport %s", kind, rank, world_size, resolved.name)
-    wait_group = dist.new_group(
-        backend="gloo", timeout=datetime.timedelta(seconds=topo.timeout_s + LONG_WAIT_S)
-    )
-    try:
-        metrics = _rank_body(rank, world_size, settings, kind, device, resolved, wait_group)
-    finally:
-        dist.destroy_process_group(wait_group)
-    return metrics
+    wait_group = cached(_gloo_group, timeout_s=topo.timeout_s + LONG_WAIT_S)
+    return _rank_body(rank, world_size, settings, kind, device, resolved, wait_group)
+
+
+def _gloo_group(group=None, *, timeout_s: float):
+    """A gloo group of every rank (for the long waits); built once, kept with the transports."""
+    import torch.distributed as dist
+
+    del group  # transport.cached passes the group its objects belong to: the world here
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -> dict[str, Any]:
@@ -262,7 +263,8 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     metrics["step_transfer_ms"] = _transfer_ms(kind, resolved, k_s, topo.timeout_s, b.repeats)
 
     # The same whole problem on one device with the same kernel (rank 0; the others wait).
-    metrics["single_fwd_ms"] = metrics["efficiency"] = None
+    for key in ("single_fwd_ms", "efficiency", "single_fwd_bwd_ms", "efficiency_fwd_bwd"):
+        metrics[key] = None
     if rank == 0:
         dense_bytes = shape.batch * shape.heads * seq_len**2 * 8
         if device.type == "cpu" and dense_bytes > SINGLE_CPU_MAX_BYTES:
@@ -282,11 +284,17 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
 
 
 def _single_device(settings, variant, whole, block_mask, device, timed, timings, kind):
-    """single_fwd_ms and efficiency: the whole problem on rank 0's device with the same kernel."""
+    """The whole problem on rank 0's device with the same kernel: single_<pass>_ms, efficiency.
+
+    efficiency = (one-device time / world_size) / CP time, for fwd and (when the CP run did a
+    backward) fwd+bwd: 1.0 is perfect scaling.
+    """
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
-    q, k, v = (t.to(device) for t in whole[:3])
+    do_bwd = "fwd_bwd" in timings
+    q, k, v = (t.to(device).requires_grad_(do_bwd) for t in whole[:3])
+    grad_out = whole[3].to(device)
 
     def call():
         return kernels.attend_chunk(
@@ -300,22 +308,29 @@ def _single_device(settings, variant, whole, block_mask, device, timed, timings,
             kernel_options=settings.kernel_options or None,
             compile=settings.compile,
             compile_mode=settings.compile_mode,
-        )
+        )[0]
 
     with torch.no_grad():
         call()
-        single = timed(call)
-    cp_ms = timings["fwd"].median_ms
-    efficiency = (single.median_ms / world_size) / cp_ms
-    log.info(
-        "%s fwd %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
-        kind,
-        cp_ms,
-        single.median_ms,
-        world_size,
-        efficiency,
-    )
-    return {"single_fwd_ms": single.median_ms, "efficiency": efficiency}
+        single = {"fwd": timed(call)}
+    if do_bwd:
+        single["fwd_bwd"] = timed(lambda: torch.autograd.grad(call(), (q, k, v), grad_out))
+    out: dict[str, Any] = {}
+    for name, result in single.items():
+        suffix = "" if name == "fwd" else f"_{name}"
+        efficiency = (result.median_ms / world_size) / timings[name].median_ms
+        out[f"single_{name}_ms"] = result.median_ms
+        out[f"efficiency{suffix}"] = efficiency
+        log.info(
+            "%s %s %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
+            kind,
+            name,
+            timings[name].median_ms,
+            result.median_ms,
+            world_size,
+            efficiency,
+        )
+    return out
 
 
 def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> float:

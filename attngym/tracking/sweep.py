@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -237,8 +238,8 @@ class SweepSummary(_callback_base()):
                 pass
             self._bar = None
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
+        if os.environ.get("RANK", "0") != "0" or not sweep_dir.is_dir():
+            return  # under torchrun rank 0 writes the summary
         rows = summarize(sweep_dir)
         failed = [row for row in rows if row.get("status") != "ok"]
         LAST_RESULT.update(failed=len(failed), jobs=len(rows))

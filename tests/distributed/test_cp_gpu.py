@@ -30,7 +30,17 @@ def _transports():
     return out or ["nccl"]  # collected and skipped without CUDA
 
 
-def _worker(rank, world_size, transport):
+def _variants(names):
+    """The variants the ranks check: masks that skip different (q, kv) chunk pairs."""
+    made = {
+        "causal": lambda: variants.get("causal"),
+        "sliding_window": lambda: variants.get("sliding_window", window_size=200),
+        "document": lambda: variants.get("document", doc_lengths=[300, 500, 224]),
+    }
+    return {name: made[name]() for name in names}
+
+
+def _worker(rank, world_size, transport, variant_names):
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -39,27 +49,30 @@ def _worker(rank, world_size, transport):
     q = torch.randn(1, 4, S, 64, generator=gen).to(device)
     k, v = (torch.randn(1, 2, S, 64, generator=gen).to(device) for _ in range(2))
     dout = torch.randn(q.shape, generator=gen).to(device)
-    variant = variants.get("causal")
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)
-    ref_out.backward(dout.double())
     errors = {}
-    for fn in (ring_attention, allgather_attention):
-        for layout in ("contiguous", "zigzag"):
-            q_s, k_s, v_s = (shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v))
-            out = fn(q_s, k_s, v_s, variant, layout=layout, transport=transport)
-            out.backward(shard(dout, rank, world_size, layout))
-            rel = []
-            for got, want in zip(
-                (out, q_s.grad, k_s.grad, v_s.grad),
-                (ref_out, qr.grad, kr.grad, vr.grad),
-                strict=True,
-            ):
-                parts = [torch.empty_like(got) for _ in range(world_size)]
-                dist.all_gather(parts, got.detach().contiguous())
-                whole = unshard(parts, layout).double()
-                rel.append(((whole - want).norm() / want.norm()).item())
-            errors[(fn.__name__, layout)] = rel
+    for name, variant in _variants(variant_names).items():
+        variant = variant.to(device)
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)
+        ref_out.backward(dout.double())
+        for fn in (ring_attention, allgather_attention):
+            for layout in ("contiguous", "zigzag"):
+                q_s, k_s, v_s = (
+                    shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v)
+                )
+                out = fn(q_s, k_s, v_s, variant, layout=layout, transport=transport)
+                out.backward(shard(dout, rank, world_size, layout))
+                rel = []
+                for got, want in zip(
+                    (out, q_s.grad, k_s.grad, v_s.grad),
+                    (ref_out, qr.grad, kr.grad, vr.grad),
+                    strict=True,
+                ):
+                    parts = [torch.empty_like(got) for _ in range(world_size)]
+                    dist.all_gather(parts, got.detach().contiguous())
+                    whole = unshard(parts, layout).double()
+                    rel.append(((whole - want).norm() / want.norm()).item())
+                errors[(name, fn.__name__, layout)] = rel
     return errors
 
 
@@ -69,13 +82,19 @@ def test_cp_on_cuda_matches_reference(transport, monkeypatch):
     world_size = max(2, torch.cuda.device_count()) if transport == "nccl" else 2
     if torch.cuda.device_count() < world_size:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
-    errors = launch(_worker, min(world_size, 4), args=(transport,), device="cuda", timeout_s=300)
+    errors = launch(
+        _worker,
+        min(world_size, 4),
+        args=(transport, ("causal", "sliding_window", "document")),
+        device="cuda",
+        timeout_s=300,
+    )
     for case, rel in errors.items():
         assert max(rel) < REL, f"{transport} {case}: relative errors of out, dq, dk, dv = {rel}"
 
 
 @pytest.mark.multigpu
 def test_auto_transport_picks_copy_engine_inside_one_host():
-    errors = launch(_worker, 2, args=("auto",), device="cuda", timeout_s=300)
+    errors = launch(_worker, 2, args=("auto", ("causal",)), device="cuda", timeout_s=300)
     for case, rel in errors.items():
         assert max(rel) < REL, f"auto {case}: {rel}"

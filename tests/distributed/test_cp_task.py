@@ -47,6 +47,45 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     assert metrics["err_dk_rel"] < 1e-4 and metrics["err_dv_rel"] < 1e-4
     assert metrics["pairs_skipped"] > 0  # causal: some (q chunk, kv chunk) pairs are empty
     assert metrics["efficiency"] > 0 and metrics["single_fwd_ms"] > 0
+    assert metrics["efficiency_fwd_bwd"] > 0 and metrics["single_fwd_bwd_ms"] > 0
     for name in ("heatmap.png", "block_mask.png", "rank1.log"):
         assert (run_dir / name).stat().st_size > 0, name
     assert "efficiency" in proc.stdout and "transport" in proc.stdout
+
+
+def test_cp_sweep_under_torchrun_runs_every_job_in_the_same_ranks(tmp_path):
+    """`torchrun -m attngym -m ...`: each rank runs the jobs in turn (compiled kernels and process
+    group stay warm between them); rank 0 alone writes metrics, pictures and the summary."""
+    sweep_dir = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "attngym",
+            "-m",
+            f"hydra.sweep.dir={sweep_dir}",
+            "+experiment=ring_attention",
+            "topology.world_size=2",
+            "shape.seq_len=256,512",
+            "shape.heads=2",
+            "logger=none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "ATTNGYM_PROGRESS": "0"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # Rank 1 leaves the summary to rank 0.
+    assert (proc.stdout + proc.stderr).count("summary in") == 1
+    rows = (sweep_dir / "summary.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",ok," in row for row in rows[1:]), rows
+    for job in ("0", "1"):
+        metrics = json.loads((sweep_dir / job / "metrics.json").read_text())
+        assert metrics["validation"] == "ok" and metrics["efficiency_fwd_bwd"] > 0
+        assert "rank 1 done" in (sweep_dir / job / "rank1.log").read_text()
