@@ -46,6 +46,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 RECOMPILE_LIMIT = 256
 
 
+# Block masks over more entries than this are built by a compiled create_block_mask on CUDA.
+COMPILED_MASK_ENTRIES = 2**28
+
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -73,14 +76,27 @@ def compiled_flex_attention(mode: str = "default"):
     return torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
 
 
+@functools.lru_cache(maxsize=4096)
+def _offset_tensor(offset: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(offset, device=device)
+
+
+def _position(offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-d tensor of the offset on `device`, made once per (offset, device): making it per
+    chunk call copies from pageable host memory, which synchronises the stream each time and
+    leaves the GPU idle while the host queues the next chunk."""
+    if isinstance(offset, torch.Tensor):
+        return offset.to(device)
+    return _offset_tensor(int(offset), device)
+
+
 def shifted_mods(
     variant: Variant, q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor, device
 ) -> tuple[ScoreMod | None, MaskMod | None]:
     """The variant's callbacks with chunk-local indices moved to global positions."""
     if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0:
         return variant.score_mod, variant.mask_mod
-    q_off = torch.as_tensor(q_offset, device=device)
-    kv_off = torch.as_tensor(kv_offset, device=device)
+    q_off, kv_off = (_position(o, torch.device(device)) for o in (q_offset, kv_offset))
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod
@@ -114,7 +130,16 @@ def make_block_mask(
     if mask_mod is None:
         return None
     return create_block_mask(
-        mask_mod, None, None, seq_q, seq_kv, device=device, BLOCK_SIZE=tuple(block_size)
+        mask_mod,
+        None,
+        None,
+        seq_q,
+        seq_kv,
+        device=device,
+        BLOCK_SIZE=tuple(block_size),
+        # Eager creation materialises seq_q x seq_kv mask values (128 GiB at 128K x 128K);
+        # compiled, it works block by block. Small masks stay eager (no compile time).
+        _compile=torch.device(device).type == "cuda" and seq_q * seq_kv > COMPILED_MASK_ENTRIES,
     )
 
 

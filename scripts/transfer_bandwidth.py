@@ -40,8 +40,8 @@ def _ce_allgather(x: torch.Tensor) -> Callable[[], None]:
     gather = CopyEngineAllGather(tuple(x.shape), 1, 0, dtype=x.dtype, device=x.device)
 
     def op() -> None:
-        gather.start(x)
-        gather.wait(x)
+        gather.start([x])
+        gather.wait([x])
 
     return op
 
@@ -60,7 +60,7 @@ def _ce_channel(x: torch.Tensor) -> Callable[[], None]:
 
     def op() -> None:
         i = step[0]
-        chan.send(x, i)
+        chan.send([x], i)
         chan.recv(i + 1)
         chan.release(i + 1)
         chan.join()
