@@ -1,0 +1,137 @@
+"""Where a context-parallel step spends its time: GPU kernels, GPU idle time and host syncs.
+
+Runs ring or all-gather attention on every GPU (one process each), then on rank 0:
+    * one forward and one forward+backward under torch.cuda.set_sync_debug_mode("warn"), with
+      each synchronising call site counted (file:line of the attngym frame that caused it);
+    * three forwards and three forward+backwards under torch.profiler: wall time per call, the
+      summed duration of the GPU kernels and copies (GPU busy), and the kernels by total time.
+A GPU that is busy for much less than the wall time waits on the host (launch overhead or
+syncs); a busy GPU with slow kernels points at the kernel.
+
+Usage (two or more GPUs):
+    python scripts/cp_profile.py --kind ring --seq-len 32768 --layout zigzag --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+import traceback
+import warnings
+
+import torch
+
+from attngym import variants
+from attngym.distributed import allgather_attention, ring_attention, shard
+from attngym.distributed.launch import launch
+
+
+def _sync_sites(call) -> dict[str, int]:
+    """Count the attngym call sites of the synchronising operations `call` makes."""
+    sites: collections.Counter[str] = collections.Counter()
+
+    def on_warning(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/attngym/" in f.filename]
+        where = (
+            f"{frames[-1].filename.split('/attngym/')[-1]}:{frames[-1].lineno}" if frames else "?"
+        )
+        sites[f"{where}: {str(message)[:80]}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = on_warning
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites)
+
+
+def _profile(call, repeats: int = 3) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / repeats
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_name: collections.Counter[str] = collections.Counter()
+    for e in gpu:
+        by_name[e.name[:90]] += e.device_time / 1e3 / repeats
+    host: collections.Counter[str] = collections.Counter()
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith(("cuda", "cu")):
+            host[e.name] += 1
+    return {
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": sum(by_name.values()),
+        "gpu_ops_per_call": len(gpu) / repeats,
+        "top_gpu_ms": dict(by_name.most_common(12)),
+        "host_cuda_calls": dict(host.most_common(12)),
+    }
+
+
+def _worker(rank: int, world: int, kind: str, seq_len: int, layout: str, heads: int) -> dict:
+    fn = ring_attention if kind == "ring" else allgather_attention
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (
+        shard(torch.randn(1, heads, seq_len, 128, generator=gen), rank, world, layout)
+        .to(device, torch.bfloat16)
+        .requires_grad_()
+        for _ in range(4)
+    )
+    variant = variants.get("causal").to(device)
+
+    def fwd():
+        with torch.no_grad():
+            return fn(q, k, v, variant, layout=layout, transport="auto")
+
+    def fwd_bwd():
+        return torch.autograd.grad(fn(q, k, v, variant, layout=layout), (q, k, v), g)
+
+    for _ in range(2):  # compile and warm up
+        fwd_bwd()
+    torch.cuda.synchronize()
+    result = {
+        "sync_sites_fwd": _sync_sites(fwd),
+        "sync_sites_fwd_bwd": _sync_sites(fwd_bwd),
+        "fwd": _profile(fwd),
+        "fwd_bwd": _profile(fwd_bwd),
+    }
+    return result if rank == 0 else {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=["ring", "allgather"], default="ring")
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--layout", choices=["contiguous", "zigzag"], default="zigzag")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--out", default="cp_profile.json")
+    args = parser.parse_args(argv)
+    world = torch.cuda.device_count()
+    result = launch(
+        _worker,
+        world,
+        args=(args.kind, args.seq_len, args.layout, args.heads),
+        device="cuda",
+        timeout_s=300,
+    )
+    result.update(vars(args), world_size=world, torch=torch.__version__)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
