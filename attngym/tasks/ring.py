@@ -115,7 +115,6 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
 
 
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
-
     from attngym.distributed.transport import cached, resolve_transport
 
     topo = settings.topology
