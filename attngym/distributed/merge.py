@@ -5,8 +5,9 @@ where a row saw no key), attention over the union of the K_i is
 
     lse = log Σ_i exp(lse_i),    out = Σ_i w_i · out_i,    w_i = exp(lse_i − lse).
 
-Rows where every lse_i is -inf stay out = 0, lse = -inf (no NaN). Context-parallel forward merges
-with `merge`; backward splits the output gradient with the same weights (`weights`).
+Rows where every lse_i is -inf stay out = 0, lse = -inf (no NaN). Context-parallel forward folds
+each chunk pair's partial into its accumulator with `merge_into`; `merge` combines a list;
+backward splits the output gradient with the same weights (`weights`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,28 @@ def weights(lse_i: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     empty = torch.isneginf(lse_i)
     diff = torch.where(empty, torch.zeros_like(lse_i), lse_i - torch.where(empty, 0.0, lse))
     return torch.where(empty, torch.zeros_like(diff), torch.exp(diff))
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor
+) -> None:
+    """Fold one partial `(out_i, lse_i)` into the running `(out, lse)`, in place.
+
+    This is what a context-parallel step pays per chunk pair, so it touches `out` in two passes
+    (scale by w_old, add w_i · out_i) and allocates nothing of its size; `out` and `lse` may be
+    views (rows of a larger accumulator).
+
+    Args:
+        out: (B, H, S, D) accumulator in lse's dtype; 0 where lse is -inf.
+        lse: (B, H, S) running log-sum-exp (float32 or float64); -inf on rows with no key yet.
+        out_i: (B, H, S, D) partial output, any float dtype.
+        lse_i: (B, H, S) partial log-sum-exp; -inf on rows with no key.
+    """
+    lse_i = lse_i.to(lse.dtype)
+    new = torch.logaddexp(lse, lse_i)  # -inf where both are
+    out.mul_(weights(lse, new).unsqueeze(-1))
+    out.addcmul_(out_i, weights(lse_i, new).unsqueeze(-1))
+    lse.copy_(new)
 
 
 def merge(
@@ -55,10 +78,8 @@ def merge(
             f"merge needs as many outs as lses (>= 1), got {len(outs)} and {len(lses)}"
         )
     acc_dtype = lses[0].dtype
-    out_dtype = outs[0].dtype if out_dtype is None else out_dtype
-    lse_nBHS = torch.stack([lse.to(acc_dtype) for lse in lses])
-    lse = torch.logsumexp(lse_nBHS, dim=0)  # -inf where every partial is -inf
     out = torch.zeros_like(outs[0], dtype=acc_dtype)
-    for out_i, lse_i in zip(outs, lse_nBHS, strict=True):
-        out = out + weights(lse_i, lse).unsqueeze(-1) * out_i.to(acc_dtype)
-    return out.to(out_dtype), lse
+    lse = torch.full_like(lses[0], float("-inf"), dtype=acc_dtype)
+    for out_i, lse_i in zip(outs, lses, strict=True):
+        merge_into(out, lse, out_i, lse_i)
+    return out.to(outs[0].dtype if out_dtype is None else out_dtype), lse

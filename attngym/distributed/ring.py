@@ -32,7 +32,7 @@ import torch
 
 from attngym import kernels, reference
 from attngym.distributed import layout as layouts
-from attngym.distributed.merge import merge, weights
+from attngym.distributed.merge import merge_into, weights
 from attngym.variants.base import Variant
 
 
@@ -257,13 +257,7 @@ class Accumulator:
         self.lse = torch.full((b, h, s), float("-inf"), dtype=self.acc_dtype, device=q.device)
 
     def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
-        out, lse = merge(
-            [self.out[:, :, rows], out_i],
-            [self.lse[:, :, rows], lse_i.to(self.acc_dtype)],
-            out_dtype=self.acc_dtype,
-        )
-        self.out[:, :, rows] = out
-        self.lse[:, :, rows] = lse
+        merge_into(self.out[:, :, rows], self.lse[:, :, rows], out_i, lse_i)
 
 
 def forward_pairs(cfg: CPConfig, acc: Accumulator, q, k, v, kv_rank: int) -> None:
