@@ -177,8 +177,10 @@ class _Watchdog:
                 elif now > item.deadline:
                     item.owner._expire(item)
                     finished.append(item)
-            with self._cond:
-                self._items = [it for it in self._items if all(it is not f for f in finished)]
+            if finished:
+                gone = {id(it) for it in finished}
+                with self._cond:
+                    self._items = [it for it in self._items if id(it) not in gone]
             time.sleep(_POLL_S)
 
 
