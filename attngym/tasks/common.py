@@ -75,10 +75,23 @@ HEADLINE_RATIOS = tuple(
 )
 
 
+# What a context-parallel run adds to a results table: how it scaled and where the time went.
+CP_COLUMNS = (
+    "layout",
+    "efficiency",
+    "efficiency_fwd_bwd",
+    "single_fwd_ms",
+    "single_fwd_bwd_ms",
+    "step_compute_ms",
+    "step_transfer_ms",
+)
+
+
 def table_columns() -> tuple[str, ...]:
-    """Columns of a results table (summary.md, report.html): every METRIC_NAMES entry, then the
-    headline ratios, the error last. Tables show those present in at least one row."""
-    return (*(n for n in METRIC_NAMES if n != "error"), *HEADLINE_RATIOS, "error")
+    """Columns of a results table (summary.md, report.html): every METRIC_NAMES entry, the
+    context-parallel columns, then the headline ratios, the error last. Tables show those present
+    in at least one row."""
+    return (*(n for n in METRIC_NAMES if n != "error"), *CP_COLUMNS, *HEADLINE_RATIOS, "error")
 
 
 # Validation tolerances per dtype, judged against the float64 reference on the validated rows.

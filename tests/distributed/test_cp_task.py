@@ -85,6 +85,8 @@ def test_cp_sweep_under_torchrun_runs_every_job_in_the_same_ranks(tmp_path):
     assert (proc.stdout + proc.stderr).count("summary in") == 1
     rows = (sweep_dir / "summary.csv").read_text().splitlines()
     assert len(rows) == 3 and all(",ok," in row for row in rows[1:]), rows
+    summary = (sweep_dir / "summary.md").read_text()
+    assert "efficiency_fwd_bwd" in summary and "step_transfer_ms" in summary
     for job in ("0", "1"):
         metrics = json.loads((sweep_dir / job / "metrics.json").read_text())
         assert metrics["validation"] == "ok" and metrics["efficiency_fwd_bwd"] > 0
