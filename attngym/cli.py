@@ -236,8 +236,9 @@ def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
 def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int, multirun: bool) -> None:
     """A rank other than 0 under torchrun: the same checks and task (its collectives need every
     rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
-    are rank 0's. A failure is logged there; a single run raises it, so torchrun sees the rank
-    fail, while a sweep goes on to its next job with rank 0 (whose metrics.json records it)."""
+    are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
+    a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
+    before any collective (see _stop_sweep_after)."""
     from attngym import registry
     from attngym.config import from_config
 
@@ -246,13 +247,27 @@ def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int, multirun: bool) -
         settings = from_config(cfg)
         metrics = registry.get("task", settings.topology.kind)(settings, run_dir) or {}
         log.info("rank %d done: validation %s", rank, metrics.get("validation", "on rank 0"))
-    except Exception:
+    except Exception as err:
         log.exception("rank %d failed", rank)
         if not multirun:
             raise
+        if _stop_sweep_after(err):
+            raise SystemExit(1) from err  # Hydra would go on to the next job after an Exception
     finally:
         logging.getLogger("attngym").removeHandler(handler)
         handler.close()
+
+
+def _stop_sweep_after(err: BaseException) -> bool:
+    """Whether a failed job must end a sweep run under torchrun (WORLD_SIZE > 1).
+
+    A ConfigError is raised alike on every rank before any collective, so the ranks stay in step
+    and the sweep goes on. Any other failure may leave the ranks at different collectives of the
+    job, which the next job's collectives would then pair with: the sweep stops (torchrun ends
+    every rank, rank 0 first writing the summary of the jobs so far); the job's metrics.json or
+    rank log records why, and running the same command again resumes, skipping the jobs already ok.
+    """
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(err, ConfigError)
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
@@ -322,6 +337,15 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
     if multirun:
         log.info("job %s %s: %s", hc.job.num, " ".join(overrides), metrics["status"])
+        if failure is not None and _stop_sweep_after(failure):
+            from attngym.tracking.sweep import summarize
+
+            summarize(hc.sweep.dir)  # the jobs so far; on_multirun_end will not run
+            log.error(
+                "stopping the sweep: after this failure the ranks may be out of step; run the "
+                "same command again to resume (jobs already ok are skipped)"
+            )
+            raise SystemExit(1)  # Hydra would go on to the next job after an Exception
         return metrics
     if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)

@@ -302,8 +302,9 @@ def _join_torchrun(
         )
         atexit.register(_destroy_group)
     handler = None
-    if run_dir is not None and rank != 0:  # rank 0's log is the caller's (Hydra's) own
-        handler = logging.FileHandler(pathlib.Path(run_dir) / f"rank{rank}.log")
+    path = None if run_dir is None else pathlib.Path(run_dir) / f"rank{rank}.log"
+    if path is not None and rank != 0 and not _logs_to(path):  # rank 0's log is the caller's
+        handler = logging.FileHandler(path)
         handler.setFormatter(_formatter(rank))
         logging.getLogger().addHandler(handler)
     try:
@@ -312,6 +313,13 @@ def _join_torchrun(
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def _logs_to(path: pathlib.Path) -> bool:
+    """Whether the root or the attngym logger already writes to `path` (the CLI's rank log)."""
+    handlers = logging.getLogger().handlers + logging.getLogger("attngym").handlers
+    target = str(path.resolve())
+    return any(getattr(h, "baseFilename", None) == target for h in handlers)
 
 
 def _destroy_group() -> None:

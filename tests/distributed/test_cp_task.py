@@ -91,3 +91,62 @@ def test_cp_sweep_under_torchrun_runs_every_job_in_the_same_ranks(tmp_path):
         metrics = json.loads((sweep_dir / job / "metrics.json").read_text())
         assert metrics["validation"] == "ok" and metrics["efficiency_fwd_bwd"] > 0
         assert "rank 1 done" in (sweep_dir / job / "rank1.log").read_text()
+
+
+WRAPPER = """
+import os
+import attngym.tasks.ring as ring
+from attngym import cli
+
+real = ring._single_device
+
+
+def failing(settings, *args, **kwargs):
+    if settings.shape.seq_len == 512 and os.environ["RANK"] == "0" and "FAIL" in os.environ:
+        raise RuntimeError("injected failure on rank 0")
+    return real(settings, *args, **kwargs)
+
+
+ring._single_device = failing
+cli.entry()
+"""
+
+
+def test_torchrun_sweep_stops_at_a_rank_failure_and_resumes(tmp_path):
+    """A failure on one rank may leave the ranks at different collectives: the sweep stops at once
+    (no rank waits for a peer's timeout), the summary covers the jobs so far, and the same command
+    run again skips the jobs already ok."""
+    script = tmp_path / "wrap.py"
+    script.write_text(WRAPPER)
+    sweep_dir = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        "-m",
+        f"hydra.sweep.dir={sweep_dir}",
+        "+experiment=ring_attention",
+        "topology.world_size=2",
+        "topology.timeout_s=60",
+        "shape.seq_len=256,512,1024",
+        "shape.heads=2",
+        "logger=none",
+    ]
+    env.update(ATTNGYM_PROGRESS="0")
+    failed = subprocess.run(
+        command, capture_output=True, text=True, timeout=50, env={**env, "FAIL": "1"}
+    )  # well inside topology.timeout_s: nobody waited for a peer to time out
+    assert failed.returncode != 0
+    assert "stopping the sweep" in failed.stdout + failed.stderr
+    rows = (sweep_dir / "summary.csv").read_text().splitlines()
+    assert len(rows) == 3 and ",ok," in rows[1] and "injected failure" in rows[2], rows
+    assert not (sweep_dir / "2").exists()
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "already ok" in resumed.stdout + resumed.stderr
+    rows = (sweep_dir / "summary.csv").read_text().splitlines()
+    assert len(rows) == 4 and all(",ok," in row for row in rows[1:]), rows
