@@ -32,10 +32,19 @@ def weights(lse_i: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, torch.zeros_like(diff), torch.exp(diff))
 
 
+def _fold_weights(
+    lse: torch.Tensor, lse_i: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(merged lse, weight of the running out, weight of out_i) for folding one partial in."""
+    lse_i = lse_i.to(lse.dtype)
+    new = torch.logaddexp(lse, lse_i)  # -inf where both are
+    return new, weights(lse, new).unsqueeze(-1), weights(lse_i, new).unsqueeze(-1)
+
+
 def merge_into(
     out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor
 ) -> None:
-    """Fold one partial `(out_i, lse_i)` into the running `(out, lse)`, in place.
+    """Fold one partial `(out_i, lse_i)` into the running `(out, lse)`, in place (no autograd).
 
     This is what a context-parallel step pays per chunk pair, so it touches `out` in two passes
     (scale by w_old, add w_i · out_i) and allocates nothing of its size; `out` and `lse` may be
@@ -47,10 +56,8 @@ def merge_into(
         out_i: (B, H, S, D) partial output, any float dtype.
         lse_i: (B, H, S) partial log-sum-exp; -inf on rows with no key.
     """
-    lse_i = lse_i.to(lse.dtype)
-    new = torch.logaddexp(lse, lse_i)  # -inf where both are
-    out.mul_(weights(lse, new).unsqueeze(-1))
-    out.addcmul_(out_i, weights(lse_i, new).unsqueeze(-1))
+    new, w, w_i = _fold_weights(lse, lse_i)
+    out.mul_(w).addcmul_(out_i, w_i)
     lse.copy_(new)
 
 
@@ -60,7 +67,7 @@ def merge(
     *,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partials `(out_i, lse_i)` over disjoint key sets into `(out, lse)`.
+    """Merge partials `(out_i, lse_i)` over disjoint key sets into `(out, lse)`; differentiable.
 
     Computed in the lse dtype (float32, or float64 for float64 inputs), so chaining merges step by
     step loses nothing when `out_dtype` keeps the accumulator in that precision.
@@ -81,5 +88,6 @@ def merge(
     out = torch.zeros_like(outs[0], dtype=acc_dtype)
     lse = torch.full_like(lses[0], float("-inf"), dtype=acc_dtype)
     for out_i, lse_i in zip(outs, lses, strict=True):
-        merge_into(out, lse, out_i, lse_i)
+        lse, w, w_i = _fold_weights(lse, lse_i)
+        out = torch.addcmul(out * w, out_i.to(acc_dtype), w_i)
     return out.to(outs[0].dtype if out_dtype is None else out_dtype), lse

@@ -41,6 +41,7 @@ import logging
 import os
 import statistics
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,7 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
 
 
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
-    from attngym.distributed.transport import cached, resolve_transport
+    from attngym.distributed.transport import clear_cache, resolve_transport
 
     topo = settings.topology
     device = (
@@ -125,16 +126,31 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     )
     resolved = resolve_transport(topo.transport, device, key="topology.transport")
     log.info("%s attention: rank %d of %d, transport %s", kind, rank, world_size, resolved.name)
-    wait_group = cached(_gloo_group, timeout_s=topo.timeout_s + LONG_WAIT_S)
-    return _rank_body(rank, world_size, settings, kind, device, resolved, wait_group)
+    wait_group = _gloo_group(topo.timeout_s + LONG_WAIT_S)
+    try:
+        return _rank_body(rank, world_size, settings, kind, device, resolved, wait_group)
+    finally:
+        # Free this job's channels and symmetric memory: the next job of a torchrun sweep may use
+        # other shapes, and every rank is past the job's last transfer and barrier here.
+        common.sync(device)
+        clear_cache()
 
 
-def _gloo_group(group=None, *, timeout_s: float):
-    """A gloo group of every rank (for the long waits); built once, kept with the transports."""
+# Default group -> {timeout: a gloo group of every rank, for the long waits}.
+_WAIT_GROUPS: weakref.WeakKeyDictionary[Any, dict[float, Any]] = weakref.WeakKeyDictionary()
+
+
+def _gloo_group(timeout_s: float):
+    """The gloo group for the long waits, built once per default group and kept: re-creating it
+    for every job of a torchrun sweep raced with peers still finishing the previous job."""
     import torch.distributed as dist
 
-    del group  # transport.cached passes the group its objects belong to: the world here
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    groups = _WAIT_GROUPS.setdefault(dist.group.WORLD, {})
+    if timeout_s not in groups:
+        groups[timeout_s] = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    return groups[timeout_s]
 
 
 def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -> dict[str, Any]:

@@ -70,3 +70,15 @@ def test_merge_keeps_empty_rows_zero_and_minus_inf(rng):
     assert torch.isneginf(lse[0, 0, 0])
     torch.testing.assert_close(out[0, 0, 1], out_a[0, 0, 1])
     torch.testing.assert_close(out[0, 0, 2], out_b[0, 0, 2])
+
+
+def test_merge_is_differentiable(rng):
+    outs = [torch.randn(1, 2, 3, 4, generator=rng, dtype=torch.float64) for _ in range(3)]
+    lses = [torch.randn(1, 2, 3, generator=rng, dtype=torch.float64) for _ in range(3)]
+    lses[1][0, 0, 1] = float("-inf")  # a row this partial did not see
+    inputs = [t.requires_grad_() for t in outs + lses]
+
+    def merged(*tensors):
+        return merge(list(tensors[:3]), list(tensors[3:]))
+
+    assert torch.autograd.gradcheck(merged, inputs)
