@@ -87,6 +87,8 @@ def _position(offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     leaves the GPU idle while the host queues the next chunk."""
     if isinstance(offset, torch.Tensor):
         return offset.to(device)
+    if device.type == "cuda" and device.index is None:  # the cache key names the GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     return _offset_tensor(int(offset), device)
 
 

@@ -3,8 +3,9 @@
 Runs ring or all-gather attention on every GPU (one process each), then on rank 0:
     * one forward and one forward+backward under torch.cuda.set_sync_debug_mode("warn"), with
       each synchronising call site counted (file:line of the attngym frame that caused it);
-    * three forwards and three forward+backwards under torch.profiler: wall time per call, the
-      summed duration of the GPU kernels and copies (GPU busy), and the kernels by total time.
+    * three forwards and three forward+backwards under torch.profiler, per call: wall time, the
+      summed duration of the GPU kernels and copies (GPU busy), the kernels by time and the CUDA
+      runtime/driver calls the host made.
 A GPU that is busy for much less than the wall time waits on the host (launch overhead or
 syncs); a busy GPU with slow kernels points at the kernel.
 
@@ -70,13 +71,13 @@ def _profile(call, repeats: int = 3) -> dict:
     host: collections.Counter[str] = collections.Counter()
     for e in prof.events():
         if e.device_type == DeviceType.CPU and e.name.startswith(("cuda", "cu")):
-            host[e.name] += 1
+            host[e.name] += 1 / repeats
     return {
         "wall_ms": wall_ms,
         "gpu_busy_ms": sum(by_name.values()),
         "gpu_ops_per_call": len(gpu) / repeats,
         "top_gpu_ms": dict(by_name.most_common(12)),
-        "host_cuda_calls": dict(host.most_common(12)),
+        "host_cuda_calls_per_call": dict(host.most_common(12)),
     }
 
 

@@ -4,7 +4,7 @@ Contract (P ranks, this rank r, an all-gather from `transport`):
     * Forward: `start([k, v])` issues the gather; while it is in flight the rank attends its q
       chunks to its own K/V shard (already local); `wait` returns the gathered (2, B, G, S, D)
       buffer, rank p's shard at rows [p·S/P, (p+1)·S/P) in layout order, and the rank attends to
-      the other shards. Partials are merged with merge.merge. The gathered buffer is dropped
+      the other shards. Partials are folded in with merge.merge_into. The gathered buffer is dropped
       before returning; only the local shards, out and lse are saved.
     * Backward gathers K/V again the same way, recomputes each (q chunk, kv chunk) pair with
       autograd (weights w_i = exp(lse_i - lse)), accumulates dK/dV for the whole sequence and

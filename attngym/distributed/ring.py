@@ -5,7 +5,7 @@ Contract (P ranks, this rank r, a channel from `transport`):
       i = 0, else `recv(i)`). It first pushes that shard on (`send(kv, i)`, for i < P-1), then
       computes its q chunks against it, so the transfer for step i + 1 overlaps the compute of
       step i. After the compute the slot is released (`release(i)`): the onward push out of it is
-      queued, so the slot may be overwritten. Partials are merged with merge.merge.
+      queued, so the slot may be overwritten. Partials are folded in with merge.merge_into.
     * Backward recomputes each (q chunk, kv chunk) pair with autograd and weights its gradient with
       w_i = exp(lse_i - lse). K/V travel again on the same channel; dK/dV travel on a second
       channel one push behind them: a rank adds its contribution to the dK/dV of the shard it holds
