@@ -4,8 +4,9 @@
                 accumulator's path before merge_into)
     in place    merge_into(acc rows, lse rows, out_i, lse_i)
 
-Median of `--repeats` calls on this machine's default device, with fresh inputs for each call;
-both paths give the same numbers (the maximum difference is printed).
+Timed with attngym.bench.time_fn (median of `--repeats` calls, fresh inputs made outside the
+timed region for each call) on this machine's default device; both paths give the same numbers
+(the maximum difference is printed).
 
 Usage:
     python scripts/merge_bench.py --rows 8192 --heads 8 --head-dim 128
@@ -14,11 +15,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from attngym.bench import time_fn
 from attngym.distributed.merge import merge, merge_into
 
 
@@ -49,25 +49,20 @@ def main(argv: list[str] | None = None) -> None:
     def in_place(acc, lse, out_i, lse_i):
         merge_into(acc[:, :, rows], lse[:, :, rows], out_i, lse_i)
 
-    def sync():
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     same = inputs()
     a, b = [t.clone() for t in same], [t.clone() for t in same]
     functional(*a)
     in_place(*b)
     print(f"max |functional - in place|: {(a[0] - b[0]).abs().max().item():.2e}")
     for name, fn in (("functional", functional), ("in place", in_place)):
-        times = []
-        for _ in range(args.repeats):
-            tensors = inputs()
-            sync()
-            start = time.perf_counter()
-            fn(*tensors)
-            sync()
-            times.append((time.perf_counter() - start) * 1e3)
-        print(f"{name:10} median {statistics.median(times):8.3f} ms  ({args.device}, {shape})")
+        timing = time_fn(
+            lambda tensors, fn=fn: fn(*tensors),
+            warmup=1,
+            repeats=args.repeats,
+            device=args.device,
+            setup=inputs,
+        )
+        print(f"{name:10} median {timing.median_ms:8.3f} ms  ({args.device}, {shape})")
 
 
 if __name__ == "__main__":
