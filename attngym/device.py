@@ -119,22 +119,24 @@ def device_info(device: str | torch.device) -> dict:
     return info
 
 
-def reset_peak_memory(device: str | torch.device) -> None:
+def reset_peak_memory(device: str | torch.device) -> int:
     """Start a new peak-memory window for `peak_memory_bytes`.
 
-    CUDA: resets the caching allocator's peak statistics of that device. CPU: on Linux, resets the
-    process's peak resident set size (writes 5 to /proc/self/clear_refs); where that is not
-    possible the CPU peak keeps counting from process start.
+    CUDA: resets the caching allocator's peak statistics of that device; the peak then starts at
+    what is still allocated, so the bytes live now are returned for the caller to subtract. CPU:
+    on Linux, resets the process's peak resident set size (writes 5 to /proc/self/clear_refs);
+    where that is not possible the CPU peak keeps counting from process start. Returns 0.
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-        return
+        return int(torch.cuda.memory_allocated(dev))
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         log.debug("cannot reset the peak RSS here; CPU peak memory counts from process start")
+    return 0
 
 
 def peak_memory_bytes(device: str | torch.device) -> int:

@@ -105,7 +105,7 @@ def test_block_sizes(hydra_ctx):
 def test_every_experiment_composes(hydra_ctx, name):
     cfg = make([f"+experiment={name}"], hydra_cfg=True)
     params = cfg.hydra.sweeper.params
-    if name in ("variant_gallery", "flex_vs_sdpa", "block_size_sweep"):  # sweeps by themselves
+    if name in ("variant_gallery", "flex_vs_sdpa", "block_size_sweep", "bwd_options_sweep"):
         assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
         assert len(params) >= 1
     if name == "variant_gallery":
@@ -129,7 +129,32 @@ def test_every_experiment_composes(hydra_ctx, name):
         assert cfg.shape.batch * cfg.shape.seq_len == 32768  # constant tokens per job
     if name == "block_size_sweep":
         assert "block_size" in params and "kernel_options" in params
+    if name == "bwd_options_sweep":
+        assert params.attention == "causal"
+        assert all(_bwd_options_fit(o) for o in _swept("kernel_options", params.kernel_options))
     check_config(make([f"+experiment={name}"]))
+
+
+def _swept(key: str, value: str) -> list:
+    """The values a sweeper param expands to, as Hydra parses them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (override,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
+    return list(override.sweep_iterator())
+
+
+def _bwd_options_fit(options) -> bool:
+    """The backward kernel's static asserts, and tiles that divide the 128 x 128 block mask."""
+    m1, n1 = options.get("bwd_BLOCK_M1", 64), options.get("bwd_BLOCK_N1", 128)
+    m2, n2 = options.get("bwd_BLOCK_M2", 128), options.get("bwd_BLOCK_N2", 64)
+    return n1 % m1 == 0 and m2 % n2 == 0 and all(128 % b == 0 for b in (m1, n1, m2, n2))
+
+
+def test_bwd_options_sweep_checks_its_options():
+    assert _bwd_options_fit({"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128})
+    assert not _bwd_options_fit({"bwd_BLOCK_M1": 128, "bwd_BLOCK_N1": 64})
+    swept = _swept("kernel_options", "choice({},{USE_TMA:true,bwd_num_warps:8})")
+    assert swept == [{}, {"USE_TMA": True, "bwd_num_warps": 8}]
 
 
 def test_hydra_settings(hydra_ctx):

@@ -229,3 +229,24 @@ def test_peak_memory_excludes_validation_and_flush_buffer(tmp_path):
     # Inputs and flex's buffers at this size are a few MiB; the 256 MiB flush buffer is not counted.
     assert 0 < m["peak_mem_bytes"] < bench.L2_FLUSH_BYTES // 4
     assert bench.l2_flush_buffer("cuda") is bench.l2_flush_buffer("cuda")  # allocated once
+
+
+@pytest.mark.parametrize(
+    ("over", "runs"),
+    [
+        ({}, False),  # flex itself is the default: nothing to compare
+        ({"block_size": (64, 64)}, True),
+        ({"block_size": (128, 128), "kernel_options": {"USE_TMA": True}}, True),
+        ({"block_size": (128, 128), "compile_mode": "max-autotune-no-cudagraphs"}, True),
+    ],
+)
+def test_flex_default_baseline_runs_when_flex_is_not_the_default(over, runs):
+    s = settings({"name": "causal"}, **({"block_size": (128, 128)} | over))
+    variant = common.build_variant(s.attention, seq_len=s.shape.seq_len)
+    q, k, v, _ = common.make_inputs(s, "cpu", torch.float32)
+    fn, reason = single._baseline("flex_default", variant, q, k, v, s, torch.device("cpu"))
+    assert (fn is not None) == runs, reason
+    if runs:
+        out, _ = fn()
+        expected, _ = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
+        torch.testing.assert_close(out, expected.to(out.dtype), atol=1e-4, rtol=1e-4)

@@ -15,7 +15,8 @@ quantity does not apply (e.g. gradient errors on CPU):
     bwd_ms, fwd_bwd_ms               backward only, forward + backward (median)
     fwd_tflops, bwd_tflops, fwd_bwd_tflops   achieved TFLOP/s (useful FLOPs: masked blocks excluded)
     compile_s                        the first call (compilation on CUDA), timed apart
-    peak_mem_bytes                   peak device memory of the flex calls (None on CPU)
+    peak_mem_bytes                   peak memory the timed flex calls add (CUDA: beyond the inputs
+                                     and what was live before; CPU: the process's peak RSS)
     err_out_max_abs, err_out_rel     output vs the float64 reference on the validated rows
     err_lse_max_abs                  log-sum-exp vs the reference
     err_dq_rel, err_dk_rel, err_dv_rel   gradients vs the reference (CUDA)

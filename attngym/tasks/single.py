@@ -86,7 +86,6 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
         )
 
     # 2. The first call, timed apart (compilation on CUDA; the first eager call on CPU).
-    device_mod.reset_peak_memory(device)
     start = time.perf_counter()
     out, lse = fwd()
     if do_bwd:
@@ -113,15 +112,15 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
         metrics["validated_rows"] = 0
         metrics["validation"] = "not run (validate=false)"
 
-    # 4. Timings. The peak is reset after the float64 validation and after the L2-flush buffer
-    # exists, so peak_mem_bytes is what the flex calls themselves need.
+    # 4. Timings. peak_mem_bytes is what the flex calls add to what is live before them (the
+    # inputs, the L2-flush buffer, anything an earlier run in this process still holds).
     if device.type == "cuda":
         bench.l2_flush_buffer(device)
     common.sync(device)
-    device_mod.reset_peak_memory(device)
+    live = device_mod.reset_peak_memory(device)
     flops = common.pass_flops(shape, seq_len, sparsity)
     flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
-    metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device)
+    metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device) - live
     metrics.update(common.pass_metrics(flex_ms, shape, seq_len, sparsity))
 
     # Profile one call, in the run folder.
@@ -264,8 +263,12 @@ def _baseline(
             return sdpa, ""
         return _forced_backend(name, sdpa, q)
     if name == "flex_default":
-        if tuple(settings.block_size) == (128, 128) and not settings.kernel_options:
-            return None, "flex already runs with the default block size and kernel options"
+        if (
+            tuple(settings.block_size) == (128, 128)
+            and not settings.kernel_options
+            and settings.compile_mode == "default"
+        ):
+            return None, "flex already runs with the default block size, options and compile mode"
         default_mask = kernels.make_block_mask(
             variant, q.shape[2], k.shape[2], block_size=(128, 128), device=device
         )
