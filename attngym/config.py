@@ -235,17 +235,28 @@ def _seq_divides(seq_len: int, world_size: int, layout: str) -> None:
         )
 
 
-def _is_flash(kernel_options: Mapping[str, Any]) -> bool:
-    backend = kernel_options.get("BACKEND")
+def is_flash(kernel_options: Mapping[str, Any] | None) -> bool:
+    """Whether these kernel options pick the FLASH backend (flash-attn-4's CuTe DSL kernels)."""
+    backend = (kernel_options or {}).get("BACKEND")
     return isinstance(backend, str) and backend.upper() == "FLASH"
 
 
 def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
     """BACKEND=FLASH needs a 16-bit dtype (judged on values only; `auto` is judged later)."""
-    if _is_flash(kernel_options) and dtype in ("float32", "float64"):
+    if is_flash(kernel_options) and dtype in ("float32", "float64"):
         raise ConfigError(
             "kernel_options.BACKEND",
             f"FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype={dtype}",
+        )
+
+
+def _check_flash_topology(kernel_options: Mapping[str, Any], kind: str, passes: list) -> None:
+    """Context parallelism differentiates through each chunk's lse; FLASH's backward cannot."""
+    if is_flash(kernel_options) and kind != "single" and "bwd" in passes:
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH has no gradient for the log-sum-exp, which topology={kind} merges chunks "
+            "with; use passes=[fwd] or drop BACKEND",
         )
 
 
@@ -257,7 +268,7 @@ def _check_flash_device(
     The flash kernel is built for one block size per GPU generation
     (attngym.device.get_flash_block_size); any other block mask cannot run on it.
     """
-    if not _is_flash(kernel_options):
+    if not is_flash(kernel_options):
         return
     if device != "cuda":
         raise ConfigError(
@@ -327,6 +338,7 @@ def check_config(cfg: Any) -> dict[str, Any]:
     _choice(data, "device.name", DEVICES, "device")
 
     kind = _choice(data, "topology.kind", _names("task"), "topology kind")
+    _check_flash_topology(kernel_options, kind, passes)
     world_size = _get(data, "topology.world_size", 1)
     if world_size != "auto":
         world_size = _int(data, "topology.world_size")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from attngym import reference
+from attngym.config import is_flash
 from attngym.errors import choice_error
 from attngym.variants.base import MaskMod, ScoreMod, Variant
 
@@ -52,12 +53,26 @@ COMPILED_MASK_ENTRIES = 2**28
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def _flex_attention_constant_lse(*args, **kwargs):
+    """flex_attention whose returned lse carries no gradient.
+
+    The FLASH backend's backward cannot differentiate through the log-sum-exp, and a compiled
+    graph that returns a differentiable lse asks for exactly that, even when no loss uses it.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    out, aux = flex_attention(*args, **kwargs)
+    return out, aux._replace(lse=aux.lse.detach())
+
+
 @functools.cache
-def compiled_flex_attention(mode: str = "default"):
+def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
     """flex_attention compiled once per process and mode, with room for one graph per sweep job.
 
     `mode="max-autotune-no-cudagraphs"` lets Inductor time FlexAttention's candidate Triton
-    configs at compile time (slow to compile, sometimes faster kernels).
+    configs at compile time (slow to compile, sometimes faster kernels). `lse_grad=False`
+    compiles a flex_attention whose lse is detached inside the graph (see
+    `_flex_attention_constant_lse`), for the FLASH backend.
 
     Dynamo guards closures by their code object and the constants they read, so rebuilding the
     same variant (or shifting it by tensor offsets) reuses the compiled kernel. The first call
@@ -73,7 +88,8 @@ def compiled_flex_attention(mode: str = "default"):
     )
     if mode not in COMPILE_MODES:
         raise ValueError(choice_error("compile mode", mode, COMPILE_MODES))
-    return torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
+    fn = flex_attention if lse_grad else _flex_attention_constant_lse
+    return torch.compile(fn, dynamic=False, mode=None if mode == "default" else mode)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -180,7 +196,8 @@ def attend_chunk(
         backend: "auto", "flex" or "reference" (see the module docstring).
         block_size: (q, kv) block size of the block mask built when `block_mask` is None.
         block_mask: a prebuilt BlockMask for exactly this chunk pair (reused across calls).
-        kernel_options: passed to flex_attention unchanged.
+        kernel_options: passed to flex_attention unchanged. With BACKEND=FLASH (compiled) the
+            returned lse carries no gradient: FLASH's backward has none for it.
         scale: score scale, default 1 / sqrt(D).
         compile: compile flex_attention (CUDA); False runs it eagerly.
         compile_mode: torch.compile mode when compiling (see COMPILE_MODES).
@@ -220,7 +237,7 @@ def attend_chunk(
             device=q.device,
         )
     if compile and q.device.type == "cuda":
-        fn = compiled_flex_attention(compile_mode)
+        fn = compiled_flex_attention(compile_mode, lse_grad=not is_flash(kernel_options))
     else:
         fn = flex_attention
     with warnings.catch_warnings():

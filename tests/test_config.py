@@ -203,6 +203,11 @@ CASES = [
         ["dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
     ),
     (
+        ["topology=ring", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
+        "kernel_options.BACKEND",
+        ["topology=ring", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH", "passes=[fwd]"],
+    ),
+    (
         ["attention=document", "attention.doc_lengths=[100,100]"],
         "attention.doc_lengths",
         ["attention=document", "attention.doc_lengths=[1000,24]"],

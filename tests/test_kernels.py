@@ -206,3 +206,28 @@ def test_eager_flex_does_not_warn_about_compile(rng):
         warnings.simplefilter("always")
         attend_chunk(q, k, v, get("causal"), backend="flex", block_size=BLOCK, compile=False)
     assert not [w for w in caught if "without torch.compile" in str(w.message)]
+
+
+def test_flash_path_returns_an_lse_without_gradient(rng, monkeypatch):
+    """FLASH's backward has no dLSE: its compiled flex returns a detached lse, out keeps its graph.
+
+    CPU flex has no autograd, so flex_attention is stood in for by the differentiable reference.
+    """
+    import torch.nn.attention.flex_attention as fa
+
+    from attngym.kernels import _flex_attention_constant_lse, compiled_flex_attention
+
+    def reference_flex(q, k, v, **_):
+        out, lse = reference.attention(q, k, v)
+        return out, fa.AuxOutput(lse=lse)
+
+    monkeypatch.setattr(fa, "flex_attention", reference_flex)
+    q, k, v = (t.double().requires_grad_(True) for t in rand_qkv(rng, S))
+    out, aux = _flex_attention_constant_lse(q, k, v, return_aux=fa.AuxRequest(lse=True))
+    assert out.requires_grad and not aux.lse.requires_grad
+    expected, lse = reference.attention(q, k, v)
+    torch.testing.assert_close(aux.lse, lse.detach())
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), q)
+    torch.testing.assert_close(grad, expected_grad)
+    assert compiled_flex_attention("default", lse_grad=False) is not compiled_flex_attention()
