@@ -18,6 +18,7 @@ inputs), natural base (e), of the scaled, modified scores, -inf where a row has 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -62,7 +63,24 @@ def _flex_attention_constant_lse(*args, **kwargs):
     from torch.nn.attention.flex_attention import flex_attention
 
     out, aux = flex_attention(*args, **kwargs)
-    return out, aux._replace(lse=aux.lse.detach())
+    return out, aux.lse.detach()
+
+
+@functools.cache
+def flash_lse_scaled_by_ln2() -> bool:
+    """Whether this PyTorch returns FLASH's lse multiplied by ln 2 (a PyTorch bug, since fixed).
+
+    flex_attention converts its Triton kernels' base-2 lse to base e by multiplying by ln 2, and
+    older releases did so for FLASH too, whose lse is already base e. Measured on torch 2.11 with
+    flash-attn-4 4.0.0b36: the returned lse was ln 2 x the reference lse to 5 digits in every
+    variant; torch 2.13 skips the conversion for FLASH (`stats_are_log2`). Judged from the
+    source, so a backport is recognised too.
+    """
+    import inspect
+
+    import torch.nn.attention.flex_attention as flex_module
+
+    return "stats_are_log2" not in inspect.getsource(flex_module)
 
 
 @functools.cache
@@ -197,7 +215,8 @@ def attend_chunk(
         block_size: (q, kv) block size of the block mask built when `block_mask` is None.
         block_mask: a prebuilt BlockMask for exactly this chunk pair (reused across calls).
         kernel_options: passed to flex_attention unchanged. With BACKEND=FLASH (compiled) the
-            returned lse carries no gradient: FLASH's backward has none for it.
+            returned lse carries no gradient: FLASH's backward has none for it; on a PyTorch
+            that scales FLASH's lse by ln 2 it is scaled back (`flash_lse_scaled_by_ln2`).
         scale: score scale, default 1 / sqrt(D).
         compile: compile flex_attention (CUDA); False runs it eagerly.
         compile_mode: torch.compile mode when compiling (see COMPILE_MODES).
@@ -257,4 +276,7 @@ def attend_chunk(
             kernel_options=dict(kernel_options) if kernel_options else None,
             return_aux=AuxRequest(lse=True),
         )
-    return out, aux.lse.to(lse_dtype)
+    lse = aux if isinstance(aux, torch.Tensor) else aux.lse  # the FLASH wrapper returns lse
+    if is_flash(kernel_options) and flash_lse_scaled_by_ln2():
+        lse = lse / math.log(2)
+    return out, lse.to(lse_dtype)

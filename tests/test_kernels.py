@@ -223,11 +223,45 @@ def test_flash_path_returns_an_lse_without_gradient(rng, monkeypatch):
 
     monkeypatch.setattr(fa, "flex_attention", reference_flex)
     q, k, v = (t.double().requires_grad_(True) for t in rand_qkv(rng, S))
-    out, aux = _flex_attention_constant_lse(q, k, v, return_aux=fa.AuxRequest(lse=True))
-    assert out.requires_grad and not aux.lse.requires_grad
+    out, out_lse = _flex_attention_constant_lse(q, k, v, return_aux=fa.AuxRequest(lse=True))
+    assert out.requires_grad and not out_lse.requires_grad
     expected, lse = reference.attention(q, k, v)
-    torch.testing.assert_close(aux.lse, lse.detach())
+    torch.testing.assert_close(out_lse, lse.detach())
     (grad,) = torch.autograd.grad(out.sum(), q)
     (expected_grad,) = torch.autograd.grad(expected.sum(), q)
     torch.testing.assert_close(grad, expected_grad)
     assert compiled_flex_attention("default", lse_grad=False) is not compiled_flex_attention()
+
+
+def test_flash_lse_is_scaled_back_where_pytorch_scales_it(rng, monkeypatch):
+    """Older PyTorch multiplies FLASH's natural-base lse by ln 2; attend_chunk undoes just that."""
+    import math
+
+    import torch.nn.attention.flex_attention as fa
+
+    from attngym import kernels
+
+    def flash_like(q, k, v, **_):  # out and lse as such a PyTorch returns them from FLASH
+        out, lse = reference.attention(q, k, v, dtype=torch.float32)
+        return out, fa.AuxOutput(lse=lse * math.log(2))
+
+    monkeypatch.setattr(fa, "flex_attention", flash_like)
+    monkeypatch.setattr(kernels, "flash_lse_scaled_by_ln2", lambda: True)
+    q, k, v = rand_qkv(rng, S)
+    full = get("full")
+    flash = {"BACKEND": "FLASH"}
+    _, lse = attend_chunk(q, k, v, full, backend="flex", compile=False, kernel_options=flash)
+    _, expected = reference.attention(q, k, v)
+    torch.testing.assert_close(lse, expected.float(), atol=1e-5, rtol=1e-5)
+    _, lse = attend_chunk(q, k, v, full, backend="flex", compile=False)  # not FLASH: as returned
+    torch.testing.assert_close(lse, expected.float() * math.log(2), atol=1e-5, rtol=1e-5)
+
+
+def test_this_pytorch_is_recognised():
+    """torch 2.13 (the CPU box) has the fix; 2.11 (measured on the GPU) does not."""
+    from attngym.kernels import flash_lse_scaled_by_ln2
+
+    version = tuple(int(x) for x in torch.__version__.split(".")[:2])
+    if version not in ((2, 11), (2, 13)):
+        pytest.skip(f"not checked on torch {torch.__version__}")
+    assert flash_lse_scaled_by_ln2() == (version == (2, 11))
