@@ -37,8 +37,14 @@ NCU_METRICS = {
         "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
         "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
     ),
-    "issue_%": "sm__inst_issued.avg.pct_of_peak_sustained_active",
-    "dram_%": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "issue_%": (
+        "sm__inst_issued.avg.pct_of_peak_sustained_active",
+        "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    ),
+    "dram_%": (
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    ),
     "occ_%": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "regs": "launch__registers_per_thread",
     "smem_KiB": "launch__shared_mem_per_block_dynamic",
@@ -160,11 +166,11 @@ def summarize(raw_csv: Path, top_stalls: int = 4) -> list[dict]:
                 continue
             value = row[metric]
             number = float(value.replace(",", ""))
-            unit = units.get(metric, "")
+            unit = units.get(metric, "").lower()
             if label == "ms":
-                number /= {"nsecond": 1e6, "usecond": 1e3, "msecond": 1.0}.get(unit, 1.0)
-            if label == "smem_KiB":
-                number /= {"byte": 1024, "Kbyte": 1.0, "Mbyte": 1 / 1024}.get(unit, 1024)
+                number /= {"nsecond": 1e6, "usecond": 1e3, "msecond": 1.0, "second": 1e-3}[unit]
+            if label == "smem_KiB":  # ncu's Kbyte and Mbyte are decimal
+                number *= {"byte": 1, "kbyte": 1e3, "mbyte": 1e6}[unit] / 1024
             entry[label] = round(number, 3 if label == "ms" else 1)
         stalls = {
             name[len(STALL_PREFIX) : -len(STALL_SUFFIX)]: float(value.replace(",", ""))

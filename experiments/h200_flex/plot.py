@@ -2,8 +2,8 @@
 
     python experiments/h200_flex/plot.py
 
-Writes tflops_vs_seq_len_fwd.png, tflops_vs_seq_len_fwd_bwd.png, speedup_vs_best_sdpa.png and
-block_size_sweep.png into this folder.
+Writes tflops_vs_seq_len_{fwd,fwd_bwd}[_d64].png, speedup_vs_best_sdpa.png, block_size_sweep.png,
+bwd_options_sweep.png and flash_backend.png into this folder.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def best_sdpa_tflops(row: dict[str, str], pass_: str) -> float | None:
     return num(row.get(f"{best}_{pass_}_tflops", "")) if best else None
 
 
-def plot_tflops_vs_seq_len(rows: list[dict[str, str]], pass_: str) -> Path:
+def plot_tflops_vs_seq_len(rows: list[dict[str, str]], pass_: str, head_dim: int = 128) -> Path:
     fig, ax = plt.subplots(figsize=(10, 6))
     seq_lens = sorted({int(r["seq_len"]) for r in rows})
     for variant in VARIANTS:
@@ -116,12 +116,13 @@ def plot_tflops_vs_seq_len(rows: list[dict[str, str]], pass_: str) -> Path:
     ax.set_xlabel("sequence length (batch = 32768 / seq_len, 16 heads)")
     ax.set_ylabel(f"{PASS_LABEL[pass_]} TFLOP/s (useful FLOPs, log scale)")
     ax.set_title(
-        f"FlexAttention vs best SDPA on H200, {PASS_LABEL[pass_]}, head_dim 128, bf16\n"
+        f"FlexAttention vs best SDPA on H200, {PASS_LABEL[pass_]}, head_dim {head_dim}, bf16\n"
         "solid: flex; dashed: best SDPA contender that can express the variant"
     )
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9, frameon=False)
-    out = HERE / f"tflops_vs_seq_len_{pass_}.png"
+    suffix = "" if head_dim == 128 else f"_d{head_dim}"
+    out = HERE / f"tflops_vs_seq_len_{pass_}{suffix}.png"
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
@@ -187,10 +188,22 @@ def option_label(row: dict[str, str]) -> str:
     return " ".join(parts) if parts else "default"
 
 
-def plot_block_size_sweep(rows: list[dict[str, str]]) -> Path:
-    fig, ax = plt.subplots(figsize=(10, 5.5))
+def bwd_option_label(row: dict[str, str]) -> str:
+    """e.g. "TMA" over "(64,128,128,64)" over "w8 s2"."""
+    option = {
+        k.split(".", 1)[1]: v for k, v in row.items() if k.startswith("kernel_options.") and v
+    }
+    lines = ["TMA"] if option.get("USE_TMA", "").lower() == "true" else ["default"]
+    if "bwd_BLOCK_M1" in option:
+        tiles = ",".join(option[f"bwd_BLOCK_{t}"] for t in ("M1", "N1", "M2", "N2"))
+        lines += [f"({tiles})", f"w{option['bwd_num_warps']} s{option['bwd_num_stages']}"]
+    return "\n".join(lines)
+
+
+def plot_block_size_sweep(rows: list[dict[str, str]], which: str = "forward") -> Path:
+    fig, ax = plt.subplots(figsize=(10 if which == "forward" else 12, 5.5))
     width = 0.38
-    labels = [option_label(r) for r in rows]
+    labels = [(option_label if which == "forward" else bwd_option_label)(r) for r in rows]
     for i, (pass_, color) in enumerate((("fwd", "tab:blue"), ("fwd_bwd", "tab:orange"))):
         xs = [j + (i - 0.5) * width for j in range(len(rows))]
         ys = [float(r[f"{pass_}_tflops"]) for r in rows]
@@ -203,17 +216,71 @@ def plot_block_size_sweep(rows: list[dict[str, str]]) -> Path:
             color=color,
             ls="--",
             lw=1.5,
-            label=f"SDPA cuDNN {PASS_LABEL[pass_]} (median of the 6 jobs; "
+            label=f"SDPA cuDNN {PASS_LABEL[pass_]} (median of the {len(rows)} jobs; "
             f"{min(cudnn):.0f}-{max(cudnn):.0f})",
         )
-    ax.set_xticks(range(len(rows)), labels, fontsize=9)
-    ax.set_xlabel("forward kernel options (M/N: BLOCK_M/N, w: num_warps, s: num_stages)")
+    if which == "forward":
+        ax.set_xticks(range(len(rows)), labels, fontsize=9)
+        ax.set_xlabel("forward kernel options (M/N: BLOCK_M/N, w: num_warps, s: num_stages)")
+    else:
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        ax.set_xlabel(
+            "backward kernel options (M1/N1: dk,dv loop tile, M2/N2: dq loop tile, w: warps, "
+            "s: stages); default = (64, 128, 128, 64) w8 s3"
+        )
     ax.set_ylabel("TFLOP/s (useful FLOPs)")
     ax.set_ylim(0, 760)
-    ax.set_title("Causal flex kernel options vs SDPA cuDNN, H200, B=4, H=16, S=8192, D=128, bf16")
+    ax.set_title(
+        f"Causal flex {which} kernel options vs SDPA cuDNN, H200, B=4, H=16, S=8192, D=128, bf16"
+    )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8, ncol=2)
-    out = HERE / "block_size_sweep.png"
+    out = HERE / ("block_size_sweep.png" if which == "forward" else "bwd_options_sweep.png")
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def plot_flash(rows: list[dict[str, str]]) -> Path:
+    """Per variant at S=8192, D=128: Triton flex, FLASH flex and cuDNN where SDPA can run it."""
+    at = {r["variant"]: r for r in rows if r["head_dim"] == "128"}
+    variants = [v for v in VARIANTS if v in at]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    bars = (
+        ("flex_default", "flex, Triton (default)", "tab:blue"),
+        ("", "flex, BACKEND=FLASH", "tab:red"),
+        ("sdpa_cudnn", "SDPA cuDNN", "tab:gray"),
+    )
+    width = 0.27
+    for ax, pass_ in zip(axes, ("fwd", "fwd_bwd"), strict=True):
+        for i, (name, label, color) in enumerate(bars):
+            column = f"{name}_{pass_}_tflops" if name else f"{pass_}_tflops"
+            for j, variant in enumerate(variants):
+                y = num(at[variant].get(column, ""))
+                if y is None:
+                    continue
+                x = j + (i - 1) * width
+                ax.bar(
+                    x,
+                    y,
+                    width,
+                    color=color,
+                    label=label if j == 0 or name == "sdpa_cudnn" else None,
+                )
+                ax.text(x, y + 8, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), loc="upper right", fontsize=8)
+        ax.set_xticks(range(len(variants)), variants, fontsize=8, rotation=20)
+        ax.set_title(PASS_LABEL[pass_])
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s (useful FLOPs)")
+    axes[0].set_ylim(0, 800)
+    fig.suptitle(
+        "FlexAttention's FLASH backend (flash-attn-4, CuTe DSL) vs its Triton kernels and "
+        "cuDNN, H200, B=4, H=16, S=8192, D=128, bf16"
+    )
+    out = HERE / "flash_backend.png"
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
@@ -221,11 +288,18 @@ def plot_block_size_sweep(rows: list[dict[str, str]]) -> Path:
 
 def main() -> None:
     d128 = read_rows(HERE / "flex_vs_sdpa_d128.csv")
+    d64 = read_rows(HERE / "flex_vs_sdpa_d64.csv")
     outs = [
         plot_tflops_vs_seq_len(d128, "fwd"),
         plot_tflops_vs_seq_len(d128, "fwd_bwd"),
+        plot_tflops_vs_seq_len(d64, "fwd", head_dim=64),
+        plot_tflops_vs_seq_len(d64, "fwd_bwd", head_dim=64),
         plot_speedup(d128),
         plot_block_size_sweep(read_rows(HERE / "block_size_sweep" / "summary.csv")),
+        plot_block_size_sweep(
+            read_rows(HERE / "bwd_options_sweep" / "summary.csv"), which="backward"
+        ),
+        plot_flash(read_rows(HERE / "flash_backend.csv")),
     ]
     for out in outs:
         print(out.relative_to(HERE.parent.parent))
