@@ -316,7 +316,7 @@ def check_config(cfg: Any) -> dict[str, Any]:
     for p in passes:
         if p not in PASSES:
             raise ConfigError("passes", choice_error("pass", p, PASSES))
-    _bool(data, "compile", True)
+    compile_ = _bool(data, "compile", True)
     from attngym.kernels import COMPILE_MODES
 
     _choice(data, "compile_mode", COMPILE_MODES, "compile mode", "default")
@@ -324,6 +324,12 @@ def check_config(cfg: Any) -> dict[str, Any]:
     if not isinstance(kernel_options, Mapping):
         raise ConfigError("kernel_options", f"must be a mapping, got {kernel_options!r}")
     _check_flash(kernel_options, dtype)
+    if is_flash(kernel_options) and not compile_:
+        raise ConfigError(
+            "compile",
+            "BACKEND=FLASH is a torch.compile (Inductor) kernel; compile=false would run flex's "
+            "eager path without it; use compile=true or drop kernel_options.BACKEND",
+        )
     _int(data, "benchmark.warmup", low=0, default=2)
     _int(data, "benchmark.repeats", default=5)
     baselines = _get(data, "baselines", []) or []

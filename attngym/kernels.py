@@ -18,6 +18,7 @@ inputs), natural base (e), of the scaled, modified scores, -inf where a row has 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Mapping
@@ -29,6 +30,8 @@ from attngym import reference
 from attngym.config import is_flash
 from attngym.errors import choice_error
 from attngym.variants.base import MaskMod, ScoreMod, Variant
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "flex", "reference")
 
@@ -55,7 +58,8 @@ COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _flex_attention_constant_lse(*args, **kwargs):
-    """flex_attention whose returned lse carries no gradient.
+    """flex_attention called with return_aux=AuxRequest(lse=True); returns (out, lse), the lse
+    carrying no gradient.
 
     The FLASH backend's backward cannot differentiate through the log-sum-exp, and a compiled
     graph that returns a differentiable lse asks for exactly that, even when no loss uses it.
@@ -74,18 +78,28 @@ def flash_lse_scaled_by_ln2() -> bool:
     older releases did so for FLASH too, whose lse is already base e. Measured on torch 2.11 with
     flash-attn-4 4.0.0b36: the returned lse was ln 2 x the reference lse to 5 digits in every
     variant; torch 2.13 skips the conversion for FLASH (`stats_are_log2`). Judged from the
-    source, so a backport is recognised too.
+    source, so a backport is recognised too; where the source is not installed, from the version.
     """
     import inspect
 
     import torch.nn.attention.flex_attention as flex_module
 
-    return "stats_are_log2" not in inspect.getsource(flex_module)
+    try:
+        return "stats_are_log2" not in inspect.getsource(flex_module)
+    except (OSError, TypeError):
+        scaled = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+        log.warning(
+            "no source for flex_attention: taking FLASH's lse as %sscaled by ln 2 (torch %s)",
+            "" if scaled else "not ",
+            torch.__version__,
+        )
+        return scaled
 
 
 @functools.cache
 def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
-    """flex_attention compiled once per process and mode, with room for one graph per sweep job.
+    """flex_attention compiled once per process, mode and lse_grad, with room for one graph per
+    sweep job.
 
     `mode="max-autotune-no-cudagraphs"` lets Inductor time FlexAttention's candidate Triton
     configs at compile time (slow to compile, sometimes faster kernels). `lse_grad=False`

@@ -203,6 +203,11 @@ CASES = [
         ["dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
     ),
     (
+        ["compile=false", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
+        "compile",
+        ["compile=true", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
+    ),
+    (
         ["topology=ring", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
         "kernel_options.BACKEND",
         ["topology=ring", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH", "passes=[fwd]"],

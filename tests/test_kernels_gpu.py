@@ -146,3 +146,40 @@ def test_compiled_flex_chunk_pair_at_offsets(case):
 @pytest.mark.parametrize("case", ["causal", "alibi", "document+alibi"])
 def test_compiled_flex_gqa(case):
     check_against_reference(all_cases(S)[case], S, S, kv_heads=2)
+
+
+@pytest.mark.parametrize("case", ["causal", "document+alibi", "sliding_window+softcap"])
+def test_flash_backend_matches_reference(case):
+    """BACKEND=FLASH (flash-attn-4, where installed): its kernel runs, out, lse and the gradients
+    through out match the reference, and the lse carries no gradient (FLASH has none)."""
+    pytest.importorskip("flash_attn.cute")
+    from attngym.device import get_flash_block_size
+    from attngym.profiling import cuda_kernel_profiler
+
+    variant = all_cases(S)[case].to("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(B, H, S, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(4)
+    )
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    with cuda_kernel_profiler("flash_attncute") as kernels:
+        out, lse = attend_chunk(
+            *inputs,
+            variant,
+            backend="flex",
+            block_size=get_flash_block_size(),
+            kernel_options={"BACKEND": "FLASH"},
+        )
+    assert kernels["found"], kernels["kernel_names"]
+    assert not lse.requires_grad
+    grads = torch.autograd.grad(out, inputs, dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in inputs)
+    want_out, want_lse = reference.attention(q64, k64, v64, variant.score_mod, variant.mask_mod)
+    want_grads = torch.autograd.grad(want_out, (q64, k64, v64), dout.double())
+    errors = {"out": rel_err(out, want_out), "lse": rel_err(lse, want_lse)}
+    errors.update(
+        {f"d{n}": rel_err(g, w) for n, g, w in zip("qkv", grads, want_grads, strict=True)}
+    )
+    bad = {n: e for n, e in errors.items() if not e <= REL_TOL}
+    assert not bad, f"relative errors above {REL_TOL}: {bad} (all: {errors})"
