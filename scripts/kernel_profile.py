@@ -55,12 +55,20 @@ STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
 
-def _attention(name: str) -> dict:
-    """The attention entry as the CLI's config group has it (presets like gemma2 compose two)."""
-    import yaml
+def _attention(name: str, heads: int, seq_len: int) -> dict:
+    """The attention entry as the CLI's config group has it (presets like gemma2 compose two),
+    with its `${shape.*}` interpolations resolved for this shape."""
+    from omegaconf import OmegaConf
+
+    from attngym.config import register_resolvers
 
     path = Path(__file__).resolve().parents[1] / "conf" / "attention" / f"{name}.yaml"
-    return yaml.safe_load(path.read_text()) if path.exists() else {"name": name}
+    if not path.exists():
+        return {"name": name}
+    register_resolvers()
+    shape = {"heads": heads, "seq_len": seq_len}
+    cfg = OmegaConf.create({"shape": shape, "attention": OmegaConf.load(path)})
+    return OmegaConf.to_container(cfg, resolve=True)["attention"]
 
 
 def _contenders(args):
@@ -71,7 +79,9 @@ def _contenders(args):
     from attngym import kernels
     from attngym.tasks import common
 
-    variant = common.build_variant(_attention(args.variant), seq_len=args.seq_len).to("cuda")
+    variant = common.build_variant(
+        _attention(args.variant, args.heads, args.seq_len), seq_len=args.seq_len
+    ).to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (args.batch, args.heads, args.seq_len, args.head_dim)
     q, k, v, grad = (
