@@ -1,7 +1,7 @@
 """The kernels of a flex call and an SDPA-cuDNN call, and (under Nsight Compute) why one is slower.
 
 Builds one variant at one shape, compiles flex (as attngym's single-device task calls it) and warms
-both contenders, then runs one forward and one backward of each:
+both contenders, then runs one forward (under no_grad) and one backward of each:
     * plain: under torch.profiler, the GPU kernels of each pass by name with their time;
     * --ncu: inside cudaProfilerStart/Stop ranges and nothing else, so that
       `ncu --profile-from-start off` collects exactly these kernels. Then `--summarize RAW.csv`
