@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -21,3 +25,23 @@ def pytest_collection_modifyitems(config, items):
 def rng():
     """A fresh, seeded generator per test: random inputs, reproducible failures."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def attngym_cli():
+    """`run(args, cwd)`: `python -m attngym ARGS` in a subprocess, as a user runs it, without the
+    caller's W&B or Hydra environment. `env` adds variables; `command` replaces `-m attngym`
+    (e.g. `("-c", code)`)."""
+
+    def run(args, cwd, *, env=None, command=("-m", "attngym")):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+        return subprocess.run(
+            [sys.executable, *command, *args],
+            cwd=cwd,
+            env={**clean, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    return run

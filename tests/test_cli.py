@@ -7,7 +7,6 @@ the run is shared by the tests of this module (one Hydra subprocess costs severa
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,26 +30,11 @@ SMALL = [
 ]
 
 
-def attngym(args, cwd, check=False):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "attngym", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, attngym_cli):
     tmp = tmp_path_factory.mktemp("cli")
     run_dir = tmp / "run"
-    proc = attngym(
+    proc = attngym_cli(
         [
             *SMALL,
             "attention=sliding_window",
@@ -59,8 +43,8 @@ def run(tmp_path_factory):
             f"hydra.run.dir={run_dir}",
         ],
         tmp,
-        check=True,
     )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, run_dir
 
 
@@ -103,8 +87,8 @@ def test_run_prints_results_table(run):
     ("args", "key"),
     [(["attention=sliding_windw"], "attention"), (["shape.heads=0"], "shape.heads")],
 )
-def test_bad_override_is_one_line(tmp_path, args, key):
-    proc = attngym([*SMALL, *args, "logger=none", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
+def test_bad_override_is_one_line(tmp_path, attngym_cli, args, key):
+    proc = attngym_cli([*SMALL, *args, "logger=none", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -112,11 +96,13 @@ def test_bad_override_is_one_line(tmp_path, args, key):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_help_lists_groups_and_cfg_prints_config(tmp_path):
-    proc = attngym(["--help"], tmp_path, check=True)
+def test_help_lists_groups_and_cfg_prints_config(tmp_path, attngym_cli):
+    proc = attngym_cli(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in ("== Config groups ==", "attention:", "gemma2", "topology:", "+experiment"):
         assert text in proc.stdout, text
-    proc = attngym(["--cfg", "job", "attention=alibi", "shape.heads=8"], tmp_path, check=True)
+    proc = attngym_cli(["--cfg", "job", "attention=alibi", "shape.heads=8"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "num_heads: 8" in proc.stdout or "num_heads: ${shape.heads}" in proc.stdout
     assert "name: alibi" in proc.stdout
 
@@ -161,8 +147,8 @@ def test_import_is_light():
     ],
     ids=["unknown_parameter", "flash_float32"],
 )
-def test_open_keys_reach_attngym_checks(tmp_path, args, message):
-    proc = attngym([*SMALL, *args, "logger=none", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
+def test_open_keys_reach_attngym_checks(tmp_path, attngym_cli, args, message):
+    proc = attngym_cli([*SMALL, *args, "logger=none", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [message]
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -191,17 +177,14 @@ def test_forced_kernel_option_composes_from_null_and_sweeps_keep_mappings():
         assert "choice({}" in cfg.hydra.sweeper.params.kernel_options.replace(" ", "")
 
 
-def test_failed_validation_fails_the_run_and_keeps_the_numbers(tmp_path):
+def test_failed_validation_fails_the_run_and_keeps_the_numbers(tmp_path, attngym_cli):
     run_dir = tmp_path / "r"
     args = [*SMALL, "logger=none", f"hydra.run.dir={run_dir}"]
     code = (  # a float32 tolerance no kernel meets: the verdict, not the numbers, must change
         "import sys; from attngym.tasks import common; common.RTOL['float32'] = 1e-15; "
         f"from attngym.cli import entry; entry({args!r})"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = attngym_cli([], REPO, command=("-c", code))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     m = json.loads((run_dir / "metrics.json").read_text())
     assert m["status"] == "failed" and m["validation"].startswith("failed: err_out_rel=")
@@ -210,17 +193,10 @@ def test_failed_validation_fails_the_run_and_keeps_the_numbers(tmp_path):
     assert "attngym: failed" in proc.stdout and "Traceback" not in proc.stderr
 
 
-def test_rank_other_than_zero_runs_and_only_logs(tmp_path):
+def test_rank_other_than_zero_runs_and_only_logs(tmp_path, attngym_cli):
     run_dir = tmp_path / "r"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "attngym", *SMALL, "logger=local", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env={**env, "RANK": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [*SMALL, "logger=local", f"hydra.run.dir={run_dir}"]
+    proc = attngym_cli(args, tmp_path, env={"RANK": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (run_dir / "metrics.json").exists() and not (run_dir / "heatmap.png").exists()
     assert not (run_dir / "results.md").exists()  # no tracker

@@ -7,7 +7,6 @@ fixtures share them across tests.
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 
@@ -28,20 +27,8 @@ TINY = [
 ]
 
 
-def attngym(args, cwd):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "attngym", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
-def grid(tmp_path_factory):
+def grid(tmp_path_factory, attngym_cli):
     """A 2 x 2 multirun: attention x seq_len."""
     tmp = tmp_path_factory.mktemp("grid")
     sweep = tmp / "sweep"
@@ -52,19 +39,19 @@ def grid(tmp_path_factory):
         "shape.seq_len=64,128",
         f"hydra.sweep.dir={sweep}",
     ]
-    proc = attngym(args, tmp)
+    proc = attngym_cli(args, tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sweep
 
 
 @pytest.fixture(scope="module")
-def failing(tmp_path_factory):
+def failing(tmp_path_factory, attngym_cli):
     """Two jobs, the second with a bad value; then the same sweep again into the same folder."""
     tmp = tmp_path_factory.mktemp("failing")
     sweep = tmp / "sweep"
     args = ["-m", *TINY, "shape.seq_len=64", "shape.kv_heads=1,3", f"hydra.sweep.dir={sweep}"]
-    first = attngym(args, tmp)
-    second = attngym(args, tmp)
+    first = attngym_cli(args, tmp)
+    second = attngym_cli(args, tmp)
     return sweep, first, second
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -51,10 +48,9 @@ def test_wandb_mode_checked():
     assert registry.build("tracker", "wandb", mode="disabled").mode == "disabled"
 
 
-def test_wandb_offline_run_holds_images(tmp_path):
+def test_wandb_offline_run_holds_images(tmp_path, attngym_cli):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    env.update(WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"))
+    env = {"WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache")}
     args = [
         "device=cpu",
         "shape.seq_len=64",
@@ -67,14 +63,7 @@ def test_wandb_offline_run_holds_images(tmp_path):
         "logger=wandb",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "attngym", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = attngym_cli(args, tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((run_dir / "wandb").iterdir())
