@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: setup run test lint format clean
+.PHONY: setup run test wheel-check lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,9 @@ format: setup
 test: lint
 	$(PY) -m pytest -q $(ARGS)
 
+# Build the wheel, install it into a fresh venv and run it from outside the repository (CI).
+wheel-check: setup
+	PY=$(PY) .ci/check_wheel
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun build .pytest_cache .ruff_cache
