@@ -19,6 +19,7 @@ of a `matplotlib.figure.Figure`, so importing this module and drawing change no 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import pathlib
 from collections.abc import Iterator
@@ -27,13 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attngym.device import resolve_device
-from attngym.reference import dense_mask, index_grids
+from attngym.reference import index_grids
 from attngym.variants.base import MaskMod, ScoreMod
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from attngym.variants.base import Variant
+
+log = logging.getLogger(__name__)
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_NAMES = ("empty (skipped)", "partial (mask evaluated)", "full (no mask needed)")
@@ -46,23 +49,91 @@ _TILE_ELEMENTS = 1 << 20  # mask entries evaluated per step: ~1 MB of bools, a f
 # The seed's score heatmap
 
 
-def _check_qk(query: torch.Tensor, key: torch.Tensor, batch_idx: int, head_idx: int) -> None:
-    if not isinstance(query, torch.Tensor) or query.dim() != 4:
-        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-        raise ValueError(f"query must be a 4-D tensor (B, H, Sq, D), got {shape}")
-    if not isinstance(key, torch.Tensor) or key.dim() != 4:
-        shape = tuple(key.shape) if isinstance(key, torch.Tensor) else type(key).__name__
-        raise ValueError(f"key must be a 4-D tensor (B, G, Skv, D), got {shape}")
+def _check_index(name: str, value: Any, bound: int | None = None) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int) and value >= 0
+    if not ok or (bound is not None and value >= bound):
+        allowed = f"in [0, {bound})" if bound is not None else ">= 0"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _one_head(
+    query: torch.Tensor, key: torch.Tensor, batch_idx: int, head_idx: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (M, D) query and (N, D) key of one head, from either form of `create_score_mod`.
+
+    (M, D), (N, D): attention-gym's form, already one head; batch_idx and head_idx only say
+    which b and h the mods see. (B, H, Sq, D), (B, G, Skv, D): the head is taken here, G
+    dividing H (query head h reads key head h // (H / G)).
+    """
+    dims = tuple(t.dim() if isinstance(t, torch.Tensor) else None for t in (query, key))
+    if dims == (2, 2):
+        if key.shape[1] != query.shape[1]:
+            raise ValueError(
+                f"key shape {tuple(key.shape)} does not fit query shape {tuple(query.shape)}: "
+                "need the same head_dim D in (M, D) and (N, D)"
+            )
+        _check_index("batch_idx", batch_idx)
+        _check_index("head_idx", head_idx)
+        return query, key
+    if dims != (4, 4):
+        shapes = [
+            tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            for t in (query, key)
+        ]
+        raise ValueError(
+            f"query and key must be one head's (M, D) and (N, D) or (B, H, Sq, D) and "
+            f"(B, G, Skv, D) tensors, got {shapes[0]} and {shapes[1]}"
+        )
     batch, heads, _, dim = query.shape
     if key.shape[0] != batch or key.shape[-1] != dim or heads % key.shape[1]:
         raise ValueError(
             f"key shape {tuple(key.shape)} does not fit query shape {tuple(query.shape)}: "
             "need the same batch and head_dim, and key heads dividing query heads"
         )
-    if isinstance(batch_idx, bool) or not isinstance(batch_idx, int) or not 0 <= batch_idx < batch:
-        raise ValueError(f"batch_idx must be an integer in [0, {batch}), got {batch_idx!r}")
-    if isinstance(head_idx, bool) or not isinstance(head_idx, int) or not 0 <= head_idx < heads:
-        raise ValueError(f"head_idx must be an integer in [0, {heads}), got {head_idx!r}")
+    _check_index("batch_idx", batch_idx, batch)
+    _check_index("head_idx", head_idx, heads)
+    return query[batch_idx, head_idx], key[batch_idx, head_idx // (heads // key.shape[1])]
+
+
+def _grids(seq_q: int, seq_kv: int, batch_idx: int, head_idx: int, device: torch.device):
+    """(b, h, q_idx, kv_idx) broadcasting to (1, 1, M, N): b and h hold the given indices."""
+    b, h, q_idx, kv_idx = index_grids(
+        1, 1, torch.arange(seq_q, device=device), torch.arange(seq_kv, device=device)
+    )
+    return b + batch_idx, h + head_idx, q_idx, kv_idx
+
+
+def _modded_scores(q_MD, k_ND, score_mod, scale, batch_idx, head_idx) -> torch.Tensor:
+    """(1, 1, M, N) scaled scores q k^T * scale (default 1 / sqrt(D)), through score_mod."""
+    scale = 1.0 / math.sqrt(q_MD.shape[-1]) if scale is None else scale
+    scores = ((q_MD @ k_ND.T) * scale)[None, None]
+    if score_mod is None:
+        return scores
+    grids = _grids(q_MD.shape[0], k_ND.shape[0], batch_idx, head_idx, q_MD.device)
+    return torch.broadcast_to(score_mod(scores, *grids), scores.shape).to(scores.dtype)
+
+
+def _keep(mask_mod, seq_q, seq_kv, batch_idx, head_idx, device) -> torch.Tensor:
+    """(1, 1, M, N) bool: True where mask_mod lets the query attend to the key."""
+    keep = mask_mod(*_grids(seq_q, seq_kv, batch_idx, head_idx, device))
+    return torch.broadcast_to(torch.as_tensor(keep, device=device), (1, 1, seq_q, seq_kv))
+
+
+def _masked_scores(q_MD, k_ND, score_mod, mask_mod, scale, batch_idx, head_idx) -> torch.Tensor:
+    """(1, 1, M, N): the scores after score_mod, -inf where mask_mod masks (what softmax sees)."""
+    scores = _modded_scores(q_MD, k_ND, score_mod, scale, batch_idx, head_idx)
+    if mask_mod is None:
+        return scores
+    keep = _keep(mask_mod, q_MD.shape[0], k_ND.shape[0], batch_idx, head_idx, q_MD.device)
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def _head_scores(query, key, score_mod, mask_mod, device, scale, batch_idx, head_idx):
+    """(M, N) float32: one head's scores after score_mod, -inf where masked; either input form."""
+    dev = resolve_device(device)
+    q_MD, k_ND = _one_head(query, key, batch_idx, head_idx)
+    q_MD, k_ND = q_MD.to(dev, torch.float32), k_ND.to(dev, torch.float32)
+    return _masked_scores(q_MD, k_ND, score_mod, mask_mod, scale, batch_idx, head_idx)[0, 0]
 
 
 def create_score_mod(
@@ -76,53 +147,48 @@ def create_score_mod(
     batch_idx: int = 0,
     head_idx: int = 0,
 ) -> torch.Tensor:
-    """The post-mod score matrix of one batch and head, as FlexAttention sees it.
+    """The dense scores or mask of a score_mod / mask_mod, as FlexAttention sees them.
 
-    score = (q @ k^T) * scale, then score_mod, then mask_mod (masked entries → -inf). The
-    callbacks get the real `batch_idx` and `head_idx`, and positions 0..S-1.
+    Two forms, told apart by the inputs' dimensions:
+
+    * attention-gym's: `query` (M, D) and `key` (N, D) of one head. Returns (1, 1, M, N): with a
+      score_mod, the scores `(query @ key^T) * scale` after score_mod, in the inputs' dtype
+      (score_mod takes precedence: mask_mod is then not applied); with only a mask_mod, its
+      boolean mask (True = attend). One of the two is required. The mods get b = batch_idx,
+      h = head_idx and positions 0..M-1, 0..N-1.
+    * attngym's extension: `query` (B, H, Sq, D) and `key` (B, G, Skv, D), G dividing H. The head
+      (batch_idx, head_idx) is taken (query head h reads key head h // (H / G)), both mods
+      apply, and the result is (Sq, Skv) float32 with -inf where mask_mod masks.
 
     Args:
-        query: (B, H, Sq, D) queries.
-        key: (B, G, Skv, D) keys, G dividing H (query head h reads key head h // (H / G)).
+        query: (M, D) or (B, H, Sq, D) queries.
+        key: (N, D) or (B, G, Skv, D) keys.
         score_mod: `(score, b, h, q_idx, kv_idx) -> score`, or None.
         mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None.
         device: where to compute ("cuda", "cuda:N", "cpu", "auto"); CUDA must be available
             when asked for.
         _compile: wrap the callbacks in torch.compile.
         scale: score scale, default 1 / sqrt(D).
-        batch_idx: which batch row to take.
-        head_idx: which query head to take.
+        batch_idx: the batch index (the batch row taken, for 4-D inputs) the mods see.
+        head_idx: the query head index (the head taken, for 4-D inputs) the mods see.
 
     Returns:
-        (Sq, Skv) float32 scores on `device`, -inf where masked.
+        (1, 1, M, N) scores or bool mask for (M, D) inputs; (Sq, Skv) float32 scores for 4-D.
     """
-    dev = resolve_device(device)
-    _check_qk(query, key, batch_idx, head_idx)
-    heads, seq_q, head_dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_head = head_idx // (heads // key.shape[1])
-    q = query[batch_idx, head_idx].to(dev, torch.float32)  # (Sq, D)
-    k = key[batch_idx, kv_head].to(dev, torch.float32)  # (Skv, D)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if _compile:
         score_mod = torch.compile(score_mod) if score_mod is not None else None
         mask_mod = torch.compile(mask_mod) if mask_mod is not None else None
-
-    q_pos = torch.arange(seq_q, device=dev)
-    kv_pos = torch.arange(k.shape[0], device=dev)
-    scores = ((q @ k.T) * scale).view(1, 1, seq_q, -1)  # (1, 1, Sq, Skv)
+    if not (isinstance(query, torch.Tensor) and query.dim() == 2):
+        return _head_scores(query, key, score_mod, mask_mod, device, scale, batch_idx, head_idx)
+    dev = resolve_device(device)
+    q_MD, k_ND = _one_head(query, key, batch_idx, head_idx)
+    if score_mod is None and mask_mod is None:
+        raise ValueError("create_score_mod of (M, D) inputs needs a score_mod or a mask_mod")
     if score_mod is not None:
-        b, h, q_idx, kv_idx = index_grids(1, 1, q_pos, kv_pos)
-        modded = score_mod(scores, b + batch_idx, h + head_idx, q_idx, kv_idx)
-        scores = torch.broadcast_to(modded, scores.shape).to(torch.float32)
-    if mask_mod is not None:
-        inner = mask_mod
-
-        def at_index(b, h, q_idx, kv_idx):
-            return inner(b + batch_idx, h + head_idx, q_idx, kv_idx)
-
-        keep = dense_mask(at_index, 1, 1, q_pos, kv_pos)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return scores[0, 0]
+        out = _modded_scores(q_MD.to(dev), k_ND.to(dev), score_mod, scale, batch_idx, head_idx)
+    else:
+        out = _keep(mask_mod, q_MD.shape[0], k_ND.shape[0], batch_idx, head_idx, dev)
+    return out.contiguous()  # a tensor of its own, not a broadcast view
 
 
 def _score_figure(
@@ -142,9 +208,7 @@ def _score_figure(
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    scores = create_score_mod(
-        query, key, score_mod, mask_mod, device, scale=scale, batch_idx=batch_idx, head_idx=head_idx
-    )
+    scores = _head_scores(query, key, score_mod, mask_mod, device, scale, batch_idx, head_idx)
     values = scores.detach().double().cpu().numpy()
     masked = ~np.isfinite(values)
     data = np.ma.masked_array(values, mask=masked)
@@ -217,12 +281,12 @@ def visualize_attention_scores(
     batch_idx: int = 0,
     head_idx: int = 0,
     scale: float | None = None,
-) -> None:
+) -> pathlib.Path:
     """Draw the post-mod scores of one batch and head and save them as a PNG.
 
     Args:
-        query: (B, H, Sq, D) queries.
-        key: (B, G, Skv, D) keys.
+        query: (B, H, Sq, D) queries, or one head's (M, D) as for `create_score_mod`.
+        key: (B, G, Skv, D) keys, or one head's (N, D).
         score_mod: `(score, b, h, q_idx, kv_idx) -> score`, or None.
         mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None; masked entries are drawn grey.
         device: where to compute; "cuda" needs CUDA (use "cpu" otherwise).
@@ -232,9 +296,16 @@ def visualize_attention_scores(
         batch_idx: batch row to draw.
         head_idx: query head to draw.
         scale: score scale, default 1 / sqrt(D).
+
+    Returns:
+        The absolute path written (also logged at INFO), since `path=None` means the current
+        folder.
     """
     fig = _score_figure(query, key, score_mod, mask_mod, device, batch_idx, head_idx, scale, name)
-    fig.savefig(png_path(path, name))
+    out = png_path(path, name).resolve()
+    fig.savefig(out)
+    log.info("attention scores saved to %s", out)
+    return out
 
 
 def png_path(path: str | pathlib.Path | None, name: str) -> pathlib.Path:
