@@ -103,13 +103,19 @@ def reshard(x: torch.Tensor, src: str, dst: str, *, group=None, dim: int = SEQ_D
     a copy of the whole tensor per rank, so it belongs outside timed code.
     """
     import torch.distributed as dist
-    import torch.distributed.nn.functional as dist_fn
+    import torch.distributed._functional_collectives as funcol
 
     if src == dst:
         return x
+    # all_gather_single_autograd is the name from torch 2.13; 2.11 has only the older one.
+    gather = (
+        getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    )
     world_size = dist.get_world_size(group)
-    parts = dist_fn.all_gather(x.contiguous(), group=group or dist.group.WORLD)
-    whole = layouts.unshard(list(parts), src, dim=dim)
+    gathered = gather(x.contiguous(), dim, group or dist.group.WORLD)
+    if isinstance(gathered, funcol.AsyncCollectiveTensor):
+        gathered = gathered.wait()
+    whole = layouts.unshard(list(gathered.chunk(world_size, dim)), src, dim=dim)
     return layouts.shard(whole, dist.get_rank(group), world_size, dst, dim=dim)
 
 
