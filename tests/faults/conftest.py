@@ -1,0 +1,62 @@
+"""Fault injection: what the suite shares (process checks by /proc, no psutil).
+
+Every test here is marked `faults` (pytestmark in each module) and asserts three things: nothing
+the run had finished is lost, the documented exit code or exception, and no process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+
+def state(pid: int) -> str | None:
+    """The /proc state letter of `pid` (R, S, T, Z, ...), or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def gone(pid: int) -> bool:
+    """True when `pid` no longer runs (absent, or a zombie waiting for its reaper)."""
+    return state(pid) in (None, "Z", "X")
+
+
+def wait_gone(pids, within_s: float = 5.0) -> list[int]:
+    """The pids still running after `within_s` (a killed child is reaped asynchronously)."""
+    deadline = time.monotonic() + within_s
+    alive = [p for p in pids if not gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if not gone(p)]
+    return alive
+
+
+def children(pid: int) -> set[int]:
+    """Live child processes of `pid`, multiprocessing's resource tracker left out."""
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as f:
+                helper = "resource_tracker" in f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X") and not helper:
+            kids.add(int(entry))
+    return kids
+
+
+@pytest.fixture
+def no_new_children():
+    """Fails the test when it leaves a child process of this test process running."""
+    before = children(os.getpid())
+    yield
+    assert wait_gone(children(os.getpid()) - before) == []
