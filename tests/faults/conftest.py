@@ -60,3 +60,20 @@ def no_new_children():
     before = children(os.getpid())
     yield
     assert wait_gone(children(os.getpid()) - before) == []
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment holds ATTNGYM_FAULT_TAG=<tag>: a subprocess started with
+    that variable and every descendant it left (they inherit the environment, wherever they are
+    reparented)."""
+    needle = f"ATTNGYM_FAULT_TAG={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and entry != str(os.getpid()):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and not gone(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
