@@ -247,7 +247,8 @@ def launch(
         world_size: number of ranks (under torchrun it must equal WORLD_SIZE).
         args: extra picklable arguments.
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per local rank, modulo the GPU count).
-        timeout_s: process-group timeout; a rank waiting longer on a peer fails.
+        timeout_s: process-group timeout (a rank waiting longer on a peer fails), and the
+            longest a spawned rank may go without a heartbeat before the caller stops the run.
         run_dir: where ranks write rank<N>.log (None: no files); see the module docstring.
 
     Returns:
@@ -255,7 +256,8 @@ def launch(
 
     Raises:
         ConfigError: a ConfigError raised on a rank, or a world size torchrun disagrees with.
-        RankFailure: a rank died (exit code or signal) or raised; the message names it.
+        RankFailure: a rank died (exit code or signal), raised, or made no progress for
+            timeout_s (stopped or hung); the message names it.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("topology.world_size", f"must be a positive integer, got {world_size!r}")

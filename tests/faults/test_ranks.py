@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import signal
@@ -23,8 +24,8 @@ LONG_WAIT_S = 3600
 
 
 def _faulty_worker(rank, world_size, folder, victim, how):
-    """`victim` starts a grandchild, records pids and time, then stops or kills itself; the other
-    ranks wait for it at a barrier they would not leave for an hour."""
+    """`victim` starts a grandchild, records pids and time, then stops, wedges or kills itself; the
+    other ranks wait for it at a barrier they would not leave for an hour."""
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LONG_WAIT_S))
@@ -33,6 +34,8 @@ def _faulty_worker(rank, world_size, folder, victim, how):
         child = subprocess.Popen(["sleep", "300"])
         Path(folder, "pids").write_text(f"{os.getpid()} {child.pid}")
         Path(folder, "fault_at").write_text(str(time.time()))
+        if how == "wedge":  # native code that keeps the GIL: the interpreter cannot run at all
+            ctypes.PyDLL("libc.so.6").sleep(300)
         os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     Path(folder, f"rank{rank}").write_text(str(os.getpid()))
     dist.barrier(group=group)
@@ -42,11 +45,12 @@ def _faulty_worker(rank, world_size, folder, victim, how):
 @pytest.mark.parametrize(
     ("how", "message"),
     [
-        ("stop", r"rank 1 is stopped \(SIGSTOP\) for \d+ s"),
+        ("stop", r"rank 1 is stopped \(SIGSTOP\) for \d+ s, more than topology.timeout_s=4;"),
+        ("wedge", r"rank 1 made no progress for \d+ s, more than topology.timeout_s=4;"),
         ("kill", "rank 1 was killed by SIGKILL"),
     ],
 )
-def test_stopped_or_killed_rank_fails_within_timeout_and_leaves_nothing(
+def test_stopped_hung_or_killed_rank_fails_within_timeout_and_leaves_nothing(
     tmp_path, no_new_children, how, message
 ):
     timeout_s = 4.0
