@@ -15,7 +15,8 @@ from attngym.errors import ConfigError
 from attngym.fileio import SymlinkRefused, atomic_write, tmp_name
 from attngym.tracking import files, sweep
 from attngym.tracking.lock import LOCK_FILE, FolderLock, FolderLocked
-from tests.faults.conftest import wait_gone
+
+from .procs import wait_gone
 
 pytestmark = pytest.mark.faults
 

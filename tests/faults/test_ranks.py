@@ -14,7 +14,8 @@ import pytest
 
 from attngym.distributed.launch import launch
 from attngym.errors import RankFailure
-from tests.faults.conftest import gone, wait_gone
+
+from .procs import gone, wait_gone
 
 pytestmark = pytest.mark.faults
 

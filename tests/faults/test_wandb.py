@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.faults.conftest import tagged, wait_gone
+from .procs import tagged, wait_gone
 
 pytestmark = pytest.mark.faults
 
