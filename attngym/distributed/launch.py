@@ -326,7 +326,7 @@ def _check_heartbeats(processes, result_dir: str, timeout_s: float, started: flo
             how = "is stopped (SIGSTOP)" if _state(p.pid) in ("T", "t") else "made no progress"
             raise RankFailure(
                 f"rank {rank} {how} for {silent_s:.0f} s, more than topology.timeout_s="
-                f"{timeout_s:g}; every rank was stopped"
+                f"{timeout_s:g}; every rank was killed"
             )
 
 
