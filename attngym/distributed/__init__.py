@@ -5,8 +5,8 @@ classes and the NVLink-domain helpers are imported when first used.
 
 Public API:
     shard, unshard                      sequence layouts (contiguous, zigzag)
-    P2PChannel, P2PAllGather            the transport interface over NCCL / gloo
-    CopyEngineChannel, CopyEngineAllGather   the same over symmetric memory (CUDA)
+    P2PChannel, P2PAllGather, P2PAllToAll    the transport interface over NCCL / gloo
+    CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain
     ring_attention, allgather_attention context-parallel attention of sharded q, k, v
 """
@@ -20,11 +20,12 @@ from attngym.distributed import transport  # noqa: F401  (registers kind "transp
 from attngym.distributed.allgather import allgather_attention
 from attngym.distributed.layout import shard, unshard
 from attngym.distributed.merge import merge
-from attngym.distributed.p2p import P2PAllGather, P2PChannel
+from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 from attngym.distributed.ring import ring_attention
 
 _LAZY = {
     "CopyEngineAllGather": "attngym.distributed.copy_engine",
+    "CopyEngineAllToAll": "attngym.distributed.copy_engine",
     "CopyEngineChannel": "attngym.distributed.copy_engine",
     "in_one_nvlink_domain": "attngym.distributed.domain",
     "nvlink_domain": "attngym.distributed.domain",
@@ -39,8 +40,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CopyEngineAllGather",
+    "CopyEngineAllToAll",
     "CopyEngineChannel",
     "P2PAllGather",
+    "P2PAllToAll",
     "P2PChannel",
     "allgather_attention",
     "in_one_nvlink_domain",
