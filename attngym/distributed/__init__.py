@@ -9,6 +9,8 @@ Public API:
     CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain
     ring_attention, allgather_attention context-parallel attention of sharded q, k, v
+    ulysses_attention, hybrid_attention head-parallel (all-to-all) and all-to-all + ring/all-gather
+    check_ulysses_heads                 the heads check a config can run before any tensor work
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from attngym.distributed.layout import shard, unshard
 from attngym.distributed.merge import merge
 from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 from attngym.distributed.ring import ring_attention
+from attngym.distributed.ulysses import (
+    check_ulysses_heads,
+    hybrid_attention,
+    ulysses_attention,
+)
 
 _LAZY = {
     "CopyEngineAllGather": "attngym.distributed.copy_engine",
@@ -46,10 +53,13 @@ __all__ = [
     "P2PAllToAll",
     "P2PChannel",
     "allgather_attention",
+    "check_ulysses_heads",
+    "hybrid_attention",
     "in_one_nvlink_domain",
     "merge",
     "nvlink_domain",
     "ring_attention",
     "shard",
+    "ulysses_attention",
     "unshard",
 ]
