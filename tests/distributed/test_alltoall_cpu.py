@@ -51,7 +51,8 @@ def _expected(inputs, p, split_dim, concat_dim, split_order, concat_order):
     return torch.cat([placed[i] for i in sorted(placed)], dim=concat_dim)
 
 
-def _worker(rank, world_size):
+def _cases(rank, world_size, group):
+    """Every case of CASES[world_size] on `group` (this rank's rank in it: `rank`)."""
     import torch.distributed as dist
 
     results = []
@@ -65,6 +66,7 @@ def _worker(rank, world_size):
             device="cpu",
             split_order=s_order,
             concat_order=c_order,
+            group=group,
             timeout_s=30,
         )
         for it in range(3):  # fresh data every call; the buffers are reused
@@ -95,7 +97,7 @@ def _worker(rank, world_size):
             landed.shape, generator=torch.Generator().manual_seed(50 + rank), dtype=torch.float64
         )
         everyone = [None] * world_size
-        dist.all_gather_object(everyone, (landed, upstream))
+        dist.all_gather_object(everyone, (landed, upstream), group=group)
         grad_of_id = torch.empty(world_size * numel, dtype=torch.float64)
         for got, g in everyone:
             grad_of_id[got.long().view(-1)] = g.view(-1)
@@ -109,12 +111,23 @@ def _worker(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_alltoall_places_orders_inverts_and_differentiates(world_size):
-    results = launch(_worker, world_size, timeout_s=60)
-    assert len(results) == len(CASES[world_size]) * 7
-    failed = [r[:3] for r in results if not r[3]]
-    assert failed == []
+def _worker(rank, world_size):
+    """The 3-rank cases on the world, then the 2-rank cases on ranks 0 and 1 (one spawn)."""
+    import torch.distributed as dist
+
+    results = {3: _cases(rank, world_size, None)}
+    pair = dist.new_group([0, 1])
+    results[2] = _cases(rank, 2, pair) if rank < 2 else []
+    dist.barrier()
+    return results
+
+
+def test_alltoall_places_orders_inverts_and_differentiates_at_2_and_3_ranks():
+    results = launch(_worker, 3, timeout_s=90)
+    for world_size in (2, 3):
+        assert len(results[world_size]) == len(CASES[world_size]) * 7
+        failed = [r[:3] for r in results[world_size] if not r[3]]
+        assert failed == [], world_size
 
 
 @pytest.mark.parametrize(
