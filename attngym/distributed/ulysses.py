@@ -77,8 +77,9 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("q, k, v must share one dtype and one device")
 
 
-def _order(layout: str, world_size: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
-    """Per rank, the global piece indices of its layout chunks (the exchange's concat order)."""
+def exchange_order(layout: str, world_size: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the global piece indices of its chunks in `layout`: the all-to-all's concat order
+    that puts every rank's shard of a seq_len sequence at its global place (split order back)."""
     piece = seq_len // layouts.pieces(layout, world_size)
     return tuple(
         tuple(off // piece for off, _ in layouts.chunks(r, world_size, seq_len, layout))
@@ -141,7 +142,7 @@ def _exchange(
     if variant.device is not None and variant.device != q.device:
         variant = variant.to(q.device)
     cls = resolve_transport(transport, q.device, group).alltoall
-    order = _order(layout, P, s * P)
+    order = exchange_order(layout, P, s * P)
     replicas = math.lcm(k.shape[1], P) // k.shape[1]
     if replicas > 1:  # fewer K/V heads than ranks (or not a multiple): repeat up to lcm(G, P)
         k, v = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
