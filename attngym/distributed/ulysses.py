@@ -130,17 +130,20 @@ def _exchange(
     """
     import torch.distributed as dist
 
-    from attngym.distributed.transport import cached, resolve_transport
+    from attngym.distributed.transport import cached, check_transport, resolve_transport
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("head-parallel attention needs an initialised process group")
     _check_shards(q, k, v)
+    check_transport(transport, q.device)
     P, r = dist.get_world_size(group), dist.get_rank(group)
     b, h, s, d = q.shape
     check_ulysses_heads(h, k.shape[1], P)
     layouts.check_seq_len(s * P, P, layout)
     if variant.device is not None and variant.device != q.device:
         variant = variant.to(q.device)
+    if P == 1:  # nothing to exchange (hybrid with a2a_size 1 is ring or all-gather alone)
+        return attend(q, k, v, variant, 0)
     cls = resolve_transport(transport, q.device, group).alltoall
     order = exchange_order(layout, P, s * P)
     replicas = math.lcm(k.shape[1], P) // k.shape[1]
