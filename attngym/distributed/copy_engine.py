@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from attngym.distributed.parts import (
-    AllToAllFunction,
+    AllToAllCalls,
     AllToAllPlan,
     ChannelSteps,
     Parts,
@@ -652,7 +652,7 @@ def _row_copies(
     return rows
 
 
-class CopyEngineAllToAll(_CopyEngineBase):
+class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
     """All-to-all by copy-engine pulls from symmetric staging buffers, into the consumer's layout.
 
     The geometry is attngym.distributed.parts.AllToAllPlan's (shared with P2PAllToAll): rank r
@@ -754,7 +754,6 @@ class CopyEngineAllToAll(_CopyEngineBase):
             for src, _, dst in self.plan.moves(r, r)
             for row in _row_copies(shape, src, out_part, dst)
         ]
-        self._inverse: CopyEngineAllToAll | None = None
 
     def _slot(self, buffer: torch.Tensor, p: int, k: int) -> torch.Tensor:
         """Part k of staging slot p of `buffer` (this rank's or a peer's), flat."""
@@ -798,29 +797,3 @@ class CopyEngineAllToAll(_CopyEngineBase):
                     self._set_flag(self._side, p, p_world + r)
             cur.wait_stream(self._side)
         return out
-
-    def __call__(self, parts: Parts) -> torch.Tensor:
-        """`exchange`, differentiable when grad is enabled and a part requires it."""
-        items = list(parts.unbind(0)) if isinstance(parts, torch.Tensor) else list(parts)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in items):
-            return AllToAllFunction.apply(self, *items)
-        return self.exchange(items)
-
-    def inverse(self) -> CopyEngineAllToAll:
-        """The all-to-all that undoes this one, built once (collective on the first call)."""
-        if self._inverse is None:
-            inv = self.plan.inverse()
-            self._inverse = CopyEngineAllToAll(
-                inv.part_shape,
-                self.num_parts,
-                inv.split_dim,
-                inv.concat_dim,
-                dtype=self.dtype,
-                device=self.device,
-                group=self.group,
-                split_order=inv.split_order,
-                concat_order=inv.concat_order,
-                timeout_s=self.timeout_s,
-            )
-            self._inverse._inverse = self
-        return self._inverse

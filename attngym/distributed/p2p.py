@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from attngym.distributed.parts import (
-    AllToAllFunction,
+    AllToAllCalls,
     AllToAllPlan,
     ChannelSteps,
     Parts,
@@ -321,7 +321,7 @@ class P2PAllGather:
         return grad_PN[self.rank].clone()
 
 
-class P2PAllToAll:
+class P2PAllToAll(AllToAllCalls):
     """All-to-all of num_parts tensors with `all_to_all_single` (NCCL, and gloo on CPU).
 
     Rank r sends the pieces of its input that the plan gives rank p (attngym.distributed.parts.
@@ -370,7 +370,6 @@ class P2PAllToAll:
             for src in range(self.world_size)
             for dst in range(self.world_size)
         }
-        self._inverse: P2PAllToAll | None = None
 
     def exchange(self, parts: Parts) -> torch.Tensor:
         """The all-to-all of `parts`: a fresh (num_parts, *out_part) tensor (not differentiable)."""
@@ -395,29 +394,3 @@ class P2PAllToAll:
                     for _, block, dst in self._moves[(p, r)]:
                         narrow(out[k], dst).copy_(narrow(self._recv[p, k], block))
         return out
-
-    def __call__(self, parts: Parts) -> torch.Tensor:
-        """`exchange`, differentiable when grad is enabled and a part requires it."""
-        items = list(parts.unbind(0)) if isinstance(parts, torch.Tensor) else list(parts)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in items):
-            return AllToAllFunction.apply(self, *items)
-        return self.exchange(items)
-
-    def inverse(self) -> P2PAllToAll:
-        """The all-to-all that undoes this one, built once (collective on the first call)."""
-        if self._inverse is None:
-            inv = self.plan.inverse()
-            self._inverse = P2PAllToAll(
-                inv.part_shape,
-                self.num_parts,
-                inv.split_dim,
-                inv.concat_dim,
-                dtype=self.dtype,
-                device=self.device,
-                group=self.group,
-                split_order=inv.split_order,
-                concat_order=inv.concat_order,
-                timeout_s=self.timeout_s,
-            )
-            self._inverse._inverse = self
-        return self._inverse

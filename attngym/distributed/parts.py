@@ -313,6 +313,39 @@ def narrow(t: torch.Tensor, region: Region) -> torch.Tensor:
     return t
 
 
+class AllToAllCalls:
+    """What every all-to-all class shares on top of its own `exchange`: the differentiable call
+    and the inverse object. Needs plan, num_parts, dtype, device, group and timeout_s."""
+
+    _inverse: Any = None
+
+    def __call__(self, parts: Parts) -> torch.Tensor:
+        """`exchange(parts)`, differentiable when grad is enabled and a part requires it."""
+        items = list(parts.unbind(0)) if isinstance(parts, torch.Tensor) else list(parts)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in items):
+            return AllToAllFunction.apply(self, *items)
+        return self.exchange(items)
+
+    def inverse(self) -> Any:
+        """The all-to-all that undoes this one, built once (collective on the first call)."""
+        if self._inverse is None:
+            inv = self.plan.inverse()
+            self._inverse = type(self)(
+                inv.part_shape,
+                self.num_parts,
+                inv.split_dim,
+                inv.concat_dim,
+                dtype=self.dtype,
+                device=self.device,
+                group=self.group,
+                split_order=inv.split_order,
+                concat_order=inv.concat_order,
+                timeout_s=self.timeout_s,
+            )
+            self._inverse._inverse = self
+        return self._inverse
+
+
 class AllToAllFunction(torch.autograd.Function):
     """An all-to-all as an autograd node: forward `a2a.exchange`, backward the inverse exchange."""
 

@@ -121,11 +121,23 @@ def _hybrid_worker(rank, world_size):
                 a2a_size=2,
                 across=across,
             )
-    return errors
+    refused = []
+    x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
+    for bad in ({"a2a_size": 3}, {"a2a_size": 2, "across": "tree"}):
+        try:
+            hybrid_attention(x, x, x, variants.get("causal"), transport="gloo", **bad)
+            refused.append(None)
+        except ValueError as e:
+            refused.append(str(e))
+    return errors, refused
 
 
 def test_hybrid_matches_reference_at_four_ranks():
-    errors = launch(_hybrid_worker, 4, timeout_s=180)
+    errors, refused = launch(_hybrid_worker, 4, timeout_s=180)
+    assert refused == [
+        "a2a_size: 3 does not divide the world size 4",
+        "across: expected one of ring, allgather, got 'tree'",
+    ]
     assert len(errors) == 3 * 2
     bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
     assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
