@@ -112,7 +112,9 @@ def format_value(column: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
     if column.endswith("_bytes") or column == "bytes_moved":
-        return _bytes(value)
+        from attngym.estimate import format_bytes
+
+        return format_bytes(value)
     if column.endswith("_tflops") and abs(value) >= 0.1:
         return f"{value:.1f}"  # below 0.1 (a CPU), 3 significant figures say more than 0.0
     if isinstance(value, float):
@@ -121,13 +123,6 @@ def format_value(column: str, value: Any) -> str:
         digits = max(0, 2 - math.floor(math.log10(abs(value))))  # 3 significant, no exponent
         return f"{value:.{digits}f}" if abs(value) >= 1e-3 else f"{value:.2e}"
     return str(value)
-
-
-def _bytes(value: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(value) >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{int(value)} B"
 
 
 def format_table(
