@@ -17,6 +17,7 @@ its own: `attngym.tracking.sweep.summarize(sweep_dir)`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import math
@@ -326,25 +327,34 @@ class SweepSummary(_callback_base()):
 
     def __init__(self) -> None:
         self._bar = None
-        self._done = 0
+        self._redirect = contextlib.ExitStack()
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from attngym.progress import progress
+        from attngym.progress import Progress
 
-        total = count_jobs(config)
-        self._done = 0
         LAST_RESULT.update(failed=0, jobs=0)
-        if total:
-            self._bar = iter(progress(range(total), total=total, label="sweep jobs"))
+        self._bar = Progress(count_jobs(config), "sweep jobs")
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        from attngym.progress import redirect_logging
+
         if self._bar is not None:
-            next(self._bar, None)
+            # Hydra sets up the job's log handlers before this: route them above the bar now.
+            self._redirect.enter_context(redirect_logging())
+            self._bar.running(" ".join(str(o) for o in config.hydra.overrides.task) or "job")
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        from attngym.progress import on_terminal
+
+        if self._bar is not None:
+            self._bar.update()
+            if not on_terminal():
+                log.info("%s", self._bar.line())  # one line per finished job
+            self._redirect.close()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if self._bar is not None:
-            for _ in self._bar:  # let the bar finish
-                pass
+            self._bar.close()
             self._bar = None
         sweep_dir = Path(config.hydra.sweep.dir)
         if os.environ.get("RANK", "0") != "0" or not sweep_dir.is_dir():
