@@ -43,6 +43,20 @@ def md_columns() -> tuple[str, ...]:
 KEPT_COLUMNS = ("job", "overrides", "status", "variant")
 
 
+def without_shared_overrides(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """Rows whose `overrides` keep only what differs between jobs, and the overrides every job
+    shares (`+experiment=variant_gallery`), to be named once."""
+    lists = [str(row.get("overrides") or "").split() for row in rows]
+    shared = (
+        [o for o in lists[0] if all(o in other for other in lists[1:])] if len(rows) > 1 else []
+    )
+    trimmed = [
+        {**row, "overrides": " ".join(o for o in overrides if o not in shared)}
+        for row, overrides in zip(rows, lists, strict=True)
+    ]
+    return trimmed, " ".join(shared)
+
+
 def table_layout(
     rows: list[dict[str, Any]], columns: Sequence[str]
 ) -> tuple[list[str], dict[str, Any]]:
@@ -169,9 +183,12 @@ def _is_number(value: Any) -> bool:
 def summary_text(rows: list[dict[str, Any]], *, max_width: int | None = None) -> str:
     """The summary as text: job count, the settings every job shares, and the table of the
     md_columns() that vary between jobs."""
-    columns, shared = table_layout(rows, md_columns())
     failed = sum(row.get("status") != "ok" for row in rows)
+    rows, shared_overrides = without_shared_overrides(rows)
+    columns, shared = table_layout(rows, md_columns())
     lines = [f"{len(rows)} jobs, {failed} failed.", ""]
+    if shared_overrides:
+        lines += [f"Overrides of every job: {shared_overrides}", ""]
     if shared:
         settings = ", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items())
         lines += [f"Every job: {settings}", ""]
@@ -225,6 +242,7 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     """summary.png: the plot metric per series (`series_name`), as bars when every job has one
     seq_len, else as lines over seq_len; False when no job has the metric."""
     metric, label = plot_metric(rows)
+    rows, _ = without_shared_overrides(rows)
     series: dict[str, list[tuple[float, float]]] = {}
     for row in rows:
         if row.get("status") != "ok" or row.get(metric) is None or row.get("seq_len") is None:
@@ -252,7 +270,8 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
             color=[colours[i % len(colours)] for i in order],
         )
         for i, rank in enumerate(order):
-            ax.annotate(f" {values[rank]:.3g}", (values[rank], i), va="center", fontsize=8)
+            text = f" {format_value(metric, values[rank])}"
+            ax.annotate(text, (values[rank], i), va="center", fontsize=8)
         ax.set_xlabel(label)
         ax.set_title(f"{title}\nseq_len={int(next(iter(lengths))):,}")
         ax.grid(True, axis="x", alpha=0.3)
