@@ -367,6 +367,7 @@ class SweepSummary(_callback_base()):
 
         if self._bar is not None:
             self._bar.update()
+            self._bar.running("")  # between jobs nothing runs
             if not on_terminal():
                 log.info("%s", self._bar.line())  # one line per finished job
             self._redirect.close()
