@@ -99,6 +99,12 @@ class Progress:
         if self._bar is not None:
             self._bar.update(steps)
 
+    def clear(self) -> None:
+        """Erase the bar until its next redraw, so a line printed outside `redirect_logging`
+        (Hydra's own launch lines between sweep jobs) starts on a clean line."""
+        if self._bar is not None:
+            self._bar.clear()
+
     def _tick(self) -> None:
         while not self._stop.wait(self.interval):
             log.info("%s", self.line())

@@ -353,6 +353,7 @@ class SweepSummary(_callback_base()):
 
         LAST_RESULT.update(failed=0, jobs=0)
         self._bar = Progress(count_jobs(config), "sweep jobs")
+        self._bar.clear()  # Hydra's "#0 : ..." line comes before the first job's log redirect
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import redirect_logging
@@ -371,6 +372,7 @@ class SweepSummary(_callback_base()):
             if not on_terminal():
                 log.info("%s", self._bar.line())  # one line per finished job
             self._redirect.close()
+            self._bar.clear()  # the next Hydra launch line prints outside the redirect
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if self._bar is not None:
