@@ -51,7 +51,7 @@ def without_shared_overrides(rows: list[dict[str, Any]]) -> tuple[list[dict[str,
         [o for o in lists[0] if all(o in other for other in lists[1:])] if len(rows) > 1 else []
     )
     trimmed = [
-        {**row, "overrides": " ".join(o for o in overrides if o not in shared)}
+        {**row, "overrides": " ".join(o for o in overrides if o not in shared) or None}
         for row, overrides in zip(rows, lists, strict=True)
     ]
     return trimmed, " ".join(shared)
