@@ -161,7 +161,9 @@ def _start_heartbeat(path: pathlib.Path) -> None:
 
 
 def _formatter(rank: int) -> logging.Formatter:
-    return logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s")
+    """The run's console format (conf/hydra/default.yaml, job_logging `simple`) with the rank, so
+    a context-parallel run prints one format: `[12:00:00][rank0][INFO] message`."""
+    return logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
 
 
 def _log_to_files(rank: int, run_dir: str | None) -> None:
