@@ -1,8 +1,9 @@
 """Context-parallel runs (ring and all-gather): spawn the ranks, check, time, report.
 
-The parent process checks what it can without tensors (transport against the device, ranks
-against GPUs, the variant, seq_len against the layout) and raises ConfigError before any rank
-starts; then attngym.distributed.launch runs `_rank_run` on every rank. Every rank:
+The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
+attngym.config); the parent process checks the transport against the device and raises
+ConfigError before any rank starts; then attngym.distributed.launch runs `_rank_run` on every
+rank. Every rank:
 
 1. resolves the transport (collective on CUDA: the NVLink-domain check) and draws the same seeded
    whole-sequence inputs on the CPU (attngym.inputs.make_inputs, identical on every rank),
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import statistics
 import time
 import weakref
@@ -50,11 +50,9 @@ import torch
 from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.device import sync
-from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
 from attngym.validation import sample_rows, validate_rows
-from attngym.variants.spec import build_variant
 
 log = logging.getLogger(__name__)
 
@@ -66,31 +64,17 @@ SINGLE_CPU_MAX_BYTES = 2 * 2**30
 
 
 def check_hardware(settings: Settings) -> None:
-    """ConfigError for what cannot run here, before any tensor work (no collective needed).
+    """ConfigError for a transport that cannot run here, before any tensor work (no collective
+    needed).
 
     transport=copy_engine on CPU (and any transport that cannot move this device's tensors) fails
-    on `topology.transport`; more ranks than GPUs fails on `topology.world_size` unless
-    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 allows several ranks per GPU. Ranks outside one
-    NVLink domain with copy_engine are caught on the ranks (resolve_transport).
+    on `topology.transport`. Ranks against GPUs and seq_len against the layout were checked with
+    the settings (attngym.config); ranks outside one NVLink domain with copy_engine are caught on
+    the ranks (resolve_transport).
     """
-    from attngym.distributed import launch, layout
     from attngym.distributed.transport import check_transport
 
-    topo = settings.topology
-    check_transport(topo.transport, settings.device, key="topology.transport")
-    if settings.device == "cuda" and not launch.under_torchrun():
-        gpus = torch.cuda.device_count()
-        overlap = os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
-        if topo.world_size > gpus and not overlap:
-            raise ConfigError(
-                "topology.world_size",
-                f"{topo.world_size} ranks but {gpus} GPU(s); use at most {gpus} (or auto), or "
-                "set TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 to share GPUs between ranks",
-            )
-    try:
-        layout.check_seq_len(settings.shape.seq_len, topo.world_size, topo.layout)
-    except ValueError as err:
-        raise ConfigError("shape.seq_len", str(err)) from None
+    check_transport(settings.topology.transport, settings.device, key="topology.transport")
 
 
 def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[str, Any]:
@@ -98,7 +82,6 @@ def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[s
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
-    build_variant(settings.attention, seq_len=settings.shape.seq_len)  # errors early
     metrics = settings.describe()
     metrics.update(
         launch(
@@ -168,7 +151,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     dtype = torch_dtype(settings.dtype)
     shape = settings.shape
     seq_len = shape.seq_len
-    variant_cpu = build_variant(settings.attention, seq_len=seq_len)
+    variant_cpu = settings.variant
     variant = variant_cpu.to(device)
     do_bwd = "bwd" in settings.passes
     metrics: dict[str, Any] = {
