@@ -404,14 +404,37 @@ def _check_flash_device(
 
 def _check_values(data: dict[str, Any]) -> Variant:
     """Every check that needs no hardware, on `data` (defaults written in); the built Variant."""
+    seq_len = _check_shape(data)
+    dtype = _choice(data, "dtype", DTYPES, "dtype", AUTO)
+    passes = _check_run(data, dtype)
+    _check_topology(data, seq_len, passes)
+    _choice(data, "profiler.name", _names("profiler"), "profiler", _default(Settings, "profiler"))
+    default_logger = _default(Settings, "logger")["name"]
+    logger = _choice(data, "logger.name", _names("tracker"), "logger", default_logger)
+    if logger == "wandb":
+        from attngym.tracking.wandb_logger import MODES
+
+        _choice(data, "logger.mode", MODES, "wandb mode", "offline")
+
+    from attngym.variants.spec import build_variant
+
+    return build_variant(_get(data, "attention"), key="attention", seq_len=seq_len)
+
+
+def _check_shape(data: dict[str, Any]) -> int:
+    """shape.*: positive sizes, kv_heads dividing heads; the sequence length."""
     shape = {
         name: _int(data, f"shape.{name}", default=_default(Shape, name))
         for name in ("batch", "heads", "seq_len", "head_dim")
     }
-    kv_heads = _get(data, "shape.kv_heads", _default(Shape, "kv_heads"))
-    if kv_heads is not None:
+    if _get(data, "shape.kv_heads", _default(Shape, "kv_heads")) is not None:
         _check_kv_heads(shape["heads"], _int(data, "shape.kv_heads"))
-    dtype = _choice(data, "dtype", DTYPES, "dtype", AUTO)
+    return shape["seq_len"]
+
+
+def _check_run(data: dict[str, Any], dtype: str) -> list[str]:
+    """What the run does and how it is timed: passes, compile, kernel options, benchmark,
+    baselines, validation, block size. Returns the passes."""
     _int(data, "seed", low=0, default=_default(Settings, "seed"))
     _bool(data, "validate", _default(Settings, "validate"))
     _int(data, "validate_rows", default=_default(Settings, "validate_rows"))
@@ -432,21 +455,22 @@ def _check_values(data: dict[str, Any]) -> Variant:
     _int(data, "benchmark.warmup", low=0, default=_default(Benchmark, "warmup"))
     _int(data, "benchmark.repeats", default=_default(Benchmark, "repeats"))
     _choices(data, "baselines", BASELINES, "baseline", _default(Settings, "baselines"))
-    _int(
-        data,
-        "baseline_max_mask_bytes",
-        low=0,
-        default=_default(Settings, "baseline_max_mask_bytes"),
-    )
+    max_bytes = _default(Settings, "baseline_max_mask_bytes")
+    _int(data, "baseline_max_mask_bytes", low=0, default=max_bytes)
     default_q, default_kv = _default(Settings, "block_size")
     _check_block(data, "block_size.q", default_q)
     _check_block(data, "block_size.kv", default_kv)
     _choice(data, "device.name", DEVICES, "device", AUTO)
+    return passes
 
+
+def _check_topology(data: dict[str, Any], seq_len: int, passes: list[str]) -> None:
+    """topology.*: a registered kind, its ranks, transport, layout and timeout, and seq_len
+    against the layout when the ranks are known."""
     kind = _choice(
         data, "topology.kind", _names("task"), "topology kind", _default(Topology, "kind")
     )
-    _check_flash_topology(kernel_options, kind, passes)
+    _check_flash_topology(data["kernel_options"], kind, passes)
     world_size = _get(data, "topology.world_size", _default(Topology, "world_size"))
     if world_size != AUTO:
         world_size = _int(data, "topology.world_size")
@@ -461,19 +485,7 @@ def _check_values(data: dict[str, Any]) -> Variant:
         raise ConfigError("topology.timeout_s", f"must be a positive number, got {timeout!r}")
     data["topology"]["timeout_s"] = float(timeout)
     if world_size != AUTO:
-        _check_seq_len(shape["seq_len"], world_size, layout)
-
-    _choice(data, "profiler.name", _names("profiler"), "profiler", _default(Settings, "profiler"))
-    default_logger = _default(Settings, "logger")["name"]
-    logger = _choice(data, "logger.name", _names("tracker"), "logger", default_logger)
-    if logger == "wandb":
-        from attngym.tracking.wandb_logger import MODES
-
-        _choice(data, "logger.mode", MODES, "wandb mode", "offline")
-
-    from attngym.variants.spec import build_variant
-
-    return build_variant(_get(data, "attention"), key="attention", seq_len=shape["seq_len"])
+        _check_seq_len(seq_len, world_size, layout)
 
 
 def check_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
