@@ -201,3 +201,10 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so host timers and peaks are honest."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
