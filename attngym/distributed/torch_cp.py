@@ -1,0 +1,322 @@
+"""PyTorch's own FlexAttention context parallelism, the contender attngym's CP is measured against.
+
+The path is the one `torch.distributed.tensor.experimental` offers for flex (private names, the same
+on torch 2.11 and 2.13): a module whose forward calls flex_attention is parallelised with
+`_ContextParallel(seq_dim=2, attention_type=FLEX)`; its forward pre-hook all-gathers K/V along the
+sequence with the `cplib::flex_cp_allgather` custom op (whose backward reduce-scatters dK/dV);
+flex then runs once per rank, this rank's queries over the whole K/V, on the BlockMask that
+`_create_cp_block_mask` builds from the variant's global mask_mod and the load balancer. No DTensor
+is involved: q/k/v stay plain local tensors.
+
+Layouts: attngym `contiguous` is PyTorch without a load balancer, attngym `zigzag` is PyTorch's
+`_HeadTailLoadBalancer` (rank r holds chunks r and 2P-1-r of 2P); both shard exactly as attngym
+does, so the shards attngym's CP gets are passed unchanged. A layout with no PyTorch counterpart
+runs in zigzag (PyTorch's default balancer), resharded by `reshard` outside the timed call.
+
+What PyTorch's CP requires: seq_len divisible by world_size x 128 (the BlockMask's block size is
+flex's default, 128, fixed); a flex backward, so gradients need CUDA (flex has no CPU backward).
+PyTorch rewrites only mask_mod to global positions; the score_mod is moved here the same way.
+
+Contract: `TorchCP` does all setup at construction (mesh, block mask, compiled kernel handle), so a
+timed `__call__` is the all-gather plus one flex call; the first call on CUDA compiles and belongs
+outside any timing. `_cp_options.enable_load_balance`, a PyTorch global, is set only while the
+block mask is built and restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from attngym import kernels
+from attngym.distributed import layout as layouts
+from attngym.errors import choice_error
+from attngym.variants.base import Variant
+
+SEQ_DIM = 2
+# The attngym layout PyTorch's CP runs for each attngym layout (same shards, same order).
+TORCH_LAYOUTS = {"contiguous": "contiguous", "zigzag": "zigzag"}
+DEFAULT_TORCH_LAYOUT = "zigzag"  # PyTorch's default balancer, head-tail
+
+
+def torch_cp_available() -> tuple[bool, str]:
+    """(True, "") when this torch has flex context parallelism, else (False, why not)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False, "torch.distributed is not available in this build"
+    try:
+        _api()
+    except (ImportError, AttributeError) as e:
+        return False, f"torch {torch.__version__} has no flex context parallelism ({e})"
+    return True, ""
+
+
+def _api() -> dict[str, Any]:
+    """PyTorch's flex CP entry points (ImportError/AttributeError where this torch lacks one)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import (
+        flex_cp_allgather,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
+
+    return {
+        "ContextParallel": cp._ContextParallel,
+        "FLEX": cp._ContextParallel.AttentionType.FLEX,
+        "create_cp_block_mask": cp._create_cp_block_mask,
+        "cp_options": cp._cp_options,
+        "HeadTailLoadBalancer": _HeadTailLoadBalancer,
+        "flex_cp_allgather": flex_cp_allgather,
+        "parallelize_module": parallelize_module,
+        "block_size": _DEFAULT_SPARSE_BLOCK_SIZE,
+    }
+
+
+def torch_layout(layout: str) -> str:
+    """The attngym layout PyTorch's CP runs when attngym runs `layout` (itself where they agree)."""
+    if layout not in layouts.LAYOUTS:
+        raise ValueError(choice_error("layout", layout, layouts.LAYOUTS))
+    return TORCH_LAYOUTS.get(layout, DEFAULT_TORCH_LAYOUT)
+
+
+def check_shape(seq_len: int, world_size: int, layout: str) -> None:
+    """ValueError unless PyTorch's CP can run `seq_len` over `world_size` ranks in `layout`."""
+    block = _api()["block_size"]
+    layouts.check_seq_len(seq_len, world_size, torch_layout(layout))
+    if seq_len % (world_size * block):
+        raise ValueError(
+            f"seq_len={seq_len} must be divisible by world_size x {block} = "
+            f"{world_size * block} for torch_cp (PyTorch's CP block mask has {block}-token blocks)"
+        )
+
+
+def reshard(x: torch.Tensor, src: str, dst: str, *, group=None, dim: int = SEQ_DIM):
+    """This rank's shard of the whole `x` moved from layout `src` to layout `dst` (collective).
+
+    All-gathers the shards (differentiable), reassembles the sequence and cuts the `dst` shard;
+    a copy of the whole tensor per rank, so it belongs outside timed code.
+    """
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    if src == dst:
+        return x
+    # all_gather_single_autograd is the name from torch 2.13; 2.11 has only the older one.
+    gather = (
+        getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    )
+    world_size = dist.get_world_size(group)
+    gathered = gather(x.contiguous(), dim, group or dist.group.WORLD)
+    if isinstance(gathered, funcol.AsyncCollectiveTensor):
+        gathered = gathered.wait()
+    whole = layouts.unshard(list(gathered.chunk(world_size, dim)), src, dim=dim)
+    return layouts.shard(whole, dist.get_rank(group), world_size, dst, dim=dim)
+
+
+@contextlib.contextmanager
+def _load_balance(cp_options, enabled: bool):
+    """PyTorch picks head-tail when no balancer is passed and this global is set: pin it."""
+    before = cp_options.enable_load_balance
+    cp_options.enable_load_balance = enabled
+    try:
+        yield
+    finally:
+        cp_options.enable_load_balance = before
+
+
+class _Flex(torch.nn.Module):
+    """flex_attention with everything but q, k, v bound: the module _ContextParallel hooks."""
+
+    def __init__(self, fn, **options):
+        super().__init__()
+        self.fn, self.options = fn, options
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():
+            # Eager flex on CPU is chosen on purpose (as in attngym.kernels).
+            warnings.filterwarnings(
+                "ignore",
+                message="flex_attention called without torch.compile",
+                category=UserWarning,
+            )
+            return self.fn(q, k, v, **self.options)
+
+
+class TorchCP:
+    """PyTorch's flex CP for one variant, shape, group and layout: built once, called per step.
+
+    Collective at construction and at every call: every rank of `group` does the same.
+
+    Args:
+        variant: the attention variant, at global positions (moved to `device`).
+        batch, heads, kv_heads, seq_len: B, H, G and the whole sequence S.
+        group: process group of the P ranks (default: the world).
+        layout: attngym layout of the caller's shards; `self.layout` is the one `__call__` takes
+            (the same for contiguous and zigzag, else zigzag: see `reshard`).
+        device: where the shards live.
+        block_size: must be (128, 128), the block size PyTorch's CP block mask uses.
+        kernel_options: passed to flex_attention.
+        scale: score scale, default 1 / sqrt(D).
+        compile: compile flex_attention on CUDA (attngym.kernels.compiled_flex_attention); CPU
+            always runs it eagerly.
+        compile_mode: torch.compile mode when compiling.
+
+    Tensors: `__call__(q_BHSD, k_BGSD, v_BGSD)` with S/P rows each in `self.layout` returns
+    out_BHSD (S/P rows, q's dtype), differentiable w.r.t. q, k, v on CUDA.
+    """
+
+    def __init__(
+        self,
+        variant: Variant,
+        *,
+        batch: int,
+        heads: int,
+        kv_heads: int,
+        seq_len: int,
+        group=None,
+        layout: str = "contiguous",
+        device: torch.device | str = "cpu",
+        block_size: tuple[int, int] = (128, 128),
+        kernel_options: Mapping[str, Any] | None = None,
+        scale: float | None = None,
+        compile: bool = True,
+        compile_mode: str = "default",
+    ):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ok, why = torch_cp_available()
+        if not ok:
+            raise RuntimeError(f"torch_cp unavailable: {why}")
+        api = _api()
+        for name, value in (("batch", batch), ("heads", heads), ("kv_heads", kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+        if tuple(block_size) != (api["block_size"],) * 2:
+            raise ValueError(
+                f"block_size must be ({api['block_size']}, {api['block_size']}) for torch_cp "
+                f"(PyTorch's CP block mask uses flex's default block size), got {block_size!r}"
+            )
+        if not dist.is_initialized():
+            raise RuntimeError("torch_cp needs an initialised process group")
+        world_size = dist.get_world_size(group)
+        check_shape(seq_len, world_size, layout)
+        variant.check_seq_len(seq_len)
+        device = torch.device(device)
+        self.layout = torch_layout(layout)
+        self.group, self.world_size, self.seq_len = group, world_size, seq_len
+        self.rank = dist.get_rank(group)
+        self.kv_heads, self.heads = kv_heads, heads
+        if variant.device is not None and variant.device != device:
+            variant = variant.to(device)
+
+        self.mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+        balancer = (
+            api["HeadTailLoadBalancer"](seq_len, world_size, device)
+            if self.layout == "zigzag"
+            else None
+        )
+        # Global position of every row of the all-gathered K/V, and of this rank's q rows.
+        self.kv_positions = (
+            torch.arange(seq_len, device=device)
+            if balancer is None
+            else balancer._generate_indices()[0].to(device=device, dtype=torch.long)
+        )
+        rows = seq_len // world_size
+        self.q_positions = self.kv_positions[self.rank * rows : (self.rank + 1) * rows]
+
+        compiled = kernels.compiled_flex_attention(compile_mode)  # also raises recompile limits
+        block_mask = None
+        if variant.mask_mod is not None:
+            with _load_balance(api["cp_options"], balancer is not None):
+                block_mask = api["create_cp_block_mask"](
+                    variant.mask_mod, 1, 1, seq_len, seq_len, self.mesh, balancer
+                )
+        self.block_mask = block_mask
+
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = compiled if compile and device.type == "cuda" else flex_attention
+        module = _Flex(
+            fn,
+            score_mod=_global_score_mod(variant, self.q_positions, self.kv_positions),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=kv_heads != heads,
+            kernel_options=dict(kernel_options) if kernel_options else None,
+        )
+        self.module = api["parallelize_module"](
+            module, self.mesh, api["ContextParallel"](seq_dim=SEQ_DIM, attention_type=api["FLEX"])
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's output shard: K/V all-gathered, one flex call (shards in self.layout)."""
+        return self.module(q, k, v)
+
+
+def _global_score_mod(variant: Variant, q_positions: torch.Tensor, kv_positions: torch.Tensor):
+    """The variant's score_mod with local q rows / gathered kv rows read as global positions."""
+    if variant.score_mod is None:
+        return None
+    inner = variant.score_mod
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return inner(score, b, h, q_positions[q_idx], kv_positions[kv_idx])
+
+    return score_mod
+
+
+def torch_cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    *,
+    group=None,
+    layout: str = "contiguous",
+    block_size: tuple[int, int] = (128, 128),
+    kernel_options: Mapping[str, Any] | None = None,
+    scale: float | None = None,
+    compile: bool = True,
+    compile_mode: str = "default",
+) -> torch.Tensor:
+    """PyTorch's flex CP of this rank's shards, built and run once (ring_attention's arguments).
+
+    For repeated (timed) calls build a `TorchCP` once instead. Shards in a layout PyTorch lacks
+    are resharded to zigzag and the output back (differentiably).
+
+    Returns:
+        (B, H, S/P, D) this rank's output shard in `layout`.
+    """
+    import torch.distributed as dist
+
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
+    b, h, rows, _ = q.shape
+    cp = TorchCP(
+        variant,
+        batch=b,
+        heads=h,
+        kv_heads=k.shape[1],
+        seq_len=rows * dist.get_world_size(group),
+        group=group,
+        layout=layout,
+        device=q.device,
+        block_size=block_size,
+        kernel_options=kernel_options,
+        scale=scale,
+        compile=compile,
+        compile_mode=compile_mode,
+    )
+    q, k, v = (reshard(t, layout, cp.layout, group=group) for t in (q, k, v))
+    return reshard(cp(q, k, v), cp.layout, layout, group=group)
