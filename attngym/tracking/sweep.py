@@ -17,13 +17,18 @@ its own: `attngym.tracking.sweep.summarize(sweep_dir)`.
 from __future__ import annotations
 
 import csv
+import io
+import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attngym.errors import ConfigError
+from attngym.fileio import atomic_write
 from attngym.tracking.files import read_metrics
 
 log = logging.getLogger(__name__)
@@ -114,11 +119,12 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+    atomic_write(path, text.getvalue())
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -131,7 +137,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")
 
 
 def plot_metric(rows: list[dict[str, Any]]) -> tuple[str, str]:
@@ -170,7 +176,9 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    atomic_write(path, png.getvalue())
     return True
 
 
@@ -188,22 +196,64 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def grid_overrides(config: Any) -> list[str]:
+    """The overrides that define a sweep: the sweeper's params (an experiment's grid) merged
+    with the command line's task overrides (the command line wins), sorted by key."""
+    params = dict(config.hydra.sweeper.get("params") or {})
+    merged = {str(k): f"{k}={v}" for k, v in params.items()}
+    for o in config.hydra.overrides.task:
+        merged[str(o).split("=", 1)[0]] = str(o)
+    return [merged[k] for k in sorted(merged)]
+
+
 def count_jobs(config: Any) -> int | None:
     """How many jobs the basic sweeper will launch for `config` (None when it cannot tell)."""
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        params = dict(config.hydra.sweeper.get("params") or {})
-        merged = {str(k): f"{k}={v}" for k, v in params.items()}
-        for o in config.hydra.overrides.task:
-            merged[str(o).split("=", 1)[0]] = str(o)
         total = 1
-        for override in OverridesParser.create().parse_overrides(list(merged.values())):
+        for override in OverridesParser.create().parse_overrides(grid_overrides(config)):
             if override.is_sweep_override():
                 total *= len(list(override.sweep_string_iterator()))
         return total
     except Exception:  # counting is for the progress line only
         return None
+
+
+GRID_FILE = "grid.json"
+
+
+def record_grid(sweep_dir: str | Path, overrides: Sequence[str]) -> None:
+    """Record the sweep's grid in sweep_dir/grid.json, or check it against the one recorded.
+
+    A folder holds one sweep: re-running the same grid there resumes it, another grid would mix
+    (and overwrite) results of two sweeps, so it is refused.
+
+    Raises:
+        ConfigError: (hydra.sweep.dir) the folder records another grid.
+        SymlinkRefused: grid.json or the folder is a symlink.
+    """
+    path = Path(sweep_dir) / GRID_FILE
+    grid = sorted(str(o) for o in overrides)
+    try:
+        recorded = json.loads(path.read_text()).get("overrides")
+    except FileNotFoundError:
+        recorded = None
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(
+            "hydra.sweep.dir", f"{path} is unreadable ({err}); delete it or choose another folder"
+        ) from None
+    if recorded is None:
+        Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({"overrides": grid}, indent=2) + "\n")
+    elif sorted(map(str, recorded)) != grid:
+        was = " ".join(sorted(set(map(str, recorded)) - set(grid))) or "nothing"
+        now = " ".join(sorted(set(grid) - set(map(str, recorded)))) or "nothing"
+        raise ConfigError(
+            "hydra.sweep.dir",
+            f"{sweep_dir} holds a sweep of another grid (it had {was}, this one has {now}); "
+            "choose another hydra.sweep.dir, or run the recorded grid to resume it",
+        )
 
 
 def _callback_base() -> type:
@@ -222,6 +272,12 @@ class SweepSummary(_callback_base()):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import progress
 
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks for the sweep
+            try:
+                record_grid(config.hydra.sweep.dir, grid_overrides(config))
+            except ConfigError as err:  # Hydra only warns about an Exception from a callback
+                print(f"attngym: error: {err}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
         total = count_jobs(config)
         self._done = 0
         LAST_RESULT.update(failed=0, jobs=0)
