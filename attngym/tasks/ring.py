@@ -184,7 +184,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     )
 
     def mine(t: torch.Tensor) -> torch.Tensor:
-        return shard(t, rank, world_size, topo.layout)
+        return shard(t, rank, world_size, topo.layout, variant=variant_cpu)
 
     # 1. Whole-sequence inputs on the CPU (the same draw on every rank), only the shard on device.
     whole = common.make_inputs(settings, "cpu", torch.float32)  # q, k, v, grad_out
@@ -202,7 +202,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         t = t.detach().cpu().contiguous()
         parts = [torch.empty_like(t) for _ in range(world_size)] if rank == 0 else None
         dist.gather(t, parts, dst=0, group=wait_group)
-        return unshard(parts, topo.layout) if rank == 0 else None
+        return unshard(parts, topo.layout, variant=variant_cpu) if rank == 0 else None
 
     # 2. The first call, timed apart.
     start = time.perf_counter()
