@@ -131,19 +131,21 @@ def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
 
 
 @functools.lru_cache(maxsize=4096)
-def _offset_tensor(offset: int, device: torch.device) -> torch.Tensor:
+def _offset_tensor(offset: int, device: torch.device, role: str) -> torch.Tensor:
     return torch.tensor(offset, device=device)
 
 
-def position(offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A 0-d tensor of the offset on `device`, made once per (offset, device): making it per
-    chunk call copies from pageable host memory, which synchronises the stream each time and
-    leaves the GPU idle while the host queues the next chunk."""
+def position(offset: int | torch.Tensor, device: torch.device, role: str = "q") -> torch.Tensor:
+    """A 0-d tensor of the offset on `device`, made once per (offset, device, role): making it
+    per chunk call copies from pageable host memory, which synchronises the stream each time and
+    leaves the GPU idle while the host queues the next chunk. The q and kv offsets of one call
+    are distinct tensors (role "q" / "kv") even when equal: Dynamo compiles aliased inputs into
+    a graph of their own, so a diagonal chunk pair would otherwise cost a second compile."""
     if isinstance(offset, torch.Tensor):
         return offset.to(device)
     if device.type == "cuda" and device.index is None:  # the cache key names the GPU
         device = torch.device("cuda", torch.cuda.current_device())
-    return _offset_tensor(int(offset), device)
+    return _offset_tensor(int(offset), device, role)
 
 
 def shifted_mods(
@@ -152,7 +154,8 @@ def shifted_mods(
     """The variant's callbacks with chunk-local indices moved to global positions."""
     if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0:
         return variant.score_mod, variant.mask_mod
-    q_off, kv_off = (position(o, torch.device(device)) for o in (q_offset, kv_offset))
+    q_off = position(q_offset, torch.device(device), "q")
+    kv_off = position(kv_offset, torch.device(device), "kv")
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod

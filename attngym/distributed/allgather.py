@@ -69,8 +69,8 @@ def mapped_variant(variant: Variant, layout: Layout, rank: int, device) -> Varia
     """
     q_map = _index_map(layout.positions(rank, device))
     kv_map = _index_map(torch.cat([layout.positions(p, device) for p in range(layout.world_size)]))
-    q_at = _mapper(q_map, device)
-    kv_at = _mapper(kv_map, device)
+    q_at = _mapper(q_map, device, "q")
+    kv_at = _mapper(kv_map, device, "kv")
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod
@@ -95,7 +95,7 @@ def mapped_variant(variant: Variant, layout: Layout, rank: int, device) -> Varia
     )
 
 
-def _mapper(index_map, device):
+def _mapper(index_map, device, role: str):
     if isinstance(index_map, torch.Tensor):
         table = index_map
 
@@ -103,7 +103,7 @@ def _mapper(index_map, device):
             return table[idx]
 
     else:
-        offset = kernels.position(index_map, torch.device(device))
+        offset = kernels.position(index_map, torch.device(device), role)
 
         def at(idx):
             return idx + offset

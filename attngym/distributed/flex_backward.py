@@ -216,6 +216,20 @@ def attend_backward(
     Returns:
         dq (B, H, Sq, D), dk, dv (B, G, Skv, D), in q's dtype: this pair's share of the gradient.
     """
+    graphs, args = op_args(
+        q, k, v, out, lse, dout, variant, q_offset=q_offset, kv_offset=kv_offset,
+        block_mask=block_mask, scale=scale, kernel_options=kernel_options,
+    )  # fmt: skip
+    if compile and q.device.type == "cuda":
+        graphs.ready_for_dynamo()
+        return _compiled(compile_mode)(*args)
+    return _call_op(*args)
+
+
+def op_args(
+    q, k, v, out, lse, dout, variant, *, q_offset, kv_offset, block_mask, scale, kernel_options
+) -> tuple[_Graphs, tuple]:
+    """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
     graphs = _graphs(variant, q.dtype, q.device)
@@ -225,17 +239,25 @@ def attend_backward(
     lse2 = lse.to(work) if kernels.is_flash(kernel_options) else lse.to(work) * (1 / math.log(2))
     buffers = (
         kernels.position(q_offset, q.device),
-        kernels.position(kv_offset, q.device),
+        kernels.position(kv_offset, q.device, "kv"),
         *graphs.buffers,
     )
     block = block_mask.as_tuple()[:-1]
     # The op has no autograd of its own: inputs that require grad would dispatch it wrongly.
     q, k, v, out, dout = (t.detach() for t in (q, k, v, out.to(q.dtype), dout.to(q.dtype)))
-    args = (q, k, v, out, lse2.detach(), dout, graphs.nested, block, scale, options, buffers)
-    if compile and q.device.type == "cuda":
-        graphs.ready_for_dynamo()
-        return _compiled(compile_mode)(*args)
-    return _call_op(*args)
+    return graphs, (
+        q,
+        k,
+        v,
+        out,
+        lse2.detach(),
+        dout,
+        graphs.nested,
+        block,
+        scale,
+        options,
+        buffers,
+    )
 
 
 def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | None:
