@@ -306,6 +306,25 @@ def pairs(call: CPCall, q: torch.Tensor, kv_rank: int, *, block_masks: str | Non
     return out
 
 
+def shards_meet(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> bool:
+    """Whether any (q chunk of q_rank, kv chunk of kv_rank) pair is unmasked (the same plan
+    as `pairs`, for any two ranks; every rank can tell what the others need)."""
+    return any(
+        not _pair_plan(
+            call.variant,
+            q.shape[0],
+            q.shape[1],
+            qc,
+            kc,
+            call.options.block_size,
+            call.backend,
+            q.device,
+        )[0]
+        for qc in call.chunks(q_rank)
+        for kc in call.chunks(kv_rank)
+    )
+
+
 def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask):
     """attngym.kernels.attend_chunk with the call's options."""
     opts = call.options

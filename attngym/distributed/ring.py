@@ -36,6 +36,7 @@ from attngym.distributed.cp import (
     backward_pairs,
     forward_pairs,
     run,
+    shards_meet,
 )
 from attngym.distributed.layout import Layout
 from attngym.variants.base import Variant
@@ -43,9 +44,11 @@ from attngym.variants.base import Variant
 __all__ = ["CPOptions", "CPStats", "ring_attention"]
 
 
-def _channel(call: CPCall, like: torch.Tensor, dtype: torch.dtype, tag: str):
+def _channel(call: CPCall, like: torch.Tensor, dtype: torch.dtype, tag: str, hops: int = -1):
+    """The cached channel for `tag`: pushes `hops` ranks back (-1: to the next rank, the ring)."""
     from attngym.distributed.transport import cached
 
+    P, r = call.world_size, call.rank
     return cached(
         call.transport.channel,
         tuple(like.shape),
@@ -55,23 +58,44 @@ def _channel(call: CPCall, like: torch.Tensor, dtype: torch.dtype, tag: str):
         timeout_s=call.options.timeout_s,
         group=call.group,
         tag=tag,
+        src=(r + hops) % P,
+        dst=(r - hops) % P,
     )
+
+
+def ring_steps(call: CPCall, q: torch.Tensor) -> int:
+    """How many ring steps the mask needs: 1 + the farthest hop at which a shard is still read.
+
+    Shard s visits ranks s + 1, s + 2, ... (mod P); past the last one whose queries meet it
+    nothing downstream reads it, so the ring stops there (every rank computes the same plan).
+    Causal masks need all P steps; local masks (sliding_window, chunked_causal, natten, short
+    documents) often far fewer at P > 2.
+    """
+    P = call.world_size
+    last = 0
+    for s in range(P):
+        for hop in range(P - 1, last, -1):
+            if shards_meet(call, q, (s + hop) % P, s):
+                last = hop
+                break
+    return last + 1
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: CPCall):
         P, r = cfg.world_size, cfg.rank
+        steps = ring_steps(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
         acc = Accumulator(q, v.shape[-1])
         kv = torch.stack([k, v])
-        chan = _channel(cfg, k, k.dtype, "kv") if P > 1 else None
-        for i in range(P):
+        chan = _channel(cfg, k, k.dtype, "kv") if steps > 1 else None
+        for i in range(steps):
             if i > 0:
                 clock.start()
                 kv = chan.recv(i)
                 clock.stop("step_wait_ms")
-            if i < P - 1:
+            if i < steps - 1:
                 chan.send(kv, i)  # the transfer of step i + 1 overlaps this step's compute
                 if stats is not None:
                     stats.bytes_sent += kv.numel() * kv.element_size()
@@ -86,45 +110,52 @@ class _RingAttention(torch.autograd.Function):
         if stats is not None:
             stats.lse = acc.lse
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.cfg = cfg
+        ctx.cfg, ctx.steps = cfg, steps
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cfg: CPCall = ctx.cfg
-        P, r = cfg.world_size, cfg.rank
+        P, r, steps = cfg.world_size, cfg.rank, ctx.steps
         acc_dtype = lse.dtype
         saved = Saved(q, out, lse, dout)
         dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v])
-        if P == 1:
+        if steps == 1:  # no shard leaves its rank
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
             backward_pairs(cfg, saved, k, v, r, dq_acc, dkv)
             return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
         kv_chan = _channel(cfg, k, k.dtype, "kv")
         dkv_chan = _channel(cfg, k, acc_dtype, "dkv")
+        # The last push takes each shard's dK/dV home: one more ring hop after all P steps, else
+        # straight back over the steps - 1 hops it travelled (a channel to that peer).
+        home = dkv_chan if steps == P else _channel(cfg, k, acc_dtype, "dkv_home", hops=steps - 1)
         stats = cfg.stats
-        for i in range(P):
+        for i in range(steps):
             if i > 0:
                 kv = kv_chan.recv(i)
-            if i < P - 1:
+            if i < steps - 1:
                 kv_chan.send(kv, i)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
             backward_pairs(cfg, saved, kv[0], kv[1], (r - i) % P, dq_acc, dkv)
             if i > 0:
                 dkv = dkv + dkv_chan.recv(i)  # the shard's dK/dV so far, one push behind K/V
-            dkv_chan.send(dkv, i)  # at i = P - 1 this push reaches the shard's home rank
+            if i < steps - 1 or home is dkv_chan:
+                dkv_chan.send(dkv, i)  # with steps == P, the push at i = P - 1 reaches home
+            else:
+                home.send(dkv, 0)
             if stats is not None:
-                stats.bytes_sent += kv.numel() * kv.element_size() * (i < P - 1)
+                stats.bytes_sent += kv.numel() * kv.element_size() * (i < steps - 1)
                 stats.bytes_sent += dkv.numel() * dkv.element_size()
             if i > 0:
                 kv_chan.release(i)
                 dkv_chan.release(i)
-        dkv = dkv_chan.recv(P).clone()
-        dkv_chan.release(P)
-        kv_chan.join()
-        dkv_chan.join()
+        last = steps if home is dkv_chan else 1
+        dkv = home.recv(last).clone()
+        home.release(last)
+        for chan in {id(c): c for c in (kv_chan, dkv_chan, home)}.values():
+            chan.join()
         return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
