@@ -9,7 +9,7 @@ how K/V travel; what they share lives here:
     CPStats      what a call did (pairs, bytes, per-step timings, the merged lse)
     CPCall       a resolved call: options plus rank, world size, transport, layout, variant
     pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard, masked ones skipped
-    Accumulator  the running lse merge of a rank's output, one fused merge per pair
+    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA)
     forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
     StepClock    per-step host timings for CPStats
 
@@ -36,7 +36,7 @@ import torch
 
 from attngym import kernels, reference
 from attngym.distributed import layout as layouts
-from attngym.distributed.merge import merge_into, weights
+from attngym.distributed.merge import compiled_merge_into, merge_into, weights
 from attngym.errors import choice_error
 from attngym.variants.base import Variant
 
@@ -346,16 +346,25 @@ def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask):
 
 
 class Accumulator:
-    """Running merge of partial (out, lse) per q row of this rank's shard, in the lse dtype."""
+    """Running merge of partial (out, lse) per q row of this rank's shard, in the lse dtype.
 
-    def __init__(self, q: torch.Tensor, dv: int):
+    `fused`: fold each pair in with the compiled merge (one or two kernels a pair, CUDA).
+    """
+
+    def __init__(self, q: torch.Tensor, dv: int, *, fused: bool = False):
         self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, h, s, _ = q.shape
         self.out = torch.zeros((b, h, s, dv), dtype=self.acc_dtype, device=q.device)
         self.lse = torch.full((b, h, s), float("-inf"), dtype=self.acc_dtype, device=q.device)
+        self._merge = compiled_merge_into() if fused else merge_into
+
+    @classmethod
+    def of(cls, call: CPCall, q: torch.Tensor, dv: int) -> Accumulator:
+        """The accumulator of a call: fused where the call compiles its kernels on CUDA."""
+        return cls(q, dv, fused=call.options.compile and q.device.type == "cuda")
 
     def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
-        merge_into(self.out[:, :, rows], self.lse[:, :, rows], out_i, lse_i)
+        self._merge(self.out[:, :, rows], self.lse[:, :, rows], out_i, lse_i)
 
 
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int) -> None:

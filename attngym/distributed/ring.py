@@ -87,7 +87,7 @@ class _RingAttention(torch.autograd.Function):
         P, r = cfg.world_size, cfg.rank
         steps = ring_steps(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
-        acc = Accumulator(q, v.shape[-1])
+        acc = Accumulator.of(cfg, q, v.shape[-1])
         kv = torch.stack([k, v])
         chan = _channel(cfg, k, k.dtype, "kv") if steps > 1 else None
         for i in range(steps):
