@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from attngym import kernels
-from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, pairs, run
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, attend, pairs, run
 from attngym.distributed.layout import Layout
 from attngym.variants.base import Variant
 
@@ -149,21 +149,8 @@ def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) 
     else:
         k_all, v_all = k, v
     mapped, block_mask = _mapped(call, q)
-    opts = call.options
     clock.start()
-    out, lse = kernels.attend_chunk(
-        q,
-        k_all,
-        v_all,
-        mapped,
-        backend=call.backend,
-        block_size=opts.block_size,
-        block_mask=block_mask,
-        kernel_options=opts.kernel_options,
-        scale=opts.scale,
-        compile=opts.compile,
-        compile_mode=opts.compile_mode,
-    )
+    out, lse = attend(call, q, k_all, v_all, 0, 0, block_mask, variant=mapped)
     clock.stop("step_compute_ms")
     if stats is not None:
         stats.lse = lse.detach()

@@ -278,16 +278,7 @@ def pairs(call: CPCall, q: torch.Tensor, kv_rank: int, *, block_masks: str | Non
     for qc in call.chunks(call.rank):
         kv_start = 0
         for kc in call.chunks(kv_rank):
-            skip, block_mask = _pair_plan(
-                call.variant,
-                q.shape[0],
-                q.shape[1],
-                qc,
-                kc,
-                call.options.block_size,
-                backend,
-                q.device,
-            )
+            skip, block_mask = _call_plan(call, q, qc, kc, backend)
             if call.stats is not None and block_masks is None:
                 call.stats.pairs_skipped += int(skip)
                 call.stats.pairs_computed += int(not skip)
@@ -310,29 +301,27 @@ def shards_meet(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> boo
     """Whether any (q chunk of q_rank, kv chunk of kv_rank) pair is unmasked (the same plan
     as `pairs`, for any two ranks; every rank can tell what the others need)."""
     return any(
-        not _pair_plan(
-            call.variant,
-            q.shape[0],
-            q.shape[1],
-            qc,
-            kc,
-            call.options.block_size,
-            call.backend,
-            q.device,
-        )[0]
+        not _call_plan(call, q, qc, kc, call.backend)[0]
         for qc in call.chunks(q_rank)
         for kc in call.chunks(kv_rank)
     )
 
 
-def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask):
-    """attngym.kernels.attend_chunk with the call's options."""
+def _call_plan(call: CPCall, q: torch.Tensor, qc, kc, backend: str):
+    """_pair_plan for one chunk pair of this call (q gives batch, heads and device)."""
+    return _pair_plan(
+        call.variant, q.shape[0], q.shape[1], qc, kc, call.options.block_size, backend, q.device
+    )
+
+
+def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None):
+    """attngym.kernels.attend_chunk with the call's options (and variant, unless given)."""
     opts = call.options
     return kernels.attend_chunk(
         q,
         k,
         v,
-        call.variant,
+        call.variant if variant is None else variant,
         q_offset=q_offset,
         kv_offset=kv_offset,
         backend=call.backend,

@@ -25,6 +25,7 @@ precomputed Layout. `load_imbalance` is max over mean of the non-empty blocks pe
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Sequence
 
@@ -292,16 +293,13 @@ def load_imbalance(
 ) -> float:
     """max over mean of the non-empty (q block, kv block) pairs each rank's queries attend.
 
-    Counted on the whole sequence's block mask at `block_size[0]` square blocks (chunks must
-    start on block boundaries); 1.0 is perfect balance.
+    Counted on the whole sequence's block mask at square blocks of `block_size[0]`, or of the
+    largest size below it that divides every chunk boundary (small shapes); 1.0 is perfect
+    balance.
     """
     placement = plan(layout, world_size, seq_len, variant, block_size, device)
-    block = int(block_size[0])
-    if any(o % block or n % block for c in placement.placement for o, n in c):
-        raise ValueError(
-            f"block_size={block} must divide every chunk offset and length of layout "
-            f"{placement.name!r} (S={seq_len}, P={world_size}) to count blocks per rank"
-        )
+    block = math.gcd(int(block_size[0]), *(x for c in placement.placement for o, n in c
+                                            for x in (o, n)))  # fmt: skip
     rows = row_block_costs(variant, seq_len, block, device)
     loads = [
         sum(int(rows[o // block : (o + n) // block].sum()) for o, n in placement.chunks(r))

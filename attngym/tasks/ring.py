@@ -157,7 +157,13 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     import torch.distributed as dist
 
     from attngym import bench
-    from attngym.distributed import allgather_attention, ring_attention, shard, unshard
+    from attngym.distributed import (
+        allgather_attention,
+        load_imbalance,
+        ring_attention,
+        shard,
+        unshard,
+    )
     from attngym.distributed.ring import CPStats
 
     topo = settings.topology
@@ -253,6 +259,9 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         )
     sparsity = float(bench.block_sparsity(block_mask))
     metrics["sparsity"] = sparsity
+    metrics["load_imbalance"] = load_imbalance(
+        topo.layout, variant, world_size, seq_len, settings.block_size, device
+    )
     b = settings.benchmark
 
     def timed(call, setup=None) -> Any:
