@@ -8,7 +8,8 @@ how K/V travel; what they share lives here:
     CPOptions    the kernel and backward choices of one call (one dataclass, validated once)
     CPStats      what a call did (pairs, bytes, per-step timings, the merged lse)
     CPCall       a resolved call: options plus rank, world size, transport, layout, variant
-    pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard, masked ones skipped
+    pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
+                 held), masked ones skipped; rows_read: which rows of a shard a rank reads
     Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA)
     forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
     StepClock    per-step host timings for CPStats
