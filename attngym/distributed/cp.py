@@ -60,7 +60,9 @@ class CPStats:
     step_compute_ms: list[float] = dataclasses.field(default_factory=list)
     step_wait_ms: list[float] = dataclasses.field(default_factory=list)  # blocked on a transfer
     lse: torch.Tensor | None = None  # (B, H, S/P) merged log-sum-exp of the last forward
-    backward: str | None = None  # the backward the last call resolved to: flex | recompute
+    backward: str | None = (
+        None  # the last call's backward: flex | recompute (ring), or the kernel's own
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
