@@ -26,6 +26,9 @@ LIBRARY = (
     "attngym.device",
     "attngym.errors",
     "attngym.utils",
+    "attngym.fileio",
+    "attngym.estimate",
+    "attngym.progress",
 )
 RUN_LAYER = (
     "attngym.tasks",
