@@ -8,7 +8,7 @@ topology gets the same treatment:
 
 metrics.json is written whatever happens (status ok or failed, with the error), because sweep
 summaries, reports and resumed sweeps read it. Tasks judge their own validation
-(attngym.tasks.common.validate_rows sets `validation` to "ok" or "failed: ...") and return all
+(attngym.validation.validate_rows sets `validation` to "ok" or "failed: ...") and return all
 their numbers; a failed verdict makes the run's status failed with that error (exit code 1), so
 the timings of a wrong kernel are still on record but never pass as a good run.
 A bad value stops a single run with one line naming the key (exit code 2; HYDRA_FULL_ERROR=1
@@ -32,7 +32,6 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from attngym.config import register_resolvers
 from attngym.errors import ConfigError, choice_error
 
 log = logging.getLogger(__name__)
@@ -73,6 +72,54 @@ CP_ROWS = (
 )
 
 
+def register_resolvers() -> None:
+    """Register the OmegaConf resolvers the YAML files use (idempotent; call before composing).
+
+    - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
+    - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
+      `total` exactly (the last one takes the rounding), e.g. document lengths.
+    """
+    if not OmegaConf.has_resolver("div"):
+        OmegaConf.register_new_resolver("div", _div)
+    if not OmegaConf.has_resolver("split"):
+        OmegaConf.register_new_resolver("split", _split)
+
+
+def _div(a: Any, b: Any) -> int:
+    if not isinstance(a, int) or not isinstance(b, int) or b == 0:
+        raise ValueError(f"div needs two integers and a non-zero divisor, got {a!r}, {b!r}")
+    return a // b
+
+
+def _split(total: Any, fractions: Any) -> list[int]:
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"split needs a positive integer total, got {total!r}")
+    fractions = list(fractions)
+    if not fractions or any(not isinstance(f, int | float) or f <= 0 for f in fractions):
+        raise ValueError(f"split needs positive fractions, got {fractions!r}")
+    norm = sum(fractions)
+    lengths = [max(1, int(total * f / norm)) for f in fractions[:-1]]
+    return [*lengths, total - sum(lengths)]
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The composed config as a plain, resolved dict without the `hydra` node: what
+    attngym.config reads.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved; the key names where.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        raise ConfigError(str(key), str(err).split("\n")[0]) from None
+    data.pop("hydra", None)  # type: ignore[union-attr]
+    return data  # type: ignore[return-value]
+
+
 def _group_dirs() -> set[str]:
     return {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
 
@@ -101,7 +148,7 @@ def prepare_overrides(argv: list[str]) -> list[str]:
     - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
       as integers and refuse them as group options;
     - `attention.<key>=v` and `kernel_options.<key>=v` become `++attention.<key>=v` (add or
-      override): these keys are checked by attngym (attngym.tasks.common.build_variant, the
+      override): these keys are checked by attngym (attngym.variants.spec.build_variant, the
       kernel-option checks of attngym.config), which names a misspelt key with a suggestion.
       `kernel_options` is null in conf/config.yaml so that sweeps can set whole mappings
       (`kernel_options={...}`); `++kernel_options.X=v` creates the mapping from null.
@@ -157,7 +204,7 @@ def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
 def _draw_pictures(settings: Any, run_dir: Path) -> dict[str, Path]:
     """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures."""
     from attngym import viz
-    from attngym.tasks.common import build_variant
+    from attngym.variants.spec import build_variant
 
     variant = build_variant(settings.attention, seq_len=settings.shape.seq_len)
     drawn = {}
@@ -200,7 +247,7 @@ def _plain_config(cfg: DictConfig) -> dict[str, Any]:
 
 def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
-    from attngym.tasks.common import HEADLINE_BASELINES  # the ratios worth a line
+    from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line
 
     lines = [f"attngym: {metrics.get('status')}"]
     shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
@@ -244,7 +291,7 @@ def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int, multirun: bool) -
 
     handler = _rank_log(run_dir, rank)
     try:
-        settings = from_config(cfg)
+        settings = from_config(to_plain(cfg))
         metrics = registry.get("task", settings.topology.kind)(settings, run_dir) or {}
         log.info("rank %d done: validation %s", rank, metrics.get("validation", "on rank 0"))
     except Exception as err:
@@ -296,7 +343,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     settings = None
     failure: BaseException | None = None
     try:
-        settings = from_config(cfg)
+        settings = from_config(to_plain(cfg))
         task = registry.get("task", settings.topology.kind)
         metrics.update(task(settings, run_dir))
         metrics["status"] = "ok"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from attngym.errors import ConfigError, choice_error
@@ -80,12 +80,41 @@ class Settings:
     baseline_max_mask_bytes: int = 256 * 2**20  # dense SDPA masks larger than this are skipped
     logger: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "none"})
 
+    def describe(self) -> dict[str, Any]:
+        """The metrics that describe the configuration (variant, shape, topology, dtype, blocks,
+        kernel options as `kernel_options.<NAME>`, and the device: gpu, capability, torch)."""
+        from attngym.device import device_info
+
+        s = self.shape
+        info = device_info(self.device)
+        options = {f"kernel_options.{k}": v for k, v in sorted(self.kernel_options.items())}
+        return {
+            "variant": str(self.attention.get("name")),
+            "topology": self.topology.kind,
+            "world_size": self.topology.world_size,
+            "transport": self.topology.transport,
+            "layout": self.topology.layout if self.topology.kind != "single" else None,
+            "device": self.device,
+            "dtype": self.dtype,
+            "batch": s.batch,
+            "heads": s.heads,
+            "kv_heads": s.kv_heads or s.heads,
+            "seq_len": s.seq_len,
+            "head_dim": s.head_dim,
+            "block_q": self.block_size[0],
+            "block_kv": self.block_size[1],
+            **options,
+            "gpu": info["name"],
+            "capability": info["capability"],
+            "torch": info["torch"],
+        }
+
 
 # ---------------------------------------------------------------------------------------------
 # Choices. Components that register themselves (tasks, profilers, trackers) are read from
 # attngym.registry, so a new one is accepted as soon as it registers. Choices the library owns
 # (transports, layouts, W&B modes) are imported from it inside the checks, so each tuple is
-# defined once and `import attngym.config` stays light; attngym.tasks.common maps DTYPES to torch.
+# defined once and `import attngym.config` stays light; attngym.inputs maps DTYPES to torch.
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
@@ -114,60 +143,20 @@ def _flash_block_size(device: str) -> tuple[int, int]:
 BLOCK_SIZE_RESOLVERS: dict[str, Callable[[str], tuple[int, int]]] = {"flash": _flash_block_size}
 
 
-def register_resolvers() -> None:
-    """Register the OmegaConf resolvers the YAML files use (idempotent; call before composing).
+def plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested dict/list copy of a mapping (the `hydra` node left out), so Settings hold no
+    OmegaConf nodes; the CLI resolves interpolations before (attngym.cli.to_plain)."""
 
-    - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
-    - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
-      `total` exactly (the last one takes the rounding), e.g. document lengths.
-    """
-    from omegaconf import OmegaConf
+    def copy(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {str(k): copy(v) for k, v in node.items()}
+        if isinstance(node, Sequence) and not isinstance(node, str):
+            return [copy(v) for v in node]
+        return node
 
-    if not OmegaConf.has_resolver("div"):
-        OmegaConf.register_new_resolver("div", _div)
-    if not OmegaConf.has_resolver("split"):
-        OmegaConf.register_new_resolver("split", _split)
-
-
-def _div(a: Any, b: Any) -> int:
-    if not isinstance(a, int) or not isinstance(b, int) or b == 0:
-        raise ValueError(f"div needs two integers and a non-zero divisor, got {a!r}, {b!r}")
-    return a // b
-
-
-def _split(total: Any, fractions: Any) -> list[int]:
-    if not isinstance(total, int) or total < 1:
-        raise ValueError(f"split needs a positive integer total, got {total!r}")
-    fractions = list(fractions)
-    if not fractions or any(not isinstance(f, int | float) or f <= 0 for f in fractions):
-        raise ValueError(f"split needs positive fractions, got {fractions!r}")
-    norm = sum(fractions)
-    lengths = [max(1, int(total * f / norm)) for f in fractions[:-1]]
-    return [*lengths, total - sum(lengths)]
-
-
-def to_container(cfg: Any) -> dict[str, Any]:
-    """A plain, resolved dict of a DictConfig (or a mapping), without the `hydra` node.
-
-    Raises:
-        ConfigError: an interpolation cannot be resolved; the key names where.
-    """
-    try:
-        from omegaconf import DictConfig, OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-    except ImportError:  # plain dicts from a notebook
-        return {k: v for k, v in dict(cfg).items() if k != "hydra"}
-    if isinstance(cfg, DictConfig):
-        try:
-            data = OmegaConf.to_container(cfg, resolve=True)
-        except OmegaConfBaseException as err:
-            key = getattr(err, "full_key", None) or "config"
-            msg = str(err).split("\n")[0]
-            raise ConfigError(str(key), msg) from None
-    else:
-        data = dict(cfg)
+    data = copy(cfg)
     data.pop("hydra", None)
-    return data  # type: ignore[return-value]
+    return data
 
 
 def _get(data: Mapping[str, Any], key: str, default: Any = ...) -> Any:
@@ -235,15 +224,17 @@ def _seq_divides(seq_len: int, world_size: int, layout: str) -> None:
         )
 
 
-def is_flash(kernel_options: Mapping[str, Any] | None) -> bool:
-    """Whether these kernel options pick the FLASH backend (flash-attn-4's CuTe DSL kernels)."""
-    backend = (kernel_options or {}).get("BACKEND")
-    return isinstance(backend, str) and backend.upper() == "FLASH"
+def _flash(kernel_options: Mapping[str, Any] | None) -> bool:
+    """attngym.kernels.is_flash, imported when first needed: `import attngym.config` pulls no
+    torch."""
+    from attngym.kernels import is_flash as kernels_is_flash
+
+    return kernels_is_flash(kernel_options)
 
 
 def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
     """BACKEND=FLASH needs a 16-bit dtype (judged on values only; `auto` is judged later)."""
-    if is_flash(kernel_options) and dtype in ("float32", "float64"):
+    if _flash(kernel_options) and dtype in ("float32", "float64"):
         raise ConfigError(
             "kernel_options.BACKEND",
             f"FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype={dtype}",
@@ -252,7 +243,7 @@ def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
 
 def _check_flash_topology(kernel_options: Mapping[str, Any], kind: str, passes: list) -> None:
     """Context parallelism differentiates through each chunk's lse; FLASH's backward cannot."""
-    if is_flash(kernel_options) and kind != "single" and "bwd" in passes:
+    if _flash(kernel_options) and kind != "single" and "bwd" in passes:
         raise ConfigError(
             "kernel_options.BACKEND",
             f"FLASH has no gradient for the log-sum-exp, which topology={kind} merges chunks "
@@ -268,7 +259,7 @@ def _check_flash_device(
     The flash kernel is built for one block size per GPU generation
     (attngym.device.get_flash_block_size); any other block mask cannot run on it.
     """
-    if not is_flash(kernel_options):
+    if not _flash(kernel_options):
         return
     if device != "cuda":
         raise ConfigError(
@@ -293,7 +284,7 @@ def check_config(cfg: Any) -> dict[str, Any]:
     Raises:
         ConfigError: the first bad value, named by its dotted key.
     """
-    data = to_container(cfg)
+    data = plain(cfg)
     for name in ("batch", "heads", "seq_len", "head_dim"):
         _int(data, f"shape.{name}")
     heads = data["shape"]["heads"]
@@ -324,7 +315,7 @@ def check_config(cfg: Any) -> dict[str, Any]:
     if not isinstance(kernel_options, Mapping):
         raise ConfigError("kernel_options", f"must be a mapping, got {kernel_options!r}")
     _check_flash(kernel_options, dtype)
-    if is_flash(kernel_options) and not compile_:
+    if _flash(kernel_options) and not compile_:
         raise ConfigError(
             "compile",
             "BACKEND=FLASH is a torch.compile (Inductor) kernel; compile=false would run flex's "
@@ -370,7 +361,7 @@ def check_config(cfg: Any) -> dict[str, Any]:
 
         _choice(data, "logger.mode", MODES, "wandb mode", "offline")
 
-    from attngym.tasks.common import build_variant
+    from attngym.variants.spec import build_variant
 
     build_variant(_get(data, "attention"), key="attention", seq_len=seq_len)
     return data

@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from attngym import registry
-from attngym.config import check_config, from_config, register_resolvers
+from attngym.cli import register_resolvers
+from attngym.config import check_config, from_config
 from attngym.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -86,7 +87,7 @@ def test_gemma2_is_composed(hydra_ctx):
     cfg = make(["attention=gemma2"])
     assert [c.name for c in cfg.attention.compose] == ["sliding_window", "softcap"]
     assert cfg.attention.compose[1].soft_cap == 50.0
-    from attngym.tasks.common import build_variant
+    from attngym.variants.spec import build_variant
 
     variant = build_variant(OmegaConf.to_container(cfg.attention), seq_len=1024)
     assert variant.name == "gemma2"
@@ -289,7 +290,7 @@ def test_from_config_resolves_auto(hydra_ctx):
 
 
 def test_resolvers():
-    from attngym.config import _div, _split
+    from attngym.cli import _div, _split
 
     assert _split(1000, [0.4, 0.1, 0.3, 0.2]) == [400, 100, 300, 200]
     assert sum(_split(1021, [1, 1, 1])) == 1021
@@ -345,7 +346,7 @@ def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
 def test_choices_are_the_library_tuples(hydra_ctx):
     from attngym.distributed.layout import LAYOUTS
     from attngym.distributed.transport import TRANSPORTS
-    from attngym.tasks.common import DTYPES
+    from attngym.inputs import TORCH_DTYPES
     from attngym.tracking.wandb_logger import MODES
 
     for choices, key in ((TRANSPORTS, "topology.transport"), (LAYOUTS, "topology.layout")):
@@ -355,5 +356,5 @@ def test_choices_are_the_library_tuples(hydra_ctx):
         check_config(make(["logger.mode=nope"]))
     import attngym.config as config
 
-    assert set(DTYPES) == set(config.DTYPES) - {"auto"}
+    assert set(TORCH_DTYPES) == set(config.DTYPES) - {"auto"}
     assert not hasattr(config, "TRANSPORTS") and not hasattr(config, "WANDB_MODES")

@@ -5,12 +5,12 @@ against GPUs, the variant, seq_len against the layout) and raises ConfigError be
 starts; then attngym.distributed.launch runs `_rank_run` on every rank. Every rank:
 
 1. resolves the transport (collective on CUDA: the NVLink-domain check) and draws the same seeded
-   whole-sequence inputs on the CPU (attngym.tasks.common.make_inputs, identical on every rank),
+   whole-sequence inputs on the CPU (attngym.inputs.make_inputs, identical on every rank),
    takes its shard in the layout and moves only the shard to its device: no device holds the
    whole sequence, so context parallelism reaches lengths one device cannot;
 2. runs one forward (+ backward when passes include bwd; on CPU the reference chunk kernel gives
    one) timed apart (compilation on CUDA);
-3. validates with attngym.tasks.common.validate_rows, judged per dtype like a single run (a
+3. validates with attngym.validation.validate_rows, judged per dtype like a single run (a
    verdict over tolerance fails the run the same way): every rank attends with an output gradient
    kept on the sampled rows, the shards of out, lse and the gradients are gathered to rank 0's CPU,
    and rank 0 compares them with the float64 dense reference, computed on its CPU (sampled q rows
@@ -49,8 +49,12 @@ import torch
 
 from attngym import kernels, registry
 from attngym.config import Settings
+from attngym.device import sync
 from attngym.errors import ConfigError
-from attngym.tasks import common
+from attngym.inputs import make_inputs, torch_dtype
+from attngym.metrics import pass_metrics
+from attngym.validation import sample_rows, validate_rows
+from attngym.variants.spec import build_variant
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +98,8 @@ def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[s
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
-    common.build_variant(settings.attention, seq_len=settings.shape.seq_len)  # errors early
-    metrics = common.base_metrics(settings)
+    build_variant(settings.attention, seq_len=settings.shape.seq_len)  # errors early
+    metrics = settings.describe()
     metrics.update(
         launch(
             _rank_run,
@@ -132,7 +136,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     finally:
         # Free this job's channels and symmetric memory: the next job of a torchrun sweep may use
         # other shapes, and every rank is past the job's last transfer and barrier here.
-        common.sync(device)
+        sync(device)
         clear_cache()
 
 
@@ -161,10 +165,10 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     from attngym.distributed.ring import CPStats
 
     topo = settings.topology
-    dtype = common.torch_dtype(settings.dtype)
+    dtype = torch_dtype(settings.dtype)
     shape = settings.shape
     seq_len = shape.seq_len
-    variant_cpu = common.build_variant(settings.attention, seq_len=seq_len)
+    variant_cpu = build_variant(settings.attention, seq_len=seq_len)
     variant = variant_cpu.to(device)
     do_bwd = "bwd" in settings.passes
     metrics: dict[str, Any] = {
@@ -187,7 +191,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         return shard(t, rank, world_size, topo.layout)
 
     # 1. Whole-sequence inputs on the CPU (the same draw on every rank), only the shard on device.
-    whole = common.make_inputs(settings, "cpu", torch.float32)  # q, k, v, grad_out
+    whole = make_inputs(settings.shape, settings.seed, "cpu", torch.float32)  # q, k, v, grad_out
     q_s, k_s, v_s, g_s = (mine(t).to(device=device, dtype=dtype) for t in whole)
     # Rank 0 keeps the whole inputs on its CPU, rounded to the run dtype like the shards.
     whole = tuple(t.to(dtype) for t in whole) if rank == 0 else None
@@ -209,13 +213,13 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     out = fwd()
     if do_bwd:
         torch.autograd.grad(out, (q_s, k_s, v_s), g_s)
-    common.sync(device)
+    sync(device)
     metrics["compile_s"] = time.perf_counter() - start
     del out
 
     # 3. Validation on sampled rows (rank 0 judges; the others attend and send their shards).
     if settings.validate:
-        rows = common.sample_rows(seq_len, settings.validate_rows, settings.seed, "cpu")
+        rows = sample_rows(seq_len, settings.validate_rows, settings.seed, "cpu")
         keep = torch.zeros(1, 1, seq_len, 1, dtype=torch.bool)
         keep[:, :, rows] = True
         g_masked_s = torch.where(mine(keep).to(device), g_s, torch.zeros_like(g_s))
@@ -234,8 +238,16 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         if rank == 0:
             q, k, v, grad_out = whole
             metrics.update(
-                common.validate_rows(
-                    settings, variant_cpu, q, k, v, grad_out, attend, do_bwd=do_bwd
+                validate_rows(
+                    variant_cpu,
+                    q,
+                    k,
+                    v,
+                    grad_out,
+                    attend,
+                    do_bwd=do_bwd,
+                    max_rows=settings.validate_rows,
+                    seed=settings.seed,
                 )
             )
         else:
@@ -265,7 +277,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         # A fresh forward graph per timed backward, built outside the timed region.
         timings["bwd"] = timed(lambda out: torch.autograd.grad(out, (q_s, k_s, v_s), g_s), fwd)
         timings["fwd_bwd"] = timed(lambda: torch.autograd.grad(fwd(), (q_s, k_s, v_s), g_s))
-    metrics.update(common.pass_metrics(timings, shape, seq_len, sparsity))
+    metrics.update(pass_metrics(timings, shape, seq_len, sparsity))
 
     # One instrumented forward: per-step compute, pairs, bytes.
     stats = CPStats()
@@ -369,11 +381,11 @@ def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repe
         for _ in range(repeats):
             cur = kv
             for i in range(world_size - 1):
-                common.sync(k_s.device)
+                sync(k_s.device)
                 start = time.perf_counter()
                 chan.send(cur, i)
                 nxt = chan.recv(i + 1)
-                common.sync(k_s.device)
+                sync(k_s.device)
                 times.append((time.perf_counter() - start) * 1e3)
                 if i > 0:
                     chan.release(i)  # the onward push out of this slot is queued
@@ -385,10 +397,10 @@ def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repe
             tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
         )
         for _ in range(repeats):
-            common.sync(k_s.device)
+            sync(k_s.device)
             start = time.perf_counter()
             ag.start(kv)
             ag.wait(kv)
-            common.sync(k_s.device)
+            sync(k_s.device)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)

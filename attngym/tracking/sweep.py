@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attngym.metrics import table_columns
 from attngym.tracking.files import read_metrics
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,7 @@ log = logging.getLogger(__name__)
 
 def md_columns() -> tuple[str, ...]:
     """Columns of summary.md (summary.csv has them all): job, overrides, then the metric names of
-    attngym.tasks.common.table_columns (imported here: it pulls torch)."""
-    from attngym.tasks.common import table_columns
-
+    attngym.metrics.table_columns."""
     return ("job", "overrides", *table_columns())
 
 
