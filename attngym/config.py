@@ -121,8 +121,10 @@ DEVICES = ("auto", "cpu", "cuda")
 PASSES = ("fwd", "bwd")
 # sdpa: SDPA's own dispatch; sdpa_<backend>: that backend forced; sdpa_dense_mask: the variant as a
 # dense mask/bias; flex_default: compiled flex at (128, 128) with no kernel options (the contender
-# a tuned block size or kernel options are measured against).
-BASELINES = (
+# a tuned block size or kernel options are measured against). These run in single-device runs;
+# CP_BASELINES in context-parallel runs (torch_cp: PyTorch's own flex context parallelism). Each
+# task runs the ones of its own kind, so one default list serves both.
+SINGLE_BASELINES = (
     "sdpa",
     "sdpa_cudnn",
     "sdpa_flash",
@@ -130,6 +132,8 @@ BASELINES = (
     "sdpa_dense_mask",
     "flex_default",
 )
+CP_BASELINES = ("torch_cp",)
+BASELINES = (*SINGLE_BASELINES, *CP_BASELINES)
 
 
 def _flash_block_size(device: str) -> tuple[int, int]:

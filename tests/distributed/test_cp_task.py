@@ -95,19 +95,19 @@ def test_cp_sweep_under_torchrun_runs_every_job_in_the_same_ranks(tmp_path):
 
 WRAPPER = """
 import os
-import attngym.tasks.ring as ring
+import attngym.tasks.context_parallel as cp
 from attngym import cli
 
-real = ring._single_device
+real = cp.one_device
 
 
-def failing(settings, *args, **kwargs):
-    if settings.shape.seq_len == 512 and os.environ["RANK"] == "0" and "FAIL" in os.environ:
+def failing(job):
+    if job.seq_len == 512 and os.environ["RANK"] == "0" and "FAIL" in os.environ:
         raise RuntimeError("injected failure on rank 0")
-    return real(settings, *args, **kwargs)
+    return real(job)
 
 
-ring._single_device = failing
+cp.one_device = failing
 cli.entry()
 """
 
