@@ -6,6 +6,7 @@ checked with attngym.config. Each rejection has a matching accepted value next t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,68 @@ def test_choices_are_the_library_tuples(hydra_ctx):
 
     assert set(TORCH_DTYPES) == set(config.DTYPES) - {"auto"}
     assert not hasattr(config, "TRANSPORTS") and not hasattr(config, "WANDB_MODES")
+
+
+def test_defaults_come_from_the_dataclasses():
+    """A mapping that names only the variant is a whole config: every other value is the default
+    of its Settings field, so the dataclasses are the one source of defaults."""
+    from attngym.config import Settings
+
+    settings = from_config({"attention": {"name": "causal"}, "device": {"name": "cpu"}})
+    default = Settings()
+    for field in ("shape", "topology", "benchmark", "block_size", "kernel_options", "compile"):
+        assert getattr(settings, field) == getattr(default, field), field
+    for field in ("compile_mode", "passes", "baselines", "validate", "validate_rows", "seed"):
+        assert getattr(settings, field) == getattr(default, field), field
+    assert settings.baseline_max_mask_bytes == default.baseline_max_mask_bytes == 256 * 2**20
+    assert (settings.device, settings.dtype, settings.profiler) == ("cpu", "float32", "none")
+    with pytest.raises(ConfigError, match="attention: missing"):
+        from_config({"device": {"name": "cpu"}})
+
+
+def test_config_yaml_agrees_with_the_dataclasses(hydra_ctx):
+    """Where conf/config.yaml states a key a user edits, it states the dataclass default."""
+    from attngym.config import Benchmark, Settings, Shape
+
+    data = check_config(make())
+    assert Shape(**data["shape"]) == Shape()
+    assert data["benchmark"] == dataclasses.asdict(Benchmark())
+    default = Settings()
+    for key in ("seed", "validate", "validate_rows", "compile", "compile_mode"):
+        assert data[key] == getattr(default, key), key
+    assert tuple(data["passes"]) == default.passes
+    assert tuple(data["baselines"]) == default.baselines
+    assert data["baseline_max_mask_bytes"] == default.baseline_max_mask_bytes
+
+
+def test_choice_tuples_come_from_the_literal_types():
+    from typing import get_args
+
+    from attngym import config
+
+    assert get_args(config.Dtype) == config.DTYPES[1:] and config.DTYPES[0] == "auto"
+    assert config.DEVICES == ("auto", "cpu", "cuda")
+    assert config.PASSES == ("fwd", "bwd") and "sdpa_dense_mask" in config.BASELINES
+
+
+def test_settings_carry_the_variant_built_once(hydra_ctx, monkeypatch):
+    import pickle
+
+    from attngym.variants import spec
+
+    built = []
+    build = spec.build_variant
+    monkeypatch.setattr(spec, "build_variant", lambda *a, **kw: built.append(a) or build(*a, **kw))
+    settings = from_config(make(["attention=sliding_window", "device=cpu"]))
+    assert settings.variant.name == "sliding_window" and len(built) == 1
+    assert settings.variant.params == {"window_size": 256}
+    # A spawned rank gets the settings pickled: the closures stay behind, the rank rebuilds them.
+    copy = pickle.loads(pickle.dumps(settings))
+    assert copy.variant.name == "sliding_window" and copy.variant is not settings.variant
+    assert copy.shape == settings.shape and copy.attention == settings.attention
+
+
+def test_kv_heads_resolved_once():
+    from attngym.config import Shape
+
+    assert Shape(heads=8).kv_heads == 8 and Shape(heads=8, kv_heads=2).kv_heads == 2

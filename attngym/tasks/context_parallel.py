@@ -4,10 +4,10 @@ One task per context-parallel algorithm (ring, allgather), registered from `KIND
 from a task kind to its library attention function and its transfer-only timing. Everything else
 is shared, so the algorithms report comparable numbers.
 
-The parent process checks what it can without tensors (transport against the device, ranks
-against GPUs, the variant, seq_len against the layout) and raises ConfigError before any rank
-starts; then attngym.distributed.launch runs `_rank_run` on every rank. Every rank runs the same
-phases in order; each phase returns the metrics it measured:
+The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
+attngym.config); the parent process checks the transport against the device and raises
+ConfigError before any rank starts; then attngym.distributed.launch runs `_rank_run` on every
+rank. Every rank runs the same phases in order; each phase returns the metrics it measured:
 
 1. `shard`: the same seeded whole-sequence inputs drawn on the CPU on every rank
    (attngym.inputs.make_inputs), this rank's shard in the layout moved to its device: no device
@@ -57,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 import statistics
 import time
 import weakref
@@ -70,12 +69,10 @@ import torch
 from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.device import sync
-from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
 from attngym.validation import RTOL, max_abs_error, rel_error, sample_rows, validate_rows
 from attngym.variants.base import Variant
-from attngym.variants.spec import build_variant
 
 log = logging.getLogger(__name__)
 
@@ -149,31 +146,17 @@ KINDS = {
 
 
 def check_hardware(settings: Settings) -> None:
-    """ConfigError for what cannot run here, before any tensor work (no collective needed).
+    """ConfigError for a transport that cannot run here, before any tensor work (no collective
+    needed).
 
     transport=copy_engine on CPU (and any transport that cannot move this device's tensors) fails
-    on `topology.transport`; more ranks than GPUs fails on `topology.world_size` unless
-    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 allows several ranks per GPU. Ranks outside one
-    NVLink domain with copy_engine are caught on the ranks (resolve_transport).
+    on `topology.transport`. Ranks against GPUs and seq_len against the layout were checked with
+    the settings (attngym.config); ranks outside one NVLink domain with copy_engine are caught on
+    the ranks (resolve_transport).
     """
-    from attngym.distributed import launch, layout
     from attngym.distributed.transport import check_transport
 
-    topo = settings.topology
-    check_transport(topo.transport, settings.device, key="topology.transport")
-    if settings.device == "cuda" and not launch.under_torchrun():
-        gpus = torch.cuda.device_count()
-        overlap = os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
-        if topo.world_size > gpus and not overlap:
-            raise ConfigError(
-                "topology.world_size",
-                f"{topo.world_size} ranks but {gpus} GPU(s); use at most {gpus} (or auto), or "
-                "set TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 to share GPUs between ranks",
-            )
-    try:
-        layout.check_seq_len(settings.shape.seq_len, topo.world_size, topo.layout)
-    except ValueError as err:
-        raise ConfigError("shape.seq_len", str(err)) from None
+    check_transport(settings.topology.transport, settings.device, key="topology.transport")
 
 
 def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[str, Any]:
@@ -181,7 +164,6 @@ def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[s
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
-    build_variant(settings.attention, seq_len=settings.shape.seq_len)  # errors early
     metrics = settings.describe()
     metrics.update(
         launch(
@@ -274,7 +256,7 @@ class RankJob:
         self.dtype = torch_dtype(settings.dtype)
         self.seq_len = settings.shape.seq_len
         self.do_bwd = "bwd" in settings.passes
-        self.variant_cpu: Variant = build_variant(settings.attention, seq_len=self.seq_len)
+        self.variant_cpu: Variant = settings.variant
         self.variant = self.variant_cpu.to(device)
         self.shards: tuple[torch.Tensor, ...] = ()  # q, k, v, grad_out of this rank
         self.whole: tuple[torch.Tensor, ...] | None = None  # rank 0: the whole inputs, run dtype

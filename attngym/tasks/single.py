@@ -34,7 +34,6 @@ from attngym.device import sync
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import baseline_metric, pass_flops, pass_metrics, speedup_metric
 from attngym.variants.base import Variant
-from attngym.variants.spec import build_variant
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     dtype = torch_dtype(settings.dtype)
     shape = settings.shape
     seq_len = shape.seq_len
-    variant = build_variant(settings.attention, seq_len=seq_len).to(device)
+    variant = settings.variant.to(device)
     metrics: dict[str, Any] = settings.describe()
 
     can_bwd = device.type == "cuda"

@@ -20,6 +20,7 @@ import csv
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,10 +62,6 @@ def table_layout(
         if c not in KEPT_COLUMNS and all(row.get(c) == rows[0].get(c) for row in rows)
     }
     return [c for c in present if c not in shared], shared
-
-
-# Set by the callback at the end of a sweep run in this process: (failed jobs, all jobs).
-LAST_RESULT: dict[str, int] = {"failed": 0, "jobs": 0}
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -212,7 +209,8 @@ def _callback_base() -> type:
 
 
 class SweepSummary(_callback_base()):
-    """Hydra callback: progress over sweep jobs, then summarize() and the failure count."""
+    """Hydra callback: progress over sweep jobs, then summarize(); a sweep with failed jobs ends
+    with exit code 1."""
 
     def __init__(self) -> None:
         self._bar = None
@@ -223,7 +221,6 @@ class SweepSummary(_callback_base()):
 
         total = count_jobs(config)
         self._done = 0
-        LAST_RESULT.update(failed=0, jobs=0)
         if total:
             self._bar = iter(progress(range(total), total=total, label="sweep jobs"))
 
@@ -241,7 +238,6 @@ class SweepSummary(_callback_base()):
             return  # under torchrun rank 0 writes the summary
         rows = summarize(sweep_dir)
         failed = [row for row in rows if row.get("status") != "ok"]
-        LAST_RESULT.update(failed=len(failed), jobs=len(rows))
         for row in failed:
             log.error("job %s (%s) failed: %s", row["job"], row["overrides"], row.get("error"))
         log.info(
@@ -250,3 +246,10 @@ class SweepSummary(_callback_base()):
             len(failed),
             sweep_dir / "summary.md",
         )
+        if failed:  # the sweep's exit code tells: Hydra lets SystemExit through
+            print(
+                f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(1)

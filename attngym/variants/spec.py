@@ -9,12 +9,12 @@ YAML key is one line, not a TypeError from inside a factory.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attngym import variants
-from attngym.errors import ConfigError, choice_error, closest
+from attngym import registry, variants
+from attngym.errors import ConfigError, choice_error
+from attngym.registry import ParamError
 from attngym.variants.base import Variant
 
 
@@ -57,20 +57,10 @@ def build_variant(
                 f"{key}.name", choice_error("attention variant", name, variants.names())
             )
         params = {k: v for k, v in attention.items() if k != "name"}
-        sig = inspect.signature(variants.factory(name))
-        for param in params:
-            if param not in sig.parameters:
-                allowed = ", ".join(sig.parameters) or "none"
-                hint = closest(param, sig.parameters)
-                suffix = f" (did you mean {hint!r}?)" if hint else ""
-                raise ConfigError(
-                    f"{key}.{param}",
-                    f"{name!r} has no parameter {param!r} (value {params[param]!r}); "
-                    f"its parameters: {allowed}{suffix}",
-                )
-        for param, p in sig.parameters.items():
-            if p.default is inspect.Parameter.empty and param not in params:
-                raise ConfigError(f"{key}.{param}", f"{name!r} needs this parameter; none given")
+        try:
+            registry.check_params("variant", name, params)
+        except ParamError as err:
+            raise ConfigError(f"{key}.{err.param}", err.detail) from None
         try:
             variant = variants.get(name, **params)
         except (ValueError, TypeError) as err:
