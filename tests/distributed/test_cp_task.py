@@ -223,3 +223,37 @@ def test_torch_cp_disagreement_fails_the_run_verdict():
         both["validation"].startswith("failed: err_out_rel=0.5")
         and "disagree" in both["validation"]
     )
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    ("experiment", "layout"), [("ring_attention", "zigzag"), ("allgather_attention", "contiguous")]
+)
+def test_cp_run_on_two_gpus_times_torch_cp_forward_and_backward(
+    tmp_path, attngym_cli, experiment, layout
+):
+    """On CUDA the contender runs both passes, on the same shards, next to attngym's numbers.
+    bf16: both kernels are within 2e-2 of the float64 reference, so of each other within 4e-2."""
+    run_dir = tmp_path / "run"
+    proc = attngym_cli(
+        [
+            f"+experiment={experiment}",
+            "topology.world_size=2",
+            f"topology.layout={layout}",
+            "shape.seq_len=8192",
+            "shape.heads=4",
+            "shape.head_dim=64",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+        env={"ATTNGYM_PROGRESS": "0", "NCCL_NVLS_ENABLE": "0"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["validation"] == "ok" and metrics["torch_cp_validation"] == "ok"
+    assert (metrics["torch_cp_status"], metrics["torch_cp_bwd_status"]) == ("ok", "ok")
+    assert metrics["torch_cp_err_out_rel"] < 4e-2
+    for name in ("torch_cp_fwd_ms", "torch_cp_fwd_bwd_ms", "attngym_over_torch_cp_fwd_bwd"):
+        assert metrics[name] > 0, name
+    assert metrics["peak_mem_bytes"] > 0 and metrics["torch_cp_peak_mem_bytes"] > 0
