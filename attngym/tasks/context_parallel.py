@@ -1,8 +1,8 @@
 """Context-parallel runs: spawn the ranks, then shard, validate, time, instrument, compare.
 
-One task per context-parallel algorithm (ring, allgather), registered from `KINDS`, the one table
-from a task kind to its library attention function and its transfer-only timing. Everything else
-is shared, so the algorithms report comparable numbers.
+One task per context-parallel algorithm (ring, allgather, ulysses), registered from `KINDS`, the
+one table from a task kind to its library attention function, its transfer-only timing and its
+own config check. Everything else is shared, so the algorithms report comparable numbers.
 
 The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
 attngym.config); the parent process checks the transport against the device and raises
@@ -12,7 +12,7 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
 1. `shard`: the same seeded whole-sequence inputs drawn on the CPU on every rank
    (attngym.inputs.make_inputs), this rank's shard in the layout moved to its device: no device
    holds the whole sequence. Reports `load_imbalance` (max over mean of the non-empty blocks each
-   rank's queries attend; 1.0 is perfect balance).
+   rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses).
 2. `first_call`: one forward (+ backward when passes include bwd; on CPU the reference chunk kernel
    gives one) timed apart as `compile_s` (compilation on CUDA).
 3. `validate`: validation.validate_rows, judged per dtype like a single run (a verdict over
@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import statistics
 import time
 import weakref
@@ -69,6 +70,7 @@ import torch
 from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.device import sync
+from attngym.errors import ConfigError, choice_error
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
 from attngym.validation import RTOL, max_abs_error, rel_error, sample_rows, validate_rows
@@ -129,19 +131,65 @@ def _gather_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats:
     return times
 
 
+def _alltoall_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list:
+    """Times of the Ulysses all-to-all of K and V alone (sequence shards to head slices), K/V
+    heads repeated up to a multiple of the ranks as ulysses_attention does."""
+    world_size = torch.distributed.get_world_size()
+    heads = k_s.shape[1]
+    kv = k_s.detach().repeat_interleave(math.lcm(heads, world_size) // heads, dim=1)
+    a2a = transport.alltoall(
+        tuple(kv.shape), 2, 1, 2, dtype=kv.dtype, device=kv.device, timeout_s=timeout_s
+    )
+    times = []
+    for _ in range(repeats):
+        sync(kv.device)
+        start = time.perf_counter()
+        a2a.exchange([kv, kv])
+        sync(kv.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _check_ulysses(settings: Settings) -> None:
+    """Head-parallel attention splits the heads over the ranks, in a contiguous or zigzag layout."""
+    from attngym.distributed import check_ulysses_heads
+
+    shape, topo = settings.shape, settings.topology
+    try:
+        check_ulysses_heads(shape.heads, shape.kv_heads, topo.world_size)
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        raise ConfigError(f"shape.{key}", message) from None
+    if topo.layout not in ULYSSES_LAYOUTS:
+        raise ConfigError(
+            "topology.layout", choice_error("layout for ulysses", topo.layout, ULYSSES_LAYOUTS)
+        )
+
+
+ULYSSES_LAYOUTS = ("contiguous", "zigzag")
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """What differs between context-parallel algorithms: the call and what one step moves."""
 
     attention: str  # name of the attention function in attngym.distributed
     transfer_ms: Callable[..., list]  # (transport, k_s, timeout_s, repeats) -> step times in ms
+    check: Callable[[Settings], None] | None = None  # ConfigError before any rank starts
+    # False: every rank attends the whole sequence for H/P heads, so the work is balanced
+    # whatever the layout (load_imbalance 1.0).
+    sequence_sharded: bool = True
 
 
-# Task kind -> its algorithm. A new algorithm is one row here (its function takes the shards, the
-# variant and ring_attention's keyword arguments, and fills a CPStats).
+# Task kind -> its algorithm. A new algorithm is one row here: its function takes the shards, the
+# variant and ring_attention's keyword arguments and fills what it can of a CPStats (the merged
+# lse for validation; metrics it leaves empty are None).
 KINDS = {
     "ring": Kind("ring_attention", _ring_transfer_ms),
     "allgather": Kind("allgather_attention", _gather_transfer_ms),
+    "ulysses": Kind(
+        "ulysses_attention", _alltoall_transfer_ms, _check_ulysses, sequence_sharded=False
+    ),
 }
 
 
@@ -157,6 +205,9 @@ def check_hardware(settings: Settings) -> None:
     from attngym.distributed.transport import check_transport
 
     check_transport(settings.topology.transport, settings.device, key="topology.transport")
+    check = KINDS[settings.topology.kind].check if settings.topology.kind in KINDS else None
+    if check is not None:
+        check(settings)
 
 
 def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[str, Any]:
@@ -330,6 +381,8 @@ def shard(job: RankJob) -> dict[str, Any]:
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
+    if not KINDS[job.kind].sequence_sharded:
+        return {"load_imbalance": 1.0}
     imbalance = load_imbalance(
         s.topology.layout, job.variant, job.world_size, job.seq_len, s.block_size, job.device
     )
@@ -377,7 +430,8 @@ def validate(job: RankJob) -> dict[str, Any]:
         grads = None
         if job.do_bwd:
             grads = tuple(job.gather(g) for g in _grads(job, out_s, g_masked_s))
-        return job.gather(out_s), job.gather(stats.lse), grads
+        lse = None if stats.lse is None else job.gather(stats.lse)  # ulysses keeps no lse
+        return job.gather(out_s), lse, grads
 
     metrics: dict[str, Any] = {}
     if job.rank == 0:
@@ -453,7 +507,9 @@ def instrument(job: RankJob) -> dict[str, Any]:
         job.attend(stats)
     repeats = job.settings.benchmark.repeats
     return {
-        "step_compute_ms": statistics.median(stats.step_compute_ms),
+        "step_compute_ms": (
+            statistics.median(stats.step_compute_ms) if stats.step_compute_ms else None
+        ),
         "pairs_computed": stats.pairs_computed,
         "pairs_skipped": stats.pairs_skipped,
         "bytes_moved": stats.bytes_sent,

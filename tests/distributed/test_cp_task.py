@@ -25,7 +25,12 @@ from attngym.tasks.context_parallel import (
 
 
 @pytest.mark.parametrize(
-    ("experiment", "layout"), [("ring_attention", "contiguous"), ("allgather_attention", "zigzag")]
+    ("experiment", "layout"),
+    [
+        ("ring_attention", "contiguous"),
+        ("allgather_attention", "zigzag"),
+        ("ulysses_attention", "zigzag"),
+    ],
 )
 def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     run_dir = tmp_path / "run"
@@ -53,7 +58,11 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     assert (metrics["world_size"], metrics["transport"], metrics["layout"]) == (2, "gloo", layout)
     assert metrics["err_out_rel"] < 1e-4 and metrics["err_dq_rel"] < 1e-4
     assert metrics["err_dk_rel"] < 1e-4 and metrics["err_dv_rel"] < 1e-4
-    assert metrics["pairs_skipped"] > 0  # causal: some (q chunk, kv chunk) pairs are empty
+    if experiment == "ulysses_attention":  # one flex call per rank over the whole sequence
+        assert metrics["pairs_computed"] == 1 and metrics["load_imbalance"] == 1.0
+        assert metrics["err_lse_max_abs"] is None  # ulysses keeps no lse to compare
+    else:
+        assert metrics["pairs_skipped"] > 0  # causal: some (q chunk, kv chunk) pairs are empty
     assert metrics["efficiency"] > 0 and metrics["single_fwd_ms"] > 0
     assert metrics["efficiency_fwd_bwd"] > 0 and metrics["single_fwd_bwd_ms"] > 0
     assert metrics["peak_mem_bytes"] > 0 and metrics["load_imbalance"] >= 1.0
@@ -257,3 +266,15 @@ def test_cp_run_on_two_gpus_times_torch_cp_forward_and_backward(
     for name in ("torch_cp_fwd_ms", "torch_cp_fwd_bwd_ms", "attngym_over_torch_cp_fwd_bwd"):
         assert metrics[name] > 0, name
     assert metrics["peak_mem_bytes"] > 0 and metrics["torch_cp_peak_mem_bytes"] > 0
+
+
+def test_ulysses_heads_and_layout_are_checked_before_any_rank_starts():
+    from attngym.errors import ConfigError
+    from attngym.tasks.context_parallel import check_hardware
+
+    settings = _settings(kind="ulysses", world_size=3, seq_len=768)  # 2 heads over 3 ranks
+    with pytest.raises(ConfigError, match=r"shape.heads: 2 query heads cannot be split over 3"):
+        check_hardware(settings)
+    with pytest.raises(ConfigError, match=r"topology.layout: .*'balanced'.*contiguous, zigzag"):
+        check_hardware(_settings(kind="ulysses", layout="balanced"))
+    check_hardware(_settings(kind="ulysses", layout="zigzag"))
