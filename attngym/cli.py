@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import sys
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,10 @@ from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line in the
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The repository's conf/, installed as this package (an editable install maps it to conf/ itself).
+# Hydra composes from it and the option checks below list it: one place for both.
+CONF_PACKAGE = "attngym.conf"
+CONF_DIR = Path(str(files(CONF_PACKAGE)))  # a regular package, so a real folder on disk
 PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
 HEATMAP_WINDOW = 128  # tokens shown by heatmap.png (the top-left corner of the score matrix)
 
@@ -128,7 +132,12 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _group_dirs() -> set[str]:
-    return {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
+    """Config groups a user picks options of: conf/'s folders, less hydra/ and __pycache__/."""
+    return {
+        p.name
+        for p in CONF_DIR.iterdir()
+        if p.is_dir() and p.name != "hydra" and not p.name.startswith(("_", "."))
+    }
 
 
 def _options(group: str) -> list[str]:
@@ -463,7 +472,9 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
     return metrics
 
 
-main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
+main = hydra.main(config_path=f"pkg://{CONF_PACKAGE}", config_name="config", version_base="1.3")(
+    run_job
+)
 
 
 def entry(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@ own BlockMask; PNGs are read back and must be real, multi-coloured images.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 
 import pytest
@@ -180,15 +181,14 @@ def test_plot_attention_scores_builds_a_labelled_figure(rng):
     assert len(fig.axes) == 2  # the heatmap and its colorbar
 
 
-def test_visualize_attention_scores_path_rules(rng, tmp_path, monkeypatch):
+def test_visualize_attention_scores_path_rules(rng, tmp_path, monkeypatch, caplog):
     q = torch.randn(1, 1, 32, 8, generator=rng)
     k = torch.randn(1, 1, 32, 8, generator=rng)
     mask = sliding_window(6)
 
-    assert (
-        utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path) is None
-    )
-    read_png(tmp_path / "attention_scores.png")  # a folder: <path>/<name>.png
+    out = utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path)
+    assert out == tmp_path / "attention_scores.png"  # a folder: <path>/<name>.png
+    read_png(out)
 
     utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path / "a.png")
     read_png(tmp_path / "a.png")  # a .png file
@@ -197,8 +197,114 @@ def test_visualize_attention_scores_path_rules(rng, tmp_path, monkeypatch):
     read_png(tmp_path / "sub" / "b.png")  # a file without suffix, parent created
 
     monkeypatch.chdir(tmp_path)
-    utils.visualize_attention_scores(q, k, causal_score, None, device="cpu", name="biased")
-    read_png(tmp_path / "biased.png")  # None: ./<name>.png
+    with caplog.at_level(logging.INFO, logger="attngym.viz"):
+        out = utils.visualize_attention_scores(q, k, causal_score, None, device="cpu", name="b2")
+    assert out == tmp_path / "b2.png" and out.is_absolute()  # None: ./<name>.png, said in full
+    assert str(out) in caplog.text
+    read_png(out)
+
+
+# attention-gym's form: one head's (M, D) query and (N, D) key, a (1, 1, M, N) result.
+
+
+def head_bias(score, b, h, q_idx, kv_idx):
+    return score * (1.0 + 0.5 * h) + 10.0 * b - 0.05 * (q_idx - kv_idx) ** 2
+
+
+def head_band(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= h + b
+
+
+def dense_one_head(q, k, mod, scale, b, h, kind):
+    """Entry by entry, each mod called on scalars as FlexAttention's vmap would call it."""
+    m, n = q.shape[0], k.shape[0]
+    out = torch.empty(1, 1, m, n, dtype=torch.bool if kind == "mask" else q.dtype)
+    bt, ht = torch.tensor(b), torch.tensor(h)
+    for i in range(m):
+        for j in range(n):
+            qi, kj = torch.tensor(i), torch.tensor(j)
+            if kind == "mask":
+                out[0, 0, i, j] = mod(bt, ht, qi, kj)
+            else:
+                out[0, 0, i, j] = mod(torch.dot(q[i], k[j]) * scale, bt, ht, qi, kj)
+    return out
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_attention_gym_form_score_mod_matches_the_dense_construction(rng, scale):
+    q = torch.randn(7, 8, generator=rng, dtype=torch.float64)
+    k = torch.randn(9, 8, generator=rng, dtype=torch.float64)
+    out = utils.create_score_mod(
+        q, k, head_bias, head_band, device="cpu", scale=scale, batch_idx=1, head_idx=2
+    )
+    expected = dense_one_head(q, k, head_bias, scale or 8**-0.5, 1, 2, "score")
+    assert out.shape == (1, 1, 7, 9) and out.dtype == torch.float64  # the inputs' dtype
+    # float64 throughout; the only difference is the summation order of a length-8 dot product.
+    # The score_mod wins over the mask_mod, as in attention-gym: nothing is masked here.
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_gym_form_mask_mod_is_the_dense_boolean_mask(rng):
+    q = torch.randn(10, 4, generator=rng)
+    k = torch.randn(6, 4, generator=rng)
+    out = utils.create_score_mod(q, k, None, head_band, device="cpu", batch_idx=2, head_idx=1)
+    expected = dense_one_head(q, k, head_band, None, 2, 1, "mask")
+    assert out.shape == (1, 1, 10, 6) and out.dtype == torch.bool
+    assert torch.equal(out, expected)
+    assert 0 < int(out.sum()) < out.numel()  # a real band, neither all nor nothing
+
+
+def test_the_4d_form_is_the_2d_scores_with_the_2d_mask_as_minus_inf(rng):
+    """attention-gym's visualize_attention_scores: scores where the mask keeps, -inf elsewhere."""
+    q = torch.randn(2, 4, 12, 8, generator=rng)
+    k = torch.randn(2, 2, 11, 8, generator=rng)  # GQA: query head 3 reads key head 1
+    four_d = utils.create_score_mod(q, k, head_bias, head_band, "cpu", batch_idx=1, head_idx=3)
+    args = (q[1, 3], k[1, 1])
+    scores = utils.create_score_mod(*args, head_bias, None, "cpu", batch_idx=1, head_idx=3)
+    keep = utils.create_score_mod(*args, None, head_band, "cpu", batch_idx=1, head_idx=3)
+    torch.testing.assert_close(four_d, torch.where(keep, scores, float("-inf"))[0, 0])
+
+
+@pytest.mark.parametrize(
+    ("query", "key", "mods", "kwargs", "match"),
+    [
+        (torch.ones(4, 8), torch.ones(5, 8), (None, None), {}, "needs a score_mod or a mask_mod"),
+        (torch.ones(4, 8), torch.ones(5, 6), (None, causal), {}, "head_dim"),
+        (torch.ones(4, 8), torch.ones(1, 1, 5, 8), (None, causal), {}, "query and key"),
+        (torch.ones(4, 8), torch.ones(5, 8), (None, causal), {"head_idx": -1}, "head_idx"),
+    ],
+)
+def test_attention_gym_form_rejects_bad_input(query, key, mods, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        utils.create_score_mod(query, key, *mods, device="cpu", **kwargs)
+
+
+def test_attention_gym_form_accepts_any_index_the_mods_should_see(rng):
+    q = torch.randn(5, 4, generator=rng)
+    out = utils.create_score_mod(q, q, None, head_band, "cpu", batch_idx=9, head_idx=40)
+    assert bool(out.all())  # |i - j| <= 4 < h + b for every pair of 5 positions
+
+
+@pytest.mark.parametrize("form", ["2d", "4d"])
+def test_heatmaps_draw_both_forms(rng, tmp_path, form):
+    q = torch.randn(1, 2, 16, 8, generator=rng)
+    k = torch.randn(1, 2, 16, 8, generator=rng)
+    q_in, k_in = (q[0, 1], k[0, 1]) if form == "2d" else (q, k)
+    fig = utils.plot_attention_scores(q_in, k_in, head_bias, causal, "cpu", head_idx=1)
+    drawn = fig.axes[0].images[0].get_array()
+    scale = 8**-0.5
+    expected = dense_one_head(q[0, 1].double(), k[0, 1].double(), head_bias, scale, 0, 1, "score")
+    keep = dense_one_head(q[0, 1], k[0, 1], causal, None, 0, 1, "mask")[0, 0]
+    assert torch.equal(torch.from_numpy(~drawn.mask), keep)  # masked entries drawn grey
+    # float32 scores against a float64 construction: D = 8 products, |scores| < ~20.
+    torch.testing.assert_close(
+        torch.from_numpy(drawn.filled(0.0)),
+        expected[0, 0].masked_fill(~keep, 0.0),
+        atol=1e-4,
+        rtol=1e-5,
+    )
+    out = utils.visualize_attention_scores(q_in, k_in, mask_mod=causal, device="cpu", path=tmp_path)
+    read_png(out)
 
 
 def causal_score(score, b, h, q_idx, kv_idx):
@@ -210,6 +316,51 @@ def test_save_heatmap_draws_a_variant(tmp_path):
     out = viz.save_heatmap(variant, tmp_path / "heatmap.png", seq_len=4096, window=48)
     assert out == tmp_path / "heatmap.png"
     read_png(out)
+
+
+def dense_share(mask_mod, seq_len, cell):
+    """The pooled keep share built from the whole S x S mask, padded with False to whole cells."""
+    idx = torch.arange(seq_len)
+    keep = mask_mod(0, 0, idx.view(-1, 1), idx.view(1, -1)).float()
+    cells = math.ceil(seq_len / cell)
+    padded = torch.zeros(cells * cell, cells * cell)
+    padded[:seq_len, :seq_len] = keep
+    return padded.view(cells, cell, cells, cell).mean(dim=(1, 3))
+
+
+@pytest.mark.parametrize("name", ["sliding_window_sinks", "document", "natten"])
+def test_pooled_keep_matches_the_dense_mask(monkeypatch, name):
+    params = {
+        "sliding_window_sinks": {"window_size": 40, "num_sinks": 3},
+        "document": {"doc_lengths": [100, 7, 193]},
+        "natten": {"canvas_w": 20, "canvas_h": 15, "kernel_w": 3, "kernel_h": 5},
+    }[name]
+    mask_mod = variants.get(name, **params).mask_mod
+    monkeypatch.setattr(viz, "_TILE_ELEMENTS", 7 * 7 * 5)  # 5 cells a tile: ragged tiles
+    # 300 tokens in cells of 7: the last cell is cut by the end of the sequence.
+    expected = dense_share(mask_mod, 300, 7)
+    torch.testing.assert_close(viz.pooled_keep(mask_mod, 300, 7), expected, rtol=0, atol=1e-6)
+
+
+def test_zoom_goes_where_documents_meet_on_the_diagonal():
+    # Documents [0, 300) and [300, 512): the zoom must hold the boundary where it cuts the
+    # diagonal, not a stretch of one document's edge far from it.
+    mask_mod = variants.get("document", doc_lengths=[300, 212]).mask_mod
+    kept = viz.pooled_keep(mask_mod, 512, 4)
+    q0, k0 = viz.zoom_origin(kept, 4, 64, 512)
+    assert q0 < 300 < q0 + 64 and k0 < 300 < k0 + 64
+
+
+def test_zoom_of_a_shift_invariant_mask_starts_at_its_first_edges():
+    kept = viz.pooled_keep(variants.get("causal").mask_mod, 512, 4)
+    assert viz.zoom_origin(kept, 4, 64, 512) == (0, 0)
+    assert viz.zoom_origin(torch.ones(128, 128), 4, 64, 512) == (0, 0)  # no mask at all
+
+
+def test_save_heatmap_of_a_score_mod_draws_its_transfer_panel(tmp_path):
+    out = viz.save_heatmap(variants.get("softcap", soft_cap=5.0), tmp_path, seq_len=256)
+    read_png(out)
+    assert out == tmp_path / "softcap.png"
 
 
 def test_save_heatmap_rejects_a_bad_window(tmp_path):

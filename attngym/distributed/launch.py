@@ -8,19 +8,34 @@ Contract:
       process group (gloo on CPU, "cpu:gloo,cuda:nccl" on CUDA, timeout `timeout_s`), runs
       `fn(rank, world_size, *args)` and destroys the group. Rank 0's return value comes back to the
       caller (pickled through a private temporary directory).
-    * Failure: torch.multiprocessing terminates the other ranks as soon as one dies (then kills
-      those that ignore SIGTERM), and every rank's transfers give up after `timeout_s`, so no rank
-      outlives a dead peer; a rank also dies with its parent (Linux parent-death signal). The
-      caller gets RankFailure saying which rank died and how (exit code, signal, or the exception
-      and its traceback); a ConfigError raised on a rank is re-raised as itself.
-    * No orphans from the caller's side either: whenever `launch` returns or raises (a rank
-      failure, KeyboardInterrupt, an unreadable result), every rank still alive is terminated,
-      given 5 s, then killed. A rank tears down its transports and process group in a `finally`,
-      whatever `fn` did.
+    * Failure: the caller gets RankFailure saying which rank failed and how (exit code, signal,
+      the exception and its traceback, or "made no progress"); a ConfigError raised on a rank is
+      re-raised as itself. Once one rank has failed the others get GRACE_S to exit, then SIGTERM,
+      GRACE_S more, then SIGKILL (not torch's default 30 s per step).
+    * Every wait is bounded by `timeout_s`, enforced by the caller, not by the ranks: a rank whose
+      peers wait on it may itself be unable to time out (stopped with SIGSTOP, wedged in native
+      code holding the GIL), and its peers may legitimately wait longer than `timeout_s` (rank 0's
+      float64 reference in attngym.tasks.ring waits on a group with a longer timeout). So each
+      rank runs a daemon heartbeat thread that touches `alive<rank>` in the private directory
+      every HEARTBEAT_S; the caller polls the ranks and, as soon as one rank's heartbeat is older
+      than `timeout_s` (or the rank never beat within `timeout_s` + STARTUP_S of the launch), it
+      kills every rank and raises RankFailure naming that rank ("is stopped" when /proc says so,
+      else "made no progress"). A run with a stopped or hung rank thus fails within `timeout_s`
+      plus a few seconds. A rank that is alive but blocked in a collective fails on its own
+      process-group timeout (`timeout_s`), and the caller then stops the others as above.
+    * No orphans: each spawned rank leads its own process group (setpgid), so whenever `launch`
+      returns or raises (a rank failure, a stalled rank, KeyboardInterrupt, an unreadable result),
+      every rank still alive is terminated (SIGKILL at once for a stopped one), given GRACE_S, then
+      killed, and the process group of every rank is killed too: the children a rank started
+      (compile workers, probes) go with it. A rank also dies with its parent (Linux parent-death
+      signal), and tears down its transports and process group in a `finally`, whatever `fn` did.
+      Being in its own process group, a rank does not get the terminal's Ctrl-C: the caller does,
+      and stops the ranks.
     * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
       rank; it joins (or reuses) the default process group and returns its own `fn` result. A
       group it creates lives until the process exits (so a torchrun sweep runs every job in the
-      same group). torchrun supervises the ranks.
+      same group). torchrun supervises the ranks; there is no heartbeat (torchrun's agent only
+      sees ranks that exit, so a stopped rank there is bounded by the group timeouts alone).
     * Logs: with `run_dir`, every rank other than 0 writes `rank<N>.log` there, spawned or under
       torchrun; spawned rank 0 writes rank0.log too and speaks on stderr. A spawned rank is a fresh
       interpreter owned by this module, so it configures the root logger of that process. Under
@@ -32,6 +47,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -41,6 +57,8 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +71,14 @@ RANK_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+
+# How often a spawned rank proves it runs; how long the caller polls between checks.
+HEARTBEAT_S = 0.5
+# Extra time a rank has to send its first heartbeat (interpreter start and `import torch`).
+STARTUP_S = 60.0
+# How long failing or stopping ranks get between SIGTERM and SIGKILL.
+GRACE_S = 2.0
 
 
 def under_torchrun() -> bool:
@@ -107,8 +133,37 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _lead_process_group() -> None:
+    """Make this rank the leader of its own process group, so that the caller can kill the rank
+    and every process it started at once (os.killpg)."""
+    # Already a group leader, or not permitted: the rank itself is still killed.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+
+def _start_heartbeat(path: pathlib.Path) -> None:
+    """Touch `path` every HEARTBEAT_S from a daemon thread: the caller's proof that this rank runs.
+
+    A stopped process, or one whose interpreter is wedged, stops beating; the caller then fails
+    the run (see the module docstring).
+    """
+
+    def beat() -> None:
+        while True:
+            try:
+                path.touch()
+            except OSError:  # the caller removed the directory: the run is over
+                return
+            time.sleep(HEARTBEAT_S)
+
+    path.touch()
+    threading.Thread(target=beat, name="attngym-heartbeat", daemon=True).start()
+
+
 def _formatter(rank: int) -> logging.Formatter:
-    return logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s")
+    """The run's console format (conf/hydra/default.yaml, job_logging `simple`) with the rank, so
+    a context-parallel run prints one format: `[12:00:00][rank0][INFO] message`."""
+    return logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
 
 
 def _log_to_files(rank: int, run_dir: str | None) -> None:
@@ -137,6 +192,8 @@ def _rank_main(
     args: tuple,
 ) -> None:
     _die_with_parent()
+    _lead_process_group()
+    _start_heartbeat(pathlib.Path(result_dir) / f"alive{rank}")
     os.environ.update(RANK_ENV)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -192,7 +249,8 @@ def launch(
         world_size: number of ranks (under torchrun it must equal WORLD_SIZE).
         args: extra picklable arguments.
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per local rank, modulo the GPU count).
-        timeout_s: process-group timeout; a rank waiting longer on a peer fails.
+        timeout_s: process-group timeout (a rank waiting longer on a peer fails), and the
+            longest a spawned rank may go without a heartbeat before the caller stops the run.
         run_dir: where ranks write rank<N>.log (None: no files); see the module docstring.
 
     Returns:
@@ -200,7 +258,8 @@ def launch(
 
     Raises:
         ConfigError: a ConfigError raised on a rank, or a world size torchrun disagrees with.
-        RankFailure: a rank died (exit code or signal) or raised; the message names it.
+        RankFailure: a rank died (exit code or signal), raised, or made no progress for
+            timeout_s (stopped or hung); the message names it.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("topology.world_size", f"must be a positive integer, got {world_size!r}")
@@ -215,6 +274,7 @@ def launch(
     result_dir = tempfile.mkdtemp(prefix="attngym-launch-")
     ctx = None
     try:
+        started = time.monotonic()
         ctx = mp.start_processes(
             _rank_main,
             args=(
@@ -232,8 +292,8 @@ def launch(
             start_method="spawn",
         )
         try:
-            while not ctx.join():
-                pass
+            while not ctx.join(timeout=HEARTBEAT_S, grace_period=GRACE_S):
+                _check_heartbeats(ctx.processes, result_dir, timeout_s, started)
         except mp.ProcessRaisedException as e:
             raise _rank_error(e.error_index, result_dir, f"raised an exception:\n{e}") from None
         except mp.ProcessExitedException as e:
@@ -251,17 +311,60 @@ def launch(
         shutil.rmtree(result_dir, ignore_errors=True)
 
 
-def _stop(processes, grace_s: float = 5.0) -> None:
-    """Terminate the processes still alive, wait up to grace_s for each, then kill the rest."""
+def _check_heartbeats(processes, result_dir: str, timeout_s: float, started: float) -> None:
+    """RankFailure for the first live rank whose heartbeat is older than timeout_s (or that has
+    not beaten within timeout_s + STARTUP_S of the launch); see the module docstring."""
+    now = time.time()
+    for rank, p in enumerate(processes):
+        if not p.is_alive():
+            continue
+        try:
+            silent_s = now - (pathlib.Path(result_dir) / f"alive{rank}").stat().st_mtime
+            limit_s = timeout_s
+        except FileNotFoundError:
+            silent_s = time.monotonic() - started
+            limit_s = timeout_s + STARTUP_S
+        if silent_s > limit_s:
+            how = "is stopped (SIGSTOP)" if _state(p.pid) in ("T", "t") else "made no progress"
+            raise RankFailure(
+                f"rank {rank} {how} for {silent_s:.0f} s, more than topology.timeout_s="
+                f"{timeout_s:g}; every rank was killed"
+            )
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (R, S, T, Z, ...); "" when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _stop(processes, grace_s: float = GRACE_S) -> None:
+    """Stop every rank and whatever it started: SIGKILL at once for a stopped rank (it cannot
+    handle SIGTERM), SIGTERM for the others, grace_s, then SIGKILL; then kill each rank's process
+    group (its children)."""
+    import signal
+
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
-        p.terminate()
+        if _state(p.pid) in ("T", "t"):
+            p.kill()
+        else:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
     for p in alive:
-        p.join(grace_s)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in alive:
         if p.is_alive():
             p.kill()
             p.join()
+    for p in processes:
+        if p.pid is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # the rank led this group (_lead_process_group)
 
 
 def _rank_error(rank: int, result_dir: str, text: str) -> Exception:

@@ -2,20 +2,25 @@
 
 metrics.json is the contract between a run and everything after it (sweep summary, report,
 resume): it is written to a temporary file and moved into place with os.replace, so a reader never
-sees half a file, even when a job is killed while writing.
+sees half a file, even when a job is killed while writing (attngym.fileio.atomic_write, which
+also refuses to write through a symlink). A metrics.json that cannot be read or is not a JSON
+object counts as missing: its job is incomplete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from attngym import registry
+from attngym.fileio import atomic_write, remove_stale_tmps
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
 
@@ -56,23 +61,38 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_metrics(run_dir: str | Path, metrics: Mapping[str, Any]) -> Path:
-    """Write `metrics` to run_dir/metrics.json atomically (temporary file + os.replace)."""
+    """Write `metrics` to run_dir/metrics.json atomically; remove temporaries of dead writers.
+
+    Raises:
+        SymlinkRefused: metrics.json or run_dir is a symlink.
+        OSError: the write failed; the previous metrics.json (if any) is intact.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / METRICS_FILE
-    tmp = run_dir / f".{METRICS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(_json_safe(dict(metrics)), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    remove_stale_tmps(run_dir)
+    text = json.dumps(_json_safe(dict(metrics)), indent=2, sort_keys=False) + "\n"
+    return atomic_write(run_dir / METRICS_FILE, text)
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's metrics.json, or None when it is missing or unreadable."""
+    """The run's metrics.json, or None (with a warning unless it is simply missing) when it is
+    missing, unreadable, not JSON, or not a JSON object: the run counts as incomplete."""
     path = Path(run_dir) / METRICS_FILE
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as err:
+        log.warning("%s is unreadable (%s); the run counts as incomplete", path, err)
+        return None
+    if not isinstance(data, dict):
+        log.warning(
+            "%s holds a JSON %s, not an object; the run counts as incomplete",
+            path,
+            type(data).__name__,
+        )
+        return None
+    return data
 
 
 def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,7 +123,7 @@ class LocalTracker:
         lines = [f"# {record.name}", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_fmt(v)} |" for k, v in scalar_metrics(record.metrics).items()]
         lines += [""] + [f"![{n}]({p.name})" for n, p in record.images.items()]
-        (Path(record.run_dir) / "results.md").write_text("\n".join(lines) + "\n")
+        atomic_write(Path(record.run_dir) / "results.md", "\n".join(lines) + "\n")
 
 
 @registry.register("tracker", "none")

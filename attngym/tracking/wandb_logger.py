@@ -2,12 +2,17 @@
 
 Offline by default because experiments often run where there is no network (compute nodes,
 laptops on a train) and a tracker must never block or fail a run: offline runs are stored in the
-run folder (`<run_dir>/wandb/offline-run-*`) and uploaded later with `wandb sync`. wandb is
-imported only here, only when the tracker logs; `wandb.init` is bounded by `init_timeout_s` and,
-online, `run.finish` (which waits for the upload) by `finish_timeout_s`: it runs in a daemon thread
-and, past the timeout, the run goes on while the upload continues in the background until the
-process exits (the local copy stays in the run folder for `wandb sync`). A W&B failure is logged
-as a warning (metrics.json is already on disk).
+run folder (`<run_dir>/wandb/offline-run-*`) and uploaded later with `wandb sync`.
+
+Bounded for real: wandb runs in a child process, never in the caller. `wandb.init`, the logging,
+`run.finish` and wandb's own shutdown (its service, telemetry and upload threads, which waited
+30 s at exit against a server that accepts connections but never answers) all happen there. The
+child has `init_timeout_s` (passed to wandb.init) + `finish_timeout_s` (run.finish, in a daemon
+thread) + CHILD_START_S (interpreter, `import wandb`, wandb's service) to report; it then leaves
+with os._exit, skipping wandb's exit hooks. Past that deadline the caller kills the child's whole
+process group (the child leads one, so wandb's service goes too) and logs a warning: the run goes
+on, the local copy in the run folder can be uploaded with `wandb sync`. A W&B failure is a warning
+(metrics.json is already on disk: the caller writes it first). wandb is imported only in the child.
 
 Mapping: config = the resolved config; summary = the scalar metrics (same names as
 metrics.json); the PNGs as `wandb.Image`; group = the sweep (or run) folder name; job_type = the
@@ -16,7 +21,14 @@ topology; name = the overrides that make the run different (hydra.job.override_d
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +40,9 @@ from attngym.tracking.files import RunRecord, scalar_metrics
 log = logging.getLogger(__name__)
 
 MODES = ("offline", "online", "disabled")
+# What the child may take beyond init_timeout_s + finish_timeout_s: start an interpreter, import
+# wandb and start its service on a busy machine.
+CHILD_START_S = 20.0
 
 
 @registry.register("tracker", "wandb")
@@ -57,15 +72,59 @@ class WandbTracker:
         self.finish_timeout_s = float(finish_timeout_s)
 
     def log_run(self, record: RunRecord) -> None:
-        """One W&B run: config, summary metrics, images; always finished, never raises."""
+        """One W&B run in a child process, bounded (see the module docstring); never raises."""
+        deadline_s = self.init_timeout_s + self.finish_timeout_s + CHILD_START_S
+        code = "from attngym.tracking.wandb_logger import child_main; child_main()"
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: wandb's service dies with it
+        )
         try:
-            self._log(record)
+            out, err = child.communicate(pickle.dumps((self, record)), timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "wandb did not finish within %.0f s (init_timeout_s + finish_timeout_s + %.0f s "
+                "to start; no network?): abandoned; metrics.json is unaffected, the local copy "
+                "in %s can be uploaded with `wandb sync`",
+                deadline_s,
+                CHILD_START_S,
+                record.run_dir,
+            )
+            return
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.kill()
+            child.communicate()
+        try:
+            report = json.loads(out.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = err.decode(errors="replace").strip().splitlines()[-3:]
+            log.warning(
+                "wandb logging failed (exit code %s: %s); metrics.json is unaffected",
+                child.returncode,
+                " / ".join(tail) or "no output",
+            )
+            return
+        for message in report["warnings"]:
+            log.warning("%s", message)
+        if report.get("where") is not None:
+            log.info("wandb (%s): %s", self.mode, report["where"])
+
+    def _log_here(self, record: RunRecord) -> str | None:
+        """In the child: the W&B run; where it went (run folder or URL); never raises."""
+        try:
+            return self._log(record)
         except Exception as err:  # a tracker must not fail a run whose files are written
             log.warning(
                 "wandb logging failed (%s: %s); metrics.json is unaffected", type(err).__name__, err
             )
+            return None
 
-    def _log(self, record: RunRecord) -> None:
+    def _log(self, record: RunRecord) -> str:
         import wandb
 
         metrics = record.metrics
@@ -107,14 +166,11 @@ class WandbTracker:
                 run.log(images)
         finally:
             self._finish(run, exit_code=0 if ok else 1)
-        where = run.dir if self.mode == "offline" else getattr(run, "url", "")
-        log.info("wandb (%s): %s", self.mode, where)
+        return run.dir if self.mode == "offline" else getattr(run, "url", "")
 
     def _finish(self, run: Any, exit_code: int) -> None:
-        """run.finish, bounded by finish_timeout_s when online (it waits for the upload)."""
-        if self.mode != "online":
-            run.finish(exit_code=exit_code)
-            return
+        """run.finish in a daemon thread, bounded by finish_timeout_s (online it waits for the
+        upload); past it the child reports and leaves, abandoning the thread."""
         done = threading.Event()
 
         def finish() -> None:
@@ -128,9 +184,31 @@ class WandbTracker:
         threading.Thread(target=finish, name="wandb-finish", daemon=True).start()
         if not done.wait(self.finish_timeout_s):
             log.warning(
-                "wandb: finish did not return within %.0f s (no network?); the upload continues "
-                "in the background and is abandoned when the process exits; the local copy in "
-                "%s can be uploaded with `wandb sync`",
+                "wandb: finish did not return within %.0f s (no network?); abandoned; the local "
+                "copy in %s can be uploaded with `wandb sync`",
                 self.finish_timeout_s,
                 getattr(run, "dir", "the run folder"),
             )
+
+
+class _Collect(logging.Handler):
+    """Keeps the child's warnings, to be logged by the caller (whose log files they belong in)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def child_main() -> None:
+    """The child process of WandbTracker.log_run: read (tracker, record) from stdin, log the W&B
+    run, print {"where", "warnings"} as JSON on stdout, and leave without wandb's exit hooks."""
+    collect = _Collect()
+    log.addHandler(collect)
+    log.propagate = False
+    tracker, record = pickle.loads(sys.stdin.buffer.read())
+    where = tracker._log_here(record)
+    print(json.dumps({"where": where, "warnings": collect.messages}), flush=True)
+    os._exit(0)

@@ -1,0 +1,1 @@
+"""attngym's Hydra configs, installed as the package `attngym.conf` (read as pkg://attngym.conf)."""
