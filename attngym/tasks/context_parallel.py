@@ -54,6 +54,7 @@ Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R vali
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -61,7 +62,7 @@ import math
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -453,24 +454,20 @@ def validate(job: RankJob) -> dict[str, Any]:
     return metrics
 
 
-def _peak_window(job: RankJob) -> int:
-    """Start a peak-memory window after a synchronised device; the bytes live now (the inputs,
-    the L2-flush buffer, anything an earlier phase still holds), which the peak leaves out."""
+@contextlib.contextmanager
+def _peak_over_ranks(job: RankJob, into: dict[str, Any], key: str) -> Iterator[None]:
+    """into[key]: the largest over the ranks of what the block adds to the memory live when it
+    starts (the inputs, the L2-flush buffer, anything an earlier phase still holds)."""
     from attngym import bench
     from attngym import device as device_mod
 
     if job.device.type == "cuda":
         bench.l2_flush_buffer(job.device)
     sync(job.device)
-    return device_mod.reset_peak_memory(job.device)
-
-
-def _peak_since(job: RankJob, live: int) -> int:
-    """The largest peak over the ranks of what was allocated since `_peak_window`."""
-    from attngym import device as device_mod
-
-    sync(job.device)
-    return job.max_over_ranks(device_mod.peak_memory_bytes(job.device) - live)
+    with device_mod.peak_memory(job.device) as peak:
+        yield
+        sync(job.device)
+    into[key] = job.max_over_ranks(peak["bytes"])
 
 
 def time_passes(job: RankJob) -> dict[str, Any]:
@@ -486,14 +483,14 @@ def time_passes(job: RankJob) -> dict[str, Any]:
             device=job.device,
         )
     sparsity = float(bench.block_sparsity(job.block_mask))
-    live = _peak_window(job)
-    with torch.no_grad():
-        job.timings["fwd"] = job.timed(job.attend)
-    if job.do_bwd:
-        # A fresh forward graph per timed backward, built outside the timed region.
-        job.timings["bwd"] = job.timed(lambda out: _grads(job, out), job.attend)
-        job.timings["fwd_bwd"] = job.timed(lambda: _grads(job, job.attend()))
-    metrics = {"sparsity": sparsity, "peak_mem_bytes": _peak_since(job, live)}
+    metrics: dict[str, Any] = {"sparsity": sparsity}
+    with _peak_over_ranks(job, metrics, "peak_mem_bytes"):
+        with torch.no_grad():
+            job.timings["fwd"] = job.timed(job.attend)
+        if job.do_bwd:
+            # A fresh forward graph per timed backward, built outside the timed region.
+            job.timings["bwd"] = job.timed(lambda out: _grads(job, out), job.attend)
+            job.timings["fwd_bwd"] = job.timed(lambda: _grads(job, job.attend()))
     metrics.update(pass_metrics(job.timings, job.settings.shape, job.seq_len, sparsity))
     return metrics
 
@@ -650,12 +647,11 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
         "torch_cp_bwd_status": "ok" if do_bwd else (NO_CPU_BWD if job.do_bwd else "not requested"),
     }
     metrics.update(_torch_cp_agreement(job, call))
-    live = _peak_window(job)
-    with torch.no_grad():
-        timings = {"fwd": job.timed(call)}
-    if do_bwd:
-        timings["fwd_bwd"] = job.timed(lambda: _grads(job, call()))  # same leaves as attngym
-    metrics["torch_cp_peak_mem_bytes"] = _peak_since(job, live)
+    with _peak_over_ranks(job, metrics, "torch_cp_peak_mem_bytes"):
+        with torch.no_grad():
+            timings = {"fwd": job.timed(call)}
+        if do_bwd:
+            timings["fwd_bwd"] = job.timed(lambda: _grads(job, call()))  # same leaves as attngym
     for p, timing in timings.items():
         metrics[f"torch_cp_{p}_ms"] = timing.median_ms
         mine = job.timings.get(p)
