@@ -26,9 +26,7 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    can be compared.
 5. `instrument`: one instrumented forward (per-step compute, pairs, bytes) and a transfer-only
    pass (per-step transfer time).
-6. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
-   efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
-7. `torch_cp`: when `baselines` lists it (the default for every context-parallel run), PyTorch's
+6. `torch_cp`: when `baselines` lists it (the default for every context-parallel run), PyTorch's
    own flex context parallelism (attngym.distributed.torch_cp) on the same shards, variant and
    process group, timed like attngym: torch_cp_fwd_ms, torch_cp_fwd_bwd_ms,
    torch_cp_peak_mem_bytes, attngym_over_torch_cp_<pass> (torch_cp time / attngym time; above 1
@@ -37,6 +35,8 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    forward still runs). Its output is compared with attngym's on the validated rows
    (torch_cp_err_out_rel, torch_cp_err_out_max_abs); beyond the dtype's tolerance
    torch_cp_validation fails, and so does the run's `validation` verdict.
+7. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
+   efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
 
 Rank 0 alone does the float64 reference and the one-device comparison (which needs the whole
 problem on its device, briefly). The other ranks wait for it at barriers of a separate gloo group
@@ -267,7 +267,9 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         "bwd_status": "ok" if job.do_bwd else "not requested",
     }
     try:
-        for phase in (shard, first_call, validate, time_passes, instrument, one_device, torch_cp):
+        # torch_cp right after attngym's own timings (same conditions); one_device last, as only
+        # rank 0 works there while the others wait at the long-wait barrier below.
+        for phase in (shard, first_call, validate, time_passes, instrument, torch_cp, one_device):
             metrics.update(phase(job))
         _fold_torch_cp_verdict(metrics)
         job.whole = None
