@@ -33,6 +33,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from attngym.bench import attention_flops
+
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 PROCESS_BYTES = 400 * 2**20  # Python + torch in one process, measured ~350 MB on a CPU build
 CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")  # skipped on a CPU anyway
@@ -110,7 +112,7 @@ def estimate(
     groups = kv_heads or heads
     passes = tuple(passes)
     backward = "bwd" in passes
-    flops = 4.0 * batch * heads * seq_len * seq_len * head_dim
+    flops = attention_flops(batch, heads, seq_len, seq_len, head_dim)
 
     if on_cpu:
         cores = cpu_cores if cpu_cores is not None else _cpu_cores()

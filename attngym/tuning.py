@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from attngym.fileio import atomic_write
+
 log = logging.getLogger(__name__)
 
 TABLE = Path(__file__).with_name("tuned.json")
@@ -256,7 +258,7 @@ def update(source: Path, metric: str, path: Path = TABLE) -> dict[str, Any]:
                 kept = {"flash": slot["flash"]} if "flash" in slot else {}
                 slot.clear()
                 slot.update(entry, **kept)
-    path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    atomic_write(path, json.dumps(table, indent=2, sort_keys=True) + "\n")
     return table
 
 
