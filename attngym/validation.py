@@ -73,18 +73,19 @@ def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def output_errors(
-    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor
-) -> dict[str, float]:
+    out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor, ref_lse: torch.Tensor
+) -> dict[str, float | None]:
     """err_out_max_abs, err_out_rel, err_lse_max_abs of (out, lse) against the reference.
 
     Args:
         out: (B, H, R, D) kernel output on the validated rows; ref_out the same from the oracle.
-        lse: (B, H, R) kernel log-sum-exp; ref_lse the same from the oracle.
+        lse: (B, H, R) kernel log-sum-exp, or None for a kernel that keeps none (then
+            err_lse_max_abs is None); ref_lse the same from the oracle.
     """
     return {
         "err_out_max_abs": max_abs_error(out, ref_out),
         "err_out_rel": rel_error(out, ref_out),
-        "err_lse_max_abs": max_abs_error(lse, ref_lse),
+        "err_lse_max_abs": None if lse is None else max_abs_error(lse, ref_lse),
     }
 
 
@@ -125,7 +126,7 @@ def validate_rows(
     grad_out: torch.Tensor,
     attend: Callable[
         [torch.Tensor | None],
-        tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor] | None],
+        tuple[torch.Tensor, torch.Tensor | None, Sequence[torch.Tensor] | None],
     ],
     *,
     do_bwd: bool,
@@ -144,10 +145,10 @@ def validate_rows(
         q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D) — the whole-sequence inputs
             the kernel attended (the reference works on detached float64 copies).
         attend: `attend(g_masked) -> (out, lse, grads)` runs the kernel under test on the whole
-            problem and returns out (B, H, S, D), lse (B, H, S) and, when `g_masked` (B, H, S, D)
-            is given, the whole-sequence gradients (dq, dk, dv) for that output gradient
-            (else None). It is called once, with None when not do_bwd. A sharded task gathers
-            its shards inside `attend`.
+            problem and returns out (B, H, S, D), lse (B, H, S) or None (a kernel that keeps no
+            lse) and, when `g_masked` (B, H, S, D) is given, the whole-sequence gradients
+            (dq, dk, dv) for that output gradient (else None). It is called once, with None
+            when not do_bwd. A sharded task gathers its shards inside `attend`.
         do_bwd: also compare gradients.
         max_rows, seed: how many query rows to check at most, and the seed that samples them.
 
@@ -171,9 +172,8 @@ def validate_rows(
         g_masked = torch.zeros_like(grad_out)
         g_masked[:, :, rows] = g_rows
     out, lse, grads = attend(g_masked)
-    metrics.update(
-        output_errors(out.detach()[:, :, rows], lse.detach()[:, :, rows], ref_out.detach(), ref_lse)
-    )
+    lse_rows = None if lse is None else lse.detach()[:, :, rows]
+    metrics.update(output_errors(out.detach()[:, :, rows], lse_rows, ref_out.detach(), ref_lse))
     if do_bwd and grads is not None:
         dq, dk, dv = grads
         ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), g_rows.double())
@@ -182,11 +182,11 @@ def validate_rows(
         metrics.update({"err_dq_rel": None, "err_dk_rel": None, "err_dv_rel": None})
     metrics["validation"] = judge_errors(metrics, str(q.dtype).removeprefix("torch."))
     log.info(
-        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %.3g; %s",
+        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %s; %s",
         metrics["validated_rows"],
         metrics["err_out_max_abs"],
         metrics["err_out_rel"],
-        metrics["err_lse_max_abs"],
+        "n/a" if lse is None else f"{metrics['err_lse_max_abs']:.3g}",
         metrics["validation"],
     )
     return metrics

@@ -175,7 +175,7 @@ def _transport_worker(rank, world_size, run_dir):
     import attngym.distributed
     from attngym.distributed import launch as launch_mod
     from attngym.distributed.transport import resolve_transport
-    from attngym.tasks.ring import _rank_run, _transfer_ms
+    from attngym.tasks.context_parallel import _rank_run, _transfer_ms
 
     out = {}
     # Channel: many steps over two rounds; at step i a rank holds rank (r - i)'s data.
@@ -271,7 +271,7 @@ def _transport_worker(rank, world_size, run_dir):
     )
     out["task_ok"] = _rank_run(rank, world_size, settings, "ring")
     # (The second run also skips the one-device comparison, as a CPU run too large for it would.)
-    import attngym.tasks.ring as ring_task
+    import attngym.tasks.context_parallel as ring_task
 
     ring_attention, limit = attngym.distributed.ring_attention, ring_task.SINGLE_CPU_MAX_BYTES
     attngym.distributed.ring_attention = lambda *a, **kw: 1.5 * ring_attention(*a, **kw)
@@ -416,7 +416,7 @@ def test_config_error_on_a_rank_reaches_the_caller_as_itself():
 
 
 def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path):
-    from attngym.tasks.ring import check_hardware
+    from attngym.tasks.context_parallel import check_hardware
 
     def settings(transport):
         return Settings(
