@@ -225,6 +225,8 @@ def make_block_mask(
     """
     from torch.nn.attention.flex_attention import create_block_mask, noop_mask
 
+    if variant.device is not None and variant.device != torch.device(device):
+        variant = variant.to(device)  # its lookup tables where the mask is evaluated
     _, mask_mod = shifted_mods(variant, q_offset, kv_offset, device)
     if mask_mod is None:
         if not full_when_unmasked:
