@@ -8,7 +8,7 @@ topology gets the same treatment:
 
 metrics.json is written whatever happens (status ok or failed, with the error), because sweep
 summaries, reports and resumed sweeps read it. Tasks judge their own validation
-(attngym.tasks.common.validate_rows sets `validation` to "ok" or "failed: ...") and return all
+(attngym.validation.validate_rows sets `validation` to "ok" or "failed: ...") and return all
 their numbers; a failed verdict makes the run's status failed with that error (exit code 1), so
 the timings of a wrong kernel are still on record but never pass as a good run.
 A bad value stops a single run with one line naming the key (exit code 2; HYDRA_FULL_ERROR=1
@@ -22,6 +22,7 @@ and quotes numeric option names (`block_size=64`) that Hydra would otherwise par
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -33,8 +34,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from attngym.config import register_resolvers
+from attngym.config import Settings
 from attngym.errors import ConfigError, choice_error
+from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line in the table
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,54 @@ CP_ROWS = (
 )
 
 
+def register_resolvers() -> None:
+    """Register the OmegaConf resolvers the YAML files use (idempotent; call before composing).
+
+    - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
+    - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
+      `total` exactly (the last one takes the rounding), e.g. document lengths.
+    """
+    if not OmegaConf.has_resolver("div"):
+        OmegaConf.register_new_resolver("div", _div)
+    if not OmegaConf.has_resolver("split"):
+        OmegaConf.register_new_resolver("split", _split)
+
+
+def _div(a: Any, b: Any) -> int:
+    if not isinstance(a, int) or not isinstance(b, int) or b == 0:
+        raise ValueError(f"div needs two integers and a non-zero divisor, got {a!r}, {b!r}")
+    return a // b
+
+
+def _split(total: Any, fractions: Any) -> list[int]:
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"split needs a positive integer total, got {total!r}")
+    fractions = list(fractions)
+    if not fractions or any(not isinstance(f, int | float) or f <= 0 for f in fractions):
+        raise ValueError(f"split needs positive fractions, got {fractions!r}")
+    norm = sum(fractions)
+    lengths = [max(1, int(total * f / norm)) for f in fractions[:-1]]
+    return [*lengths, total - sum(lengths)]
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The composed config as a plain, resolved dict without the `hydra` node: what
+    attngym.config reads.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved; the key names where.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        raise ConfigError(str(key), str(err).split("\n")[0]) from None
+    data.pop("hydra", None)  # type: ignore[union-attr]
+    return data  # type: ignore[return-value]
+
+
 def _group_dirs() -> set[str]:
     """Config groups a user picks options of: conf/'s folders, less hydra/ and __pycache__/."""
     return {
@@ -110,7 +160,7 @@ def prepare_overrides(argv: list[str]) -> list[str]:
     - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
       as integers and refuse them as group options;
     - `attention.<key>=v` and `kernel_options.<key>=v` become `++attention.<key>=v` (add or
-      override): these keys are checked by attngym (attngym.tasks.common.build_variant, the
+      override): these keys are checked by attngym (attngym.variants.spec.build_variant, the
       kernel-option checks of attngym.config), which names a misspelt key with a suggestion.
       `kernel_options` is null in conf/config.yaml so that sweeps can set whole mappings
       (`kernel_options={...}`); `++kernel_options.X=v` creates the mapping from null.
@@ -144,14 +194,38 @@ def prepare_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def _run_name(hc: Any) -> str:
-    name = str(hc.job.override_dirname or "")
-    return name or "defaults"
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What Hydra says about the running job, read once."""
+
+    run_dir: Path
+    rank: int  # under torchrun; 0 otherwise
+    multirun: bool
+    overrides: list[str]  # the job's task overrides
+    num: int | None  # job number in a sweep
+    name: str  # the run's name for trackers: its overrides, or "defaults"
+    group: str  # the tracker group: the output folder's date_time
+    sweep_dir: str  # hydra.sweep.dir in a sweep
 
 
-def _group_name(run_dir: Path, multirun: bool) -> str:
+def _job() -> Job:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
     folder = run_dir.parent if multirun else run_dir
-    return f"{folder.parent.name}_{folder.name}"
+    return Job(
+        run_dir=run_dir,
+        rank=int(os.environ.get("RANK", "0")),
+        multirun=multirun,
+        overrides=[str(o) for o in hc.overrides.task],
+        num=hc.job.num if multirun else None,
+        name=str(hc.job.override_dirname or "") or "defaults",
+        group=f"{folder.parent.name}_{folder.name}",
+        sweep_dir=str(hc.sweep.dir) if multirun else "",
+    )
 
 
 def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
@@ -163,12 +237,11 @@ def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
     )
 
 
-def _draw_pictures(settings: Any, run_dir: Path) -> dict[str, Path]:
+def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
     """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures."""
     from attngym import viz
-    from attngym.tasks.common import build_variant
 
-    variant = build_variant(settings.attention, seq_len=settings.shape.seq_len)
+    variant = settings.variant
     drawn = {}
     seq_len = settings.shape.seq_len
     try:
@@ -189,7 +262,7 @@ def _draw_pictures(settings: Any, run_dir: Path) -> dict[str, Path]:
             seq_len,
             path,
             block_size=settings.block_size,
-            title=f"{settings.attention.get('name')}: block mask at {settings.block_size}",
+            title=f"{variant.name}: block mask at {settings.block_size}",
             device=settings.device,
         )
         drawn["block_mask"] = path
@@ -198,19 +271,18 @@ def _draw_pictures(settings: Any, run_dir: Path) -> dict[str, Path]:
     return drawn
 
 
-def _plain_config(cfg: DictConfig) -> dict[str, Any]:
+def _tracked_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config a tracker records: resolved, or as written where a value cannot resolve."""
     try:
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # an unresolvable value: log the config as written
+        return to_plain(cfg)
+    except ConfigError:
         data = OmegaConf.to_container(cfg, resolve=False)
-    data.pop("hydra", None)  # type: ignore[union-attr]
-    return data  # type: ignore[return-value]
+        data.pop("hydra", None)  # type: ignore[union-attr]
+        return data  # type: ignore[return-value]
 
 
 def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
-    from attngym.tasks.common import HEADLINE_BASELINES  # the ratios worth a line
-
     lines = [f"attngym: {metrics.get('status')}"]
     shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
     rows = [(label, metrics[key]) for key, label in shown if metrics.get(key) is not None]
@@ -242,23 +314,28 @@ def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     return handler
 
 
-def _run_other_rank(cfg: DictConfig, run_dir: Path, rank: int, multirun: bool) -> None:
+def _run_task(settings: Settings, run_dir: Path) -> dict[str, Any]:
+    """The topology's task, from the registry: its flat metrics."""
+    from attngym import registry
+
+    return registry.get("task", settings.topology.kind)(settings, run_dir) or {}
+
+
+def _run_other_rank(cfg: DictConfig, job: Job) -> None:
     """A rank other than 0 under torchrun: the same checks and task (its collectives need every
     rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
     are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
     a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
     before any collective (see _stop_sweep_after)."""
-    from attngym import registry
     from attngym.config import from_config
 
-    handler = _rank_log(run_dir, rank)
+    handler = _rank_log(job.run_dir, job.rank)
     try:
-        settings = from_config(cfg)
-        metrics = registry.get("task", settings.topology.kind)(settings, run_dir) or {}
-        log.info("rank %d done: validation %s", rank, metrics.get("validation", "on rank 0"))
+        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir)
+        log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
     except Exception as err:
-        log.exception("rank %d failed", rank)
-        if not multirun:
+        log.exception("rank %d failed", job.rank)
+        if not job.multirun:
             raise
         if _stop_sweep_after(err):
             raise SystemExit(1) from err  # Hydra would go on to the next job after an Exception
@@ -280,76 +357,100 @@ def _stop_sweep_after(err: BaseException) -> bool:
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job: check, run the topology's task, write files, draw, track."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from attngym import registry
-    from attngym.config import from_config
-    from attngym.tracking import RunRecord, write_metrics
-
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    rank = int(os.environ.get("RANK", "0"))
-    multirun = hc.mode == RunMode.MULTIRUN
-    overrides = [str(o) for o in hc.overrides.task]
-    if multirun and _already_ok(run_dir, overrides):  # every rank skips it together
+    """One Hydra job: check, run the topology's task, judge, write files, draw, track, exit."""
+    job = _job()
+    if job.multirun and _already_ok(job.run_dir, job.overrides):  # every rank skips it together
         log.info(
-            "job %s (%s): already ok in %s, skipping", hc.job.num, " ".join(overrides), run_dir
+            "job %s (%s): already ok in %s, skipping", job.num, " ".join(job.overrides), job.run_dir
         )
         return None
-    if rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
-        return _run_other_rank(cfg, run_dir, rank, multirun)
+    if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
+        return _run_other_rank(cfg, job)
+    settings, metrics, failure = _check_and_run(cfg, job)
+    _write_files(job, metrics)
+    if settings is not None:
+        _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+    return _finish(job, metrics, failure)
+
+
+def _check_and_run(
+    cfg: DictConfig, job: Job
+) -> tuple[Settings | None, dict[str, Any], BaseException | None]:
+    """Settings (None when the config is refused), the run's metrics with their status, and the
+    failure that stopped it (None for a run that ran, whatever its verdict)."""
+    from attngym.config import from_config
 
     metrics: dict[str, Any] = {"status": "failed", "error": None}
     settings = None
-    failure: BaseException | None = None
     try:
-        settings = from_config(cfg)
-        task = registry.get("task", settings.topology.kind)
-        metrics.update(task(settings, run_dir))
-        metrics["status"] = "ok"
-        verdict = metrics.get("validation")
-        if isinstance(verdict, str) and verdict.startswith("failed"):
-            # The task returns every number; the verdict fails the run, metrics.json keeps both.
-            metrics["status"] = "failed"
-            metrics["error"] = f"validation {verdict}"
-            log.error("validation %s", verdict)
+        settings = from_config(to_plain(cfg))
+        metrics.update(_run_task(settings, job.run_dir))
     except Exception as err:
-        failure = err
         metrics["error"] = (
             str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
         )
-        if isinstance(err, ConfigError):
-            if multirun:  # a single run prints the one line below instead
-                log.error("config error: %s", err)
-        else:
+        if not isinstance(err, ConfigError):
             log.exception("run failed")
-    metrics["overrides"] = overrides
-    write_metrics(run_dir, metrics)
+        elif job.multirun:  # a single run prints the one line of _finish instead
+            log.error("config error: %s", err)
+        return settings, metrics, err
+    metrics.update(_verdict(metrics))
+    return settings, metrics, None
 
-    images = _draw_pictures(settings, run_dir) if settings is not None else {}
-    if settings is not None:
-        logger_cfg = dict(settings.logger)
-        tracker = registry.build("tracker", logger_cfg.pop("name"), **logger_cfg)
-        tracker.log_run(
-            RunRecord(
-                run_dir=run_dir,
-                metrics=metrics,
-                config=_plain_config(cfg),
-                images=images,
-                name=_run_name(hc),
-                group=_group_name(run_dir, multirun),
-                job_type=settings.topology.kind,
-            )
+
+def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
+    """status and error of a run that ran: a failed validation fails it. The task returns every
+    number; metrics.json keeps both the numbers and the verdict."""
+    verdict = metrics.get("validation")
+    if isinstance(verdict, str) and verdict.startswith("failed"):
+        log.error("validation %s", verdict)
+        return {"status": "failed", "error": f"validation {verdict}"}
+    return {"status": "ok"}
+
+
+def _write_files(job: Job, metrics: dict[str, Any]) -> None:
+    """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it)."""
+    from attngym.tracking import write_metrics
+
+    metrics["overrides"] = job.overrides
+    write_metrics(job.run_dir, metrics)
+
+
+def _track(
+    cfg: DictConfig, job: Job, settings: Settings, metrics: dict[str, Any], images: dict[str, Path]
+) -> None:
+    """Hand the run to the configured tracker (the `logger` group)."""
+    from attngym import registry
+    from attngym.tracking import RunRecord
+
+    params = dict(settings.logger)
+    tracker = registry.build("tracker", params.pop("name"), **params)
+    tracker.log_run(
+        RunRecord(
+            run_dir=job.run_dir,
+            metrics=metrics,
+            config=_tracked_config(cfg),
+            images=images,
+            name=job.name,
+            group=job.group,
+            job_type=settings.topology.kind,
         )
+    )
 
-    if multirun:
-        log.info("job %s %s: %s", hc.job.num, " ".join(overrides), metrics["status"])
+
+def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) -> dict[str, Any]:
+    """The job's outcome as Hydra and the shell see it.
+
+    In a sweep: a log line, and the metrics (the sweep goes on) unless the failure leaves
+    torchrun ranks out of step. A single run: one line and exit code 2 for a ConfigError; else
+    the results table, then the failure raised, or exit code 1 for a failed validation.
+    """
+    if job.multirun:
+        log.info("job %s %s: %s", job.num, " ".join(job.overrides), metrics["status"])
         if failure is not None and _stop_sweep_after(failure):
             from attngym.tracking.sweep import summarize
 
-            summarize(hc.sweep.dir)  # the jobs so far; on_multirun_end will not run
+            summarize(job.sweep_dir)  # the jobs so far; on_multirun_end will not run
             log.error(
                 "stopping the sweep: after this failure the ranks may be out of step; run the "
                 "same command again to resume (jobs already ok are skipped)"
@@ -359,7 +460,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
-    print(format_results(metrics, run_dir), flush=True)
+    print(format_results(metrics, job.run_dir), flush=True)
     if failure is not None:
         raise failure
     if metrics["status"] != "ok":  # a validation failure: the table above says which error
@@ -385,15 +486,5 @@ def entry(argv: list[str] | None = None) -> None:
         print(f"attngym: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     register_resolvers()
-    from attngym.tracking import sweep
-
-    sweep.LAST_RESULT.update(failed=0, jobs=0)
     sys.argv = [sys.argv[0], *argv]
-    main()
-    if sweep.LAST_RESULT["failed"]:
-        print(
-            f"attngym: {sweep.LAST_RESULT['failed']} of {sweep.LAST_RESULT['jobs']} sweep jobs "
-            "failed (see summary.md)",
-            file=sys.stderr,
-        )
-        raise SystemExit(1)
+    main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)

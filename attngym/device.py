@@ -153,3 +153,10 @@ def peak_memory_bytes(device: str | torch.device) -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so host timers and peaks are honest."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

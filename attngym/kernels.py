@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from attngym import reference
-from attngym.config import is_flash
 from attngym.errors import choice_error
 from attngym.variants.base import MaskMod, ScoreMod, Variant
 
@@ -55,6 +54,12 @@ RECOMPILE_LIMIT = 256
 COMPILED_MASK_ENTRIES = 2**28
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def is_flash(kernel_options: Mapping[str, Any] | None) -> bool:
+    """Whether these kernel options pick the FLASH backend (flash-attn-4's CuTe DSL kernels)."""
+    backend = (kernel_options or {}).get("BACKEND")
+    return isinstance(backend, str) and backend.upper() == "FLASH"
 
 
 def _flex_attention_constant_lse(*args, **kwargs):

@@ -1,20 +1,48 @@
 """Name → factory, per kind of component: how configs become objects.
 
-Kinds used by attngym: "variant" (the attention catalogue, delegated to attngym.variants),
-"task" (one per topology), "transport", "profiler", "tracker". `build(kind, name, **params)` checks
-`params` against the factory's signature before calling it, so a misspelt config key fails with the
-parameter list instead of a TypeError deep inside.
+One table for every kind attngym builds from a name: "variant" (the attention catalogue),
+"task" (one per topology), "transport", "profiler", "tracker". A kind's package registers its
+factories when imported, and a lookup imports that package first, so names never depend on import
+order. `build(kind, name, **params)` checks `params` against the factory's signature before
+calling it (`check_params`, the one signature check), so a misspelt config key fails with the
+parameter list and a suggestion instead of a TypeError deep inside.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from attngym.errors import choice_error
+from attngym.errors import choice_error, closest
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
+
+# The package whose modules register each kind.
+PACKAGES = {
+    "variant": "attngym.variants",
+    "task": "attngym.tasks",
+    "tracker": "attngym.tracking",
+    "profiler": "attngym.profiling",
+    "transport": "attngym.distributed",
+}
+# How an unknown name of a kind is described to the user.
+_LABELS = {"variant": "attention variant"}
+
+
+class ParamError(ValueError):
+    """A parameter a factory does not take, or a required one missing.
+
+    Attributes:
+        param: the parameter's name.
+        detail: the message without the kind, e.g. "'sliding_window' has no parameter 'w' ...".
+    """
+
+    def __init__(self, kind: str, param: str, detail: str):
+        self.param = param
+        self.detail = detail
+        super().__init__(f"{kind} {detail}")
 
 
 def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -31,28 +59,11 @@ def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..
 
 
 def _table(kind: str) -> dict[str, Callable[..., Any]]:
-    if kind == "variant":
-        from attngym import variants
-
-        return {n: variants.factory(n) for n in variants.names()}
-    _load(kind)
+    if kind in PACKAGES:
+        importlib.import_module(PACKAGES[kind])
     if kind not in _REGISTRY:
         raise ValueError(choice_error("component kind", kind, _REGISTRY))
     return _REGISTRY[kind]
-
-
-def _load(kind: str) -> None:
-    """Import the package whose modules register `kind`, so lookups never depend on import order."""
-    import importlib
-
-    package = {
-        "task": "attngym.tasks",
-        "tracker": "attngym.tracking",
-        "profiler": "attngym.profiling",
-        "transport": "attngym.distributed",
-    }.get(kind)
-    if package:
-        importlib.import_module(package)
 
 
 def names(kind: str) -> list[str]:
@@ -64,19 +75,34 @@ def get(kind: str, name: str) -> Callable[..., Any]:
     """The factory for (kind, name); unknown names list the choices and suggest the closest."""
     table = _table(kind)
     if name not in table:
-        raise ValueError(choice_error(kind, name, table))
+        raise ValueError(choice_error(_LABELS.get(kind, kind), name, table))
     return table[name]
 
 
-def check_params(kind: str, name: str, params: dict[str, Any]) -> None:
-    """ValueError for parameters the factory does not take, naming the ones it does."""
+def check_params(kind: str, name: str, params: Mapping[str, Any]) -> None:
+    """ParamError for a parameter the factory does not take (naming the ones it does, with the
+    closest spelling) or a required one missing."""
     sig = inspect.signature(get(kind, name))
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    for key in params:
-        if key not in sig.parameters:
-            allowed = ", ".join(sig.parameters) or "none"
-            raise ValueError(f"{kind} {name!r} has no parameter {key!r}; its parameters: {allowed}")
+    named = {
+        key: p
+        for key, p in sig.parameters.items()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    if len(named) == len(sig.parameters):  # no **kwargs: every key must be a parameter
+        for key in params:
+            if key not in named:
+                allowed = ", ".join(named) or "none"
+                hint = closest(key, named)
+                suffix = f" (did you mean {hint!r}?)" if hint else ""
+                raise ParamError(
+                    kind,
+                    key,
+                    f"{name!r} has no parameter {key!r} (value {params[key]!r}); "
+                    f"its parameters: {allowed}{suffix}",
+                )
+    for key, p in named.items():
+        if p.default is inspect.Parameter.empty and key not in params:
+            raise ParamError(kind, key, f"{name!r} needs parameter {key!r}; none given")
 
 
 def build(kind: str, name: str, **params: Any) -> Any:

@@ -60,7 +60,7 @@ def _attention(name: str, heads: int, seq_len: int) -> dict:
     with its `${shape.*}` interpolations resolved for this shape."""
     from omegaconf import OmegaConf
 
-    from attngym.config import register_resolvers
+    from attngym.cli import register_resolvers
 
     path = Path(__file__).resolve().parents[1] / "conf" / "attention" / f"{name}.yaml"
     if not path.exists():
@@ -77,9 +77,9 @@ def _contenders(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attngym import kernels
-    from attngym.tasks import common
+    from attngym.variants.spec import build_variant
 
-    variant = common.build_variant(
+    variant = build_variant(
         _attention(args.variant, args.heads, args.seq_len), seq_len=args.seq_len
     ).to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -90,10 +90,9 @@ def _contenders(args):
     for t in (q, k, v):
         t.requires_grad_(True)
     options = json.loads(args.kernel_options)
-    from attngym.config import is_flash
     from attngym.device import get_flash_block_size
 
-    block_size = get_flash_block_size() if is_flash(options) else (128, 128)
+    block_size = get_flash_block_size() if kernels.is_flash(options) else (128, 128)
     block_mask = kernels.make_block_mask(
         variant, args.seq_len, args.seq_len, block_size=block_size, device="cuda"
     )

@@ -6,6 +6,7 @@ checked with attngym.config. Each rejection has a matching accepted value next t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from attngym import registry
-from attngym.config import check_config, from_config, register_resolvers
+from attngym.cli import register_resolvers
+from attngym.config import check_config, from_config
 from attngym.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -86,7 +88,7 @@ def test_gemma2_is_composed(hydra_ctx):
     cfg = make(["attention=gemma2"])
     assert [c.name for c in cfg.attention.compose] == ["sliding_window", "softcap"]
     assert cfg.attention.compose[1].soft_cap == 50.0
-    from attngym.tasks.common import build_variant
+    from attngym.variants.spec import build_variant
 
     variant = build_variant(OmegaConf.to_container(cfg.attention), seq_len=1024)
     assert variant.name == "gemma2"
@@ -289,7 +291,7 @@ def test_from_config_resolves_auto(hydra_ctx):
 
 
 def test_resolvers():
-    from attngym.config import _div, _split
+    from attngym.cli import _div, _split
 
     assert _split(1000, [0.4, 0.1, 0.3, 0.2]) == [400, 100, 300, 200]
     assert sum(_split(1021, [1, 1, 1])) == 1021
@@ -345,7 +347,7 @@ def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
 def test_choices_are_the_library_tuples(hydra_ctx):
     from attngym.distributed.layout import LAYOUTS
     from attngym.distributed.transport import TRANSPORTS
-    from attngym.tasks.common import DTYPES
+    from attngym.inputs import TORCH_DTYPES
     from attngym.tracking.wandb_logger import MODES
 
     for choices, key in ((TRANSPORTS, "topology.transport"), (LAYOUTS, "topology.layout")):
@@ -355,5 +357,70 @@ def test_choices_are_the_library_tuples(hydra_ctx):
         check_config(make(["logger.mode=nope"]))
     import attngym.config as config
 
-    assert set(DTYPES) == set(config.DTYPES) - {"auto"}
+    assert set(TORCH_DTYPES) == set(config.DTYPES) - {"auto"}
     assert not hasattr(config, "TRANSPORTS") and not hasattr(config, "WANDB_MODES")
+
+
+def test_defaults_come_from_the_dataclasses():
+    """A mapping that names only the variant is a whole config: every other value is the default
+    of its Settings field, so the dataclasses are the one source of defaults."""
+    from attngym.config import Settings
+
+    settings = from_config({"attention": {"name": "causal"}, "device": {"name": "cpu"}})
+    default = Settings()
+    for field in ("shape", "topology", "benchmark", "block_size", "kernel_options", "compile"):
+        assert getattr(settings, field) == getattr(default, field), field
+    for field in ("compile_mode", "passes", "baselines", "validate", "validate_rows", "seed"):
+        assert getattr(settings, field) == getattr(default, field), field
+    assert settings.baseline_max_mask_bytes == default.baseline_max_mask_bytes == 256 * 2**20
+    assert (settings.device, settings.dtype, settings.profiler) == ("cpu", "float32", "none")
+    with pytest.raises(ConfigError, match="attention: missing"):
+        from_config({"device": {"name": "cpu"}})
+
+
+def test_config_yaml_agrees_with_the_dataclasses(hydra_ctx):
+    """Where conf/config.yaml states a key a user edits, it states the dataclass default."""
+    from attngym.config import Benchmark, Settings, Shape
+
+    data = check_config(make())
+    assert Shape(**data["shape"]) == Shape()
+    assert data["benchmark"] == dataclasses.asdict(Benchmark())
+    default = Settings()
+    for key in ("seed", "validate", "validate_rows", "compile", "compile_mode"):
+        assert data[key] == getattr(default, key), key
+    assert tuple(data["passes"]) == default.passes
+    assert tuple(data["baselines"]) == default.baselines
+    assert data["baseline_max_mask_bytes"] == default.baseline_max_mask_bytes
+
+
+def test_choice_tuples_come_from_the_literal_types():
+    from typing import get_args
+
+    from attngym import config
+
+    assert get_args(config.Dtype) == config.DTYPES[1:] and config.DTYPES[0] == "auto"
+    assert config.DEVICES == ("auto", "cpu", "cuda")
+    assert config.PASSES == ("fwd", "bwd") and "sdpa_dense_mask" in config.BASELINES
+
+
+def test_settings_carry_the_variant_built_once(hydra_ctx, monkeypatch):
+    import pickle
+
+    from attngym.variants import spec
+
+    built = []
+    build = spec.build_variant
+    monkeypatch.setattr(spec, "build_variant", lambda *a, **kw: built.append(a) or build(*a, **kw))
+    settings = from_config(make(["attention=sliding_window", "device=cpu"]))
+    assert settings.variant.name == "sliding_window" and len(built) == 1
+    assert settings.variant.params == {"window_size": 256}
+    # A spawned rank gets the settings pickled: the closures stay behind, the rank rebuilds them.
+    copy = pickle.loads(pickle.dumps(settings))
+    assert copy.variant.name == "sliding_window" and copy.variant is not settings.variant
+    assert copy.shape == settings.shape and copy.attention == settings.attention
+
+
+def test_kv_heads_resolved_once():
+    from attngym.config import Shape
+
+    assert Shape(heads=8).kv_heads == 8 and Shape(heads=8, kv_heads=2).kv_heads == 2

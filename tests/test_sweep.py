@@ -97,7 +97,7 @@ def test_resumed_sweep_skips_finished_jobs(failing):
 
 
 def test_summary_columns_follow_the_metric_names(tmp_path):
-    from attngym.tasks.common import HEADLINE_RATIOS, METRIC_NAMES
+    from attngym.metrics import HEADLINE_RATIOS, METRIC_NAMES
     from attngym.tracking.sweep import md_columns, write_markdown
 
     columns = md_columns()

@@ -1,4 +1,4 @@
-"""The single-device task against the float64 reference, and its helpers (tasks/common.py).
+"""The single-device task against the float64 reference.
 
 On CPU flex runs eagerly, forward only; its float32 output is compared with the float64 reference
 on the validated rows. Tolerance: float32 attention over S <= 256 keys accumulates rounding of
@@ -8,15 +8,14 @@ kept or dropped) moves outputs by O(0.1).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from attngym import reference
 from attngym.config import Benchmark, Settings, Shape
-from attngym.errors import ConfigError
-from attngym.tasks import common, single
+from attngym.inputs import make_inputs
+from attngym.tasks import single
+from attngym.variants.spec import build_variant
 
 TOL = 1e-4
 
@@ -75,8 +74,6 @@ def test_single_run_validates_and_times(tmp_path, attention):
 
 
 def test_dense_bias_baseline_matches_reference(rng):
-    from attngym.tasks.common import build_variant
-
     variant = build_variant({"name": "alibi", "num_heads": 2})
     q, k, v = (torch.randn(1, 2, 64, 16, generator=rng) for _ in range(3))
     bias, reason = single.dense_mask_or_bias(
@@ -94,98 +91,6 @@ def test_dense_bias_baseline_matches_reference(rng):
     assert none is None and "baseline_max_mask_bytes" in reason
 
 
-def test_make_inputs_are_seeded_random_and_shaped():
-    s = settings({"name": "causal"})
-    q, k, v, g = common.make_inputs(s, "cpu", torch.float32)
-    assert q.shape == (1, 2, 128, 16) and k.shape == v.shape == (1, 1, 128, 16)
-    assert g.shape == q.shape and q.std() > 0.5 and not torch.equal(q, g)
-    q2, *_ = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
-    assert torch.equal(q, q2.detach()) and q2.requires_grad
-
-
-def test_sample_rows_bounded_with_edges():
-    rows = common.sample_rows(10_000, 64, seed=0, device="cpu")
-    assert rows.numel() == 64 and rows[0] == 0 and rows[-1] == 9_999
-    assert torch.equal(rows, rows.unique())  # sorted, no repeats
-    assert torch.equal(common.sample_rows(32, 64, seed=0, device="cpu"), torch.arange(32))
-
-
-def test_errors_helpers():
-    ref = torch.tensor([[1.0, -math.inf], [2.0, 3.0]])
-    out = ref.clone()
-    out[1, 0] += 0.5
-    assert common.max_abs_error(out, ref) == pytest.approx(0.5)  # -inf vs -inf counts as 0
-    assert common.rel_error(torch.ones(4) * 1.1, torch.ones(4)) == pytest.approx(0.1)
-
-
-def test_build_variant_rejections_name_the_key():
-    with pytest.raises(ConfigError) as info:
-        common.build_variant({"name": "document", "doc_lengths": [10, 20]}, seq_len=64)
-    assert info.value.key == "attention.doc_lengths" and "30" in str(info.value)
-    assert common.build_variant({"name": "document", "doc_lengths": [40, 24]}, seq_len=64)
-    with pytest.raises(ConfigError) as info:
-        common.build_variant({"name": "gemma2", "compose": [{"name": "softcapp", "soft_cap": 1.0}]})
-    assert info.value.key == "attention.compose.0.name"
-
-
-def test_judge_errors_per_dtype():
-    # bf16 keeps 8 significant bits: 5e-3 is ordinary rounding, 0.31 a wrong kernel.
-    ok = {"err_out_rel": 5e-3, "err_lse_max_abs": 1e-3, "err_dq_rel": None}
-    assert common.judge_errors(ok, "bfloat16") == "ok"
-    bad = common.judge_errors({**ok, "err_out_rel": 0.31}, "bfloat16")
-    assert bad == "failed: err_out_rel=0.31 > 0.02 (bfloat16)"
-    # The same 5e-3 is far too much for float32; lse is judged with its absolute tolerance.
-    verdict = common.judge_errors({**ok, "err_lse_max_abs": 1e-3}, "float32")
-    assert verdict.startswith("failed: err_out_rel=0.005 > 0.0001; err_lse_max_abs=0.001 > ")
-    assert common.judge_errors({"err_dv_rel": math.nan}, "float64").startswith("failed")
-    assert common.judge_errors({"err_dv_rel": 1e-9}, "float64") == "ok"
-
-
-def _reference_kernel(variant, q, k, v):
-    """`attend` for validate_rows with the float32 dense reference as the kernel under test."""
-
-    def attend(g_masked):
-        out, lse = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
-        grads = torch.autograd.grad(out, (q, k, v), g_masked) if g_masked is not None else None
-        return out, lse, grads
-
-    return attend
-
-
-def test_validate_rows_accepts_a_right_kernel_with_gradients():
-    s = settings({"name": "causal"})
-    variant = common.build_variant(s.attention)
-    q, k, v, g = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
-    m = common.validate_rows(
-        s, variant, q, k, v, g, _reference_kernel(variant, q, k, v), do_bwd=True
-    )
-    assert m["validation"] == "ok" and m["validated_rows"] == 48
-    # g_masked: dk, dv of the whole problem match the 48-row reference to float32 rounding.
-    for name in ("err_out_rel", "err_dq_rel", "err_dk_rel", "err_dv_rel"):
-        assert m[name] < 1e-5, (name, m[name])
-
-
-def test_validate_rows_fails_a_wrong_kernel():
-    s = settings({"name": "causal"})
-    variant = common.build_variant(s.attention)
-    full = common.build_variant({"name": "full"})
-    q, k, v, g = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
-    m = common.validate_rows(s, variant, q, k, v, g, _reference_kernel(full, q, k, v), do_bwd=True)
-    assert m["validation"].startswith("failed: err_out_rel=") and "(float32)" in m["validation"]
-    assert m["err_out_rel"] > 0.1 and m["err_dk_rel"] > 0.1  # the numbers are kept
-
-
-def test_pass_metrics_from_timings():
-    from attngym.bench import Timing, attention_flops
-
-    shape = Shape(batch=1, heads=2, seq_len=128, head_dim=16)
-    m = common.pass_metrics({"fwd": Timing.from_times([1.0, 2.0, 4.0])}, shape, 128, 0.25)
-    flops = attention_flops(1, 2, 128, 128, 16, sparsity=0.25)
-    assert m["fwd_ms"] == 2.0 and m["fwd_ms_min"] == 1.0 and m["fwd_ms_max"] == 4.0
-    assert m["fwd_tflops"] == pytest.approx(flops / 2e-3 / 1e12)
-    assert m["bwd_ms"] is None and m["fwd_bwd_tflops"] is None
-
-
 class _NoBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -198,7 +103,7 @@ class _NoBackward(torch.autograd.Function):
 
 def test_baseline_pass_without_backward_is_recorded_not_fatal():
     s = settings({"name": "causal"})
-    q, k, v, g = common.make_inputs(s, "cpu", torch.float32, requires_grad=True)
+    q, k, v, g = make_inputs(s.shape, s.seed, "cpu", torch.float32, requires_grad=True)
     args = (q, k, v, g, s, torch.device("cpu"), True)
     failures: dict[str, str] = {}
     times = single._time_passes("sdpa_x", lambda: _NoBackward.apply(q), *args, failures)
@@ -209,14 +114,6 @@ def test_baseline_pass_without_backward_is_recorded_not_fatal():
     }
     with pytest.raises(RuntimeError, match="No available kernel"):  # flex: the run fails
         single._time_passes("flex", lambda: _NoBackward.apply(q), *args)
-
-
-def test_unknown_variant_parameter_suggests_the_closest():
-    with pytest.raises(ConfigError) as info:
-        common.build_variant({"name": "sliding_window", "window_siz": 3})
-    assert info.value.key == "attention.window_siz"
-    assert str(info.value).endswith("(did you mean 'window_size'?)")
-    assert common.build_variant({"name": "sliding_window", "window_size": 3}).name
 
 
 @pytest.mark.gpu
@@ -242,8 +139,8 @@ def test_peak_memory_excludes_validation_and_flush_buffer(tmp_path):
 )
 def test_flex_default_baseline_runs_when_flex_is_not_the_default(over, runs):
     s = settings({"name": "causal"}, **({"block_size": (128, 128)} | over))
-    variant = common.build_variant(s.attention, seq_len=s.shape.seq_len)
-    q, k, v, _ = common.make_inputs(s, "cpu", torch.float32)
+    variant = build_variant(s.attention, seq_len=s.shape.seq_len)
+    q, k, v, _ = make_inputs(s.shape, s.seed, "cpu", torch.float32)
     fn, reason = single._baseline("flex_default", variant, q, k, v, s, torch.device("cpu"))
     assert (fn is not None) == runs, reason
     if runs:

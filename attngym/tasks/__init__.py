@@ -4,8 +4,8 @@ Every task has the signature `run(settings: Settings, run_dir: pathlib.Path) -> 
 and returns flat metrics; the caller (attngym.cli) writes metrics.json, draws the pictures and
 hands everything to the trackers, so a task never deals with files other than its profiler's.
 
-Metric names (stable; W&B and the sweep summary use the same ones). Values are None where a
-quantity does not apply (e.g. gradient errors on CPU):
+Metric names (stable; W&B and the sweep summary use the same ones, from attngym.metrics). Values
+are None where a quantity does not apply (e.g. gradient errors on CPU):
 
     status, error                    ok | failed, and the error message of a failed run
     variant, topology, world_size, transport, device, dtype

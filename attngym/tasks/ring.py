@@ -1,16 +1,17 @@
 """Context-parallel runs (ring and all-gather): spawn the ranks, check, time, report.
 
-The parent process checks what it can without tensors (transport against the device, ranks
-against GPUs, the variant, seq_len against the layout) and raises ConfigError before any rank
-starts; then attngym.distributed.launch runs `_rank_run` on every rank. Every rank:
+The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
+attngym.config); the parent process checks the transport against the device and raises
+ConfigError before any rank starts; then attngym.distributed.launch runs `_rank_run` on every
+rank. Every rank:
 
 1. resolves the transport (collective on CUDA: the NVLink-domain check) and draws the same seeded
-   whole-sequence inputs on the CPU (attngym.tasks.common.make_inputs, identical on every rank),
+   whole-sequence inputs on the CPU (attngym.inputs.make_inputs, identical on every rank),
    takes its shard in the layout and moves only the shard to its device: no device holds the
    whole sequence, so context parallelism reaches lengths one device cannot;
 2. runs one forward (+ backward when passes include bwd; on CPU the reference chunk kernel gives
    one) timed apart (compilation on CUDA);
-3. validates with attngym.tasks.common.validate_rows, judged per dtype like a single run (a
+3. validates with attngym.validation.validate_rows, judged per dtype like a single run (a
    verdict over tolerance fails the run the same way): every rank attends with an output gradient
    kept on the sampled rows, the shards of out, lse and the gradients are gathered to rank 0's CPU,
    and rank 0 compares them with the float64 dense reference, computed on its CPU (sampled q rows
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import statistics
 import time
 import weakref
@@ -49,8 +49,10 @@ import torch
 
 from attngym import kernels, registry
 from attngym.config import Settings
-from attngym.errors import ConfigError
-from attngym.tasks import common
+from attngym.device import sync
+from attngym.inputs import make_inputs, torch_dtype
+from attngym.metrics import pass_metrics
+from attngym.validation import sample_rows, validate_rows
 
 log = logging.getLogger(__name__)
 
@@ -62,31 +64,17 @@ SINGLE_CPU_MAX_BYTES = 2 * 2**30
 
 
 def check_hardware(settings: Settings) -> None:
-    """ConfigError for what cannot run here, before any tensor work (no collective needed).
+    """ConfigError for a transport that cannot run here, before any tensor work (no collective
+    needed).
 
     transport=copy_engine on CPU (and any transport that cannot move this device's tensors) fails
-    on `topology.transport`; more ranks than GPUs fails on `topology.world_size` unless
-    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 allows several ranks per GPU. Ranks outside one
-    NVLink domain with copy_engine are caught on the ranks (resolve_transport).
+    on `topology.transport`. Ranks against GPUs and seq_len against the layout were checked with
+    the settings (attngym.config); ranks outside one NVLink domain with copy_engine are caught on
+    the ranks (resolve_transport).
     """
-    from attngym.distributed import launch, layout
     from attngym.distributed.transport import check_transport
 
-    topo = settings.topology
-    check_transport(topo.transport, settings.device, key="topology.transport")
-    if settings.device == "cuda" and not launch.under_torchrun():
-        gpus = torch.cuda.device_count()
-        overlap = os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
-        if topo.world_size > gpus and not overlap:
-            raise ConfigError(
-                "topology.world_size",
-                f"{topo.world_size} ranks but {gpus} GPU(s); use at most {gpus} (or auto), or "
-                "set TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 to share GPUs between ranks",
-            )
-    try:
-        layout.check_seq_len(settings.shape.seq_len, topo.world_size, topo.layout)
-    except ValueError as err:
-        raise ConfigError("shape.seq_len", str(err)) from None
+    check_transport(settings.topology.transport, settings.device, key="topology.transport")
 
 
 def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[str, Any]:
@@ -94,8 +82,7 @@ def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[s
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
-    common.build_variant(settings.attention, seq_len=settings.shape.seq_len)  # errors early
-    metrics = common.base_metrics(settings)
+    metrics = settings.describe()
     metrics.update(
         launch(
             _rank_run,
@@ -132,7 +119,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     finally:
         # Free this job's channels and symmetric memory: the next job of a torchrun sweep may use
         # other shapes, and every rank is past the job's last transfer and barrier here.
-        common.sync(device)
+        sync(device)
         clear_cache()
 
 
@@ -161,10 +148,10 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     from attngym.distributed.ring import CPStats
 
     topo = settings.topology
-    dtype = common.torch_dtype(settings.dtype)
+    dtype = torch_dtype(settings.dtype)
     shape = settings.shape
     seq_len = shape.seq_len
-    variant_cpu = common.build_variant(settings.attention, seq_len=seq_len)
+    variant_cpu = settings.variant
     variant = variant_cpu.to(device)
     do_bwd = "bwd" in settings.passes
     metrics: dict[str, Any] = {
@@ -187,7 +174,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         return shard(t, rank, world_size, topo.layout)
 
     # 1. Whole-sequence inputs on the CPU (the same draw on every rank), only the shard on device.
-    whole = common.make_inputs(settings, "cpu", torch.float32)  # q, k, v, grad_out
+    whole = make_inputs(settings.shape, settings.seed, "cpu", torch.float32)  # q, k, v, grad_out
     q_s, k_s, v_s, g_s = (mine(t).to(device=device, dtype=dtype) for t in whole)
     # Rank 0 keeps the whole inputs on its CPU, rounded to the run dtype like the shards.
     whole = tuple(t.to(dtype) for t in whole) if rank == 0 else None
@@ -209,13 +196,13 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     out = fwd()
     if do_bwd:
         torch.autograd.grad(out, (q_s, k_s, v_s), g_s)
-    common.sync(device)
+    sync(device)
     metrics["compile_s"] = time.perf_counter() - start
     del out
 
     # 3. Validation on sampled rows (rank 0 judges; the others attend and send their shards).
     if settings.validate:
-        rows = common.sample_rows(seq_len, settings.validate_rows, settings.seed, "cpu")
+        rows = sample_rows(seq_len, settings.validate_rows, settings.seed, "cpu")
         keep = torch.zeros(1, 1, seq_len, 1, dtype=torch.bool)
         keep[:, :, rows] = True
         g_masked_s = torch.where(mine(keep).to(device), g_s, torch.zeros_like(g_s))
@@ -234,8 +221,16 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         if rank == 0:
             q, k, v, grad_out = whole
             metrics.update(
-                common.validate_rows(
-                    settings, variant_cpu, q, k, v, grad_out, attend, do_bwd=do_bwd
+                validate_rows(
+                    variant_cpu,
+                    q,
+                    k,
+                    v,
+                    grad_out,
+                    attend,
+                    do_bwd=do_bwd,
+                    max_rows=settings.validate_rows,
+                    seed=settings.seed,
                 )
             )
         else:
@@ -265,7 +260,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         # A fresh forward graph per timed backward, built outside the timed region.
         timings["bwd"] = timed(lambda out: torch.autograd.grad(out, (q_s, k_s, v_s), g_s), fwd)
         timings["fwd_bwd"] = timed(lambda: torch.autograd.grad(fwd(), (q_s, k_s, v_s), g_s))
-    metrics.update(common.pass_metrics(timings, shape, seq_len, sparsity))
+    metrics.update(pass_metrics(timings, shape, seq_len, sparsity))
 
     # One instrumented forward: per-step compute, pairs, bytes.
     stats = CPStats()
@@ -369,11 +364,11 @@ def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repe
         for _ in range(repeats):
             cur = kv
             for i in range(world_size - 1):
-                common.sync(k_s.device)
+                sync(k_s.device)
                 start = time.perf_counter()
                 chan.send(cur, i)
                 nxt = chan.recv(i + 1)
-                common.sync(k_s.device)
+                sync(k_s.device)
                 times.append((time.perf_counter() - start) * 1e3)
                 if i > 0:
                     chan.release(i)  # the onward push out of this slot is queued
@@ -385,10 +380,10 @@ def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repe
             tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
         )
         for _ in range(repeats):
-            common.sync(k_s.device)
+            sync(k_s.device)
             start = time.perf_counter()
             ag.start(kv)
             ag.wait(kv)
-            common.sync(k_s.device)
+            sync(k_s.device)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)

@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 
-from attngym import kernels, reference, registry
+from attngym import kernels, reference, registry, validation
 from attngym.config import Settings
-from attngym.tasks import common
+from attngym.device import sync
+from attngym.inputs import make_inputs, torch_dtype
+from attngym.metrics import baseline_metric, pass_flops, pass_metrics, speedup_metric
 from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
@@ -53,17 +55,19 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     from attngym import device as device_mod
 
     device = torch.device(settings.device)
-    dtype = common.torch_dtype(settings.dtype)
+    dtype = torch_dtype(settings.dtype)
     shape = settings.shape
     seq_len = shape.seq_len
-    variant = common.build_variant(settings.attention, seq_len=seq_len).to(device)
-    metrics: dict[str, Any] = common.base_metrics(settings)
+    variant = settings.variant.to(device)
+    metrics: dict[str, Any] = settings.describe()
 
     can_bwd = device.type == "cuda"
     want_bwd = "bwd" in settings.passes
     do_bwd = want_bwd and can_bwd
     metrics["bwd_status"] = "ok" if do_bwd else (NO_CPU_BWD if want_bwd else "not requested")
-    q, k, v, grad_out = common.make_inputs(settings, device, dtype, requires_grad=do_bwd)
+    q, k, v, grad_out = make_inputs(
+        settings.shape, settings.seed, device, dtype, requires_grad=do_bwd
+    )
 
     block_mask = kernels.make_block_mask(
         variant, seq_len, seq_len, block_size=settings.block_size, device=device
@@ -90,7 +94,7 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     out, lse = fwd()
     if do_bwd:
         torch.autograd.grad(out, (q, k, v), grad_out)
-    common.sync(device)
+    sync(device)
     metrics["compile_s"] = time.perf_counter() - start
     what = "compile + first call" if use_compile else "first eager call"
     log.info("flex %s: %.2f s", what, metrics["compile_s"])
@@ -106,7 +110,17 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
             return out, lse, grads
 
         metrics.update(
-            common.validate_rows(settings, variant, q, k, v, grad_out, attend, do_bwd=do_bwd)
+            validation.validate_rows(
+                variant,
+                q,
+                k,
+                v,
+                grad_out,
+                attend,
+                do_bwd=do_bwd,
+                max_rows=settings.validate_rows,
+                seed=settings.seed,
+            )
         )
     else:
         metrics["validated_rows"] = 0
@@ -116,12 +130,12 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     # inputs, the L2-flush buffer, anything an earlier run in this process still holds).
     if device.type == "cuda":
         bench.l2_flush_buffer(device)
-    common.sync(device)
+    sync(device)
     live = device_mod.reset_peak_memory(device)
-    flops = common.pass_flops(shape, seq_len, sparsity)
+    flops = pass_flops(shape, seq_len, sparsity)
     flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
     metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device) - live
-    metrics.update(common.pass_metrics(flex_ms, shape, seq_len, sparsity))
+    metrics.update(pass_metrics(flex_ms, shape, seq_len, sparsity))
 
     # Profile one call, in the run folder.
     if settings.profiler != "none":
@@ -142,12 +156,10 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
             metrics[f"{name}_status"] = f"skipped: {missing}: {reason}"
             log.info("baseline %s %s skipped: %s", name, missing, reason)
         for p, timing in times.items():
-            metrics[common.baseline_metric(name, p, "ms")] = timing.median_ms
-            metrics[common.baseline_metric(name, p, "tflops")] = bench.tflops(
-                flops[p], timing.median_ms
-            )
+            metrics[baseline_metric(name, p, "ms")] = timing.median_ms
+            metrics[baseline_metric(name, p, "tflops")] = bench.tflops(flops[p], timing.median_ms)
             if flex_ms.get(p):
-                metrics[common.speedup_metric(name, p)] = timing.median_ms / flex_ms[p].median_ms
+                metrics[speedup_metric(name, p)] = timing.median_ms / flex_ms[p].median_ms
         del fn
     metrics.update(_best_sdpa(metrics, flex_ms))
     return metrics
@@ -165,16 +177,16 @@ def _best_sdpa(metrics: dict[str, Any], flex_ms: dict[str, Any]) -> dict[str, An
     out: dict[str, Any] = {}
     for p, timing in flex_ms.items():
         times = {
-            name: metrics[common.baseline_metric(name, p, "ms")]
+            name: metrics[baseline_metric(name, p, "ms")]
             for name in BASELINES
-            if name.startswith("sdpa") and metrics.get(common.baseline_metric(name, p, "ms"))
+            if name.startswith("sdpa") and metrics.get(baseline_metric(name, p, "ms"))
         }
         if not times or timing is None:
             continue
         best = min(times, key=times.get)
         out[f"best_sdpa_{p}"] = best
         out[f"best_sdpa_{p}_ms"] = times[best]
-        out[common.speedup_metric("best_sdpa", p)] = times[best] / timing.median_ms
+        out[speedup_metric("best_sdpa", p)] = times[best] / timing.median_ms
     return out
 
 
@@ -385,7 +397,7 @@ def _profile(
     profiler = registry.build("profiler", settings.profiler, run_dir=Path(run_dir))
     with profiler as result, torch.no_grad():
         fwd()
-        common.sync(device)
+        sync(device)
     result = dict(result or {})
     path = Path(run_dir) / "profile.json"
     path.write_text(json.dumps(result, indent=2, default=str))

@@ -29,6 +29,7 @@ from typing import Any
 
 from attngym.errors import ConfigError
 from attngym.fileio import atomic_write
+from attngym.metrics import table_columns
 from attngym.tracking.files import read_metrics
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,7 @@ log = logging.getLogger(__name__)
 
 def md_columns() -> tuple[str, ...]:
     """Columns of summary.md (summary.csv has them all): job, overrides, then the metric names of
-    attngym.tasks.common.table_columns (imported here: it pulls torch)."""
-    from attngym.tasks.common import table_columns
-
+    attngym.metrics.table_columns."""
     return ("job", "overrides", *table_columns())
 
 
@@ -67,10 +66,6 @@ def table_layout(
         if c not in KEPT_COLUMNS and all(row.get(c) == rows[0].get(c) for row in rows)
     }
     return [c for c in present if c not in shared], shared
-
-
-# Set by the callback at the end of a sweep run in this process: (failed jobs, all jobs).
-LAST_RESULT: dict[str, int] = {"failed": 0, "jobs": 0}
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -263,7 +258,8 @@ def _callback_base() -> type:
 
 
 class SweepSummary(_callback_base()):
-    """Hydra callback: progress over sweep jobs, then summarize() and the failure count."""
+    """Hydra callback: progress over sweep jobs, then summarize(); a sweep with failed jobs ends
+    with exit code 1."""
 
     def __init__(self) -> None:
         self._bar = None
@@ -280,7 +276,6 @@ class SweepSummary(_callback_base()):
                 raise SystemExit(2) from None
         total = count_jobs(config)
         self._done = 0
-        LAST_RESULT.update(failed=0, jobs=0)
         if total:
             self._bar = iter(progress(range(total), total=total, label="sweep jobs"))
 
@@ -298,7 +293,6 @@ class SweepSummary(_callback_base()):
             return  # under torchrun rank 0 writes the summary
         rows = summarize(sweep_dir)
         failed = [row for row in rows if row.get("status") != "ok"]
-        LAST_RESULT.update(failed=len(failed), jobs=len(rows))
         for row in failed:
             log.error("job %s (%s) failed: %s", row["job"], row["overrides"], row.get("error"))
         log.info(
@@ -307,3 +301,10 @@ class SweepSummary(_callback_base()):
             len(failed),
             sweep_dir / "summary.md",
         )
+        if failed:  # the sweep's exit code tells: Hydra lets SystemExit through
+            print(
+                f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(1)

@@ -13,14 +13,13 @@ on broadcast index grids (the dense reference).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from attngym.errors import choice_error
+from attngym import registry
 
 ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
 MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
@@ -86,53 +85,34 @@ class Variant:
         return f"Variant({self.name}({args}))"
 
 
-_FACTORIES: dict[str, Callable[..., Variant]] = {}
+# The catalogue is attngym.registry's kind "variant": one table and one signature check for
+# every component; these functions are the catalogue's names for them.
 
 
 def register(name: str) -> Callable[[Callable[..., Variant]], Callable[..., Variant]]:
     """Add a factory to the catalogue under `name` (explicit, one call per variant)."""
-
-    def deco(factory: Callable[..., Variant]) -> Callable[..., Variant]:
-        if name in _FACTORIES:
-            raise RuntimeError(f"variant {name!r} registered twice")
-        _FACTORIES[name] = factory
-        return factory
-
-    return deco
+    return registry.register("variant", name)
 
 
 def names() -> list[str]:
     """Every registered variant name, sorted."""
-    return sorted(_FACTORIES)
+    return registry.names("variant")
 
 
 def factory(name: str) -> Callable[..., Variant]:
     """The factory behind `name`; unknown names list the catalogue and suggest the closest."""
-    try:
-        return _FACTORIES[name]
-    except KeyError:
-        raise ValueError(choice_error("attention variant", name, _FACTORIES)) from None
+    return registry.get("variant", name)
 
 
 def check_params(name: str, params: Mapping[str, Any]) -> None:
-    """Raise ValueError for parameters the factory does not take or required ones missing."""
-    sig = inspect.signature(factory(name))
-    accepted = list(sig.parameters)
-    for key in params:
-        if key not in sig.parameters:
-            allowed = ", ".join(accepted) or "none"
-            raise ValueError(
-                f"variant {name!r} has no parameter {key!r}; its parameters: {allowed}"
-            )
-    for key, p in sig.parameters.items():
-        if p.default is inspect.Parameter.empty and key not in params:
-            raise ValueError(f"variant {name!r} needs parameter {key!r}")
+    """ValueError (attngym.registry.ParamError) for parameters the factory does not take or
+    required ones missing."""
+    registry.check_params("variant", name, params)
 
 
 def get(name: str, **params: Any) -> Variant:
     """Build the variant `name` with `params` (checked against its factory's signature)."""
-    check_params(name, params)
-    return _FACTORIES[name](**params)
+    return registry.build("variant", name, **params)
 
 
 def compose(*variants: Variant) -> Variant:

@@ -1,0 +1,81 @@
+"""From a config entry to a Variant: `build_variant({"name": ..., **params})`.
+
+The `attention` entry of a config names a catalogue factory and its parameters, or composes
+several entries. Its errors are ConfigErrors naming the offending dotted key
+(`attention.compose.0.window_size`) with the allowed parameters and a suggestion, so a misspelt
+YAML key is one line, not a TypeError from inside a factory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attngym import registry, variants
+from attngym.errors import ConfigError, choice_error
+from attngym.registry import ParamError
+from attngym.variants.base import Variant
+
+
+def build_variant(
+    attention: Mapping[str, Any], *, key: str = "attention", seq_len: int | None = None
+) -> Variant:
+    """The Variant an `attention` config entry describes, composed entries included.
+
+    Args:
+        attention: `{"name": NAME, **params}` or `{"name": NAME, "compose": [entry, ...]}`; each
+            composed entry is built like a plain one, then masks are AND-ed and score_mods chained
+            (attngym.variants.compose); the result is renamed NAME.
+        key: dotted config key of `attention`, used in error messages.
+        seq_len: when given, the variant must be defined at this length (document lengths, a
+            natten canvas).
+
+    Raises:
+        ConfigError: unknown variant or parameter, a missing or bad parameter, a seq_len mismatch;
+            the key names the offending entry, e.g. `attention.compose.0.window_size`.
+    """
+    if not isinstance(attention, Mapping) or "name" not in attention:
+        raise ConfigError(key, f"needs a 'name' (one of {', '.join(variants.names())})")
+    name = attention["name"]
+    if "compose" in attention:
+        parts = attention["compose"]
+        extra = sorted(set(attention) - {"name", "compose"})
+        if extra:
+            raise ConfigError(f"{key}.{extra[0]}", "a composed attention takes only name, compose")
+        if not isinstance(parts, Sequence) or isinstance(parts, str) or not parts:
+            raise ConfigError(f"{key}.compose", f"must be a non-empty list, got {parts!r}")
+        built = [build_variant(p, key=f"{key}.compose.{i}") for i, p in enumerate(parts)]
+        try:
+            variant = variants.compose(*built)
+        except ValueError as err:
+            raise ConfigError(f"{key}.compose", str(err)) from None
+        variant = dataclasses.replace(variant, name=str(name))
+    else:
+        if name not in variants.names():
+            raise ConfigError(
+                f"{key}.name", choice_error("attention variant", name, variants.names())
+            )
+        params = {k: v for k, v in attention.items() if k != "name"}
+        try:
+            registry.check_params("variant", name, params)
+        except ParamError as err:
+            raise ConfigError(f"{key}.{err.param}", err.detail) from None
+        try:
+            variant = variants.get(name, **params)
+        except (ValueError, TypeError) as err:
+            message = str(err)
+            bad = next((p for p in params if message.startswith(p)), None)
+            raise ConfigError(f"{key}.{bad}" if bad else key, message) from None
+    if seq_len is not None and variant.seq_len is not None and variant.seq_len != seq_len:
+        what = {"document": "doc_lengths", "natten": "canvas_w"}.get(str(name))
+        detail = f"{dict(variant.params)}" if what is None else f"{attention.get(what)!r}"
+        hint = {
+            "doc_lengths": "the document lengths must sum to shape.seq_len",
+            "canvas_w": "canvas_w * canvas_h must equal shape.seq_len",
+        }.get(what, "the variant is built for another length")
+        raise ConfigError(
+            f"{key}.{what}" if what else key,
+            f"{detail} describes {variant.seq_len} tokens but shape.seq_len={seq_len}; {hint}",
+        )
+    return variant

@@ -1,0 +1,78 @@
+"""Validation against the float64 dense reference: sampled rows, error metrics, the verdict per
+dtype, and validate_rows judging a right and a wrong kernel."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attngym import reference
+from attngym.config import Shape
+from attngym.inputs import make_inputs
+from attngym.validation import judge_errors, max_abs_error, rel_error, sample_rows, validate_rows
+from attngym.variants.spec import build_variant
+
+SHAPE = Shape(batch=1, heads=2, kv_heads=1, seq_len=128, head_dim=16)
+
+
+def test_sample_rows_bounded_with_edges():
+    rows = sample_rows(10_000, 64, seed=0, device="cpu")
+    assert rows.numel() == 64 and rows[0] == 0 and rows[-1] == 9_999
+    assert torch.equal(rows, rows.unique())  # sorted, no repeats
+    assert torch.equal(sample_rows(32, 64, seed=0, device="cpu"), torch.arange(32))
+
+
+def test_errors_helpers():
+    ref = torch.tensor([[1.0, -math.inf], [2.0, 3.0]])
+    out = ref.clone()
+    out[1, 0] += 0.5
+    assert max_abs_error(out, ref) == pytest.approx(0.5)  # -inf vs -inf counts as 0
+    assert rel_error(torch.ones(4) * 1.1, torch.ones(4)) == pytest.approx(0.1)
+
+
+def test_judge_errors_per_dtype():
+    # bf16 keeps 8 significant bits: 5e-3 is ordinary rounding, 0.31 a wrong kernel.
+    ok = {"err_out_rel": 5e-3, "err_lse_max_abs": 1e-3, "err_dq_rel": None}
+    assert judge_errors(ok, "bfloat16") == "ok"
+    bad = judge_errors({**ok, "err_out_rel": 0.31}, "bfloat16")
+    assert bad == "failed: err_out_rel=0.31 > 0.02 (bfloat16)"
+    # The same 5e-3 is far too much for float32; lse is judged with its absolute tolerance.
+    verdict = judge_errors({**ok, "err_lse_max_abs": 1e-3}, "float32")
+    assert verdict.startswith("failed: err_out_rel=0.005 > 0.0001; err_lse_max_abs=0.001 > ")
+    assert judge_errors({"err_dv_rel": math.nan}, "float64").startswith("failed")
+    assert judge_errors({"err_dv_rel": 1e-9}, "float64") == "ok"
+
+
+def _reference_kernel(variant, q, k, v):
+    """`attend` for validate_rows with the float32 dense reference as the kernel under test."""
+
+    def attend(g_masked):
+        out, lse = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
+        grads = torch.autograd.grad(out, (q, k, v), g_masked) if g_masked is not None else None
+        return out, lse, grads
+
+    return attend
+
+
+def test_validate_rows_accepts_a_right_kernel_with_gradients():
+    variant = build_variant({"name": "causal"})
+    q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32, requires_grad=True)
+    m = validate_rows(
+        variant, q, k, v, g, _reference_kernel(variant, q, k, v), do_bwd=True, max_rows=48, seed=3
+    )
+    assert m["validation"] == "ok" and m["validated_rows"] == 48
+    # g_masked: dk, dv of the whole problem match the 48-row reference to float32 rounding.
+    for name in ("err_out_rel", "err_dq_rel", "err_dk_rel", "err_dv_rel"):
+        assert m[name] < 1e-5, (name, m[name])
+
+
+def test_validate_rows_fails_a_wrong_kernel():
+    variant = build_variant({"name": "causal"})
+    full = build_variant({"name": "full"})
+    q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32, requires_grad=True)
+    attend = _reference_kernel(full, q, k, v)
+    m = validate_rows(variant, q, k, v, g, attend, do_bwd=True, max_rows=48, seed=3)
+    assert m["validation"].startswith("failed: err_out_rel=") and "(float32)" in m["validation"]
+    assert m["err_out_rel"] > 0.1 and m["err_dk_rel"] > 0.1  # the numbers are kept
