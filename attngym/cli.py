@@ -35,7 +35,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from attngym.config import Settings
-from attngym.errors import ConfigError, choice_error
+from attngym.errors import ConfigError, RankFailure, choice_error
 from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line in the table
 
 log = logging.getLogger(__name__)
@@ -357,15 +357,38 @@ def _stop_sweep_after(err: BaseException) -> bool:
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job: check, run the topology's task, judge, write files, draw, track, exit."""
+    """One Hydra job: check, run the topology's task, judge, write files, draw, track, exit.
+
+    The run folder's lock (attngym.tracking.lock) is held throughout by the process that writes
+    there (rank 0 under torchrun): a second run pointed at the same folder stops with one line
+    naming the holder, exit code 1, before it reads or writes anything.
+    """
+    from attngym.tracking.lock import FolderLock, FolderLocked
+
     job = _job()
+    if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
+        if job.multirun and _already_ok(job.run_dir, job.overrides):  # as rank 0 does
+            return None
+        return _run_other_rank(cfg, job)
+    lock = FolderLock(job.run_dir)
+    try:
+        lock.acquire()
+    except FolderLocked as err:
+        print(f"attngym: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        return _run_locked(cfg, job)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
+    """run_job's body, run folder locked."""
     if job.multirun and _already_ok(job.run_dir, job.overrides):  # every rank skips it together
         log.info(
             "job %s (%s): already ok in %s, skipping", job.num, " ".join(job.overrides), job.run_dir
         )
         return None
-    if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
-        return _run_other_rank(cfg, job)
     settings, metrics, failure = _check_and_run(cfg, job)
     _write_files(job, metrics)
     if settings is not None:
@@ -389,7 +412,9 @@ def _check_and_run(
         metrics["error"] = (
             str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
         )
-        if not isinstance(err, ConfigError):
+        if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
+            log.error("run failed: %s", err)
+        elif not isinstance(err, ConfigError):
             log.exception("run failed")
         elif job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
@@ -461,6 +486,11 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print(format_results(metrics, job.run_dir), flush=True)
+    if isinstance(
+        failure, RankFailure
+    ):  # one line: its cause is logged, the traceback says no more
+        print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if failure is not None:
         raise failure
     if metrics["status"] != "ok":  # a validation failure: the table above says which error

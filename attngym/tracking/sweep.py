@@ -31,6 +31,7 @@ from attngym.errors import ConfigError
 from attngym.fileio import atomic_write
 from attngym.metrics import table_columns
 from attngym.tracking.files import read_metrics
+from attngym.tracking.lock import FolderLock, FolderLocked
 
 log = logging.getLogger(__name__)
 
@@ -264,14 +265,22 @@ class SweepSummary(_callback_base()):
     def __init__(self) -> None:
         self._bar = None
         self._done = 0
+        self._lock: FolderLock | None = None
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import progress
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks for the sweep
+            # Hydra only warns about an Exception from a callback: stop with one line instead.
+            try:
+                self._lock = FolderLock(config.hydra.sweep.dir).acquire()  # held until the end
+            except FolderLocked as err:
+                print(f"attngym: error: {err}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
             try:
                 record_grid(config.hydra.sweep.dir, grid_overrides(config))
-            except ConfigError as err:  # Hydra only warns about an Exception from a callback
+            except ConfigError as err:
+                self._release()
                 print(f"attngym: error: {err}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
         total = count_jobs(config)
@@ -291,6 +300,18 @@ class SweepSummary(_callback_base()):
         sweep_dir = Path(config.hydra.sweep.dir)
         if os.environ.get("RANK", "0") != "0" or not sweep_dir.is_dir():
             return  # under torchrun rank 0 writes the summary
+        try:
+            self._summarize(sweep_dir)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    @staticmethod
+    def _summarize(sweep_dir: Path) -> None:
         rows = summarize(sweep_dir)
         failed = [row for row in rows if row.get("status") != "ok"]
         for row in failed:
