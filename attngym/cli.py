@@ -228,13 +228,26 @@ def _job() -> Job:
     )
 
 
-def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
+def _why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
+    """Why a sweep job must run again: None when an earlier run of it finished ok with every file
+    written (status ok, `complete: true`, heatmap.png and block_mask.png not empty), "" when it
+    never wrote metrics.json, else what is wrong with what it left."""
     from attngym.tracking import read_metrics
 
     previous = read_metrics(run_dir)
-    return bool(
-        previous and previous.get("status") == "ok" and previous.get("overrides") == overrides
-    )
+    if previous is None:
+        return ""
+    if previous.get("overrides") != overrides:
+        return "its metrics.json is of other overrides"
+    if previous.get("status") != "ok":
+        return f"it ended {previous.get('status')}: {previous.get('error')}"
+    if previous.get("complete") is not True:
+        return "it stopped after metrics.json, before its pictures and tracker"
+    for name in PICTURES.values():
+        path = run_dir / name
+        if not path.is_file() or path.stat().st_size == 0:
+            return f"its {name} is missing or empty"
+    return None
 
 
 def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
@@ -367,7 +380,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
     job = _job()
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
-        if job.multirun and _already_ok(job.run_dir, job.overrides):  # as rank 0 does
+        if job.multirun and _why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
             return None
         return _run_other_rank(cfg, job)
     lock = FolderLock(job.run_dir)
@@ -384,15 +397,21 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
 def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
     """run_job's body, run folder locked."""
-    if job.multirun and _already_ok(job.run_dir, job.overrides):  # every rank skips it together
-        log.info(
-            "job %s (%s): already ok in %s, skipping", job.num, " ".join(job.overrides), job.run_dir
-        )
-        return None
+    if job.multirun:  # a resumed sweep: every rank decides alike from the same files
+        why = _why_rerun(job.run_dir, job.overrides)
+        what = f"job {job.num} ({' '.join(job.overrides)})"
+        if why is None:
+            log.info("%s: already ok in %s, skipping", what, job.run_dir)
+            return None
+        if why:
+            log.info("%s: running it again: %s", what, why)
     settings, metrics, failure = _check_and_run(cfg, job)
-    _write_files(job, metrics)
+    # metrics.json first (what was measured is safe), then `complete: true` once every file of
+    # the run is written: a resumed sweep re-runs a job whose last write never came.
+    _write_metrics(job, metrics, complete=False)
     if settings is not None:
         _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+    _write_metrics(job, metrics, complete=True)
     return _finish(job, metrics, failure)
 
 
@@ -433,12 +452,13 @@ def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok"}
 
 
-def _write_files(job: Job, metrics: dict[str, Any]) -> None:
-    """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it)."""
+def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None:
+    """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it);
+    `complete` says whether every other file of the run is written too."""
     from attngym.tracking import write_metrics
 
     metrics["overrides"] = job.overrides
-    write_metrics(job.run_dir, metrics)
+    write_metrics(job.run_dir, {**metrics, "complete": complete})
 
 
 def _track(

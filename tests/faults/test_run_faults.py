@@ -8,6 +8,7 @@ from the run layer into a task) before the command line runs; everything else is
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -33,7 +34,15 @@ FAULTY = textwrap.dedent(
             raise RankFailure("rank 1 exited with code 3")
         return real(settings, run_dir)
 
+    def killed_before_pictures(settings, run_dir):
+        if settings.shape.seq_len == 128:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return draw(settings, run_dir)
+
+    draw = cli._draw_pictures
     cli._run_task = faulty
+    if fault == "killed_before_pictures":
+        cli._draw_pictures = killed_before_pictures
     cli.entry(args)
     """
 )
@@ -74,3 +83,47 @@ def test_a_rank_failure_is_one_line_and_exit_code_1(tmp_path, attngym_cli):
     assert "Traceback" not in proc.stderr + proc.stdout
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["status"] == "failed" and metrics["error"].startswith("RankFailure: rank 1")
+
+
+def test_a_job_killed_between_metrics_json_and_its_pictures_runs_again_on_resume(
+    tmp_path, attngym_cli
+):
+    folder = tmp_path / "sweep"
+    args = ["-m", *TINY, "shape.seq_len=64,128", f"hydra.sweep.dir={folder}"]
+    killed = attngym_cli(["killed_before_pictures", *args], tmp_path, command=("-c", FAULTY))
+    assert killed.returncode == -9
+    first = json.loads((folder / "1" / "metrics.json").read_text())
+    assert first["status"] == "ok" and first["complete"] is False  # measured, not finished
+    assert not (folder / "1" / "heatmap.png").exists()
+    resumed = attngym_cli(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    log = resumed.stdout + resumed.stderr
+    assert re.search(r"job 0 \(.*shape.seq_len=64.*\): already ok", log)
+    assert re.search(r"job 1 \(.*shape.seq_len=128.*\): running it again: it stopped after", log)
+    assert "taking over the stale lock" in log  # the killed sweep's lock
+    assert json.loads((folder / "1" / "metrics.json").read_text())["complete"] is True
+    assert (folder / "1" / "heatmap.png").stat().st_size > 0
+
+
+def test_resume_reruns_a_job_with_a_bad_status_flag_or_picture(tmp_path):
+    from attngym import cli
+    from attngym.tracking import write_metrics
+
+    overrides = ["shape.seq_len=64"]
+    ok = {"status": "ok", "complete": True, "overrides": overrides}
+    write_metrics(tmp_path, ok)
+    assert cli._why_rerun(tmp_path, overrides) == "its heatmap.png is missing or empty"
+    (tmp_path / "heatmap.png").write_bytes(b"png")
+    (tmp_path / "block_mask.png").write_bytes(b"")
+    assert cli._why_rerun(tmp_path, overrides) == "its block_mask.png is missing or empty"
+    (tmp_path / "block_mask.png").write_bytes(b"png")
+    assert cli._why_rerun(tmp_path, overrides) is None
+    assert (
+        cli._why_rerun(tmp_path, ["shape.seq_len=128"]) == "its metrics.json is of other overrides"
+    )
+    write_metrics(tmp_path, {**ok, "complete": False})
+    assert "stopped after metrics.json" in cli._why_rerun(tmp_path, overrides)
+    write_metrics(tmp_path, {**ok, "status": "interrupted", "error": "SIGTERM"})
+    assert cli._why_rerun(tmp_path, overrides) == "it ended interrupted: SIGTERM"
+    (tmp_path / "metrics.json").unlink()
+    assert cli._why_rerun(tmp_path, overrides) == ""
