@@ -76,6 +76,10 @@ CP_ROWS = (
     ("efficiency", "efficiency"),
     ("single_fwd_bwd_ms", "one device fwd+bwd (ms)"),
     ("efficiency_fwd_bwd", "efficiency fwd+bwd"),
+    ("load_imbalance", "load imbalance"),
+    ("torch_cp_status", "torch_cp"),
+    ("attngym_over_torch_cp_fwd", "attngym speed-up vs torch_cp fwd"),
+    ("attngym_over_torch_cp_fwd_bwd", "attngym speed-up vs torch_cp fwd+bwd"),
 )
 
 

@@ -42,16 +42,22 @@ Device = Literal["cpu", "cuda"]  # a resolved device
 Pass = Literal["fwd", "bwd"]
 # sdpa: SDPA's own dispatch; sdpa_<backend>: that backend forced; sdpa_dense_mask: the variant as a
 # dense mask/bias; flex_default: compiled flex at (128, 128) with no kernel options (the contender
-# a tuned block size or kernel options are measured against).
-Baseline = Literal[
+# a tuned block size or kernel options are measured against). These run in single-device runs.
+SingleBaseline = Literal[
     "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask", "flex_default"
 ]
+# torch_cp: PyTorch's own flex context parallelism; it runs in context-parallel runs. Each task
+# runs the baselines of its own kind, so one default list serves both.
+CPBaseline = Literal["torch_cp"]
+Baseline = Literal[SingleBaseline, CPBaseline]
 AUTO = "auto"  # resolved on the machine that runs: device, dtype, world_size
 
 DTYPES = (AUTO, *get_args(Dtype))
 DEVICES = (AUTO, *get_args(Device))
 PASSES = get_args(Pass)
-BASELINES = get_args(Baseline)
+SINGLE_BASELINES = get_args(SingleBaseline)
+CP_BASELINES = get_args(CPBaseline)
+BASELINES = (*SINGLE_BASELINES, *CP_BASELINES)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -128,9 +134,10 @@ class Settings:
         "sdpa_flash",
         "sdpa_efficient",
         "sdpa_dense_mask",
+        "torch_cp",
     )
     """Contenders timed on the same inputs; each is skipped, with the reason, where it does not
-    apply."""
+    apply. A single-device run runs SINGLE_BASELINES, a context-parallel run CP_BASELINES."""
     validate: bool = True
     """Compare against the float64 dense reference."""
     validate_rows: int = 256

@@ -58,15 +58,23 @@ HEADLINE_RATIOS = tuple(
 )
 
 
-# What a context-parallel run adds to a results table: how it scaled and where the time went.
+# What a context-parallel run adds to a results table: how it scaled, where the time went, and
+# how it compares with PyTorch's own flex context parallelism (torch_cp) in time and memory.
 CP_COLUMNS = (
     "layout",
+    "load_imbalance",
     "efficiency",
     "efficiency_fwd_bwd",
     "single_fwd_ms",
     "single_fwd_bwd_ms",
     "step_compute_ms",
     "step_transfer_ms",
+    "torch_cp_fwd_ms",
+    "torch_cp_fwd_bwd_ms",
+    "attngym_over_torch_cp_fwd",
+    "attngym_over_torch_cp_fwd_bwd",
+    "torch_cp_peak_mem_bytes",
+    "torch_cp_status",
 )
 
 

@@ -4,11 +4,12 @@ Importing this package is light: no symmetric memory, cuda.bindings or pynvml. T
 classes and the NVLink-domain helpers are imported when first used.
 
 Public API:
-    shard, unshard                      sequence layouts (contiguous, zigzag)
+    shard, unshard, plan, load_imbalance   sequence layouts (contiguous, zigzag, balanced)
     P2PChannel, P2PAllGather            the transport interface over NCCL / gloo
     CopyEngineChannel, CopyEngineAllGather   the same over symmetric memory (CUDA)
     in_one_nvlink_domain, nvlink_domain
     ring_attention, allgather_attention context-parallel attention of sharded q, k, v
+    CPOptions, CPStats                  their options and statistics (attngym.distributed.cp)
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from attngym.distributed import transport  # noqa: F401  (registers kind "transport")
 from attngym.distributed.allgather import allgather_attention
-from attngym.distributed.layout import shard, unshard
+from attngym.distributed.cp import CPOptions, CPStats
+from attngym.distributed.layout import load_imbalance, plan, shard, unshard
 from attngym.distributed.merge import merge
 from attngym.distributed.p2p import P2PAllGather, P2PChannel
 from attngym.distributed.ring import ring_attention
@@ -38,14 +40,18 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CPOptions",
+    "CPStats",
     "CopyEngineAllGather",
     "CopyEngineChannel",
     "P2PAllGather",
     "P2PChannel",
     "allgather_attention",
     "in_one_nvlink_domain",
+    "load_imbalance",
     "merge",
     "nvlink_domain",
+    "plan",
     "ring_attention",
     "shard",
     "unshard",

@@ -78,6 +78,11 @@ def _api() -> dict[str, Any]:
     }
 
 
+def block_size() -> int:
+    """The block size (q and kv) of PyTorch's CP block mask: flex's default, fixed."""
+    return _api()["block_size"]
+
+
 def torch_layout(layout: str) -> str:
     """The attngym layout PyTorch's CP runs when attngym runs `layout` (itself where they agree)."""
     if layout not in layouts.LAYOUTS:

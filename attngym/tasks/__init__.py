@@ -25,10 +25,20 @@ are None where a quantity does not apply (e.g. gradient errors on CPU):
     <baseline>_<pass>_ms, <baseline>_<pass>_tflops   e.g. sdpa_fwd_ms (pass: fwd, bwd, fwd_bwd)
     flex_over_<baseline>_<pass>      baseline time / flex time (> 1: flex is faster)
     <baseline>_status                ok | skipped: <reason>
+
+Context-parallel runs (attngym.tasks.context_parallel) add:
+
+    layout, load_imbalance           the sequence layout; max over mean of non-empty blocks per rank
+    peak_mem_bytes                   (CP: the largest over the ranks, per rank)
+    single_fwd_ms, efficiency, single_fwd_bwd_ms, efficiency_fwd_bwd   against one device
+    step_compute_ms, step_transfer_ms, pairs_computed, pairs_skipped, bytes_moved
+    torch_cp_fwd_ms, torch_cp_fwd_bwd_ms, torch_cp_peak_mem_bytes   PyTorch's own flex CP
+    attngym_over_torch_cp_<pass>     torch_cp time / attngym time (> 1: attngym is faster)
+    torch_cp_status, torch_cp_bwd_status   ok | skipped: <reason> | not available: <reason>
+    torch_cp_err_out_rel, torch_cp_err_out_max_abs, torch_cp_validation   torch_cp vs attngym
 """
 
 from attngym.tasks import (
-    allgather,  # noqa: F401  (registers "allgather")
-    ring,  # noqa: F401  (registers "ring")
+    context_parallel,  # noqa: F401  (registers "ring", "allgather")
     single,  # noqa: F401  (registers "single")
 )

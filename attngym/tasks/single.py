@@ -141,8 +141,10 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     if settings.profiler != "none":
         metrics.update(_profile(settings, fwd, device, run_dir))
 
-    # 5. Baselines on the same inputs.
-    for name in settings.baselines:
+    # 5. Baselines on the same inputs (the context-parallel ones belong to CP runs).
+    from attngym.config import SINGLE_BASELINES
+
+    for name in (b for b in settings.baselines if b in SINGLE_BASELINES):
         fn, reason = _baseline(name, variant, q, k, v, settings, device)
         metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
         if fn is None:
