@@ -26,16 +26,17 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from attngym.config import Settings
-from attngym.errors import ConfigError, RankFailure, choice_error
+from attngym.errors import ConfigError, Interrupted, RankFailure, choice_error
 from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line in the table
 
 log = logging.getLogger(__name__)
@@ -331,11 +332,12 @@ def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     return handler
 
 
-def _run_task(settings: Settings, run_dir: Path) -> dict[str, Any]:
-    """The topology's task, from the registry: its flat metrics."""
+def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
+    come (an interrupted run keeps what was measured)."""
     from attngym import registry
 
-    return registry.get("task", settings.topology.kind)(settings, run_dir) or {}
+    return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
 
 
 def _run_other_rank(cfg: DictConfig, job: Job) -> None:
@@ -348,7 +350,7 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
 
     handler = _rank_log(job.run_dir, job.rank)
     try:
-        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir)
+        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
         log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
     except Exception as err:
         log.exception("rank %d failed", job.rank)
@@ -409,28 +411,48 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             return None
         if why:
             log.info("%s: running it again: %s", what, why)
-    settings, metrics, failure = _check_and_run(cfg, job)
-    # metrics.json first (what was measured is safe), then `complete: true` once every file of
-    # the run is written: a resumed sweep re-runs a job whose last write never came.
-    _write_metrics(job, metrics, complete=False)
-    if settings is not None:
-        _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
-    _write_metrics(job, metrics, complete=True)
+    metrics: dict[str, Any] = {"status": "failed", "error": None}
+    try:
+        settings, failure = _check_and_run(cfg, job, metrics)
+        # metrics.json first (what was measured is safe), then `complete: true` once every file
+        # of the run is written: a resumed sweep re-runs a job whose last write never came.
+        _write_metrics(job, metrics, complete=False)
+        if settings is not None:
+            _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+        _write_metrics(job, metrics, complete=True)
+    except Interrupted as stop:
+        _stop_interrupted(job, metrics, stop)
     return _finish(job, metrics, failure)
 
 
+def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> NoReturn:
+    """SIGINT/SIGTERM during a job: metrics.json with status `interrupted` and what was measured
+    so far, in a sweep the summary of the jobs so far, one line, exit code 128 + signal.
+    Further signals are ignored meanwhile, so that these writes are not cut short."""
+    from attngym.tracking.sweep import summarize
+
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+    metrics.update(status="interrupted", error=str(stop))
+    _write_metrics(job, metrics, complete=False)
+    if job.multirun:
+        summarize(job.sweep_dir)
+    where = job.sweep_dir if job.multirun else job.run_dir
+    print(f"attngym: {stop}; what was measured is in {where}", file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_code)
+
+
 def _check_and_run(
-    cfg: DictConfig, job: Job
-) -> tuple[Settings | None, dict[str, Any], BaseException | None]:
-    """Settings (None when the config is refused), the run's metrics with their status, and the
-    failure that stopped it (None for a run that ran, whatever its verdict)."""
+    cfg: DictConfig, job: Job, metrics: dict[str, Any]
+) -> tuple[Settings | None, BaseException | None]:
+    """Settings (None when the config is refused) and the failure that stopped the run (None
+    for a run that ran, whatever its verdict); the run's metrics and status go into `metrics`."""
     from attngym.config import from_config
 
-    metrics: dict[str, Any] = {"status": "failed", "error": None}
     settings = None
     try:
         settings = from_config(to_plain(cfg))
-        metrics.update(_run_task(settings, job.run_dir))
+        metrics.update(_run_task(settings, job.run_dir, metrics))
     except Exception as err:
         metrics["error"] = (
             str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
@@ -441,9 +463,9 @@ def _check_and_run(
             log.exception("run failed")
         elif job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
-        return settings, metrics, err
+        return settings, err
     metrics.update(_verdict(metrics))
-    return settings, metrics, None
+    return settings, None
 
 
 def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -541,4 +563,18 @@ def entry(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     register_resolvers()
     sys.argv = [sys.argv[0], *argv]
-    main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)
+    for signum in INTERRUPTS:
+        signal.signal(signum, _raise_interrupted)
+    try:
+        main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)
+    except Interrupted as stop:  # outside a job (a job stops itself: _stop_interrupted)
+        print(f"attngym: {stop}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.exit_code) from None
+
+
+# SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's stop) end a run alike: Interrupted.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)

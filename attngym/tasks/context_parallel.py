@@ -159,12 +159,16 @@ def check_hardware(settings: Settings) -> None:
     check_transport(settings.topology.transport, settings.device, key="topology.transport")
 
 
-def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[str, Any]:
-    """Check, launch the ranks, and return rank 0's metrics (kind: a key of KINDS)."""
+def run_context_parallel(
+    settings: Settings, run_dir: Path, kind: str, metrics: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Check, launch the ranks, and return rank 0's metrics (kind: a key of KINDS), filled into
+    `metrics` (the settings first: a run stopped part-way keeps what it ran)."""
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
-    metrics = settings.describe()
+    metrics = {} if metrics is None else metrics
+    metrics.update(settings.describe())
     metrics.update(
         launch(
             _rank_run,
@@ -180,8 +184,10 @@ def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[s
 
 def _register(kind: str) -> None:
     @registry.register("task", kind)
-    def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
-        return run_context_parallel(settings, run_dir, kind)
+    def run(
+        settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return run_context_parallel(settings, run_dir, kind, metrics)
 
     run.__doc__ = f"{KINDS[kind].attention} over topology.world_size ranks (module docstring)."
 

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from attngym.tracking import sweep
 from attngym.tracking.lock import FolderLock
 
 from .test_folders import TINY
@@ -29,10 +30,16 @@ FAULTY = textwrap.dedent(
     fault, args = sys.argv[1], sys.argv[2:]
     real = cli._run_task
 
-    def faulty(settings, run_dir, metrics=None):
+    def faulty(settings, run_dir, metrics):
         if fault == "rank_failure":
             raise RankFailure("rank 1 exited with code 3")
-        return real(settings, run_dir)
+        real(settings, run_dir, metrics)
+        if fault.startswith("signal:"):  # signal:NAME:SEQ_LEN, after the task measured
+            _, name, seq_len = fault.split(":")
+            if settings.shape.seq_len == int(seq_len):
+                os.kill(os.getpid(), getattr(signal, name))
+                time.sleep(30)  # the handler interrupts this
+        return metrics
 
     def killed_before_pictures(settings, run_dir):
         if settings.shape.seq_len == 128:
@@ -127,3 +134,31 @@ def test_resume_reruns_a_job_with_a_bad_status_flag_or_picture(tmp_path):
     assert cli._why_rerun(tmp_path, overrides) == "it ended interrupted: SIGTERM"
     (tmp_path / "metrics.json").unlink()
     assert cli._why_rerun(tmp_path, overrides) == ""
+
+
+def test_sigint_keeps_what_was_measured_one_line_exit_130(tmp_path, attngym_cli):
+    run = tmp_path / "run"
+    args = ["signal:SIGINT:64", *TINY, f"hydra.run.dir={run}"]
+    proc = attngym_cli(args, tmp_path, command=("-c", FAULTY))
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("attngym:")]
+    assert line == f"attngym: interrupted by SIGINT; what was measured is in {run}"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["error"] == "interrupted by SIGINT"
+    assert metrics["validation"] == "ok" and metrics["fwd_ms"] > 0  # measured before the signal
+    assert not (run / "heatmap.png").exists()
+
+
+def test_sigterm_in_a_sweep_writes_the_summary_so_far_exit_143(tmp_path, attngym_cli):
+    folder = tmp_path / "sweep"
+    args = ["signal:SIGTERM:128", "-m", *TINY, "shape.seq_len=64,128,256"]
+    proc = attngym_cli([*args, f"hydra.sweep.dir={folder}"], tmp_path, command=("-c", FAULTY))
+    assert proc.returncode == 143, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert f"attngym: interrupted by SIGTERM; what was measured is in {folder}" in proc.stderr
+    rows = {row["job"]: row for row in sweep.collect(folder)}
+    assert rows["0"]["status"] == "ok" and rows["1"]["status"] == "interrupted"
+    assert rows["1"]["fwd_ms"] > 0 and "2" not in rows  # the sweep stopped at the signal
+    summary = (folder / "summary.md").read_text()
+    assert "2 jobs, 1 failed." in summary and "interrupted" in summary
