@@ -22,6 +22,7 @@ and quotes numeric option names (`block_size=64`) that Hydra would otherwise par
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -256,7 +257,8 @@ def _why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
 
 
 def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
-    """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures."""
+    """heatmap.png and block_mask.png for any topology; a picture that cannot be drawn is a
+    warning, one that cannot be written (OSError) fails the run."""
     from attngym import viz
 
     variant = settings.variant
@@ -268,6 +270,8 @@ def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
             variant, path, seq_len=seq_len, window=min(HEATMAP_WINDOW, seq_len), seed=settings.seed
         )
         drawn["heatmap"] = path
+    except OSError:
+        raise  # a write error fails the run (run_job)
     except Exception as err:
         log.warning("heatmap.png not drawn: %s: %s", type(err).__name__, err)
     try:
@@ -284,6 +288,8 @@ def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
             device=settings.device,
         )
         drawn["block_mask"] = path
+    except OSError:
+        raise
     except Exception as err:
         log.warning("block_mask.png not drawn: %s: %s", type(err).__name__, err)
     return drawn
@@ -414,15 +420,30 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
     metrics: dict[str, Any] = {"status": "failed", "error": None}
     try:
         settings, failure = _check_and_run(cfg, job, metrics)
-        # metrics.json first (what was measured is safe), then `complete: true` once every file
-        # of the run is written: a resumed sweep re-runs a job whose last write never came.
-        _write_metrics(job, metrics, complete=False)
-        if settings is not None:
-            _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
-        _write_metrics(job, metrics, complete=True)
+        try:
+            # metrics.json first (what was measured is safe), then `complete: true` once every
+            # file of the run is written: a resumed sweep re-runs a job whose last write never came.
+            _write_metrics(job, metrics, complete=False)
+            if settings is not None:
+                _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+            _write_metrics(job, metrics, complete=True)
+        except OSError as err:  # a full disk, a symlink where a file goes
+            failure = _unwritten(job, metrics, err)
     except Interrupted as stop:
         _stop_interrupted(job, metrics, stop)
     return _finish(job, metrics, failure)
+
+
+def _unwritten(job: Job, metrics: dict[str, Any], err: OSError) -> OSError:
+    """A write of the run failed: the run fails with `could not write <path>: ...`; metrics.json
+    says so if it can still be written, and the metrics stay in memory for the results table."""
+    from attngym.fileio import write_error
+
+    metrics.update(status="failed", error=write_error(err))
+    log.error("%s", metrics["error"])
+    with contextlib.suppress(OSError):
+        _write_metrics(job, metrics, complete=False)
+    return err
 
 
 def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> NoReturn:
@@ -434,9 +455,12 @@ def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> N
     for signum in INTERRUPTS:
         signal.signal(signum, signal.SIG_IGN)
     metrics.update(status="interrupted", error=str(stop))
-    _write_metrics(job, metrics, complete=False)
-    if job.multirun:
-        summarize(job.sweep_dir)
+    try:
+        _write_metrics(job, metrics, complete=False)
+        if job.multirun:
+            summarize(job.sweep_dir)
+    except OSError as err:
+        print(f"attngym: error: {_one_line(err)}", file=sys.stderr, flush=True)
     where = job.sweep_dir if job.multirun else job.run_dir
     print(f"attngym: {stop}; what was measured is in {where}", file=sys.stderr, flush=True)
     raise SystemExit(stop.exit_code)
@@ -532,16 +556,20 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print(format_results(metrics, job.run_dir), flush=True)
-    if isinstance(
-        failure, RankFailure
-    ):  # one line: its cause is logged, the traceback says no more
-        print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
+    if isinstance(failure, RankFailure | OSError):  # one line: a traceback would say no more
+        print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if failure is not None:
         raise failure
     if metrics["status"] != "ok":  # a validation failure: the table above says which error
         raise SystemExit(1)
     return metrics
+
+
+def _one_line(failure: BaseException) -> str:
+    from attngym.fileio import write_error
+
+    return write_error(failure) if isinstance(failure, OSError) else str(failure)
 
 
 main = hydra.main(config_path=f"pkg://{CONF_PACKAGE}", config_name="config", version_base="1.3")(

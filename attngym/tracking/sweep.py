@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from attngym.errors import ConfigError
-from attngym.fileio import atomic_write
+from attngym.fileio import atomic_write, write_error
 from attngym.metrics import table_columns
 from attngym.tracking.files import read_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
@@ -302,6 +302,9 @@ class SweepSummary(_callback_base()):
             return  # under torchrun rank 0 writes the summary
         try:
             self._summarize(sweep_dir)
+        except OSError as err:  # a full disk, a symlink where a summary file goes
+            print(f"attngym: error: {write_error(err)}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         finally:
             self._release()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import textwrap
 
 import pytest
@@ -46,6 +47,14 @@ FAULTY = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         return draw(settings, run_dir)
 
+    def enospc_on_png(fd):  # a full disk for the pictures only, where tmpfs cannot be mounted
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".png." + str(os.getpid()) + ".tmp"):
+            raise OSError(28, "No space left on device")
+        return fsync(fd)
+
+    fsync = os.fsync
+    if fault == "enospc_on_png":
+        os.fsync = enospc_on_png
     draw = cli._draw_pictures
     cli._run_task = faulty
     if fault == "killed_before_pictures":
@@ -162,3 +171,57 @@ def test_sigterm_in_a_sweep_writes_the_summary_so_far_exit_143(tmp_path, attngym
     assert rows["1"]["fwd_ms"] > 0 and "2" not in rows  # the sweep stopped at the signal
     summary = (folder / "summary.md").read_text()
     assert "2 jobs, 1 failed." in summary and "interrupted" in summary
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs: room for a run's config, log and metrics.json, not for its pictures (tens
+    of KiB each). None where mounting is not allowed (not root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_keeps_the_metrics_prints_the_table_one_line_exit_1(
+    tmp_path, attngym_cli, small_disk
+):
+    if small_disk is None:
+        run = tmp_path / "run"
+        args, command = ["enospc_on_png", *TINY, f"hydra.run.dir={run}"], ("-c", FAULTY)
+    else:
+        run = small_disk / "run"
+        args, command = [*TINY, f"hydra.run.dir={run}"], ("-m", "attngym")
+    proc = attngym_cli(args, tmp_path, command=command)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    (line,) = _error_lines(proc.stderr)
+    assert line == f"attngym: error: could not write {run}/heatmap.png: No space left on device"
+    assert "attngym: failed" in proc.stdout and "fwd (ms)" in proc.stdout  # the table, measured
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["error"] == line.removeprefix(
+        "attngym: error: "
+    )
+    assert metrics["fwd_ms"] > 0 and not (run / "heatmap.png").exists()
+
+
+def test_a_symlink_where_a_picture_goes_fails_the_run_and_its_target_is_untouched(
+    tmp_path, attngym_cli
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    outside = tmp_path / "outside.png"
+    outside.write_text("precious")
+    (run / "block_mask.png").symlink_to(outside)
+    proc = attngym_cli([*TINY, f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    (line,) = _error_lines(proc.stderr)
+    assert line.startswith(f"attngym: error: could not write {run}/block_mask.png: {run}/block")
+    assert "is a symlink" in line and outside.read_text() == "precious"
+    assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
