@@ -338,6 +338,15 @@ def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     return handler
 
 
+def _leave_run_log() -> None:
+    """Stop this process writing the run's attngym.log: Hydra gives every torchrun rank its file
+    handler, and ranks other than 0 would interleave their records with rank 0's there."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+
+
 def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
     """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
     come (an interrupted run keeps what was measured)."""
@@ -351,9 +360,10 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
     rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
     are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
     a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
-    before any collective (see _stop_sweep_after)."""
+    before any collective (see _stop_sweep_after). It leaves the run's attngym.log to rank 0."""
     from attngym.config import from_config
 
+    _leave_run_log()
     handler = _rank_log(job.run_dir, job.rank)
     try:
         metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
