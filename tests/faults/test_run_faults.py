@@ -8,8 +8,10 @@ from the run layer into a task) before the command line runs; everything else is
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -225,3 +227,27 @@ def test_a_symlink_where_a_picture_goes_fails_the_run_and_its_target_is_untouche
     assert line.startswith(f"attngym: error: could not write {run}/block_mask.png: {run}/block")
     assert "is a symlink" in line and outside.read_text() == "precious"
     assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_two_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    """Default folders carry the time to the microsecond; each run locks its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "attngym", *TINY],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    folders = sorted((tmp_path / "outputs").glob("*/*"))
+    # Started together, most often in the same second (not asserted: a loaded machine may start
+    # Python a second apart); either way two folders, each with its own complete run.
+    assert len(folders) == 2
+    for folder in folders:
+        assert json.loads((folder / "metrics.json").read_text())["complete"] is True
