@@ -9,12 +9,18 @@ ARGS ?=
 
 .PHONY: setup run test wheel-check lint format clean
 
+# Each step says what it installs, and pip shows its downloads (a first setup takes ~2 minutes).
 $(VENV)/.installed: pyproject.toml
+	@echo "setup 1/4: virtualenv $(VENV)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	@echo "setup 2/4: pip"
+	$(PY) -m pip install --upgrade pip
+	@echo "setup 3/4: torch (skipped when the venv already has one; else $(TORCH_SPEC))"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	@echo "setup 4/4: attngym and its dependencies (pyproject.toml), with the dev tools"
+	$(PY) -m pip install -e ".[dev]"
 	touch $@
+	@echo "setup done: $(VENV)"
 
 setup: $(VENV)/.installed
 

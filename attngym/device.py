@@ -2,16 +2,18 @@
 
 Device names resolve here and nowhere else, so every component agrees on what "auto" means and an
 explicit "cuda" on a machine without CUDA fails the same way everywhere (never a silent move to the
-CPU). `peak_memory_bytes` gives one memory number per run on both kinds of device: CUDA's allocator
-peak on a GPU, the process's peak resident set size on the CPU.
+CPU). `peak_memory` gives one memory number per measured region on both kinds of device: what
+CUDA's allocator peak adds on a GPU, what the process's peak resident set size adds on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import re
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -111,7 +113,7 @@ def device_info(device: str | torch.device) -> dict:
         import os
 
         info |= {
-            "name": platform.processor() or platform.machine() or "cpu",
+            "name": cpu_model(),  # "AMD EPYC ...", not the architecture ("x86_64")
             "capability": None,
             "count": os.cpu_count(),
             "threads": torch.get_num_threads(),
@@ -120,12 +122,14 @@ def device_info(device: str | torch.device) -> dict:
 
 
 def reset_peak_memory(device: str | torch.device) -> int:
-    """Start a new peak-memory window for `peak_memory_bytes`.
+    """Start a new peak-memory window for `peak_memory_bytes`; return the bytes live now.
 
-    CUDA: resets the caching allocator's peak statistics of that device; the peak then starts at
-    what is still allocated, so the bytes live now are returned for the caller to subtract. CPU:
-    on Linux, resets the process's peak resident set size (writes 5 to /proc/self/clear_refs);
-    where that is not possible the CPU peak keeps counting from process start. Returns 0.
+    The caller subtracts the returned bytes from `peak_memory_bytes` to get what the window
+    itself added (`peak_memory` does both). CUDA: resets the caching allocator's peak statistics
+    and returns `memory_allocated`. CPU (Linux): resets the process's peak resident set size
+    (writes 5 to /proc/self/clear_refs) and returns the resident set size now, so a sweep's later
+    jobs are not charged for what earlier ones left in the process. Where /proc is not there the
+    peak keeps counting from process start and 0 is returned.
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -136,23 +140,67 @@ def reset_peak_memory(device: str | torch.device) -> int:
             f.write("5")
     except OSError:
         log.debug("cannot reset the peak RSS here; CPU peak memory counts from process start")
-    return 0
+        return 0
+    return _proc_status_bytes("VmRSS") or 0
 
 
 def peak_memory_bytes(device: str | torch.device) -> int:
     """Peak memory since the last `reset_peak_memory`, in bytes.
 
     CUDA: `torch.cuda.max_memory_allocated` (tensors of this process on that device). CPU: the
-    peak resident set size of the whole process (`resource.getrusage`), which includes Python,
-    torch's own code and anything else the process holds, not only tensors.
+    peak resident set size of the whole process (VmHWM, else `resource.getrusage`), which
+    includes Python, torch's own code and anything else the process holds, not only tensors.
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
         return int(torch.cuda.max_memory_allocated(dev))
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+@contextlib.contextmanager
+def peak_memory(device: str | torch.device) -> Iterator[dict[str, int]]:
+    """Measure what the block adds to the memory live when it starts.
+
+    Yields a dict filled on exit with `bytes`: the block's own peak on that device (allocator
+    bytes on CUDA; resident bytes of the process on the CPU, so it also counts what the block's
+    Python and torch code touch for the first time).
+    """
+    live = reset_peak_memory(device)
+    result: dict[str, int] = {}
+    try:
+        yield result
+    finally:
+        result["bytes"] = max(0, peak_memory_bytes(device) - live)
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows, else "cpu"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def sync(device: str | torch.device) -> None:

@@ -17,6 +17,7 @@ inputs), natural base (e), of the scaled, modified scores, -inf where a row has 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -175,6 +176,35 @@ def shifted_mods(
             return inner_mask(b, h, q_idx + q_off, kv_idx + kv_off)
 
     return score_mod, mask_mod
+
+
+def shifted_heads(variant: Variant, head_offset: int, device) -> Variant:
+    """The variant with local head h read as global head `head_offset + h` (a head slice).
+
+    A head-parallel rank attends heads head_offset .. head_offset + H/P - 1 as local heads
+    0 .. H/P - 1; head-dependent callbacks (ALiBi's slopes) must see the global index. The offset
+    is a 0-d tensor, as in `shifted_mods`. The result is pinned to `device`: it carries no buffers
+    (its callbacks already read the variant's, on `device`).
+    """
+    if head_offset == 0:
+        return variant
+    off = position(head_offset, torch.device(device), "head")
+    score_mod = mask_mod = None
+    if variant.score_mod is not None:
+        inner_score = variant.score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return inner_score(score, b, h + off, q_idx, kv_idx)
+
+    if variant.mask_mod is not None:
+        inner_mask = variant.mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return inner_mask(b, h + off, q_idx, kv_idx)
+
+    return dataclasses.replace(
+        variant, score_mod=score_mod, mask_mod=mask_mod, buffers={}, bind=None
+    )
 
 
 def make_block_mask(

@@ -22,13 +22,17 @@ when CUDA is available. Kernel names are read in one place, `kernel_names`.
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
+import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from attngym import registry
+from attngym.fileio import atomic_write
 
 
 def _activities() -> list:
@@ -38,6 +42,49 @@ def _activities() -> list:
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
     return acts
+
+
+@contextlib.contextmanager
+def _profile(**kwargs: Any) -> Iterator[Any]:
+    """torch.profiler.profile(**kwargs) over the block, its start and stop without USDT lines."""
+    from torch.profiler import profile
+
+    prof = profile(**kwargs)
+    with _without_usdt_lines():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _without_usdt_lines():
+            prof.stop()
+
+
+@contextlib.contextmanager
+def _without_usdt_lines() -> Iterator[None]:
+    """Drop the `USDT: ... profiler_start` / `profiler_stop` lines that Kineto (the profiler's
+    C++ backend) writes to file descriptor 2 when a profile starts and stops: hooks for tracing
+    tools, not messages for a person. KINETO_LOG_LEVEL cannot drop them alone (its levels put them
+    above errors) and is read only when torch is imported, so stderr is captured around the
+    start and the stop only, and every other line is passed on."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no file descriptor 2 to capture
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not line.startswith(b"USDT:"))
+            if kept:
+                os.write(2, kept)
 
 
 def kernel_names(prof: Any) -> list[str]:
@@ -72,12 +119,10 @@ def cuda_kernel_profiler(kernel_pattern: str = "flash_attncute") -> Iterator[dic
     Yields:
         A dict filled on exit with `found` (bool) and `kernel_names` (list[str]).
     """
-    from torch.profiler import profile
-
     if not isinstance(kernel_pattern, str):
         raise ValueError(f"kernel_pattern must be a string, got {kernel_pattern!r}")
     result: dict[str, Any] = {"found": False, "kernel_names": []}
-    with profile(activities=_activities()) as prof:
+    with _profile(activities=_activities()) as prof:
         yield result
     names = kernel_names(prof)
     result["kernel_names"] = names
@@ -95,15 +140,13 @@ def chrome_trace(path: str | pathlib.Path, *, enabled: bool = True) -> Iterator[
     Yields:
         A dict filled on exit with `trace_path` (str) and `kernel_names` (list[str]).
     """
-    from torch.profiler import profile
-
     result: dict[str, Any] = {}
     if not enabled:
         yield result
         return
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with profile(activities=_activities(), record_shapes=True) as prof:
+    with _profile(activities=_activities(), record_shapes=True) as prof:
         yield result
     prof.export_chrome_trace(str(path))
     result["trace_path"] = str(path)
@@ -128,7 +171,7 @@ def kernels_profiler(
             yield result
         out = pathlib.Path(run_dir) / f"kernels_rank{rank}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(f"{n}\n" for n in result["kernel_names"]))
+        atomic_write(out, "".join(f"{n}\n" for n in result["kernel_names"]))
         result["kernels_path"] = str(out)
 
     return run()

@@ -1,77 +1,168 @@
-"""A one-line progress bar on stderr, for timing repeats and sweep jobs.
+"""Progress that reads well wherever the output goes: a terminal, a CI log, a SLURM file, nohup.
 
-Neither tqdm nor rich is a dependency of attngym, so this small bar is written once, here, and every
-loop that wants to show progress goes through `progress`. It draws only for a person watching: when
-stderr is a terminal and the environment variable `ATTNGYM_PROGRESS` is not `0`. Logs, CI and
-redirected runs stay clean (the bar is silent there and the iterable passes through untouched).
+* On a terminal (stderr is a TTY) a tqdm bar, redrawn in place; log lines print above it
+  (`redirect_logging` routes the console log handlers through tqdm), so the two never mix.
+* Redirected, a log line when a phase ends and, while one runs, every `INTERVAL_S` seconds from
+  a timer thread, so a long step (a big reference, a slow compile) is never silent: what is
+  running, how far it is, the elapsed time and an ETA.
+
+`ATTNGYM_PROGRESS=0` turns both off. Every loop that shows progress goes through `Progress` (or
+`progress` for a plain iterable), so the project has one way of reporting it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
 
-_WIDTH = 20  # characters between the brackets
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 10.0  # seconds between two lines of a running phase when output is redirected
 
 
 def enabled() -> bool:
-    """True when a bar would be drawn: stderr is a TTY and `ATTNGYM_PROGRESS` is not `0`."""
-    if os.environ.get("ATTNGYM_PROGRESS", "1").strip() == "0":
-        return False
+    """False when `ATTNGYM_PROGRESS=0`: no bar and no progress lines."""
+    return os.environ.get("ATTNGYM_PROGRESS", "1").strip() != "0"
+
+
+def on_terminal() -> bool:
+    """True when stderr is a TTY: a bar is drawn; otherwise progress goes to the log."""
     isatty = getattr(sys.stderr, "isatty", None)
     return bool(isatty and isatty())
 
 
-def render(done: int, total: int | None, label: str = "") -> str:
-    """The bar's text: `label [######              ] 3/10`, or `label 3` when total is unknown."""
-    prefix = f"{label} " if label else ""
-    if not total:
-        return f"{prefix}{done}"
-    filled = min(_WIDTH, _WIDTH * done // total)
-    return f"{prefix}[{'#' * filled}{' ' * (_WIDTH - filled)}] {done}/{total}"
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A phase of `total` steps that reports its progress (see the module docstring).
+
+    Use as a context manager; call `update()` when a step is done and `running(what)` to say
+    what runs now. Lines in redirected output read:
+    `sweep jobs: 3/13 done, running attention=natten, 0:00:45 elapsed, ETA 0:02:30`.
+    """
+
+    def __init__(self, total: int | None, label: str, *, interval: float = INTERVAL_S):
+        if total is not None and (
+            isinstance(total, bool) or not isinstance(total, int) or total < 0
+        ):
+            raise ValueError(f"total must be a non-negative integer or None, got {total!r}")
+        self.total, self.label, self.interval = total, label, interval
+        self.done = 0
+        self.what = ""
+        self._start = time.monotonic()
+        self._bar = None
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        if not enabled():
+            return
+        if on_terminal():
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total, desc=label, file=sys.stderr, leave=False, dynamic_ncols=True
+            )
+        elif interval > 0:
+            self._timer = threading.Thread(target=self._tick, name=f"progress {label}", daemon=True)
+            self._timer.start()
+
+    def line(self) -> str:
+        """What a redirected log shows now: done/total, what runs, elapsed and ETA."""
+        elapsed = time.monotonic() - self._start
+        parts = [f"{self.label}: {self.done}/{self.total if self.total is not None else '?'} done"]
+        if self.what and (self.total is None or self.done < self.total):
+            parts.append(f"running {self.what}")
+        parts.append(f"{_clock(elapsed)} elapsed")
+        if self.total and 0 < self.done < self.total:
+            parts.append(f"ETA {_clock(elapsed / self.done * (self.total - self.done))}")
+        return ", ".join(parts)
+
+    def running(self, what: str) -> None:
+        """Say what the phase is doing now (shown on the bar and in the next line)."""
+        self.what = what
+        if self._bar is not None:
+            self._bar.set_postfix_str(what, refresh=True)
+
+    def update(self, steps: int = 1) -> None:
+        """`steps` more steps are done."""
+        self.done += steps
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def clear(self) -> None:
+        """Erase the bar until its next redraw, so a line printed outside `redirect_logging`
+        (Hydra's own launch lines between sweep jobs) starts on a clean line."""
+        if self._bar is not None:
+            self._bar.clear()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval):
+            log.info("%s", self.line())
+
+    def close(self) -> None:
+        """End the phase: remove the bar, or log its last line when it ran long enough to have
+        reported (a phase shorter than the interval stays quiet)."""
+        self._stop.set()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self._timer is not None:
+            if time.monotonic() - self._start >= self.interval:
+                log.info("%s", self.line())
+            self._timer = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def progress(iterable: Iterable[T], *, total: int | None = None, label: str = "") -> Iterator[T]:
-    """Yield the items of `iterable`, redrawing a bar on stderr after each one.
+    """Yield the items of `iterable` unchanged, reporting them as the steps of a `Progress`.
 
     Args:
         iterable: what to iterate over.
         total: number of items; defaults to `len(iterable)` when it has one.
-        label: text in front of the bar.
-
-    Returns:
-        An iterator over the items of `iterable`, unchanged.
+        label: what the phase is called in the bar and the lines.
 
     Raises:
         ValueError: `total` is not a non-negative integer or None.
     """
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
         raise ValueError(f"total must be a non-negative integer or None, got {total!r}")
-    if not enabled():
-        return iter(iterable)
     if total is None:
         try:
             total = len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
-    return _draw(iterable, total, label)
+    return _steps(iterable, total, label)
 
 
-def _draw(iterable: Iterable[T], total: int | None, label: str) -> Iterator[T]:
-    stream = sys.stderr
-    done = 0
-    stream.write("\r" + render(done, total, label))
-    stream.flush()
-    try:
+def _steps(iterable: Iterable[T], total: int | None, label: str) -> Iterator[T]:
+    with Progress(total, label) as bar:
         for item in iterable:
             yield item
-            done += 1
-            stream.write("\r" + render(done, total, label))
-            stream.flush()
-    finally:
-        stream.write("\n")
-        stream.flush()
+            bar.update()
+
+
+@contextlib.contextmanager
+def redirect_logging() -> Iterator[None]:
+    """On a terminal, print log records above the bars (tqdm's logging redirect); else nothing."""
+    if not (enabled() and on_terminal()):
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm():
+        yield

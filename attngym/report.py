@@ -2,7 +2,8 @@
 
 A report has to travel (attached to an issue, opened on a laptop without the cluster's
 filesystem or any network), so everything is inline: the table as HTML, the sweep plot and every
-job's heatmap and block-mask picture as base64 PNGs, no scripts, no external styles. It reads
+job's heatmap and block-mask picture as base64 PNGs (a click enlarges one: pure CSS), no
+scripts, no external styles. The table scrolls inside its frame under a sticky header. It reads
 only files (summary rows are rebuilt from each job's metrics.json), so it works for any launcher.
 
     attngym report multirun/2025-01-01/12-00-00
@@ -24,27 +25,40 @@ log = logging.getLogger(__name__)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; font-size: 13px; }
-th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; }
-th { background: #f0f0f0; } td.text { text-align: left; }
+.table-wrap { overflow: auto; max-height: 80vh; max-width: 100%; border: 1px solid #ccc; }
+table { border-collapse: separate; border-spacing: 0; font-size: 13px; }
+th, td { border-right: 1px solid #ddd; border-bottom: 1px solid #ddd; padding: 3px 6px;
+         text-align: right; white-space: nowrap; }
+th { background: #f0f0f0; position: sticky; top: 0; z-index: 1; text-align: center; }
+td.text { text-align: left; } td.error { text-align: left; white-space: normal; min-width: 30em; }
 tr.failed td { background: #fde8e8; }
 .gallery { display: flex; flex-wrap: wrap; gap: 1em; }
-.card { border: 1px solid #ddd; padding: 0.5em; max-width: 520px; }
-.card img { max-width: 250px; }
+.card { border: 1px solid #ddd; padding: 0.5em; max-width: 820px; }
+.zoom { display: block; cursor: zoom-in; }
+.zoom input { display: none; }
+.zoom img { max-width: 400px; margin: 2px; }
+.zoom img.plot { max-width: min(900px, 100%); }
+.zoom input:checked + img { position: fixed; inset: 0; margin: auto; max-width: 98vw;
+                            max-height: 98vh; z-index: 10; cursor: zoom-out;
+                            box-shadow: 0 0 0 100vmax rgba(0, 0, 0, 0.7); background: #fff; }
 """
 
 
-def _img(path: Path, alt: str) -> str:
+def _img(path: Path, alt: str, cls: str = "") -> str:
+    """An inline picture that opens at full size on click (a CSS checkbox: no script)."""
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    return (
+        f'<label class="zoom" title="click to enlarge"><input type="checkbox">'
+        f'<img class="{cls}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></label>'
+    )
 
 
 def _cell(key: str, value: Any) -> str:
-    text = "" if value is None else str(value)
-    if isinstance(value, float):
-        text = f"{value:.4g}"
-    cls = ' class="text"' if key in ("overrides", "error", "variant") else ""
-    return f"<td{cls}>{html.escape(text)}</td>"
+    from attngym.tracking.sweep import format_value
+
+    cls = {"overrides": "text", "variant": "text", "error": "error"}.get(key)
+    attr = f' class="{cls}"' if cls else ""
+    return f"<td{attr}>{html.escape(format_value(key, value))}</td>"
 
 
 def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
@@ -62,15 +76,22 @@ def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
 
 def build_report(folder: str | Path) -> str:
     """The report's HTML for a sweep folder (job sub-folders) or a single run folder."""
-    from attngym.tracking.sweep import plot_metric, write_plot
+    from attngym.tracking.sweep import (
+        format_value,
+        md_columns,
+        plot_metric,
+        table_layout,
+        without_shared_overrides,
+        write_plot,
+    )
 
     folder = Path(folder)
     rows, jobs, is_sweep = _rows(folder)
     if not rows:
         raise ValueError(f"{folder} holds no attngym run (no metrics.json, no job folders)")
     failed = sum(row.get("status") != "ok" for row in rows)
+    rows, shared_overrides = without_shared_overrides(rows)
     title = f"attngym {'sweep' if is_sweep else 'run'} {folder.name}"
-    from attngym.tracking.sweep import md_columns, table_layout
 
     extra = sorted(
         {k for row in rows for k in row if k.startswith("flex_over_") and row[k] is not None}
@@ -85,25 +106,32 @@ def build_report(folder: str | Path) -> str:
         f"<p>{len(rows)} run(s), {failed} failed. Folder: <code>{html.escape(str(folder))}"
         "</code>. Errors are against the float64 dense reference on the validated rows.</p>",
         (
+            f"<p>Overrides of every run: <code>{html.escape(shared_overrides)}</code></p>"
+            if shared_overrides
+            else ""
+        ),
+        (
             "<p>Every run: "
-            + html.escape(", ".join(f"{k}={v}" for k, v in shared.items()))
+            + html.escape(", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items()))
             + "</p>"
             if shared
             else ""
         ),
-        "<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>",
+        "<div class='table-wrap'><table><thead><tr>"
+        + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        + "</tr></thead><tbody>",
     ]
     for row in rows:
         cls = "" if row.get("status") == "ok" else ' class="failed"'
         parts.append(f"<tr{cls}>" + "".join(_cell(c, row.get(c)) for c in columns) + "</tr>")
-    parts.append("</table>")
+    parts.append("</tbody></table></div>")
 
     plot = folder / "summary.png"
     if is_sweep and not plot.exists():
         write_plot(rows, plot, title)
     if is_sweep and plot.exists():
         _, label = plot_metric(rows)
-        parts += [f"<h2>{html.escape(label)} against seq_len</h2>", _img(plot, label)]
+        parts += [f"<h2>{html.escape(label)}</h2>", _img(plot, label, "plot")]
 
     parts.append("<h2>Pictures</h2><div class='gallery'>")
     for row, job in zip(rows, jobs, strict=True):

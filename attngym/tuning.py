@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from attngym.fileio import atomic_write
+
 log = logging.getLogger(__name__)
 
 TABLE = Path(__file__).with_name("tuned.json")
@@ -143,7 +145,7 @@ def update(sweep_dir: Path, metric: str, path: Path = TABLE) -> dict[str, Any]:
         for name, entry in entries.items():
             entry["source"] = f"{Path(sweep_dir).name}, best {metric}"
             table.setdefault(gpu, {})[name] = entry
-    path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    atomic_write(path, json.dumps(table, indent=2, sort_keys=True) + "\n")
     return table
 
 

@@ -2,9 +2,11 @@
 
 Two pictures answer two questions:
 
-* The heatmap (`plot_attention_scores`, `visualize_attention_scores`, `save_heatmap`) shows the
-  post-score_mod scores of one batch and head on a small window, so a reader sees what the
-  variant does token by token. It needs the dense (Sq, Skv) matrix, so it is for small windows.
+* The heatmap shows what a variant does. The seed's `plot_attention_scores` and
+  `visualize_attention_scores` draw the post-score_mod scores of given q, k (dense, for small
+  windows). `save_heatmap` draws a run's variant over the whole sequence, pooled to a few hundred
+  cells a side (what the mask keeps, or what the score_mod adds), beside a zoom on the square
+  where the mask is most telling and, for a score_mod, its output against its input score.
 * The block picture (`block_mask_classes`, `save_block_mask_picture`) shows what FlexAttention
   will compute at full length: every (q block, kv block) pair is empty (skipped), partial (mask
   evaluated inside) or full (no mask needed). It never holds an S x S tensor: the mask_mod is
@@ -43,6 +45,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_NAMES = ("empty (skipped)", "partial (mask evaluated)", "full (no mask needed)")
 CLASS_COLOURS = ("#f2f2f2", "#f4a261", "#1d3557")
 MASKED_COLOUR = "#d9d9d9"  # heatmap entries a mask removed
+ZOOM_COLOUR = "#e63946"  # the zoom's outline on the overview
 _TILE_ELEMENTS = 1 << 20  # mask entries evaluated per step: ~1 MB of bools, a few MB of indices
 
 
@@ -203,33 +206,41 @@ def _score_figure(
     scale: float | None,
     title: str,
 ) -> Figure:
-    """The one heatmap body: every heatmap of the project is drawn here."""
-    import numpy as np
+    """The seed's heatmap: post-mod scores of the first positions, drawn by `_draw_scores`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     scores = _head_scores(query, key, score_mod, mask_mod, device, scale, batch_idx, head_idx)
+    fig = Figure(figsize=(7.0, 6.0), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    _draw_scores(fig, ax, scores, (0, 0))
+    ax.set_title(title)
+    return fig
+
+
+def _draw_scores(fig: Figure, ax: Any, scores: torch.Tensor, origin: tuple[int, int]) -> None:
+    """Draw (Sq, Skv) post-mod scores on `ax` (masked entries grey, with their share) and a
+    colorbar; `origin` is the (query, key) position of the top-left entry."""
+    import numpy as np
+    from matplotlib.patches import Patch
+
     values = scores.detach().double().cpu().numpy()
     masked = ~np.isfinite(values)
     data = np.ma.masked_array(values, mask=masked)
     seq_q, seq_kv = values.shape
-
-    fig = Figure(figsize=(7.0, 6.0), dpi=120, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    q0, k0 = origin
     cmap = _colormap("viridis").with_extremes(bad=MASKED_COLOUR)
     image = ax.imshow(
         data,
         cmap=cmap,
         interpolation="nearest",
         aspect="auto",
-        extent=(-0.5, seq_kv - 0.5, seq_q - 0.5, -0.5),
+        extent=(k0 - 0.5, k0 + seq_kv - 0.5, q0 + seq_q - 0.5, q0 - 0.5),
     )
     fig.colorbar(image, ax=ax, label="score (after score_mod)", shrink=0.9)
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
-    ax.set_title(title)
     if masked.any():
         share = 100.0 * masked.mean()
         ax.legend(
@@ -240,7 +251,6 @@ def _score_figure(
             framealpha=0.9,
             fontsize="small",
         )
-    return fig
 
 
 def _colormap(name: str):
@@ -342,13 +352,27 @@ def save_heatmap(
     head_dim: int = 16,
     seed: int = 0,
 ) -> pathlib.Path:
-    """Draw a variant's scores on the first `min(window, seq_len)` positions of random q, k.
+    """Draw what a variant does over the whole sequence, beside a zoom where it is most telling.
+
+    Panels, left to right:
+
+    * the whole sequence, pooled to at most `OVERVIEW_CELLS` cells a side: the share of each cell
+      the mask keeps (any kept entry colours the cell, so a one-token sink column or a thin
+      window stays visible), or, for a variant with a score_mod, what the score_mod adds to a
+      random score at the cell's centre; cells the mask removes entirely are grey;
+    * the post-mod scores of random q, k on a `window` x `window` zoom, placed where the mask
+      stops being a function of q - kv (a document boundary, the end of a prefix, a sink column,
+      a chunk edge) and otherwise on the mask's edges; its place is outlined on the overview;
+    * for a variant with a score_mod, the score_mod's output against its input score at a few
+      distances q - kv (softcap's tanh, ALiBi's and relative position's offsets).
+
+    Memory is bounded at any length: the mask is evaluated tile by tile, never as S x S.
 
     Args:
         variant: the attention variant (its buffers are moved to the CPU).
         path: the PNG file, or a folder (saves `<path>/<variant.name>.png`).
         seq_len: the run's sequence length (variants built for one length need it).
-        window: how many leading positions to draw.
+        window: side of the zoom in tokens (at most seq_len).
         head_dim: D of the random q, k.
         seed: seed of the random q, k.
 
@@ -358,19 +382,192 @@ def save_heatmap(
     for name, value in (("seq_len", seq_len), ("window", window), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     variant.check_seq_len(seq_len)
     variant = variant.to("cpu")
+    cell = math.ceil(seq_len / OVERVIEW_CELLS)
+    kept = pooled_keep(variant.mask_mod, seq_len, cell)
     n = min(window, seq_len)
+    q0, k0 = zoom_origin(kept, cell, n, seq_len)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 1, n, head_dim, generator=gen)
     k = torch.randn(1, 1, n, head_dim, generator=gen)
+    zoom = create_score_mod(
+        q, k, _shifted(variant.score_mod, q0, k0), _shifted(variant.mask_mod, q0, k0), "cpu"
+    )
+
+    has_score_mod = variant.score_mod is not None
+    fig = Figure(figsize=(17.0 if has_score_mod else 12.5, 5.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3 if has_score_mod else 2, width_ratios=[1, 1, 0.8][: 2 + has_score_mod])
+    _draw_overview(fig, axes[0], variant, kept, cell, seq_len, head_dim, gen)
+    _outline(axes[0], q0, k0, n)
+    _draw_scores(fig, axes[1], zoom, (q0, k0))
+    axes[1].set_title(
+        f"zoom (red square): queries {q0:,}-{q0 + n - 1:,}, keys {k0:,}-{k0 + n - 1:,}"
+    )
+    if has_score_mod:
+        _draw_transfer(axes[2], variant.score_mod, seq_len)
     params = ", ".join(f"{k}={v}" for k, v in variant.params.items())
     title = f"{variant.name}({params})" if params else variant.name
-    title += f"\nscores of the first {n} of {seq_len} tokens (random q, k)"
-    fig = _score_figure(q, k, variant.score_mod, variant.mask_mod, "cpu", 0, 0, None, title)
+    kept_share = float(kept.mean()) if variant.mask_mod is not None else 1.0
+    fig.suptitle(
+        f"{title}: {seq_len:,} tokens, mask keeps {100.0 * kept_share:.1f}% of query-key pairs",
+        fontsize="large",
+    )
     out = png_path(path, variant.name)
     save_png(fig, out)
     return out
+
+
+OVERVIEW_CELLS = 256  # the overview's resolution: at most this many cells a side
+
+
+def pooled_keep(mask_mod: MaskMod | None, seq_len: int, cell: int) -> torch.Tensor:
+    """The share of each `cell` x `cell` square that the mask keeps, without an S x S tensor.
+
+    Returns:
+        (ceil(S / cell), ceil(S / cell)) float32 in [0, 1]; positions past the end count as
+        masked, so a cell cut by the end of the sequence reads lower than it is.
+    """
+    cells = math.ceil(seq_len / cell)
+    kept = torch.ones((cells, cells))
+    if mask_mod is not None:
+        b = torch.zeros((), dtype=torch.int32)
+        cols = max(1, _TILE_ELEMENTS // (cell * cell)) * cell
+        with _one_cpu_thread(torch.device("cpu")):
+            _walk_tiles(mask_mod, kept, b, b, seq_len, seq_len, cell, cell, cols, _tile_share)
+    return kept
+
+
+def _tile_share(keep: torch.Tensor, bq: int, bkv: int) -> torch.Tensor:
+    """(rows <= bq, cols) bool -> (ceil(cols / bkv),) share kept of each block; padding masked."""
+    rows, cols = keep.shape
+    keep_f = torch.nn.functional.pad(keep.to(torch.float32), (0, -cols % bkv, 0, bq - rows))
+    return keep_f.view(bq, -1, bkv).mean(dim=(0, 2))
+
+
+def zoom_origin(kept: torch.Tensor, cell: int, window: int, seq_len: int) -> tuple[int, int]:
+    """(first query, first key) of the `window`-token square where the mask is most telling.
+
+    Most telling: the most cells where the pooled mask differs from its neighbour one cell down
+    the diagonal, i.e. where the mask stops being a function of q - kv (document boundaries, the
+    end of a prefix, sink columns, chunk edges). A mask that is a function of q - kv everywhere
+    (causal, a sliding window) scores by its partially kept cells, its edges; ties go to the
+    earliest square. Squares on the diagonal weigh up to twice as much. Unmasked variants get
+    the top-left corner.
+    """
+    side = max(1, min(kept.shape[0], window // cell))
+    differs = (kept[:-1, :-1] - kept[1:, 1:]).abs()
+    shift = torch.zeros_like(kept)
+    shift[:-1, :-1] += differs  # both cells of a pair that differ: the square holding the
+    shift[1:, 1:] += differs  # feature's two sides beats one that ends on it
+    edges = ((kept > 0) & (kept < 1)).float()
+    # Edges count half: among squares on a document boundary, the one where it meets the
+    # diagonal wins; a shift-invariant mask is zoomed on its first stretch of edges.
+    score = shift + 0.5 * edges
+    pooled = torch.nn.functional.avg_pool2d(score[None, None], side, stride=1)[0, 0]
+    # Up to twice the weight for squares centred on the diagonal, where queries meet their own
+    # neighbourhood: a document boundary is shown where it cuts the diagonal, not along its edge.
+    rows = torch.arange(pooled.shape[0]).view(-1, 1)
+    cols = torch.arange(pooled.shape[1]).view(1, -1)
+    pooled = pooled * (2.0 - ((rows - cols).abs() / side).clamp(max=1.0))
+    flat = int(torch.argmax(pooled))  # the first maximum: the earliest square
+    i, j = divmod(flat, pooled.shape[1])
+    limit = seq_len - window
+    return min(i * cell, limit), min(j * cell, limit)
+
+
+def _shifted(fn: Any, q0: int, k0: int) -> Any:
+    """`fn` (a score_mod or mask_mod) called with positions offset by (q0, k0), or None."""
+    if fn is None:
+        return None
+
+    def at_offset(*args):
+        *rest, q_idx, kv_idx = args
+        return fn(*rest, q_idx + q0, kv_idx + k0)
+
+    return at_offset
+
+
+def _draw_overview(fig, ax, variant, kept, cell, seq_len, head_dim, gen) -> None:
+    """The whole sequence: kept share per cell, or the score_mod's bias at each cell's centre."""
+    import numpy as np
+
+    cells = kept.shape[0]
+    extent = (0, cells * cell, cells * cell, 0)
+    if variant.score_mod is None:
+        # Kept shares from 0+ to 1 on the upper three quarters of the colormap: a cell with one
+        # kept entry in 256 still reads as kept, against the grey of fully masked cells.
+        shown = np.ma.masked_array(0.25 + 0.75 * kept.numpy(), mask=(kept == 0).numpy())
+        cmap = _colormap("Blues").with_extremes(bad=MASKED_COLOUR)
+        image = ax.imshow(
+            shown, cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="auto", extent=extent
+        )
+        bar = fig.colorbar(image, ax=ax, shrink=0.9, ticks=[0.25, 0.625, 1.0])
+        bar.ax.set_yticklabels(["~0%", "50%", "100%"])
+        bar.set_label(f"share of each {cell} x {cell} cell kept")
+        ax.set_title("whole sequence: what the mask keeps")
+    else:
+        centres = torch.arange(cells, dtype=torch.int32) * cell + cell // 2
+        centres = centres.clamp(max=seq_len - 1)
+        raw = torch.randn(cells, cells, generator=gen)
+        b = torch.zeros((), dtype=torch.int32)
+        modded = variant.score_mod(raw, b, b, centres.view(-1, 1), centres.view(1, -1))
+        bias = (torch.broadcast_to(modded, raw.shape) - raw).double().numpy()
+        shown = np.ma.masked_array(bias, mask=(kept == 0).numpy())
+        limit = float(np.abs(bias).max()) or 1.0
+        cmap = _colormap("RdBu_r").with_extremes(bad=MASKED_COLOUR)
+        image = ax.imshow(
+            shown,
+            cmap=cmap,
+            vmin=-limit,
+            vmax=limit,
+            interpolation="nearest",
+            aspect="auto",
+            extent=extent,
+        )
+        fig.colorbar(image, ax=ax, shrink=0.9, label="score_mod(s) - s, s ~ N(0, 1)")
+        ax.set_title("whole sequence: what the score_mod adds")
+    ax.set_xlim(0, seq_len)
+    ax.set_ylim(seq_len, 0)
+    tokens = _token_formatter()
+    ax.xaxis.set_major_formatter(tokens)
+    ax.yaxis.set_major_formatter(tokens)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+
+
+def _outline(ax, q0: int, k0: int, side: int) -> None:
+    """The zoom's square on the overview, at least a few points wide so it shows at any S."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((k0, q0), side, side, fill=False, edgecolor=ZOOM_COLOUR, linewidth=1.5))
+
+
+def _draw_transfer(ax, score_mod: ScoreMod, seq_len: int) -> None:
+    """score_mod(s) against s at a few distances q - kv, beside the identity (no change)."""
+    s = torch.linspace(-100.0, 100.0, 401)
+    b = torch.zeros((), dtype=torch.int32)
+    q = torch.tensor(seq_len - 1, dtype=torch.int32)
+    ax.plot(s.numpy(), s.numpy(), color="0.6", linestyle=":", label="unchanged")
+    distances = sorted({0, seq_len // 8, seq_len // 2})
+    for d, style in zip(distances, ("-", "--", "-."), strict=False):
+        out = torch.broadcast_to(score_mod(s, b, b, q, q - d), s.shape)
+        ax.plot(s.numpy(), out.double().numpy(), linestyle=style, label=f"q - kv = {d:,}")
+    ax.set_xlabel("score s before score_mod")
+    ax.set_ylabel("score after score_mod")
+    ax.set_title("score_mod at head 0")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def _token_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(_token_label)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,7 +613,7 @@ def block_mask_classes(
     b = torch.zeros((), dtype=torch.int32, device=dev)
     h = torch.zeros((), dtype=torch.int32, device=dev)
     with _one_cpu_thread(dev):
-        _classify_tiles(mask_mod, classes, b, h, seq_q, seq_kv, bq, bkv, cols, dev)
+        _walk_tiles(mask_mod, classes, b, h, seq_q, seq_kv, bq, bkv, cols, _tile_classes)
     return classes.cpu()
 
 
@@ -440,18 +637,18 @@ def _one_cpu_thread(dev: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _classify_tiles(mask_mod, classes, b, h, seq_q, seq_kv, bq, bkv, cols, dev) -> None:
-    """Fill `classes` (nq, nkv) in place, one (bq rows x `cols` keys) tile at a time."""
-    for i in range(classes.shape[0]):
+def _walk_tiles(mask_mod, out, b, h, seq_q, seq_kv, bq, bkv, cols, reduce) -> None:
+    """Fill `out` (nq, nkv) in place, one (bq rows x `cols` keys) tile of the mask at a time;
+    `reduce(keep, bq, bkv)` turns a tile's (rows, cols) keep mask into its row of blocks."""
+    dev = out.device
+    for i in range(out.shape[0]):
         q0 = i * bq
         q_idx = torch.arange(q0, min(q0 + bq, seq_q), dtype=torch.int32, device=dev).view(-1, 1)
         for c0 in range(0, seq_kv, cols):
             kv_idx = torch.arange(c0, min(c0 + cols, seq_kv), dtype=torch.int32, device=dev)
             keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx.view(1, -1)), device=dev)
             keep = torch.broadcast_to(keep, (q_idx.shape[0], kv_idx.shape[0]))
-            classes[i, c0 // bkv : c0 // bkv + math.ceil(kv_idx.shape[0] / bkv)] = _tile_classes(
-                keep, bq, bkv
-            )
+            out[i, c0 // bkv : c0 // bkv + math.ceil(kv_idx.shape[0] / bkv)] = reduce(keep, bq, bkv)
 
 
 def _check_block_size(block_size: Any) -> tuple[int, int]:

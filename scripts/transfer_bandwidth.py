@@ -3,6 +3,11 @@
     all-gather  CopyEngineAllGather(start + wait)  vs  dist.all_gather_into_tensor
     channel     CopyEngineChannel (push to the next rank, receive from the previous, release)
                 vs  dist.batch_isend_irecv of the same send/recv pair
+    alltoall    CopyEngineAllToAll.exchange of a (P, n) tensor (row p to rank p)
+                vs  dist.all_to_all_single of the same tensor
+    ulysses     the Ulysses exchange of q (1, 32, S/P, 128) in zigzag layout to (1, 32/P, S, 128)
+                in global order: CopyEngineAllToAll vs P2PAllToAll over NCCL (pack,
+                all_to_all_single, unpack: what NCCL needs to land in the same layout)
 
 One process per GPU (attngym.distributed.launch; NCCL for the collectives). Each op is timed as
 `iters` back-to-back calls between two CUDA events on the caller's stream, after a barrier; the
@@ -84,12 +89,64 @@ def _nccl_channel(x: torch.Tensor) -> Callable[[], None]:
     return op
 
 
+def _ce_alltoall(x: torch.Tensor) -> Callable[[], None]:
+    from attngym.distributed import CopyEngineAllToAll
+
+    flat = x.view(dist.get_world_size(), -1)
+    a2a = CopyEngineAllToAll(tuple(flat.shape), 1, 0, 1, dtype=x.dtype, device=x.device)
+    return lambda: a2a.exchange([flat])
+
+
+def _nccl_alltoall(x: torch.Tensor) -> Callable[[], None]:
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x)
+
+
+HEADS, HEAD_DIM = 32, 128
+
+
+def _ulysses(cls: type, x: torch.Tensor) -> Callable[[], None]:
+    """The q exchange of ulysses_attention (heads split, zigzag shards into global order)."""
+    from attngym.distributed.ulysses import exchange_order
+
+    world = dist.get_world_size()
+    shard = x.view(1, HEADS, -1, HEAD_DIM)
+    order = exchange_order("zigzag", world, shard.shape[2] * world)
+    a2a = cls(tuple(shard.shape), 1, 1, 2, dtype=x.dtype, device=x.device, concat_order=order)
+    return lambda: a2a.exchange([shard])
+
+
+def _ce_ulysses(x: torch.Tensor) -> Callable[[], None]:
+    from attngym.distributed import CopyEngineAllToAll
+
+    return _ulysses(CopyEngineAllToAll, x)
+
+
+def _nccl_ulysses(x: torch.Tensor) -> Callable[[], None]:
+    from attngym.distributed import P2PAllToAll
+
+    return _ulysses(P2PAllToAll, x)
+
+
 OPS = {
     ("allgather", "copy_engine"): _ce_allgather,
     ("allgather", "nccl"): _nccl_allgather,
     ("channel", "copy_engine"): _ce_channel,
     ("channel", "nccl"): _nccl_channel,
+    ("alltoall", "copy_engine"): _ce_alltoall,
+    ("alltoall", "nccl"): _nccl_alltoall,
+    ("ulysses", "copy_engine"): _ce_ulysses,
+    ("ulysses", "nccl"): _nccl_ulysses,
 }
+
+
+def _received(pattern: str, nbytes: int, world: int) -> float:
+    """Bytes one rank receives from its peers in one op of `pattern`."""
+    if pattern == "allgather":
+        return (world - 1) * nbytes
+    if pattern == "channel":
+        return nbytes
+    return nbytes * (world - 1) / world  # all-to-alls keep their own 1/P
 
 
 def _time_ms(op: Callable[[], None], iters: int, repeats: int) -> float:
@@ -133,7 +190,7 @@ def _worker(rank: int, world: int, sizes_mib: list[int], iters: int, repeats: in
             op = make(x)
             n = max(2, min(iters, (256 * MIB) // (mib * MIB)))  # ~256 MiB moved per window
             ms = _time_ms(op, n, repeats)
-            received = (world - 1) * x.nbytes if pattern == "allgather" else x.nbytes
+            received = _received(pattern, x.nbytes, world)
             rows.append(
                 {
                     "pattern": pattern,
@@ -178,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(result, f, indent=1)
     print(f"{'pattern':10} {'MiB':>6} {'copy_engine GB/s':>17} {'nccl GB/s':>10} {'ratio':>6}")
     by_key = {(r["pattern"], r["bytes_per_rank"], r["transport"]): r for r in result["rows"]}
-    for pattern in ("allgather", "channel"):
+    for pattern in dict.fromkeys(p for p, _ in OPS):
         for mib in args.sizes_mib:
             ce = by_key[(pattern, mib * MIB, "copy_engine")]["busbw_GBps"]
             nc = by_key[(pattern, mib * MIB, "nccl")]["busbw_GBps"]

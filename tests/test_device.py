@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pathlib
 import sys
 
 import pytest
@@ -80,3 +81,27 @@ def test_cuda_facts_and_memory():
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     assert device.peak_memory_bytes("cuda") - live >= x.numel()
     assert device.resolve_device("auto") == torch.device("cuda")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_peak_is_the_regions_own_not_what_the_process_already_holds():
+    size = 128 << 20
+    held = torch.empty(2 * size, dtype=torch.uint8)
+    held.fill_(1)  # an earlier job's leftovers: resident before the region starts
+    with device.peak_memory("cpu") as first:
+        block = torch.empty(size, dtype=torch.uint8)
+        block.fill_(7)
+        del block
+    with device.peak_memory("cpu") as second:
+        pass
+    assert size * 0.9 <= first["bytes"] < 2 * size  # the block, not the 256 MB held before
+    assert second["bytes"] < size * 0.5  # a later region is not charged for the earlier one
+    del held
+
+
+def test_cpu_name_is_a_model_not_the_architecture():
+    name = device.device_info("cpu")["name"]
+    assert name == device.cpu_model() and name
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "model name" in cpuinfo.read_text():
+        assert name not in ("x86_64", "aarch64")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 
 import pytest
 import torch
@@ -78,3 +79,17 @@ def test_cuda_kernel_profiler_finds_a_kernel():
         torch.cuda.synchronize()
     assert result["kernel_names"]
     assert result["found"] == any("gemm" in n for n in result["kernel_names"])
+
+
+def test_a_trace_prints_no_usdt_lines(tmp_path, capfd):
+    # Kineto writes `USDT: ... profiler_start` / `profiler_stop` to fd 2 on every profile.
+    with profiling.chrome_trace(tmp_path / "t.json"):
+        torch.ones(3).sum()
+    assert "USDT:" not in capfd.readouterr().err
+
+
+def test_only_usdt_lines_are_dropped(capfd):
+    with profiling._without_usdt_lines():
+        os.write(2, b"USDT:2026-01-01 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+    assert capfd.readouterr().err == "a real warning\n"

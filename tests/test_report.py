@@ -47,10 +47,12 @@ def test_report_is_self_contained(sweep):
     text = (sweep / "report.html").read_text()
     assert "3 run(s), 1 failed" in text
     assert "shape.heads: must be a positive integer, got 0" in text
-    assert "<td>1.5</td>" in text and "<td>2.5</td>" in text
+    assert "<td>1.50</td>" in text and "<td>2.50</td>" in text  # ms to 3 significant figures
+    assert "position: sticky" in text and "overflow: auto" in text  # header stays, table scrolls
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
     assert len(images) == 5  # the plot + 2 pictures x 2 ok jobs
     assert all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
+    assert text.count('<label class="zoom"') == 5  # every picture enlarges on click
     assert not re.search(r"(src|href)=\"(https?:|/|\.)", text)  # nothing outside the file
 
 

@@ -69,7 +69,7 @@ def test_grid_summary_files(grid):
     ]
     assert all(float(r["err_out_max_abs"]) < 1e-4 for r in rows)
     md = (grid / "summary.md").read_text()
-    assert "4 jobs, 0 failed." in md and "| causal |" in md
+    assert "4 jobs, 0 failed." in md and "| causal " in md
     assert (grid / "summary.png").read_bytes()[:4] == b"\x89PNG"
     for job in ("0", "1", "2", "3"):
         assert (grid / job / "heatmap.png").is_file() and (grid / job / "metrics.json").is_file()
@@ -108,7 +108,12 @@ def test_summary_columns_follow_the_metric_names(tmp_path):
     ]
     write_markdown(rows, tmp_path / "s.md", "t")
     header = (tmp_path / "s.md").read_text().splitlines()[4]
-    assert header == "| job | status | validation | flex_over_best_sdpa_fwd |"
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "job",
+        "status",
+        "validation",
+        "flex_over_best_sdpa_fwd",
+    ]
 
 
 def test_summary_plot_leaves_pyplot_alone(tmp_path):
@@ -142,3 +147,69 @@ def test_table_layout_names_shared_settings_once():
     assert shared == {"device": "cpu"}
     one, none_shared = table_layout(rows[:1], ["job", "device", "x"])
     assert (one, none_shared) == (["job", "device"], {})  # one row: nothing to factor out
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "text"),
+    [
+        ("peak_mem_bytes", 490237952, "468 MiB"),
+        ("peak_mem_bytes", 3 * 2**30, "3 GiB"),
+        ("bytes_moved", 512, "512 B"),
+        ("fwd_ms", 0.0008481, "8.48e-04"),
+        ("fwd_ms", 12.3456, "12.3"),
+        ("fwd_ms", 1234.5, "1234"),
+        ("fwd_tflops", 412.349, "412.3"),
+        ("fwd_tflops", 0.02976, "0.0298"),
+        ("seq_len", 4096, "4096"),
+        ("variant", "causal", "causal"),
+        ("error", None, ""),
+    ],
+)
+def test_format_value_uses_units_a_person_reads(column, value, text):
+    from attngym.tracking.sweep import format_value
+
+    assert format_value(column, value) == text
+
+
+def test_summary_text_keeps_the_columns_that_vary():
+    from attngym.tracking.sweep import summary_text
+
+    rows = [
+        {"job": str(i), "status": "ok", "variant": v, "device": "cpu", "fwd_ms": ms}
+        for i, (v, ms) in enumerate([("causal", 1.23456), ("full", 2.5)])
+    ]
+    text = summary_text(rows)
+    assert "Every job: device=cpu" in text
+    header, rule, first, second = text.splitlines()[-4:]
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "job",
+        "status",
+        "variant",
+        "fwd_ms",
+    ]
+    assert first.endswith("|   1.23 |") and second.endswith("|   2.50 |")  # right-aligned
+    assert rule.endswith("-:|")
+
+
+def test_one_length_sweep_draws_bars_and_many_lengths_draw_lines(tmp_path):
+    from attngym.tracking.sweep import series_name, write_plot
+
+    rows = [
+        {
+            "status": "ok",
+            "variant": f"v{i}",
+            "overrides": f"attention=v{i} shape.seq_len={s}",
+            "seq_len": s,
+            "fwd_ms": 1.0 + i + s / 1000,
+        }
+        for i in range(20)
+        for s in (256, 512)
+    ]
+    assert series_name(rows[0]) == "v0"
+    assert write_plot([r for r in rows if r["seq_len"] == 256], tmp_path / "bars.png", "t")
+    assert write_plot(rows, tmp_path / "lines.png", "t")
+    import matplotlib.image
+
+    bars = matplotlib.image.imread(str(tmp_path / "bars.png"))
+    lines = matplotlib.image.imread(str(tmp_path / "lines.png"))
+    assert bars.shape[0] > lines.shape[0]  # 20 bars stack taller than the line plot

@@ -318,6 +318,51 @@ def test_save_heatmap_draws_a_variant(tmp_path):
     read_png(out)
 
 
+def dense_share(mask_mod, seq_len, cell):
+    """The pooled keep share built from the whole S x S mask, padded with False to whole cells."""
+    idx = torch.arange(seq_len)
+    keep = mask_mod(0, 0, idx.view(-1, 1), idx.view(1, -1)).float()
+    cells = math.ceil(seq_len / cell)
+    padded = torch.zeros(cells * cell, cells * cell)
+    padded[:seq_len, :seq_len] = keep
+    return padded.view(cells, cell, cells, cell).mean(dim=(1, 3))
+
+
+@pytest.mark.parametrize("name", ["sliding_window_sinks", "document", "natten"])
+def test_pooled_keep_matches_the_dense_mask(monkeypatch, name):
+    params = {
+        "sliding_window_sinks": {"window_size": 40, "num_sinks": 3},
+        "document": {"doc_lengths": [100, 7, 193]},
+        "natten": {"canvas_w": 20, "canvas_h": 15, "kernel_w": 3, "kernel_h": 5},
+    }[name]
+    mask_mod = variants.get(name, **params).mask_mod
+    monkeypatch.setattr(viz, "_TILE_ELEMENTS", 7 * 7 * 5)  # 5 cells a tile: ragged tiles
+    # 300 tokens in cells of 7: the last cell is cut by the end of the sequence.
+    expected = dense_share(mask_mod, 300, 7)
+    torch.testing.assert_close(viz.pooled_keep(mask_mod, 300, 7), expected, rtol=0, atol=1e-6)
+
+
+def test_zoom_goes_where_documents_meet_on_the_diagonal():
+    # Documents [0, 300) and [300, 512): the zoom must hold the boundary where it cuts the
+    # diagonal, not a stretch of one document's edge far from it.
+    mask_mod = variants.get("document", doc_lengths=[300, 212]).mask_mod
+    kept = viz.pooled_keep(mask_mod, 512, 4)
+    q0, k0 = viz.zoom_origin(kept, 4, 64, 512)
+    assert q0 < 300 < q0 + 64 and k0 < 300 < k0 + 64
+
+
+def test_zoom_of_a_shift_invariant_mask_starts_at_its_first_edges():
+    kept = viz.pooled_keep(variants.get("causal").mask_mod, 512, 4)
+    assert viz.zoom_origin(kept, 4, 64, 512) == (0, 0)
+    assert viz.zoom_origin(torch.ones(128, 128), 4, 64, 512) == (0, 0)  # no mask at all
+
+
+def test_save_heatmap_of_a_score_mod_draws_its_transfer_panel(tmp_path):
+    out = viz.save_heatmap(variants.get("softcap", soft_cap=5.0), tmp_path, seq_len=256)
+    read_png(out)
+    assert out == tmp_path / "softcap.png"
+
+
 def test_save_heatmap_rejects_a_bad_window(tmp_path):
     with pytest.raises(ValueError, match="window"):
         viz.save_heatmap(variants.get("full"), tmp_path, seq_len=64, window=0)

@@ -5,11 +5,13 @@ classes and the NVLink-domain helpers are imported when first used.
 
 Public API:
     shard, unshard, plan, load_imbalance   sequence layouts (contiguous, zigzag, balanced)
-    P2PChannel, P2PAllGather            the transport interface over NCCL / gloo
-    CopyEngineChannel, CopyEngineAllGather   the same over symmetric memory (CUDA)
+    P2PChannel, P2PAllGather, P2PAllToAll    the transport interface over NCCL / gloo
+    CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain
     ring_attention, allgather_attention context-parallel attention of sharded q, k, v
     CPOptions, CPStats                  their options and statistics (attngym.distributed.cp)
+    ulysses_attention, hybrid_attention head-parallel (all-to-all) and all-to-all + ring/all-gather
+    check_ulysses_heads                 the heads check a config can run before any tensor work
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ from attngym.distributed.allgather import allgather_attention
 from attngym.distributed.cp import CPOptions, CPStats
 from attngym.distributed.layout import load_imbalance, plan, shard, unshard
 from attngym.distributed.merge import merge
-from attngym.distributed.p2p import P2PAllGather, P2PChannel
+from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 from attngym.distributed.ring import ring_attention
+from attngym.distributed.ulysses import (
+    check_ulysses_heads,
+    hybrid_attention,
+    ulysses_attention,
+)
 
 _LAZY = {
     "CopyEngineAllGather": "attngym.distributed.copy_engine",
+    "CopyEngineAllToAll": "attngym.distributed.copy_engine",
     "CopyEngineChannel": "attngym.distributed.copy_engine",
     "in_one_nvlink_domain": "attngym.distributed.domain",
     "nvlink_domain": "attngym.distributed.domain",
@@ -43,10 +51,14 @@ __all__ = [
     "CPOptions",
     "CPStats",
     "CopyEngineAllGather",
+    "CopyEngineAllToAll",
     "CopyEngineChannel",
     "P2PAllGather",
+    "P2PAllToAll",
     "P2PChannel",
     "allgather_attention",
+    "check_ulysses_heads",
+    "hybrid_attention",
     "in_one_nvlink_domain",
     "load_imbalance",
     "merge",
@@ -54,5 +66,6 @@ __all__ = [
     "plan",
     "ring_attention",
     "shard",
+    "ulysses_attention",
     "unshard",
 ]

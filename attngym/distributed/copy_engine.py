@@ -7,7 +7,7 @@ pad, `cuStreamWaitValue32` to wait on a flag in this rank's pad, both from `cuda
 Neither launches an SM kernel, so transfers overlap attention kernels; they still share HBM and
 NVLink bandwidth with them.
 
-Contract (both classes):
+Contract (every class):
     streams      The *current* stream (the caller's compute stream) carries the consumer-side
                  signals: "my buffer/slot is free" is queued behind everything already on it, and
                  "wait until the data has landed" is queued in front of what the caller does next.
@@ -20,12 +20,14 @@ Contract (both classes):
                  eagerly, and the pads return to their initial state after a balanced sequence.
     in flight    CopyEngineAllGather: one gather (start ... wait). CopyEngineChannel: two slots;
                  the push for step i+1 may be in flight while step i is being computed.
+                 CopyEngineAllToAll: one exchange, finished on the current stream when it returns.
     ownership    The symmetric buffers belong to the object and live as long as it. A gathered
                  buffer returned by `wait` is valid until the next `start` overwrites it; the free
                  signal of that `start` is queued behind all work already on the current stream
                  (a backward that reads the gather included). A received slot is valid until
                  `release(i)`, which hands it back to the sender only after the work already
                  queued on the current stream and on the side stream (an onward push) is done.
+                 The output of an all-to-all exchange is a fresh tensor the caller owns.
     timeouts     A stream wait cannot time out by itself. Every eager wait is followed by an event
                  that a per-process watchdog thread polls; if it has not completed `timeout_s`
                  after it was issued (a dead or stuck peer), the watchdog marks the object failed,
@@ -39,6 +41,8 @@ Layout of a signal pad (int32 words, this rank's pad, written by peers):
     CopyEngineAllGather  [0, P): FREE from peer p ("your shard may go into my buffer");
                          [P, 2P): DONE from peer p ("my shard is in your buffer").
     CopyEngineChannel    [0, 2): READY for slot s (from src); [2, 4): FREE for dst's slot s.
+    CopyEngineAllToAll   [0, P): READY from peer p ("your block is in my staging buffer");
+                         [P, 2P): FREE from peer p ("I have read my block out of yours").
 
 Heavy imports (symmetric memory, cuda.bindings) happen inside the functions that use them, so this
 module imports on a machine without CUDA.
@@ -46,6 +50,7 @@ module imports on a machine without CUDA.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -59,13 +64,17 @@ import torch
 import torch.distributed as dist
 
 from attngym.distributed.parts import (
+    AllToAllCalls,
+    AllToAllPlan,
     ChannelSteps,
     Parts,
+    Region,
     as_parts,
     check_args,
     check_dim,
     check_part_shape,
     check_peer,
+    narrow,
 )
 
 log = logging.getLogger(__name__)
@@ -601,3 +610,190 @@ class CopyEngineChannel(_CopyEngineBase):
         self._check_alive()
         with torch.cuda.device(self.device):
             torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+
+# ----------------------------------------------------------------------------- all-to-all
+
+
+def _contiguous_from(t: torch.Tensor) -> int:
+    """The first dim i such that t's dims i.. are laid out row-major without gaps."""
+    expected = 1
+    for i in range(t.dim() - 1, -1, -1):
+        if t.shape[i] == 1:
+            continue
+        if t.stride(i) != expected:
+            return i + 1
+        expected *= t.shape[i]
+    return 0
+
+
+def _row_copies(
+    src_shape: tuple[int, ...], src_region: Region, dst_shape: tuple[int, ...], dst_region: Region
+) -> list[tuple[int, int, int]]:
+    """(src offset, dst offset, length) in elements: the contiguous copies that move one region of
+    a contiguous tensor of src_shape into one region of a contiguous tensor of dst_shape.
+
+    A copy between strided views would launch an SM kernel; contiguous 1-D ones stay memcpys.
+    Rows that continue each other on both sides are merged into one copy.
+    """
+    a = narrow(torch.empty(src_shape, device="meta"), src_region)
+    b = narrow(torch.empty(dst_shape, device="meta"), dst_region)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    split = max(_contiguous_from(a), _contiguous_from(b))
+    length = math.prod(a.shape[split:])
+    rows: list[tuple[int, int, int]] = []
+    for idx in itertools.product(*(range(n) for n in a.shape[:split])):
+        src = a.storage_offset() + sum(i * s for i, s in zip(idx, a.stride(), strict=False))
+        dst = b.storage_offset() + sum(i * s for i, s in zip(idx, b.stride(), strict=False))
+        if rows and rows[-1][0] + rows[-1][2] == src and rows[-1][1] + rows[-1][2] == dst:
+            rows[-1] = (rows[-1][0], rows[-1][1], rows[-1][2] + length)
+        else:
+            rows.append((src, dst, length))
+    return rows
+
+
+class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
+    """All-to-all by copy-engine pulls from symmetric staging buffers, into the consumer's layout.
+
+    The geometry is attngym.distributed.parts.AllToAllPlan's (shared with P2PAllToAll): rank r
+    sends rank p the pieces of its input the plan gives p (by default slice p along split_dim),
+    and every received block lands at its place along concat_dim of a fresh output tensor that the
+    caller owns, so no reorder follows (a zigzag sequence comes out in global order).
+
+    Why pull: the output must outlive the next exchange (autograd saves it; a caller keeps it), so
+    it cannot be a persistent symmetric buffer that peers write into. Instead every rank stages
+    the blocks it sends in its own symmetric buffer (P, num_parts, *block_shape), one local
+    device copy, and each receiver copies its block out of every peer's staging buffer straight
+    into its output.
+
+    Per exchange, on the side stream (after waiting for the current stream), rank r:
+        1. waits FREE from every peer (it finished reading r's staging buffer last time);
+        2. copies the block for each peer p into staging slot p, then sets READY in p's pad;
+        3. copies its own block from the input into the output;
+        4. for each peer p: waits READY from p, copies p's slot r into the output, sets FREE in
+           p's pad.
+    The current stream then waits for the side stream: what the caller queues next sees the
+    output. Everything is a memcpy or a stream memory operation (no SM kernel). FREE words start
+    at 1, READY at 0; each is set once and reset once per exchange (capture-safe as the contract
+    above says). One exchange is in flight per object; the staging buffer is the object's.
+
+    Signal pad: [0, P) READY from peer p; [P, 2P) FREE from peer p.
+
+    Example (Ulysses: sequence-sharded q, k, v to head-sharded, whole sequence):
+        a2a = CopyEngineAllToAll((B, H, S // P, D), 3, 1, 2, dtype=q.dtype, device=q.device)
+        qkv = a2a([q, k, v])      # (3, B, H // P, S, D); differentiable when an input needs grad
+        back = a2a.inverse()       # (B, H // P, S, D) parts -> (B, H, S // P, D)
+
+    Args:
+        part_shape: shape of one input part on this rank.
+        num_parts: parts exchanged together.
+        split_dim: the dim of part_shape cut into one block per destination rank.
+        concat_dim: the dim of the output along which received blocks are placed.
+        dtype: dtype of the parts.
+        device: a CUDA device.
+        group: the process group (default: the default group), inside one NVLink domain.
+        split_order, concat_order: which pieces go where (AllToAllPlan); None is rank order.
+        timeout_s: the longest any signal wait may take before the object fails.
+
+    Raises:
+        ValueError: a bad argument (named).
+        RuntimeError: no initialised process group or no CUDA.
+    """
+
+    def __init__(
+        self,
+        part_shape: Sequence[int],
+        num_parts: int,
+        split_dim: int,
+        concat_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+        split_order: Sequence[Sequence[int]] | None = None,
+        concat_order: Sequence[Sequence[int]] | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        shape, dev = _check_common(part_shape, num_parts, dtype, device, timeout_s)
+        world = dist.get_world_size(group)
+        self.plan = AllToAllPlan.build(
+            shape, world, split_dim, concat_dim, split_order, concat_order
+        )
+        self.part_shape = shape
+        self.num_parts = num_parts
+        self.out_shape = (num_parts, *self.plan.out_shape)
+        block = self.plan.block_shape
+        pad_init = [0] * world + [1] * world
+        super().__init__(
+            (world, num_parts, *block), dtype, dev, group, timeout_s, 2 * world, pad_init
+        )
+        r, out_part = self.rank, self.plan.out_shape
+        self._block_numel = math.prod(block)
+        # Offsets (elements) within one part, per peer: input -> staging block, staging block of
+        # the peer -> output, and this rank's own input -> output.
+        self._stage_rows = {
+            p: [
+                row
+                for src, blk, _ in self.plan.moves(r, p)
+                for row in _row_copies(shape, src, block, blk)
+            ]
+            for p in range(world)
+            if p != r
+        }
+        self._pull_rows = {
+            p: [
+                row
+                for _, blk, dst in self.plan.moves(p, r)
+                for row in _row_copies(block, blk, out_part, dst)
+            ]
+            for p in range(world)
+            if p != r
+        }
+        self._own_rows = [
+            row
+            for src, _, dst in self.plan.moves(r, r)
+            for row in _row_copies(shape, src, out_part, dst)
+        ]
+
+    def _slot(self, buffer: torch.Tensor, p: int, k: int) -> torch.Tensor:
+        """Part k of staging slot p of `buffer` (this rank's or a peer's), flat."""
+        start = (p * self.num_parts + k) * self._block_numel
+        return buffer.view(-1)[start : start + self._block_numel]
+
+    def exchange(self, parts: Parts) -> torch.Tensor:
+        """The all-to-all of `parts`: a fresh (num_parts, *out_part) tensor (not differentiable).
+
+        Raises:
+            RuntimeError: the object failed (a peer timed out earlier).
+        """
+        self._check_alive()
+        items = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        p_world, r = self.world_size, self.rank
+        peers = [(r + step) % p_world for step in range(1, p_world)]
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            outs = [o.view(-1) for o in out.unbind(0)]
+            flat = [t.view(-1) for t in items]
+            self._side.wait_stream(cur)
+            with torch.cuda.stream(self._side), torch.no_grad():
+                for p in peers:
+                    self._wait_flag(self._side, p_world + p, f"rank {p} to free its staging slot")
+                for p in peers:
+                    for k in range(self.num_parts):
+                        slot = self._slot(self._mem.local, p, k)
+                        for src, dst, n in self._stage_rows[p]:
+                            slot[dst : dst + n].copy_(flat[k][src : src + n])
+                    self._set_flag(self._side, p, r)
+                for k in range(self.num_parts):
+                    for src, dst, n in self._own_rows:
+                        outs[k][dst : dst + n].copy_(flat[k][src : src + n])
+                for p in peers:
+                    self._wait_flag(self._side, p, f"rank {p}'s block")
+                    for k in range(self.num_parts):
+                        slot = self._slot(self._mem.peers[p], r, k)
+                        for src, dst, n in self._pull_rows[p]:
+                            outs[k][dst : dst + n].copy_(slot[src : src + n])
+                    self._set_flag(self._side, p, p_world + r)
+            cur.wait_stream(self._side)
+        return out

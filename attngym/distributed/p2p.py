@@ -1,6 +1,7 @@
 """The copy-engine transport interface over torch.distributed point-to-point and collectives.
 
-Same constructors and methods as `CopyEngineChannel` / `CopyEngineAllGather`, but the bytes move
+Same constructors and methods as `CopyEngineChannel` / `CopyEngineAllGather` /
+`CopyEngineAllToAll`, but the bytes move
 through the process group's backend: NCCL for CUDA tensors, gloo for CPU tensors. The group must
 have a backend for the tensors' device (launch.py creates "cpu:gloo,cuda:nccl" on CUDA hosts).
 
@@ -25,6 +26,9 @@ P2PAllGather contract: one gather in flight (`start` → `wait`); the gather fil
 r·part_shape[dim]) that the caller owns. `reduce_scatter` sums an output-shaped gradient over ranks
 and returns this rank's shard.
 
+P2PAllToAll contract: one `all_to_all_single` per exchange, through persistent rank-major send and
+receive buffers; the output is a fresh tensor the caller owns, placed as the AllToAllPlan says.
+
 Collectives per backend (the one for the tensors' device): NCCL runs the tensor collectives
 `all_gather_into_tensor` and `reduce_scatter_tensor`. Any other backend (gloo) runs the list forms
 every backend documents: `all_gather` into per-rank views of the buffer, and `all_reduce` of the
@@ -42,6 +46,8 @@ from collections.abc import Sequence
 import torch
 
 from attngym.distributed.parts import (
+    AllToAllCalls,
+    AllToAllPlan,
     ChannelSteps,
     Parts,
     as_parts,
@@ -49,6 +55,7 @@ from attngym.distributed.parts import (
     check_dim,
     check_part_shape,
     check_peer,
+    narrow,
 )
 from attngym.errors import RankFailure
 
@@ -312,3 +319,78 @@ class P2PAllGather:
         # gloo: all-reduce, keep this rank's share (see the module docstring)
         dist.all_reduce(grad_PN, group=self.group)
         return grad_PN[self.rank].clone()
+
+
+class P2PAllToAll(AllToAllCalls):
+    """All-to-all of num_parts tensors with `all_to_all_single` (NCCL, and gloo on CPU).
+
+    Rank r sends the pieces of its input that the plan gives rank p (attngym.distributed.parts.
+    AllToAllPlan: by default slice p along split_dim) and receives every rank's block into a fresh
+    output at its place along concat_dim. The blocks are packed rank-major into a persistent send
+    buffer (P, num_parts, *block_shape), exchanged into a persistent receive buffer, and unpacked
+    into the output; both backends run the one collective (gloo implements it for CPU tensors).
+    The output belongs to the caller. Calling the object is differentiable: the backward is the
+    inverse all-to-all (`inverse()`, built on first use).
+
+    Args:
+        part_shape: shape of one input part on this rank, e.g. (B, H, S/P, D).
+        num_parts: parts exchanged together (3 for q, k, v).
+        split_dim: the dim of part_shape cut into one block per destination rank.
+        concat_dim: the dim of the output along which the received blocks are placed.
+        dtype, device: of every part.
+        group: process group (default: the world).
+        split_order, concat_order: which pieces go where (AllToAllPlan); None is rank order.
+        timeout_s: how long a CPU wait blocks before raising RankFailure.
+    """
+
+    def __init__(
+        self,
+        part_shape: Sequence[int],
+        num_parts: int,
+        split_dim: int,
+        concat_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group=None,
+        split_order: Sequence[Sequence[int]] | None = None,
+        concat_order: Sequence[Sequence[int]] | None = None,
+        timeout_s: float = 60.0,
+    ):
+        _init_common(self, part_shape, num_parts, dtype, device, group, timeout_s)
+        self.plan = AllToAllPlan.build(
+            self.part_shape, self.world_size, split_dim, concat_dim, split_order, concat_order
+        )
+        self.out_shape = (self.num_parts, *self.plan.out_shape)
+        buffer = (self.world_size, self.num_parts, *self.plan.block_shape)
+        self._send = torch.empty(buffer, dtype=dtype, device=self.device)
+        self._recv = torch.empty(buffer, dtype=dtype, device=self.device)
+        self._moves = {
+            (src, dst): self.plan.moves(src, dst)
+            for src in range(self.world_size)
+            for dst in range(self.world_size)
+        }
+
+    def exchange(self, parts: Parts) -> torch.Tensor:
+        """The all-to-all of `parts`: a fresh (num_parts, *out_part) tensor (not differentiable)."""
+        parts = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
+        r, world = self.rank, self.world_size
+        with torch.no_grad():
+            for p in range(world):
+                for k, part in enumerate(parts):
+                    for src, block, _ in self._moves[(r, p)]:
+                        narrow(self._send[p, k], block).copy_(narrow(part, src))
+            if world > 1:
+                dist = _dist()
+                work = dist.all_to_all_single(
+                    self._recv, self._send, group=self.group, async_op=True
+                )
+                _wait([work], timeout_s=self.timeout_s, device=self.device, what="all-to-all")
+            else:
+                self._recv.copy_(self._send)
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            for p in range(world):
+                for k in range(self.num_parts):
+                    for _, block, dst in self._moves[(p, r)]:
+                        narrow(out[k], dst).copy_(narrow(self._recv[p, k], block))
+        return out

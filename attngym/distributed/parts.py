@@ -1,5 +1,8 @@
 """Argument checks and step bookkeeping shared by every transport (copy engine and P2P).
 
+The all-to-all geometry (which piece of whose input lands where) is AllToAllPlan, and its autograd
+node AllToAllFunction, both shared by CopyEngineAllToAll and P2PAllToAll.
+
 Both transports take the same constructor arguments and the same `parts`, and follow the same
 channel step protocol, so they judge them in one place and fail the same way:
 
@@ -174,3 +177,183 @@ class ChannelSteps:
                 f"release({i}) without a matching recv({i}); held steps: {sorted(self.held)}"
             )
         self.held.remove(i)
+
+
+# ----------------------------------------------------------------------------- all-to-all
+
+
+Region = tuple[tuple[int, int, int], ...]  # ((dim, start, length), ...): narrows of a tensor
+
+
+def _check_order(name: str, order: Any, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """`order` as P tuples of equally many piece indices covering range(P·c) once, or ValueError."""
+    if order is None:
+        return tuple((p,) for p in range(world_size))
+    try:
+        rows = tuple(tuple(int(i) for i in row) for row in order)
+    except TypeError as exc:
+        raise ValueError(f"{name}: expected {world_size} sequences of ints, got {order!r}") from exc
+    c = len(rows[0]) if rows else 0
+    if len(rows) != world_size or c == 0 or any(len(row) != c for row in rows):
+        raise ValueError(
+            f"{name}: expected {world_size} sequences (one per rank) of equally many piece "
+            f"indices, got {order!r}"
+        )
+    if sorted(i for row in rows for i in row) != list(range(world_size * c)):
+        raise ValueError(
+            f"{name}: the piece indices must cover 0 .. {world_size * c - 1} once each, "
+            f"got {order!r}"
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class AllToAllPlan:
+    """Where every piece goes in an all-to-all: the geometry both all-to-all transports share.
+
+    Rank r's input part (part_shape) is cut along `split_dim` into P·cs equal pieces; the pieces
+    `split_order[p]` (in that order) are the block rank r sends to rank p. Rank p's output part
+    (out_shape: split_dim divided by P, concat_dim multiplied by P) is cut along `concat_dim` into
+    P·cc equal pieces; the block from rank r, cut along concat_dim into cc pieces, lands at pieces
+    `concat_order[r]`. The defaults (one piece per rank, in rank order) are the plain all-to-all:
+    out[p].narrow(concat_dim, r·n, n) == in[r].narrow(split_dim, p·m, m). Orders other than the
+    default let a sequence in a sharded layout (zigzag) come out in global order, and back.
+
+    The inverse exchange (the backward) swaps the dims and the orders: `inverse()`.
+    """
+
+    part_shape: tuple[int, ...]
+    world_size: int
+    split_dim: int
+    concat_dim: int
+    split_order: tuple[tuple[int, ...], ...]
+    concat_order: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def build(
+        cls,
+        part_shape: Sequence[int],
+        world_size: int,
+        split_dim: Any,
+        concat_dim: Any,
+        split_order: Any = None,
+        concat_order: Any = None,
+    ) -> AllToAllPlan:
+        """Check the arguments (ValueError naming them) and return the plan."""
+        shape = check_part_shape(part_shape)
+        split_dim = check_dim(split_dim, shape)
+        concat_dim = check_dim(concat_dim, shape)
+        if split_dim == concat_dim:
+            raise ValueError(
+                f"split_dim and concat_dim must differ, both are {split_dim} (part_shape {shape})"
+            )
+        s_order = _check_order("split_order", split_order, world_size)
+        c_order = _check_order("concat_order", concat_order, world_size)
+        pieces = world_size * len(s_order[0])
+        if shape[split_dim] % pieces:
+            raise ValueError(
+                f"part_shape[{split_dim}] = {shape[split_dim]} (the split dim) must be divisible "
+                f"by {pieces} ({world_size} ranks x {len(s_order[0])} pieces each)"
+            )
+        if shape[concat_dim] % len(c_order[0]):
+            raise ValueError(
+                f"part_shape[{concat_dim}] = {shape[concat_dim]} (the concat dim) must be "
+                f"divisible by {len(c_order[0])} (pieces per rank in concat_order)"
+            )
+        return cls(shape, world_size, split_dim, concat_dim, s_order, c_order)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        out = list(self.part_shape)
+        out[self.split_dim] //= self.world_size
+        out[self.concat_dim] *= self.world_size
+        return tuple(out)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of what one rank sends another (part_shape with split_dim divided by P)."""
+        out = list(self.part_shape)
+        out[self.split_dim] //= self.world_size
+        return tuple(out)
+
+    def inverse(self) -> AllToAllPlan:
+        """The exchange that undoes this one (and carries its gradient back)."""
+        return AllToAllPlan(
+            self.out_shape,
+            self.world_size,
+            self.concat_dim,
+            self.split_dim,
+            self.concat_order,
+            self.split_order,
+        )
+
+    def moves(self, src: int, dst: int) -> list[tuple[Region, Region, Region]]:
+        """The pieces rank `src` sends rank `dst`: (input region, block region, output region).
+
+        The input region narrows src's input part, the block region the (block_shape) block in
+        transit, the output region dst's output part; all three have the same shape.
+        """
+        cs, cc = len(self.split_order[0]), len(self.concat_order[0])
+        m = self.part_shape[self.split_dim] // (self.world_size * cs)
+        u = self.part_shape[self.concat_dim] // cc
+        out = []
+        for js, piece_s in enumerate(self.split_order[dst]):
+            for jc, piece_c in enumerate(self.concat_order[src]):
+                in_region = ((self.split_dim, piece_s * m, m), (self.concat_dim, jc * u, u))
+                block_region = ((self.split_dim, js * m, m), (self.concat_dim, jc * u, u))
+                out_region = ((self.split_dim, js * m, m), (self.concat_dim, piece_c * u, u))
+                out.append((in_region, block_region, out_region))
+        return out
+
+
+def narrow(t: torch.Tensor, region: Region) -> torch.Tensor:
+    """The view of one part `t` that `region` names."""
+    for d, start, length in region:
+        t = t.narrow(d, start, length)
+    return t
+
+
+class AllToAllCalls:
+    """What every all-to-all class shares on top of its own `exchange`: the differentiable call
+    and the inverse object. Needs plan, num_parts, dtype, device, group and timeout_s."""
+
+    _inverse: Any = None
+
+    def __call__(self, parts: Parts) -> torch.Tensor:
+        """`exchange(parts)`, differentiable when grad is enabled and a part requires it."""
+        items = list(parts.unbind(0)) if isinstance(parts, torch.Tensor) else list(parts)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in items):
+            return AllToAllFunction.apply(self, *items)
+        return self.exchange(items)
+
+    def inverse(self) -> Any:
+        """The all-to-all that undoes this one, built once (collective on the first call)."""
+        if self._inverse is None:
+            inv = self.plan.inverse()
+            self._inverse = type(self)(
+                inv.part_shape,
+                self.num_parts,
+                inv.split_dim,
+                inv.concat_dim,
+                dtype=self.dtype,
+                device=self.device,
+                group=self.group,
+                split_order=inv.split_order,
+                concat_order=inv.concat_order,
+                timeout_s=self.timeout_s,
+            )
+            self._inverse._inverse = self
+        return self._inverse
+
+
+class AllToAllFunction(torch.autograd.Function):
+    """An all-to-all as an autograd node: forward `a2a.exchange`, backward the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, a2a: Any, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.a2a = a2a
+        return a2a.exchange(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.a2a.inverse().exchange(grad.contiguous()).unbind(0))

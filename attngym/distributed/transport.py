@@ -1,15 +1,16 @@
 """Which transport moves the K/V shards: one place resolves `auto|copy_engine|nccl|gloo`.
 
-    copy_engine  CopyEngineChannel / CopyEngineAllGather (symmetric memory, CUDA, one NVLink domain)
-    nccl         P2PChannel / P2PAllGather over NCCL (CUDA)
-    gloo         P2PChannel / P2PAllGather over gloo (CPU)
+    copy_engine  CopyEngineChannel / CopyEngineAllGather / CopyEngineAllToAll (symmetric memory,
+                 CUDA, one NVLink domain)
+    nccl         P2PChannel / P2PAllGather / P2PAllToAll over NCCL (CUDA)
+    gloo         P2PChannel / P2PAllGather / P2PAllToAll over gloo (CPU)
     auto         copy_engine on CUDA ranks inside one NVLink domain, nccl on other CUDA ranks, gloo
                  on CPU; the choice is logged.
 
 An explicit choice never falls back: copy_engine on CPU or across NVLink domains, nccl on CPU and
 gloo on CUDA raise ConfigError naming the key (`transport`, or `topology.transport` from a task).
-Each transport is registered in attngym.registry under kind "transport"; its factory returns the
-pair of classes. Transport objects hold buffers (symmetric memory is a collective allocation), so
+Each transport is registered in attngym.registry under kind "transport"; its factory returns its
+classes. Transport objects hold buffers (symmetric memory is a collective allocation), so
 `cached` keeps one per (class, shapes, dtype, device, group) for the life of the process group.
 """
 
@@ -31,35 +32,40 @@ TRANSPORTS = ("auto", "copy_engine", "nccl", "gloo")
 
 @dataclasses.dataclass(frozen=True)
 class Transport:
-    """A resolved transport: its name and the two classes sharing the copy-engine interface."""
+    """A resolved transport: its name and the classes sharing the copy-engine interface."""
 
     name: str
     channel: type
     allgather: type
+    alltoall: type | None = None  # the all-to-all (Ulysses); every registered transport has one
 
 
 @registry.register("transport", "copy_engine")
 def copy_engine() -> Transport:
     """Copy-engine pushes into symmetric memory (CUDA, one NVLink domain)."""
-    from attngym.distributed.copy_engine import CopyEngineAllGather, CopyEngineChannel
+    from attngym.distributed.copy_engine import (
+        CopyEngineAllGather,
+        CopyEngineAllToAll,
+        CopyEngineChannel,
+    )
 
-    return Transport("copy_engine", CopyEngineChannel, CopyEngineAllGather)
+    return Transport("copy_engine", CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll)
 
 
 @registry.register("transport", "nccl")
 def nccl() -> Transport:
     """torch.distributed P2P and collectives over NCCL (CUDA)."""
-    from attngym.distributed.p2p import P2PAllGather, P2PChannel
+    from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 
-    return Transport("nccl", P2PChannel, P2PAllGather)
+    return Transport("nccl", P2PChannel, P2PAllGather, P2PAllToAll)
 
 
 @registry.register("transport", "gloo")
 def gloo() -> Transport:
     """torch.distributed P2P and collectives over gloo (CPU)."""
-    from attngym.distributed.p2p import P2PAllGather, P2PChannel
+    from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 
-    return Transport("gloo", P2PChannel, P2PAllGather)
+    return Transport("gloo", P2PChannel, P2PAllGather, P2PAllToAll)
 
 
 def check_transport(name: str, device: torch.device | str, *, key: str = "transport") -> None:

@@ -5,7 +5,8 @@ callback (conf/hydra/default.yaml: hydra.callbacks.sweep_summary) reads each job
 and writes, in the sweep folder:
 
     summary.csv   one row per job: its overrides, status, error and every metric
-    summary.md    the same, the columns that matter, as a Markdown table
+    summary.md    the columns that vary between jobs, in units a person reads (MiB, ms to 3
+                  significant figures); the same table is printed when the sweep ends
     summary.png   TFLOP/s (CUDA) or forward time (CPU) against seq_len, one line per variant
 
 Jobs are read from files, so the summary is the same with the basic launcher and with submitit
@@ -16,6 +17,7 @@ its own: `attngym.tracking.sweep.summarize(sweep_dir)`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -44,6 +46,20 @@ def md_columns() -> tuple[str, ...]:
 
 # Always columns of a table, even when every job has the same value there.
 KEPT_COLUMNS = ("job", "overrides", "status", "variant")
+
+
+def without_shared_overrides(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """Rows whose `overrides` keep only what differs between jobs, and the overrides every job
+    shares (`+experiment=variant_gallery`), to be named once."""
+    lists = [str(row.get("overrides") or "").split() for row in rows]
+    shared = (
+        [o for o in lists[0] if all(o in other for other in lists[1:])] if len(rows) > 1 else []
+    )
+    trimmed = [
+        {**row, "overrides": " ".join(o for o in overrides if o not in shared) or None}
+        for row, overrides in zip(rows, lists, strict=True)
+    ]
+    return trimmed, " ".join(shared)
 
 
 def table_layout(
@@ -103,11 +119,82 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: Any) -> str:
+def format_value(column: str, value: Any) -> str:
+    """A metric as a person reads it: bytes in MiB/GiB, times to 3 significant figures, TFLOP/s
+    to one decimal (from 0.1 up), other floats to 3 significant figures; None is empty.
+    summary.csv keeps the raw numbers."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if column.endswith("_bytes") or column == "bytes_moved":
+        from attngym.estimate import format_bytes
+
+        return format_bytes(value)
+    if column.endswith("_tflops") and abs(value) >= 0.1:
+        return f"{value:.1f}"  # below 0.1 (a CPU), 3 significant figures say more than 0.0
     if isinstance(value, float):
-        return f"{value:.4g}"
-    text = "" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
+        if value == 0.0 or not math.isfinite(value):
+            return f"{value:g}"
+        digits = max(0, 2 - math.floor(math.log10(abs(value))))  # 3 significant, no exponent
+        return f"{value:.{digits}f}" if abs(value) >= 1e-3 else f"{value:.2e}"
+    return str(value)
+
+
+def format_table(
+    rows: list[dict[str, Any]], columns: Sequence[str], *, max_width: int | None = None
+) -> str:
+    """An aligned Markdown table of `columns` over `rows`, values through `format_value`.
+
+    Args:
+        max_width: cut longer cells (an error message) to this many characters, with "...".
+    """
+
+    def cell(column: str, value: Any) -> str:
+        text = format_value(column, value).replace("|", "\\|").replace("\n", " ")
+        if max_width is not None and len(text) > max_width:
+            text = text[: max_width - 3] + "..."
+        return text
+
+    body = [[cell(c, row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(line[i]) for line in body]) for i, c in enumerate(columns)]
+    numeric = [all(_is_number(row.get(c)) for row in rows) for c in columns]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (
+            t.rjust(w) if right else t.ljust(w)
+            for t, w, right in zip(cells, widths, numeric, strict=True)
+        )
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1)) + (":" if r else "-") for w, r in zip(widths, numeric, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([line(columns), rule, *(line(cells) for cells in body)])
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def summary_text(rows: list[dict[str, Any]], *, max_width: int | None = None) -> str:
+    """The summary as text: job count, the settings every job shares, and the table of the
+    md_columns() that vary between jobs."""
+    failed = sum(row.get("status") != "ok" for row in rows)
+    rows, shared_overrides = without_shared_overrides(rows)
+    columns, shared = table_layout(rows, md_columns())
+    lines = [f"{len(rows)} jobs, {failed} failed.", ""]
+    if shared_overrides:
+        lines += [f"Overrides of every job: {shared_overrides}", ""]
+    if shared:
+        settings = ", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items())
+        lines += [f"Every job: {settings}", ""]
+    lines.append(format_table(rows, columns, max_width=max_width))
+    return "\n".join(lines)
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -124,54 +211,96 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """A Markdown table of the md_columns() that vary, the shared values named once above it."""
-    columns, shared = table_layout(rows, md_columns())
-    failed = sum(row.get("status") != "ok" for row in rows)
-    lines = [f"# {title}", "", f"{len(rows)} jobs, {failed} failed.", ""]
-    if shared:
-        lines += ["Every job: " + ", ".join(f"{k}={_fmt(v)}" for k, v in shared.items()), ""]
-    lines.append("| " + " | ".join(columns) + " |")
-    lines.append("|" + "---|" * len(columns))
-    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
-    atomic_write(path, "\n".join(lines) + "\n")
+    """summary.md: `summary_text` under a title."""
+    atomic_write(path, f"# {title}\n\n{summary_text(rows)}\n")
 
 
 def plot_metric(rows: list[dict[str, Any]]) -> tuple[str, str]:
-    """(metric, axis label) the plot shows: TFLOP/s when any job ran on CUDA, else fwd time."""
+    """(metric, axis label) the plot shows: TFLOP/s when any job ran on CUDA, else the forward
+    time, labelled as a CPU time (no GPU is involved)."""
     if any(row.get("device") == "cuda" and row.get("fwd_tflops") for row in rows):
-        return "fwd_tflops", "forward TFLOP/s"
-    return "fwd_ms", "forward time (ms)"
+        return "fwd_tflops", "forward TFLOP/s (higher is better)"
+    return "fwd_ms", "forward time on CPU, ms (lower is better)"
+
+
+def series_name(row: dict[str, Any]) -> str:
+    """What a row's plot series is: its overrides other than seq_len, short (`causal,
+    head_dim=64`), or its variant when it has none."""
+    parts = []
+    for override in str(row.get("overrides") or "").split():
+        key, _, value = override.partition("=")
+        if key.split(".")[-1] == "seq_len":
+            continue
+        parts.append(value if key.lstrip("+") == "attention" else f"{key.split('.')[-1]}={value}")
+    return ", ".join(parts) or str(row.get("variant"))
+
+
+# 20 distinct colours, and markers that cycle on a different period, so no two of 20 series
+# share both colour and marker.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*")
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """summary.png: the plot metric against seq_len, one line per variant; False if no data."""
+    """summary.png: the plot metric per series (`series_name`), as bars when every job has one
+    seq_len, else as lines over seq_len; False when no job has the metric."""
     metric, label = plot_metric(rows)
+    rows, _ = without_shared_overrides(rows)
     series: dict[str, list[tuple[float, float]]] = {}
     for row in rows:
         if row.get("status") != "ok" or row.get(metric) is None or row.get("seq_len") is None:
             continue
-        name = str(row.get("variant"))
-        series.setdefault(name, []).append((float(row["seq_len"]), float(row[metric])))
+        series.setdefault(series_name(row), []).append((float(row["seq_len"]), float(row[metric])))
     if not series:
         return False
     # A Figure of its own with the Agg canvas (as attngym.viz draws): no pyplot, no global backend.
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for name, points in sorted(series.items()):
-        points.sort()
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("seq_len")
-    ax.set_ylabel(label)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    colours = matplotlib.colormaps["tab20"].colors
+    lengths = {x for points in series.values() for x, _ in points}
+    names = sorted(series)
+    if len(lengths) == 1:
+        fig = Figure(figsize=(8, 1.5 + 0.35 * len(names)), dpi=110, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        values = [series[n][-1][1] for n in names]  # one point each: the name holds the rest
+        order = sorted(range(len(names)), key=lambda i: values[i])
+        ax.barh(
+            [names[i] for i in order],
+            [values[i] for i in order],
+            color=[colours[i % len(colours)] for i in order],
+        )
+        for i, rank in enumerate(order):
+            text = f" {format_value(metric, values[rank])}"
+            ax.annotate(text, (values[rank], i), va="center", fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_title(f"{title}\nseq_len={int(next(iter(lengths))):,}")
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.margins(x=0.12)
+    else:
+        fig = Figure(figsize=(9, 5.5), dpi=110, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        for i, name in enumerate(names):
+            points = sorted(series[name])
+            xs, ys = zip(*points, strict=True)
+            ax.plot(
+                xs,
+                ys,
+                color=colours[i % len(colours)],
+                marker=MARKERS[i % len(MARKERS)],
+                label=name,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(lengths), [f"{int(x):,}" for x in sorted(lengths)])
+        if metric.endswith("_ms"):
+            ax.set_yscale("log")
+        ax.set_xlabel("seq_len")
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        fig.legend(fontsize=8, loc="outside right upper")
     png = io.BytesIO()
     fig.savefig(png, format="png")
     atomic_write(path, png.getvalue())
@@ -264,11 +393,11 @@ class SweepSummary(_callback_base()):
 
     def __init__(self) -> None:
         self._bar = None
-        self._done = 0
+        self._redirect = contextlib.ExitStack()
         self._lock: FolderLock | None = None
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from attngym.progress import progress
+        from attngym.progress import Progress
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks for the sweep
             # Hydra only warns about an Exception from a callback: stop with one line instead.
@@ -283,19 +412,31 @@ class SweepSummary(_callback_base()):
                 self._release()
                 print(f"attngym: error: {err}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
-        total = count_jobs(config)
-        self._done = 0
-        if total:
-            self._bar = iter(progress(range(total), total=total, label="sweep jobs"))
+        self._bar = Progress(count_jobs(config), "sweep jobs")
+        self._bar.clear()  # Hydra's "#0 : ..." line comes before the first job's log redirect
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        from attngym.progress import redirect_logging
+
         if self._bar is not None:
-            next(self._bar, None)
+            # Hydra sets up the job's log handlers before this: route them above the bar now.
+            self._redirect.enter_context(redirect_logging())
+            self._bar.running(" ".join(str(o) for o in config.hydra.overrides.task) or "job")
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        from attngym.progress import on_terminal
+
+        if self._bar is not None:
+            self._bar.update()
+            self._bar.running("")  # between jobs nothing runs
+            if not on_terminal():
+                log.info("%s", self._bar.line())  # one line per finished job
+            self._redirect.close()
+            self._bar.clear()  # the next Hydra launch line prints outside the redirect
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if self._bar is not None:
-            for _ in self._bar:  # let the bar finish
-                pass
+            self._bar.close()
             self._bar = None
         sweep_dir = Path(config.hydra.sweep.dir)
         if os.environ.get("RANK", "0") != "0" or not sweep_dir.is_dir():
@@ -317,6 +458,7 @@ class SweepSummary(_callback_base()):
     def _summarize(sweep_dir: Path) -> None:
         rows = summarize(sweep_dir)
         failed = [row for row in rows if row.get("status") != "ok"]
+        print(f"\n{summary_text(rows, max_width=60)}\n", flush=True)  # the sweep's answer
         for row in failed:
             log.error("job %s (%s) failed: %s", row["job"], row["overrides"], row.get("error"))
         log.info(

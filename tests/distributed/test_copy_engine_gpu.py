@@ -269,6 +269,177 @@ def test_profiler_shows_no_sm_kernels(monkeypatch):
     _spawn(monkeypatch, "profiler")
 
 
+# ----------------------------------------------------------------------------- all-to-all
+
+
+def _ulysses_a2a(layout, shape, device, num_parts=2):
+    """The Ulysses exchange of (B, H, S, D) `shape` in `layout`: heads split, sequence in order."""
+    from attngym.distributed import layout as layouts
+    from attngym.distributed.copy_engine import CopyEngineAllToAll
+
+    b, h, s, d = shape
+    order = [
+        [
+            off // (s // layouts.pieces(layout, WORLD))
+            for off, _ in layouts.chunks(r, WORLD, s, layout)
+        ]
+        for r in range(WORLD)
+    ]
+    return CopyEngineAllToAll(
+        (b, h, s // WORLD, d),
+        num_parts,
+        1,
+        2,
+        dtype=torch.float32,
+        device=device,
+        concat_order=order,
+    )
+
+
+def _scenario_alltoall(rank, device, layout):
+    """Fresh data every exchange: head slice `rank` of the whole sequence in order, and back."""
+    from attngym.distributed.layout import shard
+
+    shape = (2, 4, 64, 16)
+    a2a = _ulysses_a2a(layout, shape, device)
+    heads = slice(rank * 2, rank * 2 + 2)
+    previous = None
+    for it in range(20):
+        whole = [_payload(shape, it, 0, k, device) for k in range(2)]  # the same on every rank
+        mine = [shard(x, rank, WORLD, layout) for x in whole]
+        out = a2a(mine)
+        assert out.shape == a2a.out_shape
+        for k in range(2):
+            assert torch.equal(out[k], whole[k][:, heads]), (it, k)
+        back = a2a.inverse()(out)
+        assert torch.equal(back, torch.stack(mine)), it
+        if previous is not None:  # an output is the caller's: later exchanges leave it alone
+            assert torch.equal(previous[0], previous[1]), it
+        previous = (out, torch.stack([x[:, heads] for x in whole]))
+    a2a.synchronize()
+    a2a.inverse().synchronize()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_alltoall_places_heads_and_sequence(monkeypatch, layout):
+    _spawn(monkeypatch, "alltoall", layout)
+
+
+def _scenario_alltoall_grad(rank, device, layout):
+    """d loss / d shard is the inverse exchange of the upstream gradient, exactly."""
+    from attngym.distributed.layout import shard
+
+    shape = (1, 4, 32, 8)
+    a2a = _ulysses_a2a(layout, shape, device)
+    heads = [slice(p * 2, p * 2 + 2) for p in range(WORLD)]
+    for it in range(4):
+        x = [shard(_payload(shape, it, 0, k, device), rank, WORLD, layout) for k in range(2)]
+        x = [t.requires_grad_() for t in x]
+        out = a2a(x)
+        assert out.requires_grad
+        weights = [_payload(a2a.out_shape, 100 + it, p, 0, device) for p in range(WORLD)]
+        (out * weights[rank]).sum().backward()
+        for k in range(2):
+            whole = torch.empty(shape, device=device)
+            for p in range(WORLD):
+                whole[:, heads[p]] = weights[p][k]
+            assert torch.equal(x[k].grad, shard(whole, rank, WORLD, layout)), (it, k)
+    a2a.synchronize()
+
+
+def test_alltoall_is_differentiable(monkeypatch):
+    _spawn(monkeypatch, "alltoall_grad", "zigzag")
+
+
+def _scenario_alltoall_graph(rank, device, eager_first):
+    from attngym.distributed.layout import shard
+
+    shape = (1, 4, 64, 32)
+    a2a = _ulysses_a2a("zigzag", shape, device)
+    x = torch.empty(2, *a2a.part_shape, device=device)
+    out = torch.empty(a2a.out_shape, device=device)
+
+    def step():
+        out.copy_(a2a.exchange(x))
+
+    def fill(rep):
+        whole = [_payload(shape, rep, 0, k, device) for k in range(2)]
+        x.copy_(torch.stack([shard(t, rank, WORLD, "zigzag") for t in whole]))
+        return whole
+
+    if eager_first:
+        whole = fill(1000)
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], whole[0][:, rank * 2 : rank * 2 + 2])
+    graph = torch.cuda.CUDAGraph()
+    dist.barrier()
+    with torch.cuda.graph(graph):
+        step()
+    for rep in range(6):
+        whole = fill(rep)
+        graph.replay()
+        torch.cuda.synchronize()
+        for k in range(2):
+            assert torch.equal(out[k], whole[k][:, rank * 2 : rank * 2 + 2]), rep
+        dist.barrier()  # x is refilled only once the peer's replay has read it
+    a2a.synchronize()
+
+
+@pytest.mark.parametrize("eager_first", [False, True])
+def test_alltoall_graph_capture_and_replay(monkeypatch, eager_first):
+    _spawn(monkeypatch, "alltoall_graph", eager_first)
+
+
+def _scenario_alltoall_profiler(rank, device, _):
+    """The exchange and its inverse run as memcpys and stream memory operations: no SM kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    a2a = _ulysses_a2a("zigzag", (1, 8, 256, 64), device, num_parts=3)
+    x = _payload((3, *a2a.part_shape), 1, rank, 0, device)
+    back = a2a.inverse()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            back.exchange(a2a.exchange(x))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
+    assert kernels == [], kernels
+    assert any(n.lower().startswith("memcpy") for n in names), names
+    print(f"rank {rank}: {len(names)} copies; no kernels")
+
+
+def test_alltoall_profiler_shows_no_sm_kernels(monkeypatch):
+    _spawn(monkeypatch, "alltoall_profiler")
+
+
+def _scenario_alltoall_dead_peer(rank, device, _):
+    """Rank 1 builds the all-to-all, then stops calling; rank 0's exchange fails, never hangs."""
+    import faulthandler
+
+    from attngym.distributed.copy_engine import CopyEngineAllToAll
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    a2a = CopyEngineAllToAll((4, 256), 1, 0, 1, dtype=torch.float32, device=device, timeout_s=3.0)
+    if rank == 1:
+        return
+    began = time.monotonic()
+    a2a.exchange(torch.randn(1, 4, 256, device=device))
+    with pytest.raises(RuntimeError, match="waited more than 3 s"):
+        a2a.synchronize(timeout_s=60)
+    torch.cuda.synchronize()
+    assert time.monotonic() - began < 30
+    with pytest.raises(RuntimeError, match="unusable"):
+        a2a.exchange(torch.randn(1, 4, 256, device=device))
+
+
+def test_alltoall_dead_peer_times_out(monkeypatch):
+    _spawn(monkeypatch, "alltoall_dead_peer")
+
+
 # ----------------------------------------------------------------------------- failures, domain
 
 

@@ -1,0 +1,417 @@
+"""Head-parallel (Ulysses) attention, and hybrid: Ulysses inside groups, ring or all-gather across.
+
+DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509): each rank trades its sequence shard of
+every head for the whole sequence of H/P heads, runs one ordinary attention call (no offsets, no
+merge, any mask) and trades the output back. TransformerEngine calls it `cp_comm_type=a2a`; the
+hybrid is its `a2a+p2p` and USP's (Fang and Zhao, 2024, arXiv:2405.07719) two-level scheme.
+
+Contract (P ranks, this rank r, an all-to-all from `transport`):
+    * Forward: q (B, H, S/P, D) and k, v (B, G, S/P, D) in `layout` go through the all-to-all to
+      q_h (B, H/P, S, D) and k_h, v_h (B, R/P, S, D), the sequence in global order (the exchange
+      places every layout chunk at its global position: no reorder). R = lcm(G, P): K/V heads are
+      split when P divides G and replicated (repeat_interleave) up to R otherwise, so rank r's
+      query heads r·H/P .. (r+1)·H/P - 1 find their K/V heads locally. One flex call
+      (kernels.attend_chunk; the dense reference on CPU) computes out_h (B, H/P, S, D), with the
+      variant's head index moved to the global head (kernels.shifted_heads: ALiBi's slopes), and
+      the inverse all-to-all returns out (B, H, S/P, D) in `layout`.
+    * Backward: autograd through flex's (or the reference's) backward and the all-to-alls, whose
+      backward is the inverse exchange (attngym.distributed.parts.AllToAllFunction).
+    * The all-to-all outputs are fresh tensors (autograd saves them); the transport objects and
+      their buffers are cached per (shapes, group) by attngym.distributed.transport.cached.
+    * Hybrid (W ranks, groups of a = a2a_size consecutive ranks): the all-to-all runs inside the
+      group, giving H/a heads of the group's part of the sequence; that part is exactly the
+      group's shard of the sequence cut for g = W/a ranks in the same layout (for zigzag too, see
+      `hybrid_attention`), so ring_attention or allgather_attention over the g ranks holding the
+      same head slice finishes the job, and the inverse all-to-all brings the output back.
+
+Tensors: q_BHSD is this rank's shard in `layout`; _h names the head-sharded whole (or group)
+sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from attngym import kernels
+from attngym.distributed import layout as layouts
+from attngym.variants.base import Variant
+
+ACROSS = ("ring", "allgather")
+
+
+def check_ulysses_heads(heads: int, kv_heads: int | None, world_size: int) -> None:
+    """ValueError unless `heads` query heads (and `kv_heads` K/V heads) split over world_size.
+
+    Args:
+        heads: query heads H.
+        kv_heads: K/V heads G (None: H), dividing H.
+        world_size: ranks sharing the heads (P, or a2a_size in hybrid).
+
+    Raises:
+        ValueError: naming `heads` or `kv_heads`, the values and what would be allowed.
+    """
+    kv = heads if kv_heads is None else kv_heads
+    if heads % world_size:
+        raise ValueError(
+            f"heads: {heads} query heads cannot be split over {world_size} ranks for head-"
+            f"parallel (Ulysses) attention; use a multiple of {world_size}"
+        )
+    if kv < 1 or heads % kv:
+        raise ValueError(f"kv_heads: {kv} must be a positive divisor of heads ({heads})")
+
+
+def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError("q, k, v must share one dtype and one device")
+
+
+def exchange_order(layout: str, world_size: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the global piece indices of its chunks in `layout`: the all-to-all's concat order
+    that puts every rank's shard of a seq_len sequence at its global place (split order back)."""
+    piece = seq_len // layouts.pieces(layout, world_size)
+    return tuple(
+        tuple(off // piece for off, _ in layouts.chunks(r, world_size, seq_len, layout))
+        for r in range(world_size)
+    )
+
+
+# Variant -> {(head offset, seq_len, block size, backend, device): (shifted variant, block_mask)}.
+# Weak keys, as ring.py's plans: an entry goes with its Variant, so nothing outlives the caller's.
+_PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _plan(variant, head_offset, seq_len, block_size, backend, device):
+    """The head-shifted variant and, for flex, its whole-sequence BlockMask; memoised."""
+    plans = _PLANS.setdefault(variant, {})
+    key = (head_offset, seq_len, block_size, backend, device)
+    if key not in plans:
+        shifted = kernels.shifted_heads(variant, head_offset, device)
+        block_mask = None
+        if backend == "flex":
+            block_mask = kernels.make_block_mask(
+                shifted, seq_len, seq_len, block_size=block_size, device=device
+            )
+        plans[key] = (shifted, block_mask)
+    return plans[key]
+
+
+def _exchange(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Variant, int], torch.Tensor],
+    *,
+    group,
+    transport: str,
+    layout: str,
+    timeout_s: float,
+    stats,
+) -> torch.Tensor:
+    """All-to-all q, k, v to heads inside `group`, `attend` them, all-to-all the output back.
+
+    `attend(q_h, k_h, v_h, variant, head_offset)` sees (B, H/P, S_g, D) and (B, R/P, S_g, D),
+    S_g the group's sequence (in global order for Ulysses, the next level's layout for hybrid),
+    the variant on q's device and the global index of local head 0.
+    """
+    import torch.distributed as dist
+
+    from attngym.distributed.transport import cached, check_transport, resolve_transport
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("head-parallel attention needs an initialised process group")
+    _check_shards(q, k, v)
+    check_transport(transport, q.device)
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    b, h, s, d = q.shape
+    check_ulysses_heads(h, k.shape[1], P)
+    layouts.check_seq_len(s * P, P, layout)
+    if variant.device is not None and variant.device != q.device:
+        variant = variant.to(q.device)
+    if P == 1:  # nothing to exchange (hybrid with a2a_size 1 is ring or all-gather alone)
+        return attend(q, k, v, variant, 0)
+    cls = resolve_transport(transport, q.device, group).alltoall
+    order = exchange_order(layout, P, s * P)
+    replicas = math.lcm(k.shape[1], P) // k.shape[1]
+    if replicas > 1:  # fewer K/V heads than ranks (or not a multiple): repeat up to lcm(G, P)
+        k, v = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
+
+    def a2a(like: torch.Tensor, parts: int, forward: bool):
+        split, concat = (1, 2) if forward else (2, 1)
+        return cached(
+            cls,
+            tuple(like.shape),
+            parts,
+            split,
+            concat,
+            dtype=q.dtype,
+            device=q.device,
+            timeout_s=timeout_s,
+            **({"concat_order": order} if forward else {"split_order": order}),
+            group=group,
+        )
+
+    if k.shape == q.shape:
+        q_h, k_h, v_h = a2a(q, 3, True)([q, k, v]).unbind(0)
+    else:
+        q_h = a2a(q, 1, True)([q])[0]
+        k_h, v_h = a2a(k, 2, True)([k, v]).unbind(0)
+    out_h = attend(q_h, k_h, v_h, variant, r * (h // P))
+    if stats is not None:
+        sent = q.numel() + k.numel() + v.numel() + q.numel()  # q, k, v out; the output back
+        stats.bytes_sent += sent * q.element_size() * (P - 1) // P
+    return a2a(out_h, 1, False)([out_h])[0]
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    *,
+    group=None,
+    transport: str = "auto",
+    layout: str = "contiguous",
+    backend: str = "auto",
+    block_size: tuple[int, int] = (128, 128),
+    kernel_options: Mapping[str, Any] | None = None,
+    scale: float | None = None,
+    timeout_s: float = 60.0,
+    stats=None,
+    compile: bool = True,
+    compile_mode: str = "default",
+) -> torch.Tensor:
+    """Attention of this rank's shards, head-parallel: all-to-all, one flex call, all-to-all back.
+
+    Collective: every rank of `group` calls it with its shards (same shapes, same arguments).
+    The arguments are those of `ring_attention`.
+
+    Args:
+        q: (B, H, S/P, D) this rank's query shard in `layout`; P must divide H.
+        k, v: (B, G, S/P, D) this rank's key/value shards, G dividing H (GQA).
+        variant: the attention variant, at global positions and global head indices. Pass it
+            already on q's device to reuse its block mask across calls.
+        group: process group of the P ranks (default: the world).
+        transport: auto | copy_engine | nccl | gloo (attngym.distributed.transport).
+        layout: contiguous | zigzag (attngym.distributed.layout).
+        backend: auto | flex | reference (auto: flex on CUDA, reference on CPU).
+        block_size: (q, kv) block size of the whole-sequence block mask.
+        kernel_options: passed to flex_attention.
+        scale: score scale, default 1 / sqrt(D).
+        timeout_s: how long a transfer may wait before failing.
+        stats: a CPStats; its bytes_sent grows by what this rank sends.
+        compile, compile_mode: as in attngym.kernels.attend_chunk.
+
+    Returns:
+        (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
+
+    Raises:
+        ValueError: P does not divide H (`heads`), or a bad shape, layout or sequence length.
+    """
+    import torch.distributed as dist
+
+    resolved = kernels.resolve_backend(backend, q.device)
+    block = tuple(int(x) for x in block_size)
+    if dist.is_available() and dist.is_initialized():
+        variant.check_seq_len(q.shape[2] * dist.get_world_size(group))
+
+    def attend(q_h, k_h, v_h, variant_d, head_offset):
+        shifted, block_mask = _plan(variant_d, head_offset, q_h.shape[2], block, resolved, q.device)
+        if stats is not None:
+            stats.pairs_computed += 1
+        out_h, _ = kernels.attend_chunk(
+            q_h,
+            k_h,
+            v_h,
+            shifted,
+            backend=resolved,
+            block_size=block,
+            block_mask=block_mask,
+            kernel_options=kernel_options,
+            scale=scale,
+            compile=compile,
+            compile_mode=compile_mode,
+        )
+        return out_h
+
+    return _exchange(
+        q,
+        k,
+        v,
+        variant,
+        attend,
+        group=group,
+        transport=transport,
+        layout=layout,
+        timeout_s=timeout_s,
+        stats=stats,
+    )
+
+
+@functools.cache
+def _subgroups(group_key: tuple[int, ...], a2a_size: int):
+    """(a2a group, across group) of this rank: new_group for every block and stride, in order."""
+    import torch.distributed as dist
+
+    ranks = list(group_key)
+    me = dist.get_rank()
+    a2a_group = across_group = None
+    for start in range(0, len(ranks), a2a_size):
+        block = ranks[start : start + a2a_size]
+        made = dist.new_group(block)
+        if me in block:
+            a2a_group = made
+    for offset in range(a2a_size):
+        stride = ranks[offset::a2a_size]
+        made = dist.new_group(stride)
+        if me in stride:
+            across_group = made
+    return a2a_group, across_group
+
+
+def hybrid_groups(a2a_size: int | None, group=None):
+    """The (a2a group, across group) of this rank for hybrid attention; collective.
+
+    Groups are consecutive ranks of `group` (rank r's shard must be shard r of the layout, and
+    consecutive shards are what compose, see hybrid_attention), checked against the NVLink domain
+    (attngym.distributed.domain): each a2a group must lie in one domain. a2a_size None takes the
+    ranks of this rank's domain (the host where no NVLink fabric is known).
+
+    Raises:
+        ValueError: naming `a2a_size` when it does not divide the world size, or a group would
+            span NVLink domains, or (None) the domains are not equal blocks of consecutive ranks.
+    """
+    import torch.distributed as dist
+
+    from attngym.distributed.domain import nvlink_domain
+
+    if a2a_size is not None and (
+        isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1
+    ):
+        raise ValueError(f"a2a_size: expected a positive int or None, got {a2a_size!r}")
+    world = dist.get_world_size(group)
+    if a2a_size is not None and world % a2a_size:
+        raise ValueError(f"a2a_size: {a2a_size} does not divide the world size {world}")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    domains: list[str | None] = [None] * world
+    dist.all_gather_object(domains, nvlink_domain(), group=group)
+    if a2a_size is None:
+        a2a_size = domains.count(domains[0])
+        blocks_ok = all(domains[i] == domains[i - i % a2a_size] for i in range(world))
+        if world % a2a_size or not blocks_ok:
+            raise ValueError(
+                f"a2a_size: None takes one NVLink domain per group, but the domains are not equal "
+                f"blocks of consecutive ranks ({domains}); set a2a_size explicitly"
+            )
+    for start in range(0, world, a2a_size):
+        if len(set(domains[start : start + a2a_size])) > 1:
+            raise ValueError(
+                f"a2a_size: the group of ranks {start}..{start + a2a_size - 1} spans NVLink "
+                f"domains {sorted(set(domains[start : start + a2a_size]))}; choose a size that "
+                "keeps each group inside one domain"
+            )
+    return _subgroups(tuple(ranks), a2a_size)
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    *,
+    a2a_size: int | None = None,
+    across: str = "ring",
+    group=None,
+    transport: str = "auto",
+    layout: str = "contiguous",
+    backend: str = "auto",
+    block_size: tuple[int, int] = (128, 128),
+    kernel_options: Mapping[str, Any] | None = None,
+    scale: float | None = None,
+    timeout_s: float = 60.0,
+    stats=None,
+    compile: bool = True,
+    compile_mode: str = "default",
+) -> torch.Tensor:
+    """Ulysses inside groups of a2a_size consecutive ranks, ring or all-gather across the groups.
+
+    Why it composes: with W ranks in groups of a (g = W/a groups), group j holds shards
+    j·a .. j·a + a - 1. Contiguous: their union is [j·S/g, (j+1)·S/g), group j's contiguous shard
+    for g ranks. Zigzag (2W chunks): member i holds chunks j·a + i and 2W-1-j·a-i, so the group
+    holds zigzag chunks j and 2g-1-j for g ranks, member i's pieces at positions i and 2a-1-i of
+    them: the zigzag order over a ranks. So the in-group all-to-all (layout order over a ranks)
+    yields the group's shard for g ranks in the same layout, of H/a heads, and ring_attention or
+    allgather_attention among the g ranks with the same head slice finishes it.
+
+    Collective over `group`. Arguments as in ulysses_attention, plus:
+
+    Args:
+        a2a_size: ranks per all-to-all group (a divisor of the world size; a must divide H);
+            None: one NVLink domain per group (hybrid_groups).
+        across: ring | allgather, the algorithm among the groups.
+        transport: for the all-to-all and for the ring/all-gather (auto picks per group).
+
+    Returns:
+        (B, H, S/W, D) this rank's output shard, differentiable w.r.t. q, k, v.
+    """
+    import torch.distributed as dist
+
+    from attngym.distributed.allgather import allgather_attention
+    from attngym.distributed.ring import ring_attention
+
+    if across not in ACROSS:
+        raise ValueError(f"across: expected one of {', '.join(ACROSS)}, got {across!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("hybrid attention needs an initialised process group")
+    world = dist.get_world_size(group)
+    layouts.check_seq_len(q.shape[2] * world, world, layout)
+    variant.check_seq_len(q.shape[2] * world)
+    a2a_group, across_group = hybrid_groups(a2a_size, group)
+    fn = ring_attention if across == "ring" else allgather_attention
+
+    def attend(q_h, k_h, v_h, variant_d, head_offset):
+        shifted, _ = _plan(variant_d, head_offset, None, None, "across", q.device)
+        return fn(
+            q_h,
+            k_h,
+            v_h,
+            shifted,
+            group=across_group,
+            transport=transport,
+            layout=layout,
+            backend=backend,
+            block_size=block_size,
+            kernel_options=kernel_options,
+            scale=scale,
+            timeout_s=timeout_s,
+            stats=stats,
+            compile=compile,
+            compile_mode=compile_mode,
+        )
+
+    return _exchange(
+        q,
+        k,
+        v,
+        variant,
+        attend,
+        group=a2a_group,
+        transport=transport,
+        layout=layout,
+        timeout_s=timeout_s,
+        stats=stats,
+    )

@@ -1,0 +1,162 @@
+"""Head-parallel (Ulysses) and hybrid attention on CPU ranks (gloo) against the float64 reference.
+
+One spawn per test runs every case. Inputs are float64 and the attention kernel is the float64
+reference (the CPU backend), so the only differences from the whole-sequence reference are the
+order of a few sums: a few ulp of O(1) values. 1e-10 is far above that and far below any real bug
+(a head offset off by one changes ALiBi's slopes by a factor 2^(-8/H); a misplaced chunk or a
+wrong K/V head gives errors of order 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attngym import reference, variants
+from attngym.distributed import check_ulysses_heads, hybrid_attention, shard, ulysses_attention
+from attngym.distributed.launch import launch
+
+TOL = 1e-10
+LAYOUTS = ("contiguous", "zigzag")
+S, HEADS = 32, 4
+
+# Every catalogue variant at a size that fits S = 32 tokens (natten: an 8 x 4 canvas).
+PARAMS = {
+    "alibi": {"num_heads": HEADS},
+    "bidirectional_sliding_window": {"window_size": 5},
+    "causal": {},
+    "chunked_causal": {"chunk_size": 8},
+    "dilated_sliding_window": {"window_size": 8, "dilation": 2},
+    "document": {"doc_lengths": [10, 14, 8]},
+    "full": {},
+    "natten": {"canvas_w": 8, "canvas_h": 4, "kernel_w": 3, "kernel_h": 3},
+    "prefix_lm": {"prefix_length": 7},
+    "relative_position": {},
+    "sliding_window": {"window_size": 6},
+    "sliding_window_sinks": {"window_size": 6, "num_sinks": 2},
+    "softcap": {"soft_cap": 5.0},
+}
+
+
+def _whole(t, world_size, layout):
+    import torch.distributed as dist
+
+    from attngym.distributed import unshard
+
+    parts = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(parts, t.detach().contiguous())
+    return unshard(parts, layout)
+
+
+def _errors(fn, rank, world_size, variant, kv_heads, layout, seed, **kwargs):
+    """max |err| of out, dq, dk, dv of `fn` against the whole-sequence reference."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, HEADS, S, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, kv_heads, S, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    want_out, _ = reference.attention(qr, kr, vr, variant.score_mod, variant.mask_mod)
+    want_out.backward(dout)
+    q_s, k_s, v_s = (shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v))
+    out = fn(q_s, k_s, v_s, variant, layout=layout, transport="gloo", **kwargs)
+    out.backward(shard(dout, rank, world_size, layout))
+    got = [out, q_s.grad, k_s.grad, v_s.grad]
+    want = [want_out, qr.grad, kr.grad, vr.grad]
+    return [
+        (_whole(g, world_size, layout) - w).abs().max().item()
+        for g, w in zip(got, want, strict=True)
+    ]
+
+
+def _ulysses_worker(rank, world_size):
+    errors = {}
+    for n, name in enumerate(variants.names()):
+        variant = variants.get(name, **PARAMS[name])
+        kv_heads = (4, 2, 1)[n % 3]  # in turn: MHA; GQA split (2 >= P); replicated (1 < P)
+        for layout in ("contiguous", "zigzag"):
+            errors[(name, kv_heads, layout)] = _errors(
+                ulysses_attention, rank, world_size, variant, kv_heads, layout, n
+            )
+    try:  # 3 heads over 2 ranks: refused before any exchange, on every rank alike
+        x = torch.randn(1, 3, S // world_size, 8, dtype=torch.float64)
+        ulysses_attention(x, x, x, variants.get("causal"), transport="gloo")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return errors, refused
+
+
+def test_ulysses_matches_reference_for_every_variant_fwd_bwd():
+    assert sorted(PARAMS) == variants.names(), "give every catalogue variant its test parameters"
+    errors, refused = launch(_ulysses_worker, 2, timeout_s=120)
+    assert len(errors) == len(PARAMS) * 2
+    bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
+    assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
+    assert refused is not None and refused.startswith("heads: 3 query heads"), refused
+
+
+def _hybrid_worker(rank, world_size):
+    cases = {
+        "alibi": (variants.get("alibi", num_heads=HEADS), 4),
+        "causal": (variants.get("causal"), 1),
+        "sliding_window+softcap": (
+            variants.compose(
+                variants.get("sliding_window", window_size=6), variants.get("softcap", soft_cap=5.0)
+            ),
+            2,
+        ),
+    }
+    errors = {}
+    for n, (name, (variant, kv_heads)) in enumerate(cases.items()):
+        # Each across algorithm meets each layout once per case, in turn (6 runs, not 12).
+        for across, layout in (("ring", LAYOUTS[n % 2]), ("allgather", LAYOUTS[1 - n % 2])):
+            errors[(name, across, layout)] = _errors(
+                hybrid_attention,
+                rank,
+                world_size,
+                variant,
+                kv_heads,
+                layout,
+                n,
+                a2a_size=2,
+                across=across,
+            )
+    refused = []
+    x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
+    for bad in ({"a2a_size": 3}, {"a2a_size": 2, "across": "tree"}):
+        try:
+            hybrid_attention(x, x, x, variants.get("causal"), transport="gloo", **bad)
+            refused.append(None)
+        except ValueError as e:
+            refused.append(str(e))
+    return errors, refused
+
+
+def test_hybrid_matches_reference_at_four_ranks():
+    errors, refused = launch(_hybrid_worker, 4, timeout_s=180)
+    assert refused == [
+        "a2a_size: 3 does not divide the world size 4",
+        "across: expected one of ring, allgather, got 'tree'",
+    ]
+    assert len(errors) == 3 * 2
+    bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
+    assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "world_size", "match"),
+    [
+        (6, None, 4, "heads: 6 query heads cannot be split over 4 ranks"),
+        (8, 3, 2, "kv_heads: 3 must be a positive divisor of heads"),
+    ],
+)
+def test_check_ulysses_heads_rejects(heads, kv_heads, world_size, match):
+    with pytest.raises(ValueError, match=match):
+        check_ulysses_heads(heads, kv_heads, world_size)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "world_size"), [(8, None, 4), (8, 2, 4), (8, 8, 2), (6, 3, 2), (4, 1, 4)]
+)
+def test_check_ulysses_heads_accepts(heads, kv_heads, world_size):
+    check_ulysses_heads(heads, kv_heads, world_size)

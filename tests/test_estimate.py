@@ -1,0 +1,87 @@
+"""The memory estimate: refuses what cannot fit, in one line that names the key, and accepts the
+defaults; numbers are checked against the tensors' own sizes, not against timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from attngym.estimate import available_memory, estimate, format_bytes
+
+DEFAULTS = dict(  # conf/config.yaml on a CPU
+    batch=1,
+    heads=4,
+    seq_len=1024,
+    head_dim=64,
+    dtype="float32",
+    device="cpu",
+    passes=("fwd", "bwd"),
+    baselines=("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask"),
+    validate_rows=256,
+)
+
+
+def test_the_defaults_fit_this_machine():
+    result = estimate(**DEFAULTS)
+    assert result.fits and result.problem is None and not result.skipped_baselines
+    assert result.available_bytes == available_memory("cpu") or result.available_bytes > 0
+
+
+def test_ten_million_tokens_are_refused_in_one_line_naming_the_key():
+    result = estimate(**{**DEFAULTS, "seq_len": 10_000_000})
+    assert not result.fits and result.key == "shape.seq_len"
+    assert "\n" not in result.problem and result.problem.startswith("shape.seq_len:")
+    assert format_bytes(result.available_bytes) in result.problem  # both numbers
+    assert format_bytes(result.needed_bytes) in result.problem
+
+
+def test_resident_bytes_are_the_tensors_sizes():
+    # fwd only, no validation, no baselines, plenty of memory: q, out (B, H, S, D), k, v
+    # (B, G, S, D) and the float32 lse (B, H, S); the block mask 16 bytes a block pair.
+    result = estimate(
+        batch=2,
+        heads=8,
+        kv_heads=2,
+        seq_len=4096,
+        head_dim=64,
+        dtype="bfloat16",
+        device="cpu",
+        available_bytes=2**50,
+        cpu_cores=8,
+    )
+    q = 2 * 8 * 4096 * 64 * 2
+    kv = 2 * 2 * 2 * 4096 * 64 * 2
+    assert result.parts["resident"] == 2 * q + kv + 2 * 8 * 4096 * 4
+    assert result.parts["block_mask"] == 16 * 32 * 32
+    assert result.parts["flex"] == 2 * 2 * 8 * 4096 * 4096 * 4  # eager flex: S x S twice
+
+
+def test_a_baseline_that_alone_does_not_fit_is_skipped_with_its_reason():
+    # 40 GiB: at S=32K the run's own eager flex scores (float32 scores and probabilities, 4 heads
+    # of 4 GiB each: 32 GiB) fit, SDPA's math backend (the same 32 GiB) too, the dense-mask
+    # baseline (its 16 GiB float32 bias on top: 48 GiB) does not.
+    result = estimate(
+        **{**DEFAULTS, "seq_len": 32768, "validate_rows": 0, "passes": ("fwd",)},
+        available_bytes=40 * 2**30,
+    )
+    assert result.fits
+    assert set(result.skipped_baselines) == {"sdpa_dense_mask"}
+    assert "available" in result.skipped_baselines["sdpa_dense_mask"]
+
+
+def test_a_large_reference_names_validate_rows():
+    # On CUDA flex and the SDPA backends work tile by tile; validating every one of 64K rows in
+    # float64 (64 x 32 heads x 64K x 64K x 8 bytes, three times) is what does not fit in 80 GB.
+    big = {"batch": 64, "heads": 32, "seq_len": 65536, "validate_rows": 65536}
+    result = estimate(**{**DEFAULTS, **big, "device": "cuda"}, available_bytes=80 * 2**30)
+    assert result.key == "validate_rows"
+
+
+def test_more_ranks_than_cores_on_a_cpu_are_refused():
+    result = estimate(**{**DEFAULTS, "world_size": 64}, cpu_cores=2)
+    assert result.key == "topology.world_size" and "<=2" in result.problem
+    assert estimate(**{**DEFAULTS, "world_size": 2}, cpu_cores=2).fits
+
+
+def test_an_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="dtype"):
+        estimate(**{**DEFAULTS, "dtype": "auto"})
