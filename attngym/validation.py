@@ -73,18 +73,19 @@ def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def output_errors(
-    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor
-) -> dict[str, float]:
+    out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor, ref_lse: torch.Tensor
+) -> dict[str, float | None]:
     """err_out_max_abs, err_out_rel, err_lse_max_abs of (out, lse) against the reference.
 
     Args:
         out: (B, H, R, D) kernel output on the validated rows; ref_out the same from the oracle.
-        lse: (B, H, R) kernel log-sum-exp; ref_lse the same from the oracle.
+        lse: (B, H, R) kernel log-sum-exp, or None for a kernel that keeps none (then
+            err_lse_max_abs is None); ref_lse the same from the oracle.
     """
     return {
         "err_out_max_abs": max_abs_error(out, ref_out),
         "err_out_rel": rel_error(out, ref_out),
-        "err_lse_max_abs": max_abs_error(lse, ref_lse),
+        "err_lse_max_abs": None if lse is None else max_abs_error(lse, ref_lse),
     }
 
 
@@ -117,7 +118,7 @@ def judge_errors(metrics: Mapping[str, Any], dtype: str) -> str:
     return f"failed: {'; '.join(bad)} ({dtype})" if bad else "ok"
 
 
-def non_finite_values(variant: Variant, out: torch.Tensor, lse: torch.Tensor) -> str:
+def non_finite_values(variant: Variant, out: torch.Tensor, lse: torch.Tensor | None) -> str:
     """What is non-finite in a whole attention result ("" when nothing is): NaN or inf anywhere
     in `out`, NaN or +inf in `lse`, or an lse of -inf on a row the mask does not empty.
 
@@ -126,30 +127,30 @@ def non_finite_values(variant: Variant, out: torch.Tensor, lse: torch.Tensor) ->
     are checked against the mask itself, `ROWS_PER_MASK_CHUNK` rows x S keys at a time.
 
     Args:
-        out: (B, H, S, D); lse: (B, H, S), positions 0..S-1 for queries and keys.
+        out: (B, H, S, D); lse: (B, H, S) or None (a kernel without one), positions 0..S-1 for
+            queries and keys.
     """
-    found = []
-    for what, count in (
-        ("out NaN", torch.isnan(out).sum()),
-        ("out inf", torch.isinf(out).sum()),
-        ("lse NaN", torch.isnan(lse).sum()),
-        ("lse +inf", (lse == math.inf).sum()),
-    ):
-        if int(count):
-            found.append(f"{what} in {int(count)} values")
-    empty = (lse == -math.inf).nonzero()  # (N, 3): b, h, q of each -inf lse
-    if empty.numel():
-        keys = torch.arange(lse.shape[-1], device=lse.device)[None, :]  # (1, S)
-        not_empty = 0
-        for part in empty.split(max(1, ROWS_PER_MASK_CHUNK // keys.numel())):
-            if variant.mask_mod is None:
-                not_empty += part.shape[0]
-                continue
-            b, h, q = (part[:, i : i + 1] for i in range(3))  # (n, 1) each
-            not_empty += int(variant.mask_mod(b, h, q, keys).any(dim=-1).sum())
-        if not_empty:
-            found.append(f"lse -inf in {not_empty} rows the mask does not empty")
+    counts = {"out NaN": torch.isnan(out).sum(), "out inf": torch.isinf(out).sum()}
+    if lse is not None:
+        counts.update({"lse NaN": torch.isnan(lse).sum(), "lse +inf": (lse == math.inf).sum()})
+    found = [f"{what} in {int(n)} values" for what, n in counts.items() if int(n)]
+    if lse is not None and (not_empty := _unmasked_rows(variant, lse == -math.inf)):
+        found.append(f"lse -inf in {not_empty} rows the mask does not empty")
     return "; ".join(found)
+
+
+def _unmasked_rows(variant: Variant, rows_BHS: torch.Tensor) -> int:
+    """How many of the (b, h, q) rows marked in `rows_BHS` the mask does not empty, evaluated
+    ROWS_PER_MASK_CHUNK mask entries at a time."""
+    marked = rows_BHS.nonzero()  # (N, 3): b, h, q
+    if variant.mask_mod is None or marked.numel() == 0:
+        return marked.shape[0]
+    keys = torch.arange(rows_BHS.shape[-1], device=rows_BHS.device)[None, :]  # (1, S)
+    count = 0
+    for part in marked.split(max(1, ROWS_PER_MASK_CHUNK // keys.numel())):
+        b, h, q = (part[:, i : i + 1] for i in range(3))  # (n, 1) each
+        count += int(variant.mask_mod(b, h, q, keys).any(dim=-1).sum())
+    return count
 
 
 # Mask entries evaluated at once when checking the rows whose lse is -inf (16M booleans).
@@ -164,7 +165,7 @@ def validate_rows(
     grad_out: torch.Tensor,
     attend: Callable[
         [torch.Tensor | None],
-        tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor] | None],
+        tuple[torch.Tensor, torch.Tensor | None, Sequence[torch.Tensor] | None],
     ],
     *,
     do_bwd: bool,
@@ -183,10 +184,10 @@ def validate_rows(
         q: (B, H, S, D); k, v: (B, G, S, D); grad_out: (B, H, S, D) — the whole-sequence inputs
             the kernel attended (the reference works on detached float64 copies).
         attend: `attend(g_masked) -> (out, lse, grads)` runs the kernel under test on the whole
-            problem and returns out (B, H, S, D), lse (B, H, S) and, when `g_masked` (B, H, S, D)
-            is given, the whole-sequence gradients (dq, dk, dv) for that output gradient
-            (else None). It is called once, with None when not do_bwd. A sharded task gathers
-            its shards inside `attend`.
+            problem and returns out (B, H, S, D), lse (B, H, S) or None (a kernel that keeps no
+            lse) and, when `g_masked` (B, H, S, D) is given, the whole-sequence gradients
+            (dq, dk, dv) for that output gradient (else None). It is called once, with None
+            when not do_bwd. A sharded task gathers its shards inside `attend`.
         do_bwd: also compare gradients.
         max_rows, seed: how many query rows to check at most, and the seed that samples them.
 
@@ -210,10 +211,9 @@ def validate_rows(
         g_masked = torch.zeros_like(grad_out)
         g_masked[:, :, rows] = g_rows
     out, lse, grads = attend(g_masked)
-    non_finite = non_finite_values(variant, out.detach(), lse.detach())
-    metrics.update(
-        output_errors(out.detach()[:, :, rows], lse.detach()[:, :, rows], ref_out.detach(), ref_lse)
-    )
+    non_finite = non_finite_values(variant, out.detach(), None if lse is None else lse.detach())
+    lse_rows = None if lse is None else lse.detach()[:, :, rows]
+    metrics.update(output_errors(out.detach()[:, :, rows], lse_rows, ref_out.detach(), ref_lse))
     if do_bwd and grads is not None:
         dq, dk, dv = grads
         ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), g_rows.double())
@@ -226,11 +226,11 @@ def validate_rows(
         else judge_errors(metrics, str(q.dtype).removeprefix("torch."))
     )
     log.info(
-        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %.3g; %s",
+        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %s; %s",
         metrics["validated_rows"],
         metrics["err_out_max_abs"],
         metrics["err_out_rel"],
-        metrics["err_lse_max_abs"],
+        "n/a" if lse is None else f"{metrics['err_lse_max_abs']:.3g}",
         metrics["validation"],
     )
     return metrics

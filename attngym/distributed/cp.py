@@ -8,7 +8,8 @@ how K/V travel; what they share lives here:
     CPOptions    the kernel and backward choices of one call (one dataclass, validated once)
     CPStats      what a call did (pairs, bytes, per-step timings, the merged lse)
     CPCall       a resolved call: options plus rank, world size, transport, layout, variant
-    pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard, masked ones skipped
+    pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
+                 held), masked ones skipped; rows_read: which rows of a shard a rank reads
     Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA)
     forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
     StepClock    per-step host timings for CPStats
@@ -59,7 +60,9 @@ class CPStats:
     step_compute_ms: list[float] = dataclasses.field(default_factory=list)
     step_wait_ms: list[float] = dataclasses.field(default_factory=list)  # blocked on a transfer
     lse: torch.Tensor | None = None  # (B, H, S/P) merged log-sum-exp of the last forward
-    backward: str | None = None  # the backward the last call resolved to: flex | recompute
+    backward: str | None = (
+        None  # the last call's backward: flex | recompute (ring), or the kernel's own
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,50 +264,69 @@ def _build_pair_plan(variant, batch, heads, q_chunk, kv_chunk, block_size, backe
     return kernels.block_mask_is_empty(block_mask), block_mask
 
 
-def pairs(call: CPCall, q: torch.Tensor, kv_rank: int, *, block_masks: str | None = None):
+def pairs(
+    call: CPCall,
+    q: torch.Tensor,
+    kv_rank: int,
+    *,
+    block_masks: str | None = None,
+    window: tuple[int, int] | None = None,
+):
     """The (q rows, kv rows, q chunk, kv chunk, block_mask) pairs to compute against kv_rank.
 
-    Rows are local slices of this rank's q shard and of kv_rank's shard; chunks are global
+    Rows are local slices of this rank's q shard and of the K/V held; chunks are global
     (offset, length). Skipped pairs are counted in call.stats.
 
     Args:
         block_masks: the backend whose block masks to return ("flex", or "reference" for none);
             default the call's backend. The flex backward asks for "flex" masks whatever the
             forward kernel is.
+        window: (start, length): only rows [start, start + length) of kv_rank's shard are held
+            (a halo, see ring.py); kv rows are then relative to `start` and each kv chunk is cut
+            to the window. Rows outside it must be masked for this rank (the halo plan ensures
+            it), so the cut is exact.
     """
     backend = block_masks or call.backend
+    lo, hi = (0, call.seq_len // call.world_size) if window is None else (window[0], sum(window))
     out = []
     q_start = 0
     for qc in call.chunks(call.rank):
         kv_start = 0
         for kc in call.chunks(kv_rank):
-            skip, block_mask = _call_plan(call, q, qc, kc, backend)
+            a, b = max(kv_start, lo), min(kv_start + kc[1], hi)
+            kv_start += kc[1]
+            if a >= b:
+                continue
+            kc_cut = (kc[0] + a - (kv_start - kc[1]), b - a)
+            skip, block_mask = _call_plan(call, q, qc, kc_cut, backend)
             if call.stats is not None and block_masks is None:
                 call.stats.pairs_skipped += int(skip)
                 call.stats.pairs_computed += int(not skip)
             if not skip:
                 out.append(
-                    (
-                        slice(q_start, q_start + qc[1]),
-                        slice(kv_start, kv_start + kc[1]),
-                        qc,
-                        kc,
-                        block_mask,
-                    )
+                    (slice(q_start, q_start + qc[1]), slice(a - lo, b - lo), qc, kc_cut, block_mask)
                 )
-            kv_start += kc[1]
         q_start += qc[1]
     return out
 
 
-def shards_meet(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> bool:
-    """Whether any (q chunk of q_rank, kv chunk of kv_rank) pair is unmasked (the same plan
-    as `pairs`, for any two ranks; every rank can tell what the others need)."""
-    return any(
-        not _call_plan(call, q, qc, kc, call.backend)[0]
-        for qc in call.chunks(q_rank)
-        for kc in call.chunks(kv_rank)
-    )
+def rows_read(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> tuple[int, int] | None:
+    """[lo, hi): the local rows of kv_rank's shard that q_rank's queries read (whole blocks of
+    the pairs' block masks, so a superset of the exact rows), or None when they read none."""
+    lo, hi = None, None
+    kv_start = 0
+    for kc in call.chunks(kv_rank):
+        for qc in call.chunks(q_rank):
+            skip, block_mask = _call_plan(call, q, qc, kc, "flex")
+            if skip:
+                continue
+            used = block_mask.to_dense().flatten(0, -2).ne(0).any(0).nonzero().flatten()
+            block = block_mask.BLOCK_SIZE[1]
+            a = kv_start + int(used[0]) * block
+            b = kv_start + min((int(used[-1]) + 1) * block, kc[1])
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+        kv_start += kc[1]
+    return None if lo is None else (lo, hi)
 
 
 def _call_plan(call: CPCall, q: torch.Tensor, qc, kc, backend: str):
@@ -356,9 +378,9 @@ class Accumulator:
         self._merge(self.out[:, :, rows], self.lse[:, :, rows], out_i, lse_i)
 
 
-def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int) -> None:
-    """Attend this rank's q chunks to kv_rank's K/V shard and merge into `acc`."""
-    for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank):
+def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
+    """Attend this rank's q chunks to kv_rank's K/V (its shard, or the `window` of it held)."""
+    for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank, window=window):
         out_i, lse_i = attend(
             call, q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows], qc[0], kc[0], block_mask
         )
@@ -380,7 +402,16 @@ class Saved:
 
 
 def backward_pairs(
-    call: CPCall, saved: Saved, k, v, kv_rank: int, dq_acc: torch.Tensor, dkv_acc: torch.Tensor
+    call: CPCall,
+    saved: Saved,
+    k,
+    v,
+    kv_rank: int,
+    dq_acc: torch.Tensor,
+    dkv_acc: torch.Tensor,
+    *,
+    window: tuple[int, int] | None = None,
+    dkv_offset: int = 0,
 ) -> None:
     """Add the gradients of the pairs against kv_rank's shard: dq into dq_acc, dK/dV into dkv_acc.
 
@@ -388,13 +419,15 @@ def backward_pairs(
         saved: this rank's forward (Saved).
         k, v: kv_rank's shard (B, G, S/P, D).
         dq_acc: (B, H, S/P, D) float accumulator of this rank's dq.
-        dkv_acc: (2, B, G, S/P, D) float accumulator of kv_rank's dK, dV.
+        dkv_acc: (2, B, G, rows, D) float accumulator of kv_rank's dK, dV: kv row j of the
+            held K/V lands at row j + dkv_offset.
+        window: the rows of kv_rank's shard held (see `pairs`).
     """
     from attngym.distributed import flex_backward
 
     flex = call.backward == "flex"
     for q_rows, kv_rows, qc, kc, block_mask in pairs(
-        call, saved.q, kv_rank, block_masks="flex" if flex else call.backend
+        call, saved.q, kv_rank, block_masks="flex" if flex else call.backend, window=window
     ):
         k_i, v_i = k[:, :, kv_rows], v[:, :, kv_rows]
         grads = None
@@ -404,8 +437,9 @@ def backward_pairs(
             grads = _recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
         dq, dk, dv = grads
         dq_acc[:, :, q_rows] += dq
-        dkv_acc[0, :, :, kv_rows] += dk
-        dkv_acc[1, :, :, kv_rows] += dv
+        rows = slice(kv_rows.start + dkv_offset, kv_rows.stop + dkv_offset)
+        dkv_acc[0, :, :, rows] += dk
+        dkv_acc[1, :, :, rows] += dv
 
 
 def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask):

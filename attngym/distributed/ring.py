@@ -1,19 +1,25 @@
 """Ring attention: each rank keeps its q shard while the K/V shards travel around the ring.
 
-Contract (P ranks, this rank r, a channel from `transport`):
-    * Forward, step i = 0 .. P-1: rank r holds the K/V shard of rank (r - i) mod P (its own at
-      i = 0, else `recv(i)`). It first pushes that shard on (`send(kv, i)`, for i < P-1), then
-      computes its q chunks against it, so the transfer for step i + 1 overlaps the compute of
-      step i. After the compute the slot is released (`release(i)`): the onward push out of it is
+Contract (P ranks, this rank r, channels from `transport`):
+    * Only what the mask reads moves (RingPlan, from the pairs' block masks, the same on every
+      rank): the ring runs `steps` <= P steps, stopping after the farthest hop at which some
+      rank's queries still read a shard, and at step i a shard travels as the rows that ranks
+      s + i, s + i + 1, ... read (a halo for local masks; whole shards for causal). Each width has
+      its own cached channel (widths only shrink along the ring).
+    * Forward, step i = 0 .. steps-1: rank r holds (rows of) the K/V shard of rank (r - i) mod P
+      (its own at i = 0, else `recv`). It first pushes the rows the next hop needs on, then
+      computes its q chunks against what it holds, so the transfer for step i + 1 overlaps the
+      compute of step i. After the compute the slot is released: the onward push out of it is
       queued, so the slot may be overwritten. Partials are folded in with merge.merge_into.
     * Backward computes each (q chunk, kv chunk) pair's gradient from the merged out and lse
       (CPOptions.backward: flex's backward op, or the pair's forward re-run; see cp.py). K/V
-      travel again on the same channel; dK/dV travel on a second
-      channel one push behind them: a rank adds its contribution to the dK/dV of the shard it holds
-      and pushes the sum on, so after P pushes every shard's dK/dV is back home.
+      travel again as in the forward. The other ranks' dK/dV of a shard (rows held at step 1)
+      travel one push behind them: a rank adds its contribution and pushes the sum on; the last
+      push goes home (the next ring hop after P steps, else straight back).
     * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
       BlockMask live as long as the Variant object).
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.
+      Send nothing is the limit case: a shard no other rank reads never leaves (steps = 1).
 
 Tensors: q_BHSD (B, H, S/P, D) and k/v_BGSD (B, G, S/P, D) are this rank's shards in `layout`;
 every chunk the layout gives a rank (one for contiguous, two for zigzag, some for balanced) is
@@ -22,6 +28,8 @@ evaluated at its global positions (attend_chunk q_offset / kv_offset).
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -35,8 +43,8 @@ from attngym.distributed.cp import (
     StepClock,
     backward_pairs,
     forward_pairs,
+    rows_read,
     run,
-    shards_meet,
 )
 from attngym.distributed.layout import Layout
 from attngym.variants.base import Variant
@@ -44,17 +52,17 @@ from attngym.variants.base import Variant
 __all__ = ["CPOptions", "CPStats", "ring_attention"]
 
 
-def _channel(call: CPCall, like: torch.Tensor, dtype: torch.dtype, tag: str, hops: int = -1):
-    """The cached channel for `tag`: pushes `hops` ranks back (-1: to the next rank, the ring)."""
+def _channel(call: CPCall, part_shape, device, dtype: torch.dtype, tag: str, hops: int = -1):
+    """The cached channel for `tag` and part shape: pushes `hops` ranks back (-1: the next rank)."""
     from attngym.distributed.transport import cached
 
     P, r = call.world_size, call.rank
     return cached(
         call.transport.channel,
-        tuple(like.shape),
+        tuple(part_shape),
         2,
         dtype=dtype,
-        device=like.device,
+        device=device,
         timeout_s=call.options.timeout_s,
         group=call.group,
         tag=tag,
@@ -63,100 +71,173 @@ def _channel(call: CPCall, like: torch.Tensor, dtype: torch.dtype, tag: str, hop
     )
 
 
-def ring_steps(call: CPCall, q: torch.Tensor) -> int:
-    """How many ring steps the mask needs: 1 + the farthest hop at which a shard is still read.
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    """Which rows of which shard travel at each step (the same on every rank).
 
-    Shard s visits ranks s + 1, s + 2, ... (mod P); past the last one whose queries meet it
-    nothing downstream reads it, so the ring stops there (every rank computes the same plan).
-    Causal masks need all P steps; local masks (sliding_window, chunked_causal, natten, short
-    documents) often far fewer at P > 2.
+    steps: ring steps the mask needs, 1 + the farthest hop at which some rank still reads a shard.
+    widths[i]: rows of a shard held at step i (widths[0] = S/P, the own shard); non-increasing.
+    starts[s][i]: the first local row of shard s held at step i (by rank s + i).
+
+    Rows held at step i cover every row ranks s + i, s + i + 1, ... read (from their block
+    masks), and sit inside the rows held at step i - 1, so a rank forwards a slice of what it got.
     """
-    P = call.world_size
-    last = 0
+
+    steps: int
+    widths: tuple[int, ...]
+    starts: tuple[tuple[int, ...], ...]
+
+
+# Variant -> {(layout, B, H, block size, backend, device): RingPlan}.
+_RING_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
+    """The RingPlan of this call (memoised per variant)."""
+    key = (call.layout, *q.shape[:2], call.options.block_size, call.backend, q.device)
+    per = _RING_PLANS.setdefault(call.variant, {})
+    if key not in per:
+        per[key] = _build_ring_plan(call, q)
+    return per[key]
+
+
+def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
+    P, n = call.world_size, call.seq_len // call.world_size
+    reads = [[rows_read(call, q, (s + hop) % P, s) for hop in range(P)] for s in range(P)]
+    last = max((hop for s in range(P) for hop in range(1, P) if reads[s][hop]), default=0)
+    steps = last + 1
+    spans = [[None] * steps for _ in range(P)]  # rows of shard s read at hops i .. steps - 1
     for s in range(P):
-        for hop in range(P - 1, last, -1):
-            if shards_meet(call, q, (s + hop) % P, s):
-                last = hop
-                break
-    return last + 1
+        for i in range(steps - 1, 0, -1):
+            here = [x for x in (reads[s][i], spans[s][i + 1] if i + 1 < steps else None) if x]
+            spans[s][i] = (min(a for a, _ in here), max(b for _, b in here)) if here else None
+    widths = [n] + [
+        max((sp[i][1] - sp[i][0] for sp in spans if sp[i]), default=1) for i in range(1, steps)
+    ]
+    starts = []
+    for s in range(P):
+        lo = [0]
+        for i in range(1, steps):
+            prev, room = lo[-1], lo[-1] + widths[i - 1] - widths[i]
+            lo.append(min(max(spans[s][i][0], prev), room) if spans[s][i] else prev)
+        starts.append(tuple(lo))
+    return RingPlan(steps, tuple(widths), tuple(starts))
+
+
+def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan):
+    """For each hop i = 1 .. steps - 1: (channel, its local step). Hops of one width share a
+    channel (widths only shrink, so they are consecutive); each channel counts its steps from 1."""
+    out, first = {}, 1
+    for i in range(1, plan.steps):
+        if plan.widths[i] != plan.widths[i - 1] and i > 1:
+            first = i
+        shape = (*like.shape[:2], plan.widths[i], like.shape[3])
+        out[i] = (_channel(call, shape, like.device, dtype, tag), i - first + 1)
+    return out
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: CPCall):
         P, r = cfg.world_size, cfg.rank
-        steps = ring_steps(cfg, q)
+        plan = ring_plan(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
         acc = Accumulator.of(cfg, q, v.shape[-1])
         kv = torch.stack([k, v])
-        chan = _channel(cfg, k, k.dtype, "kv") if steps > 1 else None
-        for i in range(steps):
+        hops = _hops(cfg, k, k.dtype, "kv", plan)
+        for i in range(plan.steps):
+            s = (r - i) % P
             if i > 0:
                 clock.start()
-                kv = chan.recv(i)
+                kv = hops[i][0].recv(hops[i][1])
                 clock.stop("step_wait_ms")
-            if i < steps - 1:
-                chan.send(kv, i)  # the transfer of step i + 1 overlaps this step's compute
+            if i < plan.steps - 1:  # the transfer of step i + 1 overlaps this step's compute
+                part = _slice(kv, plan, s, i + 1)
+                hops[i + 1][0].send(part, hops[i + 1][1] - 1)
                 if stats is not None:
-                    stats.bytes_sent += kv.numel() * kv.element_size()
+                    stats.bytes_sent += part.numel() * part.element_size()
             clock.start()
-            forward_pairs(cfg, acc, q, kv[0], kv[1], (r - i) % P)
+            window = (plan.starts[s][i], plan.widths[i])
+            forward_pairs(cfg, acc, q, kv[0], kv[1], s, window=window)
             clock.stop("step_compute_ms")
             if i > 0:
-                chan.release(i)
-        if chan is not None:
+                hops[i][0].release(hops[i][1])
+        for chan in _distinct(c for c, _ in hops.values()):
             chan.join()
         out = acc.out.to(q.dtype)
         if stats is not None:
             stats.lse = acc.lse
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.cfg, ctx.steps = cfg, steps
+        ctx.cfg, ctx.plan = cfg, plan
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cfg: CPCall = ctx.cfg
-        P, r, steps = cfg.world_size, cfg.rank, ctx.steps
+        plan: RingPlan = ctx.plan
+        P, r, steps = cfg.world_size, cfg.rank, plan.steps
         acc_dtype = lse.dtype
         saved = Saved(q, out, lse, dout)
         dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v])
+        dkv_own = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+        backward_pairs(cfg, saved, k, v, r, dq_acc, dkv_own)  # step 0: this rank's own shard
         if steps == 1:  # no shard leaves its rank
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            backward_pairs(cfg, saved, k, v, r, dq_acc, dkv)
-            return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
-        kv_chan = _channel(cfg, k, k.dtype, "kv")
-        dkv_chan = _channel(cfg, k, acc_dtype, "dkv")
-        # The last push takes each shard's dK/dV home: one more ring hop after all P steps, else
-        # straight back over the steps - 1 hops it travelled (a channel to that peer).
-        home = dkv_chan if steps == P else _channel(cfg, k, acc_dtype, "dkv_home", hops=steps - 1)
+            return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None
+        # Contributions of the other ranks to shard s lie in the rows held at step 1; they
+        # accumulate along the ring in a buffer of that width, then go home: one more ring hop
+        # after all P steps, else straight back over the steps - 1 hops travelled.
+        hops = _hops(cfg, k, k.dtype, "kv", plan)
+        hops[1][0].send(_slice(kv, plan, r, 1), hops[1][1] - 1)  # K/V travel again, as forward
+        wide = (2, *k.shape[:2], plan.widths[1], k.shape[3])
+        chain = _channel(cfg, wide[1:], q.device, acc_dtype, "dkv")
+        home = chain if steps == P else _channel(
+            cfg, wide[1:], q.device, acc_dtype, "dkv_home", hops=steps - 1
+        )  # fmt: skip
         stats = cfg.stats
-        for i in range(steps):
-            if i > 0:
-                kv = kv_chan.recv(i)
+        for i in range(1, steps):
+            s = (r - i) % P
+            kv = hops[i][0].recv(hops[i][1])
             if i < steps - 1:
-                kv_chan.send(kv, i)
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            backward_pairs(cfg, saved, kv[0], kv[1], (r - i) % P, dq_acc, dkv)
-            if i > 0:
-                dkv = dkv + dkv_chan.recv(i)  # the shard's dK/dV so far, one push behind K/V
-            if i < steps - 1 or home is dkv_chan:
-                dkv_chan.send(dkv, i)  # with steps == P, the push at i = P - 1 reaches home
+                onward = _slice(kv, plan, s, i + 1)
+                hops[i + 1][0].send(onward, hops[i + 1][1] - 1)
+                if stats is not None:
+                    stats.bytes_sent += onward.numel() * onward.element_size()
+            part = torch.zeros(wide, dtype=acc_dtype, device=q.device)
+            backward_pairs(
+                cfg, saved, kv[0], kv[1], s, dq_acc, part,
+                window=(plan.starts[s][i], plan.widths[i]),
+                dkv_offset=plan.starts[s][i] - plan.starts[s][1],
+            )  # fmt: skip
+            if i > 1:
+                part += chain.recv(i - 1)  # the shard's dK/dV so far, one push behind K/V
+            if i < steps - 1 or home is chain:
+                chain.send(part, i - 1)
             else:
-                home.send(dkv, 0)
+                home.send(part, 0)
             if stats is not None:
-                stats.bytes_sent += kv.numel() * kv.element_size() * (i < steps - 1)
-                stats.bytes_sent += dkv.numel() * dkv.element_size()
-            if i > 0:
-                kv_chan.release(i)
-                dkv_chan.release(i)
-        last = steps if home is dkv_chan else 1
-        dkv = home.recv(last).clone()
+                stats.bytes_sent += part.numel() * part.element_size()
+            hops[i][0].release(hops[i][1])
+            if i > 1:
+                chain.release(i - 1)
+        last = steps - 1 if home is chain else 1
+        rows = slice(plan.starts[r][1], plan.starts[r][1] + plan.widths[1])
+        dkv_own[:, :, :, rows] += home.recv(last)
         home.release(last)
-        for chan in {id(c): c for c in (kv_chan, dkv_chan, home)}.values():
+        for chan in _distinct([*(c for c, _ in hops.values()), chain, home]):
             chan.join()
-        return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None
+
+
+def _slice(kv: torch.Tensor, plan: RingPlan, s: int, i: int) -> torch.Tensor:
+    """The rows of shard s held at step i, cut from the (2, B, G, rows, D) held at step i - 1."""
+    start = plan.starts[s][i] - plan.starts[s][i - 1]
+    return kv.narrow(3, start, plan.widths[i])
+
+
+def _distinct(channels):
+    return list({id(c): c for c in channels}.values())
 
 
 def ring_attention(

@@ -1,8 +1,8 @@
 """Context-parallel runs: spawn the ranks, then shard, validate, time, instrument, compare.
 
-One task per context-parallel algorithm (ring, allgather), registered from `KINDS`, the one table
-from a task kind to its library attention function and its transfer-only timing. Everything else
-is shared, so the algorithms report comparable numbers.
+One task per context-parallel algorithm (ring, allgather, ulysses), registered from `KINDS`, the
+one table from a task kind to its library attention function, its transfer-only timing and its
+own config check. Everything else is shared, so the algorithms report comparable numbers.
 
 The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
 attngym.config); the parent process checks the transport against the device and raises
@@ -12,7 +12,7 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
 1. `shard`: the same seeded whole-sequence inputs drawn on the CPU on every rank
    (attngym.inputs.make_inputs), this rank's shard in the layout moved to its device: no device
    holds the whole sequence. Reports `load_imbalance` (max over mean of the non-empty blocks each
-   rank's queries attend; 1.0 is perfect balance).
+   rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses).
 2. `first_call`: one forward (+ backward when passes include bwd; on CPU the reference chunk kernel
    gives one) timed apart as `compile_s` (compilation on CUDA).
 3. `validate`: validation.validate_rows, judged per dtype like a single run (a verdict over
@@ -26,9 +26,7 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    can be compared.
 5. `instrument`: one instrumented forward (per-step compute, pairs, bytes) and a transfer-only
    pass (per-step transfer time).
-6. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
-   efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
-7. `torch_cp`: when `baselines` lists it (the default for every context-parallel run), PyTorch's
+6. `torch_cp`: when `baselines` lists it (the default for every context-parallel run), PyTorch's
    own flex context parallelism (attngym.distributed.torch_cp) on the same shards, variant and
    process group, timed like attngym: torch_cp_fwd_ms, torch_cp_fwd_bwd_ms,
    torch_cp_peak_mem_bytes, attngym_over_torch_cp_<pass> (torch_cp time / attngym time; above 1
@@ -37,6 +35,8 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    forward still runs). Its output is compared with attngym's on the validated rows
    (torch_cp_err_out_rel, torch_cp_err_out_max_abs); beyond the dtype's tolerance
    torch_cp_validation fails, and so does the run's `validation` verdict.
+7. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
+   efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
 
 Rank 0 alone does the float64 reference and the one-device comparison (which needs the whole
 problem on its device, briefly). The other ranks wait for it at barriers of a separate gloo group
@@ -54,13 +54,15 @@ Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R vali
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
+import math
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,7 @@ import torch
 from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.device import sync
+from attngym.errors import ConfigError, choice_error
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
 from attngym.validation import RTOL, max_abs_error, rel_error, sample_rows, validate_rows
@@ -129,19 +132,65 @@ def _gather_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats:
     return times
 
 
+def _alltoall_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list:
+    """Times of the Ulysses all-to-all of K and V alone (sequence shards to head slices), K/V
+    heads repeated up to a multiple of the ranks as ulysses_attention does."""
+    world_size = torch.distributed.get_world_size()
+    heads = k_s.shape[1]
+    kv = k_s.detach().repeat_interleave(math.lcm(heads, world_size) // heads, dim=1)
+    a2a = transport.alltoall(
+        tuple(kv.shape), 2, 1, 2, dtype=kv.dtype, device=kv.device, timeout_s=timeout_s
+    )
+    times = []
+    for _ in range(repeats):
+        sync(kv.device)
+        start = time.perf_counter()
+        a2a.exchange([kv, kv])
+        sync(kv.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _check_ulysses(settings: Settings) -> None:
+    """Head-parallel attention splits the heads over the ranks, in a contiguous or zigzag layout."""
+    from attngym.distributed import check_ulysses_heads
+
+    shape, topo = settings.shape, settings.topology
+    try:
+        check_ulysses_heads(shape.heads, shape.kv_heads, topo.world_size)
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        raise ConfigError(f"shape.{key}", message) from None
+    if topo.layout not in ULYSSES_LAYOUTS:
+        raise ConfigError(
+            "topology.layout", choice_error("layout for ulysses", topo.layout, ULYSSES_LAYOUTS)
+        )
+
+
+ULYSSES_LAYOUTS = ("contiguous", "zigzag")
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """What differs between context-parallel algorithms: the call and what one step moves."""
 
     attention: str  # name of the attention function in attngym.distributed
     transfer_ms: Callable[..., list]  # (transport, k_s, timeout_s, repeats) -> step times in ms
+    check: Callable[[Settings], None] | None = None  # ConfigError before any rank starts
+    # False: every rank attends the whole sequence for H/P heads, so the work is balanced
+    # whatever the layout (load_imbalance 1.0).
+    sequence_sharded: bool = True
 
 
-# Task kind -> its algorithm. A new algorithm is one row here (its function takes the shards, the
-# variant and ring_attention's keyword arguments, and fills a CPStats).
+# Task kind -> its algorithm. A new algorithm is one row here: its function takes the shards, the
+# variant and ring_attention's keyword arguments and fills what it can of a CPStats (the merged
+# lse for validation; metrics it leaves empty are None).
 KINDS = {
     "ring": Kind("ring_attention", _ring_transfer_ms),
     "allgather": Kind("allgather_attention", _gather_transfer_ms),
+    "ulysses": Kind(
+        "ulysses_attention", _alltoall_transfer_ms, _check_ulysses, sequence_sharded=False
+    ),
 }
 
 
@@ -157,6 +206,9 @@ def check_hardware(settings: Settings) -> None:
     from attngym.distributed.transport import check_transport
 
     check_transport(settings.topology.transport, settings.device, key="topology.transport")
+    check = KINDS[settings.topology.kind].check if settings.topology.kind in KINDS else None
+    if check is not None:
+        check(settings)
 
 
 def run_context_parallel(
@@ -221,7 +273,9 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         "bwd_status": "ok" if job.do_bwd else "not requested",
     }
     try:
-        for phase in (shard, first_call, validate, time_passes, instrument, one_device, torch_cp):
+        # torch_cp right after attngym's own timings (same conditions); one_device last, as only
+        # rank 0 works there while the others wait at the long-wait barrier below.
+        for phase in (shard, first_call, validate, time_passes, instrument, torch_cp, one_device):
             metrics.update(phase(job))
         _fold_torch_cp_verdict(metrics)
         job.whole = None
@@ -336,6 +390,8 @@ def shard(job: RankJob) -> dict[str, Any]:
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
+    if not KINDS[job.kind].sequence_sharded:
+        return {"load_imbalance": 1.0}
     imbalance = load_imbalance(
         s.topology.layout, job.variant, job.world_size, job.seq_len, s.block_size, job.device
     )
@@ -383,7 +439,8 @@ def validate(job: RankJob) -> dict[str, Any]:
         grads = None
         if job.do_bwd:
             grads = tuple(job.gather(g) for g in _grads(job, out_s, g_masked_s))
-        return job.gather(out_s), job.gather(stats.lse), grads
+        lse = None if stats.lse is None else job.gather(stats.lse)  # ulysses keeps no lse
+        return job.gather(out_s), lse, grads
 
     metrics: dict[str, Any] = {}
     if job.rank == 0:
@@ -405,20 +462,20 @@ def validate(job: RankJob) -> dict[str, Any]:
     return metrics
 
 
-def _peak_window(job: RankJob) -> int:
-    """Start a peak-memory window after a synchronised device; the bytes live now."""
+@contextlib.contextmanager
+def _peak_over_ranks(job: RankJob, into: dict[str, Any], key: str) -> Iterator[None]:
+    """into[key]: the largest over the ranks of what the block adds to the memory live when it
+    starts (the inputs, the L2-flush buffer, anything an earlier phase still holds)."""
+    from attngym import bench
     from attngym import device as device_mod
 
+    if job.device.type == "cuda":
+        bench.l2_flush_buffer(job.device)
     sync(job.device)
-    return device_mod.reset_peak_memory(job.device)
-
-
-def _peak_since(job: RankJob, live: int) -> int:
-    """The largest peak over the ranks of what was allocated since `_peak_window`."""
-    from attngym import device as device_mod
-
-    sync(job.device)
-    return job.max_over_ranks(device_mod.peak_memory_bytes(job.device) - live)
+    with device_mod.peak_memory(job.device) as peak:
+        yield
+        sync(job.device)
+    into[key] = job.max_over_ranks(peak["bytes"])
 
 
 def time_passes(job: RankJob) -> dict[str, Any]:
@@ -434,14 +491,14 @@ def time_passes(job: RankJob) -> dict[str, Any]:
             device=job.device,
         )
     sparsity = float(bench.block_sparsity(job.block_mask))
-    live = _peak_window(job)
-    with torch.no_grad():
-        job.timings["fwd"] = job.timed(job.attend)
-    if job.do_bwd:
-        # A fresh forward graph per timed backward, built outside the timed region.
-        job.timings["bwd"] = job.timed(lambda out: _grads(job, out), job.attend)
-        job.timings["fwd_bwd"] = job.timed(lambda: _grads(job, job.attend()))
-    metrics = {"sparsity": sparsity, "peak_mem_bytes": _peak_since(job, live)}
+    metrics: dict[str, Any] = {"sparsity": sparsity}
+    with _peak_over_ranks(job, metrics, "peak_mem_bytes"):
+        with torch.no_grad():
+            job.timings["fwd"] = job.timed(job.attend)
+        if job.do_bwd:
+            # A fresh forward graph per timed backward, built outside the timed region.
+            job.timings["bwd"] = job.timed(lambda out: _grads(job, out), job.attend)
+            job.timings["fwd_bwd"] = job.timed(lambda: _grads(job, job.attend()))
     metrics.update(pass_metrics(job.timings, job.settings.shape, job.seq_len, sparsity))
     return metrics
 
@@ -455,7 +512,9 @@ def instrument(job: RankJob) -> dict[str, Any]:
         job.attend(stats)
     repeats = job.settings.benchmark.repeats
     return {
-        "step_compute_ms": statistics.median(stats.step_compute_ms),
+        "step_compute_ms": (
+            statistics.median(stats.step_compute_ms) if stats.step_compute_ms else None
+        ),
         "pairs_computed": stats.pairs_computed,
         "pairs_skipped": stats.pairs_skipped,
         "bytes_moved": stats.bytes_sent,
@@ -596,12 +655,11 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
         "torch_cp_bwd_status": "ok" if do_bwd else (NO_CPU_BWD if job.do_bwd else "not requested"),
     }
     metrics.update(_torch_cp_agreement(job, call))
-    live = _peak_window(job)
-    with torch.no_grad():
-        timings = {"fwd": job.timed(call)}
-    if do_bwd:
-        timings["fwd_bwd"] = job.timed(lambda: _grads(job, call()))  # same leaves as attngym
-    metrics["torch_cp_peak_mem_bytes"] = _peak_since(job, live)
+    with _peak_over_ranks(job, metrics, "torch_cp_peak_mem_bytes"):
+        with torch.no_grad():
+            timings = {"fwd": job.timed(call)}
+        if do_bwd:
+            timings["fwd_bwd"] = job.timed(lambda: _grads(job, call()))  # same leaves as attngym
     for p, timing in timings.items():
         metrics[f"torch_cp_{p}_ms"] = timing.median_ms
         mine = job.timings.get(p)
