@@ -3,11 +3,15 @@
 This is the only @hydra.main. It turns a composed config into a run in a fixed order, so every
 topology gets the same treatment:
 
-    check + resolve (attngym.config)  →  task from the registry (topology.kind)  →  metrics.json
-    →  heatmap.png, block_mask.png  →  tracker (logger group)  →  a short results table
+    lock the run folder  →  check + resolve (attngym.config)  →  task from the registry
+    (topology.kind)  →  metrics.json (complete: false)  →  heatmap.png, block_mask.png  →
+    tracker (logger group)  →  metrics.json (complete: true)  →  a short results table
 
-metrics.json is written whatever happens (status ok or failed, with the error), because sweep
-summaries, reports and resumed sweeps read it. Tasks judge their own validation
+metrics.json is written whatever happens (status ok, failed or interrupted, with the error),
+because sweep summaries, reports and resumed sweeps read it; a resumed sweep re-runs a job whose
+`complete` never became true. SIGINT and SIGTERM stop a run with what it measured so far (exit
+130 / 143); a file that cannot be written (a full disk) fails it with one line (exit 1), the
+results table still printed from memory. Tasks judge their own validation
 (attngym.validation.validate_rows sets `validation` to "ok" or "failed: ...") and return all
 their numbers; a failed verdict makes the run's status failed with that error (exit code 1), so
 the timings of a wrong kernel are still on record but never pass as a good run.
