@@ -188,7 +188,7 @@ def shifted_heads(variant: Variant, head_offset: int, device) -> Variant:
     """
     if head_offset == 0:
         return variant
-    off = position(head_offset, torch.device(device), "head")
+    off = position(head_offset, torch.device(device), "h")
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod

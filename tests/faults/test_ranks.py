@@ -19,8 +19,9 @@ from .procs import gone, wait_gone
 
 pytestmark = pytest.mark.faults
 
-# Longer than any test here runs: the peers wait as rank 0's peers wait in attngym.tasks.ring
-# (a gloo group whose timeout is far beyond topology.timeout_s), so only launch can end the wait.
+# Longer than any test here runs: the peers wait as rank 0's peers wait in
+# attngym.tasks.context_parallel (a gloo group whose timeout is far beyond topology.timeout_s), so
+# only launch can end the wait.
 LONG_WAIT_S = 3600
 
 
