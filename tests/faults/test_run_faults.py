@@ -70,24 +70,21 @@ def _error_lines(stderr):
     return [ln for ln in stderr.splitlines() if ln.startswith("attngym: error:")]
 
 
-def test_a_run_into_a_folder_another_run_holds_stops_with_one_line(tmp_path, attngym_cli):
-    run = tmp_path / "run"
-    with FolderLock(run):
-        proc = attngym_cli([*TINY, f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 1, proc.stderr
-    (line,) = _error_lines(proc.stderr)
-    assert f"{run} is in use by pid" in line and "Traceback" not in proc.stderr
-    assert not (run / "metrics.json").exists()
-
-
-def test_a_sweep_into_a_folder_another_sweep_holds_stops_with_one_line(tmp_path, attngym_cli):
-    folder = tmp_path / "sweep"
+@pytest.mark.parametrize(
+    "args, folder_key, untouched",
+    [([], "hydra.run.dir", "metrics.json"), (["-m"], "hydra.sweep.dir", "0")],
+    ids=["run", "sweep"],
+)
+def test_a_folder_another_run_holds_stops_a_run_or_sweep_with_one_line(
+    tmp_path, attngym_cli, args, folder_key, untouched
+):
+    folder = tmp_path / "held"
     with FolderLock(folder):
-        proc = attngym_cli(["-m", *TINY, f"hydra.sweep.dir={folder}"], tmp_path)
+        proc = attngym_cli([*args, *TINY, f"{folder_key}={folder}"], tmp_path)
     assert proc.returncode == 1, proc.stderr
     (line,) = _error_lines(proc.stderr)
     assert f"{folder} is in use by pid" in line and "Traceback" not in proc.stderr
-    assert not (folder / "0").exists()
+    assert not (folder / untouched).exists()
 
 
 def test_a_rank_failure_is_one_line_and_exit_code_1(tmp_path, attngym_cli):
