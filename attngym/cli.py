@@ -3,11 +3,15 @@
 This is the only @hydra.main. It turns a composed config into a run in a fixed order, so every
 topology gets the same treatment:
 
-    check + resolve (attngym.config)  →  task from the registry (topology.kind)  →  metrics.json
-    →  heatmap.png, block_mask.png  →  tracker (logger group)  →  a short results table
+    lock the run folder  →  check + resolve (attngym.config)  →  task from the registry
+    (topology.kind)  →  metrics.json (complete: false)  →  heatmap.png, block_mask.png  →
+    tracker (logger group)  →  metrics.json (complete: true)  →  a short results table
 
-metrics.json is written whatever happens (status ok or failed, with the error), because sweep
-summaries, reports and resumed sweeps read it. Tasks judge their own validation
+metrics.json is written whatever happens (status ok, failed or interrupted, with the error),
+because sweep summaries, reports and resumed sweeps read it; a resumed sweep re-runs a job whose
+`complete` never became true. SIGINT and SIGTERM stop a run with what it measured so far (exit
+130 / 143); a file that cannot be written (a full disk) fails it with one line (exit 1), the
+results table still printed from memory. Tasks judge their own validation
 (attngym.validation.validate_rows sets `validation` to "ok" or "failed: ...") and return all
 their numbers; a failed verdict makes the run's status failed with that error (exit code 1), so
 the timings of a wrong kernel are still on record but never pass as a good run.
@@ -22,20 +26,22 @@ and quotes numeric option names (`block_size=64`) that Hydra would otherwise par
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from attngym.config import Settings
-from attngym.errors import ConfigError, choice_error
+from attngym.errors import ConfigError, Interrupted, RankFailure, choice_error
 from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line in the table
 
 log = logging.getLogger(__name__)
@@ -232,17 +238,31 @@ def _job() -> Job:
     )
 
 
-def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
+def _why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
+    """Why a sweep job must run again: None when an earlier run of it finished ok with every file
+    written (status ok, `complete: true`, heatmap.png and block_mask.png not empty), "" when it
+    never wrote metrics.json, else what is wrong with what it left."""
     from attngym.tracking import read_metrics
 
     previous = read_metrics(run_dir)
-    return bool(
-        previous and previous.get("status") == "ok" and previous.get("overrides") == overrides
-    )
+    if previous is None:
+        return ""
+    if previous.get("overrides") != overrides:
+        return "its metrics.json is of other overrides"
+    if previous.get("status") != "ok":
+        return f"it ended {previous.get('status')}: {previous.get('error')}"
+    if previous.get("complete") is not True:
+        return "it stopped after metrics.json, before its pictures and tracker"
+    for name in PICTURES.values():
+        path = run_dir / name
+        if not path.is_file() or path.stat().st_size == 0:
+            return f"its {name} is missing or empty"
+    return None
 
 
 def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
-    """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures."""
+    """heatmap.png and block_mask.png for any topology; a picture that cannot be drawn is a
+    warning, one that cannot be written (OSError) fails the run."""
     from attngym import viz
 
     variant = settings.variant
@@ -254,6 +274,8 @@ def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
             variant, path, seq_len=seq_len, window=min(HEATMAP_WINDOW, seq_len), seed=settings.seed
         )
         drawn["heatmap"] = path
+    except OSError:
+        raise  # a write error fails the run (run_job)
     except Exception as err:
         log.warning("heatmap.png not drawn: %s: %s", type(err).__name__, err)
     try:
@@ -270,6 +292,8 @@ def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
             device=settings.device,
         )
         drawn["block_mask"] = path
+    except OSError:
+        raise
     except Exception as err:
         log.warning("block_mask.png not drawn: %s: %s", type(err).__name__, err)
     return drawn
@@ -318,11 +342,21 @@ def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     return handler
 
 
-def _run_task(settings: Settings, run_dir: Path) -> dict[str, Any]:
-    """The topology's task, from the registry: its flat metrics."""
+def _leave_run_log() -> None:
+    """Stop this process writing the run's attngym.log: Hydra gives every torchrun rank its file
+    handler, and ranks other than 0 would interleave their records with rank 0's there."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
+    come (an interrupted run keeps what was measured)."""
     from attngym import registry
 
-    return registry.get("task", settings.topology.kind)(settings, run_dir) or {}
+    return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
 
 
 def _run_other_rank(cfg: DictConfig, job: Job) -> None:
@@ -330,12 +364,13 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
     rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
     are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
     a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
-    before any collective (see _stop_sweep_after)."""
+    before any collective (see _stop_sweep_after). It leaves the run's attngym.log to rank 0."""
     from attngym.config import from_config
 
+    _leave_run_log()
     handler = _rank_log(job.run_dir, job.rank)
     try:
-        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir)
+        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
         log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
     except Exception as err:
         log.exception("rank %d failed", job.rank)
@@ -361,45 +396,114 @@ def _stop_sweep_after(err: BaseException) -> bool:
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job: check, run the topology's task, judge, write files, draw, track, exit."""
+    """One Hydra job: check, run the topology's task, judge, write files, draw, track, exit.
+
+    The run folder's lock (attngym.tracking.lock) is held throughout by the process that writes
+    there (rank 0 under torchrun): a second run pointed at the same folder stops with one line
+    naming the holder, exit code 1, before it reads or writes anything.
+    """
+    from attngym.tracking.lock import FolderLock, FolderLocked
+
     job = _job()
-    if job.multirun and _already_ok(job.run_dir, job.overrides):  # every rank skips it together
-        log.info(
-            "job %s (%s): already ok in %s, skipping", job.num, " ".join(job.overrides), job.run_dir
-        )
-        return None
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
+        if job.multirun and _why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
+            return None
         return _run_other_rank(cfg, job)
-    settings, metrics, failure = _check_and_run(cfg, job)
-    _write_files(job, metrics)
-    if settings is not None:
-        _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+    lock = FolderLock(job.run_dir)
+    try:
+        lock.acquire()
+    except FolderLocked as err:
+        print(f"attngym: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        return _run_locked(cfg, job)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
+    """run_job's body, run folder locked."""
+    if job.multirun:  # a resumed sweep: every rank decides alike from the same files
+        why = _why_rerun(job.run_dir, job.overrides)
+        what = f"job {job.num} ({' '.join(job.overrides)})"
+        if why is None:
+            log.info("%s: already ok in %s, skipping", what, job.run_dir)
+            return None
+        if why:
+            log.info("%s: running it again: %s", what, why)
+    metrics: dict[str, Any] = {"status": "failed", "error": None}
+    try:
+        settings, failure = _check_and_run(cfg, job, metrics)
+        try:
+            # metrics.json first (what was measured is safe), then `complete: true` once every
+            # file of the run is written: a resumed sweep re-runs a job whose last write never came.
+            _write_metrics(job, metrics, complete=False)
+            if settings is not None:
+                _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+            _write_metrics(job, metrics, complete=True)
+        except OSError as err:  # a full disk, a symlink where a file goes
+            failure = _unwritten(job, metrics, err)
+    except Interrupted as stop:
+        _stop_interrupted(job, metrics, stop)
     return _finish(job, metrics, failure)
 
 
+def _unwritten(job: Job, metrics: dict[str, Any], err: OSError) -> OSError:
+    """A write of the run failed: the run fails with `could not write <path>: ...`; metrics.json
+    says so if it can still be written, and the metrics stay in memory for the results table."""
+    from attngym.fileio import write_error
+
+    metrics.update(status="failed", error=write_error(err))
+    log.error("%s", metrics["error"])
+    with contextlib.suppress(OSError):
+        _write_metrics(job, metrics, complete=False)
+    return err
+
+
+def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> NoReturn:
+    """SIGINT/SIGTERM during a job: metrics.json with status `interrupted` and what was measured
+    so far, in a sweep the summary of the jobs so far, one line, exit code 128 + signal.
+    Further signals are ignored meanwhile, so that these writes are not cut short."""
+    from attngym.tracking.sweep import summarize
+
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+    metrics.update(status="interrupted", error=str(stop))
+    try:
+        _write_metrics(job, metrics, complete=False)
+        if job.multirun:
+            summarize(job.sweep_dir)
+    except OSError as err:
+        print(f"attngym: error: {_one_line(err)}", file=sys.stderr, flush=True)
+    where = job.sweep_dir if job.multirun else job.run_dir
+    print(f"attngym: {stop}; what was measured is in {where}", file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_code)
+
+
 def _check_and_run(
-    cfg: DictConfig, job: Job
-) -> tuple[Settings | None, dict[str, Any], BaseException | None]:
-    """Settings (None when the config is refused), the run's metrics with their status, and the
-    failure that stopped it (None for a run that ran, whatever its verdict)."""
+    cfg: DictConfig, job: Job, metrics: dict[str, Any]
+) -> tuple[Settings | None, BaseException | None]:
+    """Settings (None when the config is refused) and the failure that stopped the run (None
+    for a run that ran, whatever its verdict); the run's metrics and status go into `metrics`."""
     from attngym.config import from_config
 
-    metrics: dict[str, Any] = {"status": "failed", "error": None}
     settings = None
     try:
         settings = from_config(to_plain(cfg))
-        metrics.update(_run_task(settings, job.run_dir))
+        metrics.update(_run_task(settings, job.run_dir, metrics))
     except Exception as err:
         metrics["error"] = (
             str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
         )
-        if not isinstance(err, ConfigError):
+        if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
+            log.error("run failed: %s", err)
+        elif not isinstance(err, ConfigError):
             log.exception("run failed")
         elif job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
-        return settings, metrics, err
+        return settings, err
     metrics.update(_verdict(metrics))
-    return settings, metrics, None
+    return settings, None
 
 
 def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -412,12 +516,13 @@ def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok"}
 
 
-def _write_files(job: Job, metrics: dict[str, Any]) -> None:
-    """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it)."""
+def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None:
+    """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it);
+    `complete` says whether every other file of the run is written too."""
     from attngym.tracking import write_metrics
 
     metrics["overrides"] = job.overrides
-    write_metrics(job.run_dir, metrics)
+    write_metrics(job.run_dir, {**metrics, "complete": complete})
 
 
 def _track(
@@ -465,11 +570,20 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print(format_results(metrics, job.run_dir), flush=True)
+    if isinstance(failure, RankFailure | OSError):  # one line: a traceback would say no more
+        print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if failure is not None:
         raise failure
     if metrics["status"] != "ok":  # a validation failure: the table above says which error
         raise SystemExit(1)
     return metrics
+
+
+def _one_line(failure: BaseException) -> str:
+    from attngym.fileio import write_error
+
+    return write_error(failure) if isinstance(failure, OSError) else str(failure)
 
 
 main = hydra.main(config_path=f"pkg://{CONF_PACKAGE}", config_name="config", version_base="1.3")(
@@ -491,4 +605,18 @@ def entry(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     register_resolvers()
     sys.argv = [sys.argv[0], *argv]
-    main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)
+    for signum in INTERRUPTS:
+        signal.signal(signum, _raise_interrupted)
+    try:
+        main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)
+    except Interrupted as stop:  # outside a job (a job stops itself: _stop_interrupted)
+        print(f"attngym: {stop}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.exit_code) from None
+
+
+# SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's stop) end a run alike: Interrupted.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)

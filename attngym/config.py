@@ -155,7 +155,9 @@ class Settings:
         if self.variant is None:
             from attngym.variants.spec import build_variant
 
-            self.variant = build_variant(self.attention, seq_len=self.shape.seq_len)
+            self.variant = build_variant(
+                self.attention, seq_len=self.shape.seq_len, heads=self.shape.heads
+            )
 
     # A Variant's callbacks are closures, which do not pickle: a spawned rank gets the settings
     # without it and builds it from `attention` once, in its own process.
@@ -425,7 +427,8 @@ def _check_values(data: dict[str, Any]) -> Variant:
 
     from attngym.variants.spec import build_variant
 
-    return build_variant(_get(data, "attention"), key="attention", seq_len=seq_len)
+    heads = _int(data, "shape.heads", default=_default(Shape, "heads"))
+    return build_variant(_get(data, "attention"), key="attention", seq_len=seq_len, heads=heads)
 
 
 def _check_shape(data: dict[str, Any]) -> int:

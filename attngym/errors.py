@@ -35,3 +35,17 @@ class ConfigError(ValueError):
 
 class RankFailure(RuntimeError):
     """A rank of a distributed run died or timed out; raised on the ranks that outlive it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the run stops, keeping what it measured (exit 128 + signal).
+
+    A KeyboardInterrupt, so code that cleans up after Ctrl-C cleans up after SIGTERM alike.
+    """
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")

@@ -31,10 +31,18 @@ class SymlinkRefused(PermissionError):
         self.path = Path(path)
         link = self.path if self.path.is_symlink() else self.path.parent
         target = os.readlink(link) if link.is_symlink() else "?"
-        super().__init__(
-            f"refusing to write {self.path}: {link} is a symlink (to {target}); "
-            "writes stay inside the run folder, remove the link"
+        self.reason = (
+            f"{link} is a symlink (to {target}); writes stay inside the run folder, remove the link"
         )
+        super().__init__(f"refusing to write {self.path}: {self.reason}")
+
+
+def write_error(err: OSError) -> str:
+    """`could not write <path>: <reason>`: one line for a failed write (SymlinkRefused, or an
+    OSError from atomic_write, which names the file it was writing)."""
+    if isinstance(err, SymlinkRefused):
+        return f"could not write {err.path}: {err.reason}"
+    return f"could not write {err.filename or '?'}: {err.strerror or err}"
 
 
 def check_target(path: str | os.PathLike) -> Path:
@@ -55,7 +63,8 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
 
     Raises:
         SymlinkRefused: `path` or its folder is a symlink.
-        OSError: the write failed (ENOSPC, ...); `path` is left as it was, no temporary remains.
+        OSError: the write failed (ENOSPC, ...), its filename `path` (not the temporary's);
+            `path` is left as it was, no temporary remains.
     """
     path = check_target(path)
     tmp = tmp_name(path)
@@ -68,9 +77,11 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(err, OSError) and err.errno is not None:
+            raise OSError(err.errno, err.strerror, str(path)) from err  # the same OSError subclass
         raise
     return path
 

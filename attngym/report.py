@@ -19,6 +19,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from attngym.fileio import atomic_write, write_error
+
 log = logging.getLogger(__name__)
 
 STYLE = """
@@ -146,8 +148,7 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
     """Write report.html (default: inside `folder`) and return its path."""
     folder = Path(folder)
     path = Path(out) if out is not None else folder / "report.html"
-    path.write_text(build_report(folder), encoding="utf-8")
-    return path
+    return atomic_write(path, build_report(folder))  # never half a page, never through a link
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"attngym report: error: {err}")
         return 2
+    except OSError as err:  # a full disk, a symlink where report.html goes
+        print(f"attngym report: error: {write_error(err)}")
+        return 1
     print(f"report: {path}")
     return 0
 

@@ -118,6 +118,45 @@ def judge_errors(metrics: Mapping[str, Any], dtype: str) -> str:
     return f"failed: {'; '.join(bad)} ({dtype})" if bad else "ok"
 
 
+def non_finite_values(variant: Variant, out: torch.Tensor, lse: torch.Tensor | None) -> str:
+    """What is non-finite in a whole attention result ("" when nothing is): NaN or inf anywhere
+    in `out`, NaN or +inf in `lse`, or an lse of -inf on a row the mask does not empty.
+
+    The sampled rows of validate_rows may miss a NaN from one bad tile; this looks at every row.
+    An lse of -inf is the right answer for a fully masked row (no key to sum over), so those rows
+    are checked against the mask itself, `ROWS_PER_MASK_CHUNK` rows x S keys at a time.
+
+    Args:
+        out: (B, H, S, D); lse: (B, H, S) or None (a kernel without one), positions 0..S-1 for
+            queries and keys.
+    """
+    counts = {"out NaN": torch.isnan(out).sum(), "out inf": torch.isinf(out).sum()}
+    if lse is not None:
+        counts.update({"lse NaN": torch.isnan(lse).sum(), "lse +inf": (lse == math.inf).sum()})
+    found = [f"{what} in {int(n)} values" for what, n in counts.items() if int(n)]
+    if lse is not None and (not_empty := _unmasked_rows(variant, lse == -math.inf)):
+        found.append(f"lse -inf in {not_empty} rows the mask does not empty")
+    return "; ".join(found)
+
+
+def _unmasked_rows(variant: Variant, rows_BHS: torch.Tensor) -> int:
+    """How many of the (b, h, q) rows marked in `rows_BHS` the mask does not empty, evaluated
+    ROWS_PER_MASK_CHUNK mask entries at a time."""
+    marked = rows_BHS.nonzero()  # (N, 3): b, h, q
+    if variant.mask_mod is None or marked.numel() == 0:
+        return marked.shape[0]
+    keys = torch.arange(rows_BHS.shape[-1], device=rows_BHS.device)[None, :]  # (1, S)
+    count = 0
+    for part in marked.split(max(1, ROWS_PER_MASK_CHUNK // keys.numel())):
+        b, h, q = (part[:, i : i + 1] for i in range(3))  # (n, 1) each
+        count += int(variant.mask_mod(b, h, q, keys).any(dim=-1).sum())
+    return count
+
+
+# Mask entries evaluated at once when checking the rows whose lse is -inf (16M booleans).
+ROWS_PER_MASK_CHUNK = 1 << 24
+
+
 def validate_rows(
     variant: Variant,
     q: torch.Tensor,
@@ -172,6 +211,7 @@ def validate_rows(
         g_masked = torch.zeros_like(grad_out)
         g_masked[:, :, rows] = g_rows
     out, lse, grads = attend(g_masked)
+    non_finite = non_finite_values(variant, out.detach(), None if lse is None else lse.detach())
     lse_rows = None if lse is None else lse.detach()[:, :, rows]
     metrics.update(output_errors(out.detach()[:, :, rows], lse_rows, ref_out.detach(), ref_lse))
     if do_bwd and grads is not None:
@@ -180,7 +220,11 @@ def validate_rows(
         metrics.update(grad_errors((dq[:, :, rows], dk, dv), ref_grads))
     else:
         metrics.update({"err_dq_rel": None, "err_dk_rel": None, "err_dv_rel": None})
-    metrics["validation"] = judge_errors(metrics, str(q.dtype).removeprefix("torch."))
+    metrics["validation"] = (
+        f"failed: non-finite {non_finite}"
+        if non_finite
+        else judge_errors(metrics, str(q.dtype).removeprefix("torch."))
+    )
     log.info(
         "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %s; %s",
         metrics["validated_rows"],

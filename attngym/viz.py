@@ -21,6 +21,7 @@ of a `matplotlib.figure.Figure`, so importing this module and drawing change no 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import pathlib
@@ -313,9 +314,19 @@ def visualize_attention_scores(
     """
     fig = _score_figure(query, key, score_mod, mask_mod, device, batch_idx, head_idx, scale, name)
     out = png_path(path, name).resolve()
-    fig.savefig(out)
+    save_png(fig, out)
     log.info("attention scores saved to %s", out)
     return out
+
+
+def save_png(fig: Any, out: pathlib.Path) -> pathlib.Path:
+    """Render `fig` as PNG in memory, then write it with attngym.fileio.atomic_write: never half a
+    picture, never through a symlink."""
+    from attngym.fileio import atomic_write
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return atomic_write(out, png.getvalue())
 
 
 def png_path(path: str | pathlib.Path | None, name: str) -> pathlib.Path:
@@ -407,7 +418,7 @@ def save_heatmap(
         fontsize="large",
     )
     out = png_path(path, variant.name)
-    fig.savefig(out)
+    save_png(fig, out)
     return out
 
 
@@ -738,7 +749,7 @@ def save_block_mask_picture(
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize="small")
     out = png_path(path, "block_mask")
-    fig.savefig(out)
+    save_png(fig, out)
     return out
 
 

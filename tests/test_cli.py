@@ -203,3 +203,4 @@ def test_rank_other_than_zero_runs_and_only_logs(tmp_path, attngym_cli):
     assert "attngym: ok" not in proc.stdout  # no results table
     text = (run_dir / "rank1.log").read_text()
     assert "validated 64 rows" in text and "rank 1 done: validation ok" in text
+    assert (run_dir / "attngym.log").read_text() == ""  # rank 0's file: rank 1 stays out of it

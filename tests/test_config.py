@@ -232,6 +232,11 @@ CASES = [
         "attention.compose.1.soft_cap",
         ["attention=gemma2", "attention.compose.1.soft_cap=30.0"],
     ),
+    (
+        ["attention=alibi", "shape.heads=8", "attention.num_heads=4"],
+        "attention.num_heads",  # one ALiBi slope per query head: tied to shape.heads
+        ["attention=alibi", "shape.heads=4", "attention.num_heads=4"],
+    ),
     (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),
     (["baselines=[cudnn]"], "baselines", ["baselines=[sdpa]"]),
     (["benchmark.repeats=0"], "benchmark.repeats", ["benchmark.repeats=1"]),

@@ -11,7 +11,15 @@ import torch
 from attngym import reference
 from attngym.config import Shape
 from attngym.inputs import make_inputs
-from attngym.validation import judge_errors, max_abs_error, rel_error, sample_rows, validate_rows
+from attngym.validation import (
+    judge_errors,
+    max_abs_error,
+    non_finite_values,
+    rel_error,
+    sample_rows,
+    validate_rows,
+)
+from attngym.variants.base import Variant
 from attngym.variants.spec import build_variant
 
 SHAPE = Shape(batch=1, heads=2, kv_heads=1, seq_len=128, head_dim=16)
@@ -76,3 +84,44 @@ def test_validate_rows_fails_a_wrong_kernel():
     m = validate_rows(variant, q, k, v, g, attend, do_bwd=True, max_rows=48, seed=3)
     assert m["validation"].startswith("failed: err_out_rel=") and "(float32)" in m["validation"]
     assert m["err_out_rel"] > 0.1 and m["err_dk_rel"] > 0.1  # the numbers are kept
+
+
+def _late_causal(b, h, q_idx, kv_idx):
+    """Causal, with the first 4 query rows masked entirely (their lse is -inf, out 0)."""
+    return (q_idx >= 4) & (kv_idx <= q_idx)
+
+
+def test_validate_rows_accepts_an_lse_of_minus_inf_on_fully_masked_rows():
+    variant = Variant(name="late_causal", mask_mod=_late_causal)
+    q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32)
+    attend = _reference_kernel(variant, q, k, v)
+    assert torch.isneginf(attend(None)[1][:, :, :4]).all()  # the premise: 4 empty rows
+    m = validate_rows(variant, q, k, v, g, attend, do_bwd=False, max_rows=8, seed=3)
+    assert m["validation"] == "ok"
+    assert non_finite_values(variant, *attend(None)[:2]) == ""
+
+
+@pytest.mark.parametrize(
+    "spoil, found",
+    [
+        (lambda out, lse: out[0, 1, 77].fill_(math.nan), "out NaN in 16 values"),
+        (lambda out, lse: out[0, 0, 90, 3].fill_(math.inf), "out inf in 1 values"),
+        (lambda out, lse: lse[0, 0, 60].fill_(math.nan), "lse NaN in 1 values"),
+        (lambda out, lse: lse[0, 1, 61].fill_(math.inf), "lse +inf in 1 values"),
+        (lambda out, lse: lse[0, 1, 62:64].fill_(-math.inf), "lse -inf in 2 rows the mask does"),
+    ],
+)
+def test_validate_rows_fails_non_finite_values_on_rows_it_does_not_sample(spoil, found):
+    variant = Variant(name="late_causal", mask_mod=_late_causal)
+    q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32)
+    rows = sample_rows(SHAPE.seq_len, 8, seed=3, device="cpu").tolist()
+    assert not {60, 61, 62, 63, 77, 90} & set(rows)  # the spoilt rows are not sampled
+
+    def attend(g_masked):
+        out, lse = reference.attention(q, k, v, None, variant.mask_mod)
+        spoil(out, lse)
+        return out, lse, None
+
+    m = validate_rows(variant, q, k, v, g, attend, do_bwd=False, max_rows=8, seed=3)
+    assert m["validation"].startswith(f"failed: non-finite {found}")
+    assert m["err_out_rel"] < 1e-5  # the sampled rows alone look right

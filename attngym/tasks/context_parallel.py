@@ -39,10 +39,11 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
 
 Rank 0 alone does the float64 reference and the one-device comparison (which needs the whole
-problem on its device, briefly). The other ranks wait for it at barriers of a separate gloo group
-whose timeout is topology.timeout_s + LONG_WAIT_S, not topology.timeout_s: the one-device run of a
-long sequence takes about P times a CP forward per call, and the peers must neither time out nor
-wait forever if rank 0 dies. Measuring the one-device run on every rank at once was rejected: it
+problem on its device, briefly). The other ranks wait for it inside
+attngym.distributed.keepalive.rank0_work: rank 0 gives signs of life while it works, so every
+wait stays bounded by topology.timeout_s however long the work takes (the one-device run of a long
+sequence takes about P times a CP forward per call), and a rank 0 that dies or stops fails the
+peers within topology.timeout_s. Measuring the one-device run on every rank at once was rejected: it
 would put the whole problem on every device, which is what context parallelism avoids. On CPU the
 dense one-device reference materialises B·H·S² scores, so it is skipped (logged; single_fwd_ms
 and efficiency None) when they exceed SINGLE_CPU_MAX_BYTES.
@@ -71,6 +72,7 @@ import torch
 from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.device import sync
+from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError, choice_error
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
@@ -79,9 +81,6 @@ from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
 
-# How much longer than topology.timeout_s the other ranks wait for rank 0's float64 reference and
-# one-device comparison (see the module docstring).
-LONG_WAIT_S = 3600.0
 # On CPU the one-device comparison is skipped above this many bytes of float64 B·H·S² scores.
 SINGLE_CPU_MAX_BYTES = 2 * 2**30
 TORCH_CP = "torch_cp"
@@ -211,12 +210,16 @@ def check_hardware(settings: Settings) -> None:
         check(settings)
 
 
-def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[str, Any]:
-    """Check, launch the ranks, and return rank 0's metrics (kind: a key of KINDS)."""
+def run_context_parallel(
+    settings: Settings, run_dir: Path, kind: str, metrics: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Check, launch the ranks, and return rank 0's metrics (kind: a key of KINDS), filled into
+    `metrics` (the settings first: a run stopped part-way keeps what it ran)."""
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
-    metrics = settings.describe()
+    metrics = {} if metrics is None else metrics
+    metrics.update(settings.describe())
     metrics.update(
         launch(
             _rank_run,
@@ -232,8 +235,10 @@ def run_context_parallel(settings: Settings, run_dir: Path, kind: str) -> dict[s
 
 def _register(kind: str) -> None:
     @registry.register("task", kind)
-    def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
-        return run_context_parallel(settings, run_dir, kind)
+    def run(
+        settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return run_context_parallel(settings, run_dir, kind, metrics)
 
     run.__doc__ = f"{KINDS[kind].attention} over topology.world_size ranks (module docstring)."
 
@@ -260,7 +265,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         world_size,
         device,
         resolved,
-        _gloo_group(topo.timeout_s + LONG_WAIT_S),
+        _gloo_group(topo.timeout_s),
     )
     metrics: dict[str, Any] = {
         "transport": resolved.name,
@@ -268,27 +273,28 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     }
     try:
         # torch_cp right after attngym's own timings (same conditions); one_device last, as only
-        # rank 0 works there while the others wait at the long-wait barrier below.
-        for phase in (shard, first_call, validate, time_passes, instrument, torch_cp, one_device):
+        # rank 0 works there while the others wait for it.
+        for phase in (shard, first_call, validate, time_passes, instrument, torch_cp):
             metrics.update(phase(job))
+        with rank0_work(topo.timeout_s):
+            metrics.update(one_device(job))
         _fold_torch_cp_verdict(metrics)
         job.whole = None
-        torch.distributed.barrier(group=job.wait_group)
         return metrics
     finally:
         # Free this job's channels and symmetric memory: the next job of a torchrun sweep may use
-        # other shapes, and every rank is past the job's last transfer and barrier here.
+        # other shapes, and every rank is past the job's last transfer and rank0_work here.
         sync(device)
         clear_cache()
 
 
-# Default group -> {timeout: a gloo group of every rank, for the long waits}.
+# Default group -> {timeout: a gloo group of every rank, for gathers to rank 0}.
 _WAIT_GROUPS: weakref.WeakKeyDictionary[Any, dict[float, Any]] = weakref.WeakKeyDictionary()
 
 
 def _gloo_group(timeout_s: float):
-    """The gloo group for the long waits, built once per default group and kept: re-creating it
-    for every job of a torchrun sweep raced with peers still finishing the previous job."""
+    """The gloo group for gathers to rank 0, built once per default group and kept: re-creating
+    it for every job of a torchrun sweep raced with peers still finishing the previous job."""
     import torch.distributed as dist
 
     groups = _WAIT_GROUPS.setdefault(dist.group.WORLD, {})
@@ -424,35 +430,41 @@ def validate(job: RankJob) -> dict[str, Any]:
         return {"validated_rows": 0, "validation": "not run (validate=false)"}
     g_s = job.shards[3]
     g_masked_s = torch.where(_row_mask(job), g_s, torch.zeros_like(g_s))
+    # Rank 0's work inside validate_rows comes in two parts, the reference before it calls
+    # `attend` and the comparison after: the peers wait through each in rank0_work.
+    rank0_alone = contextlib.ExitStack()
 
     def attend(g_masked: torch.Tensor | None = None):
         """The CP call with the row-masked output gradient; (out, lse, grads) on rank 0."""
-        torch.distributed.barrier(group=job.wait_group)  # peers wait for rank 0's reference
+        rank0_alone.close()  # rank 0 has its reference: every rank attends
         stats = CPStats()
         out_s = job.attend(stats)
         grads = None
         if job.do_bwd:
             grads = tuple(job.gather(g) for g in _grads(job, out_s, g_masked_s))
         lse = None if stats.lse is None else job.gather(stats.lse)  # ulysses keeps no lse
-        return job.gather(out_s), lse, grads
+        result = job.gather(out_s), lse, grads
+        rank0_alone.enter_context(rank0_work(s.topology.timeout_s))  # rank 0 compares
+        return result
 
     metrics: dict[str, Any] = {}
-    if job.rank == 0:
-        q, k, v, grad_out = job.whole
-        metrics = validate_rows(
-            job.variant_cpu,
-            q,
-            k,
-            v,
-            grad_out,
-            attend,
-            do_bwd=job.do_bwd,
-            max_rows=s.validate_rows,
-            seed=s.seed,
-        )
-    else:
-        attend()
-    torch.distributed.barrier(group=job.wait_group)  # ... and while it finishes the backward
+    with rank0_alone:
+        rank0_alone.enter_context(rank0_work(s.topology.timeout_s))  # rank 0's reference
+        if job.rank == 0:
+            q, k, v, grad_out = job.whole
+            metrics = validate_rows(
+                job.variant_cpu,
+                q,
+                k,
+                v,
+                grad_out,
+                attend,
+                do_bwd=job.do_bwd,
+                max_rows=s.validate_rows,
+                seed=s.seed,
+            )
+        else:
+            attend()
     return metrics
 
 
@@ -530,7 +542,7 @@ def one_device(job: RankJob) -> dict[str, Any]:
 
     efficiency = (one-device time / world_size) / CP time, for fwd and (when the CP run did a
     backward) fwd+bwd: 1.0 is perfect scaling. The other ranks return at once (they wait for rank
-    0 at the next barrier).
+    0 in the rank0_work around this phase).
     """
     metrics: dict[str, Any] = dict.fromkeys(
         ("single_fwd_ms", "efficiency", "single_fwd_bwd_ms", "efficiency_fwd_bwd")

@@ -41,15 +41,17 @@ NO_CPU_BWD = "not available: FlexAttention has no CPU backward"
 
 
 @registry.register("task", "single")
-def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
+def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one configuration on one device.
 
     Args:
         settings: the checked, resolved run settings (topology.kind == "single").
         run_dir: the run's output folder (profiler files go there).
+        metrics: filled in place as the results come, so that a run stopped part-way (SIGINT,
+            SIGTERM) still has what it measured; a new dict when None.
 
     Returns:
-        Flat metrics named as in attngym.tasks (status is set by the caller).
+        `metrics`: flat metrics named as in attngym.metrics (status is set by the caller).
     """
     from attngym import bench
     from attngym import device as device_mod
@@ -59,7 +61,8 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     shape = settings.shape
     seq_len = shape.seq_len
     variant = settings.variant.to(device)
-    metrics: dict[str, Any] = settings.describe()
+    metrics = {} if metrics is None else metrics
+    metrics.update(settings.describe())
 
     can_bwd = device.type == "cuda"
     want_bwd = "bwd" in settings.passes

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from attngym.errors import ConfigError
-from attngym.fileio import atomic_write
+from attngym.fileio import atomic_write, write_error
 from attngym.metrics import table_columns
 from attngym.tracking.files import read_metrics
+from attngym.tracking.lock import FolderLock, FolderLocked
 
 log = logging.getLogger(__name__)
 
@@ -393,14 +394,22 @@ class SweepSummary(_callback_base()):
     def __init__(self) -> None:
         self._bar = None
         self._redirect = contextlib.ExitStack()
+        self._lock: FolderLock | None = None
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import Progress
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks for the sweep
+            # Hydra only warns about an Exception from a callback: stop with one line instead.
+            try:
+                self._lock = FolderLock(config.hydra.sweep.dir).acquire()  # held until the end
+            except FolderLocked as err:
+                print(f"attngym: error: {err}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
             try:
                 record_grid(config.hydra.sweep.dir, grid_overrides(config))
-            except ConfigError as err:  # Hydra only warns about an Exception from a callback
+            except ConfigError as err:
+                self._release()
                 print(f"attngym: error: {err}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
         self._bar = Progress(count_jobs(config), "sweep jobs")
@@ -432,6 +441,21 @@ class SweepSummary(_callback_base()):
         sweep_dir = Path(config.hydra.sweep.dir)
         if os.environ.get("RANK", "0") != "0" or not sweep_dir.is_dir():
             return  # under torchrun rank 0 writes the summary
+        try:
+            self._summarize(sweep_dir)
+        except OSError as err:  # a full disk, a symlink where a summary file goes
+            print(f"attngym: error: {write_error(err)}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    @staticmethod
+    def _summarize(sweep_dir: Path) -> None:
         rows = summarize(sweep_dir)
         failed = [row for row in rows if row.get("status") != "ok"]
         print(f"\n{summary_text(rows, max_width=60)}\n", flush=True)  # the sweep's answer

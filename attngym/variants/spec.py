@@ -17,9 +17,18 @@ from attngym.errors import ConfigError, choice_error
 from attngym.registry import ParamError
 from attngym.variants.base import Variant
 
+# Variant parameters that must equal a shape field: parameter -> (shape key, why).
+TIED_TO_SHAPE = {
+    "num_heads": ("shape.heads", "ALiBi gives each query head its slope of a geometric sequence"),
+}
+
 
 def build_variant(
-    attention: Mapping[str, Any], *, key: str = "attention", seq_len: int | None = None
+    attention: Mapping[str, Any],
+    *,
+    key: str = "attention",
+    seq_len: int | None = None,
+    heads: int | None = None,
 ) -> Variant:
     """The Variant an `attention` config entry describes, composed entries included.
 
@@ -30,10 +39,13 @@ def build_variant(
         key: dotted config key of `attention`, used in error messages.
         seq_len: when given, the variant must be defined at this length (document lengths, a
             natten canvas).
+        heads: when given, the number of query heads: parameters tied to it (TIED_TO_SHAPE,
+            ALiBi's num_heads) must equal it.
 
     Raises:
-        ConfigError: unknown variant or parameter, a missing or bad parameter, a seq_len mismatch;
-            the key names the offending entry, e.g. `attention.compose.0.window_size`.
+        ConfigError: unknown variant or parameter, a missing or bad parameter, a seq_len or
+            heads mismatch; the key names the offending entry, e.g.
+            `attention.compose.0.window_size`.
     """
     if not isinstance(attention, Mapping) or "name" not in attention:
         raise ConfigError(key, f"needs a 'name' (one of {', '.join(variants.names())})")
@@ -45,7 +57,9 @@ def build_variant(
             raise ConfigError(f"{key}.{extra[0]}", "a composed attention takes only name, compose")
         if not isinstance(parts, Sequence) or isinstance(parts, str) or not parts:
             raise ConfigError(f"{key}.compose", f"must be a non-empty list, got {parts!r}")
-        built = [build_variant(p, key=f"{key}.compose.{i}") for i, p in enumerate(parts)]
+        built = [
+            build_variant(p, key=f"{key}.compose.{i}", heads=heads) for i, p in enumerate(parts)
+        ]
         try:
             variant = variants.compose(*built)
         except ValueError as err:
@@ -61,6 +75,18 @@ def build_variant(
             registry.check_params("variant", name, params)
         except ParamError as err:
             raise ConfigError(f"{key}.{err.param}", err.detail) from None
+        shape = {"shape.heads": heads}
+        for param, (shape_key, why) in TIED_TO_SHAPE.items():
+            if (
+                param in params
+                and shape[shape_key] is not None
+                and params[param] != shape[shape_key]
+            ):
+                raise ConfigError(
+                    f"{key}.{param}",
+                    f"{params[param]!r} but {shape_key}={shape[shape_key]}; they must be equal "
+                    f"({why}): set both alike, or leave {param} to follow {shape_key}",
+                )
         try:
             variant = variants.get(name, **params)
         except (ValueError, TypeError) as err:

@@ -120,6 +120,7 @@ def test_cp_sweep_under_torchrun_runs_every_job_in_the_same_ranks(tmp_path):
         metrics = json.loads((sweep_dir / job / "metrics.json").read_text())
         assert metrics["validation"] == "ok" and metrics["efficiency_fwd_bwd"] > 0
         assert "rank 1 done" in (sweep_dir / job / "rank1.log").read_text()
+        assert "rank 1" not in (sweep_dir / job / "attngym.log").read_text()  # rank 0's alone
 
 
 WRAPPER = """
