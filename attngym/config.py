@@ -161,7 +161,8 @@ class Settings:
 
     def describe(self) -> dict[str, Any]:
         """The metrics that describe the configuration (variant, shape, topology, dtype, blocks,
-        kernel options as `kernel_options.<NAME>`, and the device: gpu, capability, torch)."""
+        kernel options as `kernel_options.<NAME>`, and the device: device_name (the GPU's name, or
+        the CPU model), capability, torch)."""
         from attngym.device import device_info
 
         s = self.shape
@@ -183,7 +184,7 @@ class Settings:
             "block_q": self.block_size[0],
             "block_kv": self.block_size[1],
             **options,
-            "gpu": info["name"],
+            "device_name": info["name"],
             "capability": info["capability"],
             "torch": info["torch"],
         }

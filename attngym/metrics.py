@@ -20,6 +20,7 @@ METRIC_NAMES = (
     "world_size",
     "transport",
     "device",
+    "device_name",
     "dtype",
     "batch",
     "heads",

@@ -427,3 +427,12 @@ def test_kv_heads_resolved_once():
     from attngym.config import Shape
 
     assert Shape(heads=8).kv_heads == 8 and Shape(heads=8, kv_heads=2).kv_heads == 2
+
+
+def test_describe_names_the_device_not_the_architecture(hydra_ctx):
+    from attngym.device import cpu_model
+    from attngym.metrics import table_columns
+
+    described = from_config(make(["device=cpu"])).describe()
+    assert "gpu" not in described and described["device_name"] == cpu_model()
+    assert set(described) - {"capability", "torch"} <= set(table_columns())
