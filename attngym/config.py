@@ -141,6 +141,9 @@ class Settings:
     """A registered profiler: none | kernels | trace."""
     baseline_max_mask_bytes: int = 256 * 2**20
     """Dense SDPA masks larger than this are skipped, not attempted."""
+    skipped_baselines: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Baselines that alone would not fit in the device's memory, with why (attngym.estimate):
+    recorded as skipped, not attempted."""
     logger: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "none"})
     """A registered tracker's name and its parameters."""
 
@@ -403,6 +406,40 @@ def _check_flash_device(
         )
 
 
+def _check_fits(
+    data: dict[str, Any], device: str, dtype: str, world_size: int, block_size: tuple[int, int]
+) -> dict[str, str]:
+    """The run fits the device's memory (and, on a CPU, its cores: one process per rank), judged
+    from the shape by attngym.estimate before any tensor exists; the baselines that alone would
+    not fit, with why (they are skipped, the run goes on)."""
+    from attngym.estimate import estimate, format_bytes
+
+    shape = data["shape"]
+    result = estimate(
+        batch=shape["batch"],
+        heads=shape["heads"],
+        kv_heads=shape.get("kv_heads"),
+        seq_len=shape["seq_len"],
+        head_dim=shape["head_dim"],
+        dtype=dtype,
+        device=device,
+        passes=data["passes"],
+        baselines=data["baselines"],
+        validate_rows=data["validate_rows"] if data["validate"] else 0,
+        world_size=world_size,
+        block_size=block_size,
+        max_mask_bytes=data["baseline_max_mask_bytes"],
+    )
+    if not result.fits:
+        raise ConfigError(result.key, result.problem.removeprefix(f"{result.key}: "))
+    log.info(
+        "memory estimate: ~%s of %s available",
+        format_bytes(result.needed_bytes),
+        "?" if result.available_bytes is None else format_bytes(result.available_bytes),
+    )
+    return dict(result.skipped_baselines)
+
+
 def _check_values(data: dict[str, Any]) -> Variant:
     """Every check that needs no hardware, on `data` (defaults written in); the built Variant."""
     seq_len = _check_shape(data)
@@ -610,6 +647,7 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
     block_size, kernel_options = _resolve_blocks(data, device, dict(data["kernel_options"]))
     _check_flash(kernel_options, dtype)
     _check_flash_device(kernel_options, device, block_size)
+    skipped = _check_fits(data, device, dtype, world_size, block_size)
     return Settings(
         attention=data["attention"],
         variant=variant,
@@ -629,5 +667,6 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
         seed=data["seed"],
         profiler=data["profiler"]["name"],
         baseline_max_mask_bytes=data["baseline_max_mask_bytes"],
+        skipped_baselines=skipped,
         logger=dict(data["logger"]),
     )

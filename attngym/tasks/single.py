@@ -143,7 +143,10 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
 
     # 5. Baselines on the same inputs.
     for name in settings.baselines:
-        fn, reason = _baseline(name, variant, q, k, v, settings, device)
+        if name in settings.skipped_baselines:  # the memory estimate: it alone would not fit
+            fn, reason = None, settings.skipped_baselines[name]
+        else:
+            fn, reason = _baseline(name, variant, q, k, v, settings, device)
         metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
         if fn is None:
             log.info("baseline %s skipped: %s", name, reason)
