@@ -159,6 +159,9 @@ def prepare_overrides(argv: list[str]) -> list[str]:
       raises ConfigError listing the options with a suggestion;
     - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
       as integers and refuse them as group options;
+    - any other `key=value` (with or without `+`) must name a config key
+      (attngym.config.check_key): `seq_len=512` or `+shape.seqlen=512` raise ConfigError with
+      the key meant (`shape.seq_len`);
     - `attention.<key>=v` and `kernel_options.<key>=v` become `++attention.<key>=v` (add or
       override): these keys are checked by attngym (attngym.variants.spec.build_variant, the
       kernel-option checks of attngym.config), which names a misspelt key with a suggestion.
@@ -175,6 +178,7 @@ def prepare_overrides(argv: list[str]) -> list[str]:
             continue
         match = _GROUP_ARG.match(arg)
         if arg.startswith("-") or not match or match["group"] not in groups:
+            _check_value_key(arg)
             out.append(arg)
             continue
         value = match["value"]
@@ -192,6 +196,20 @@ def prepare_overrides(argv: list[str]) -> list[str]:
         quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
         out.append(f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}")
     return out
+
+
+_VALUE_ARG = re.compile(r"^(?P<prefix>\+{0,2})(?P<key>[A-Za-z_][\w.]*)=")
+
+
+def _check_value_key(arg: str) -> None:
+    """A `key=value` override (also `+key=` and `++key=`) names a config key
+    (attngym.config.check_key): a misspelt or group-less key is one line with the key it most
+    likely means, never a key Hydra adds and nothing reads. Hydra's own keys pass."""
+    from attngym.config import check_key
+
+    match = _VALUE_ARG.match(arg)
+    if match and match["key"].split(".")[0] != "hydra":
+        check_key(match["key"])
 
 
 @dataclasses.dataclass(frozen=True)

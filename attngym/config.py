@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from attngym.errors import ConfigError, choice_error
+from attngym.errors import ConfigError, choice_error, closest
 
 if TYPE_CHECKING:
     from attngym.variants.base import Variant
@@ -406,6 +406,55 @@ def _check_flash_device(
         )
 
 
+# How the composed config's keys map to Settings' fields. Sections are dataclasses (their fields
+# are the keys); a few fields are written as a mapping in YAML (a group's option file); open
+# mappings take any key and are checked by their own rule (the variant's parameters by
+# attngym.variants.spec, flex's kernel options by flex, a tracker's by its factory's signature).
+_SECTIONS = {"shape": Shape, "topology": Topology, "benchmark": Benchmark}
+_AS_MAPPING = {"device": ("name",), "block_size": ("q", "kv"), "profiler": ("name",)}
+OPEN_MAPPINGS = ("attention", "kernel_options", "logger")
+_NOT_CONFIG = ("variant", "skipped_baselines")  # built or estimated, never written
+
+
+def known_keys() -> list[str]:
+    """Every dotted key a config may set (an open mapping as its own name)."""
+    keys = []
+    for field in dataclasses.fields(Settings):
+        name = field.name
+        if name in _SECTIONS:
+            keys += [f"{name}.{f.name}" for f in dataclasses.fields(_SECTIONS[name])]
+        elif name in _AS_MAPPING:
+            keys += [f"{name}.{sub}" for sub in _AS_MAPPING[name]]
+        elif name not in _NOT_CONFIG:
+            keys.append(name)
+    return keys
+
+
+def check_key(key: str) -> None:
+    """`key` (dotted) maps to a Settings field, or lies in an open mapping; else a ConfigError
+    with the key it most likely means (`seq_len` → `shape.seq_len`, `shape.seqlen` →
+    `shape.seq_len`)."""
+    if key.split(".")[0] in OPEN_MAPPINGS:
+        return
+    known = known_keys()
+    if key in known or any(k.startswith(f"{key}.") for k in known):
+        return
+    leaves = {k.rsplit(".", 1)[-1]: k for k in known}
+    leaf = key.rsplit(".", 1)[-1]
+    hint = leaves.get(leaf) or closest(key, known) or leaves.get(closest(leaf, leaves) or "")
+    suffix = f"; did you mean {hint}?" if hint else ""
+    raise ConfigError(key, f"unknown key{suffix} (attngym --cfg job lists the keys)")
+
+
+def _check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
+    """Every key of the composed config maps to a Settings field (the one check of the rule)."""
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        check_key(key)
+        if isinstance(value, Mapping) and key.split(".")[0] not in OPEN_MAPPINGS:
+            _check_keys(value, f"{key}.")
+
+
 def _check_fits(
     data: dict[str, Any], device: str, dtype: str, world_size: int, block_size: tuple[int, int]
 ) -> dict[str, str]:
@@ -442,6 +491,7 @@ def _check_fits(
 
 def _check_values(data: dict[str, Any]) -> Variant:
     """Every check that needs no hardware, on `data` (defaults written in); the built Variant."""
+    _check_keys(data)
     seq_len = _check_shape(data)
     dtype = _choice(data, "dtype", DTYPES, "dtype", AUTO)
     passes = _check_run(data, dtype)

@@ -122,6 +122,36 @@ def test_prepare_overrides_quotes_and_checks():
     assert info.value.key == "attention" and "'documnt'" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("arg", "key", "meant"),
+    [
+        ("shape.seqlen=512", "shape.seqlen", "shape.seq_len"),
+        ("+shape.seqlen=512", "shape.seqlen", "shape.seq_len"),
+        ("++shape.seqlen=512", "shape.seqlen", "shape.seq_len"),
+        ("seq_len=512", "seq_len", "shape.seq_len"),
+        ("validate_row=8", "validate_row", "validate_rows"),
+    ],
+)
+def test_unknown_keys_refused_with_the_key_meant(arg, key, meant):
+    with pytest.raises(ConfigError) as info:
+        prepare_overrides([arg])
+    assert info.value.key == key and f"did you mean {meant}?" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_keys_that_take_new_entries_still_take_plus():
+    kept = ["+hydra.callbacks.x._target_=a.B", "+attention.extra=1", "++logger.tags=[a]"]
+    assert prepare_overrides(kept) == kept
+
+
+def test_an_unknown_key_in_a_config_file_is_refused():
+    from attngym.config import check_config
+
+    with pytest.raises(ConfigError) as info:
+        check_config({"shape": {"seq_len": 64, "seqlen": 512}})
+    assert info.value.key == "shape.seqlen" and "shape.seq_len" in str(info.value)
+
+
 def test_import_is_light():
     code = (
         "import sys, attngym, attngym.config, attngym.tracking; "
