@@ -224,6 +224,7 @@ class Job:
     name: str  # the run's name for trackers: its overrides, or "defaults"
     group: str  # the tracker group: the output folder's date_time
     sweep_dir: str  # hydra.sweep.dir in a sweep
+    preset: str | None  # +experiment=NAME
 
 
 def _job() -> Job:
@@ -243,6 +244,7 @@ def _job() -> Job:
         name=str(hc.job.override_dirname or "") or "defaults",
         group=f"{folder.parent.name}_{folder.name}",
         sweep_dir=str(hc.sweep.dir) if multirun else "",
+        preset=hc.runtime.choices.get("experiment"),
     )
 
 
@@ -394,14 +396,17 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 def _check_and_run(
     cfg: DictConfig, job: Job
 ) -> tuple[Settings | None, dict[str, Any], BaseException | None]:
-    """Settings (None when the config is refused), the run's metrics with their status, and the
-    failure that stopped it (None for a run that ran, whatever its verdict)."""
+    """Settings (None when the config is refused: every check that needs no tensors, the preset
+    against this machine included, runs here before the task), the run's metrics with their
+    status, and the failure that stopped it (None for a run that ran, whatever its verdict)."""
     from attngym.config import from_config
+    from attngym.presets import check_fits_machine
 
     metrics: dict[str, Any] = {"status": "failed", "error": None}
     settings = None
     try:
         settings = from_config(to_plain(cfg))
+        check_fits_machine(CONF_DIR, job.preset, settings.device, job.overrides)
         metrics.update(_run_task(settings, job.run_dir))
     except Exception as err:
         metrics["error"] = (
@@ -409,9 +414,10 @@ def _check_and_run(
         )
         if not isinstance(err, ConfigError):
             log.exception("run failed")
-        elif job.multirun:  # a single run prints the one line of _finish instead
+            return settings, metrics, err
+        if job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
-        return settings, metrics, err
+        return None, metrics, err  # refused: no picture, no tracker run
     metrics.update(_verdict(metrics))
     return settings, metrics, None
 

@@ -455,6 +455,16 @@ def _check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
             _check_keys(value, f"{key}.")
 
 
+def _check_transport(kind: str, transport: str, device: str) -> None:
+    """The transport can move this device's tensors (copy_engine and nccl need CUDA), judged
+    before the ranks start; which NVLink domain the ranks share is judged on the ranks."""
+    if kind == "single":
+        return
+    from attngym.distributed.transport import check_transport
+
+    check_transport(transport, device, key="topology.transport")
+
+
 def _check_fits(
     data: dict[str, Any], device: str, dtype: str, world_size: int, block_size: tuple[int, int]
 ) -> dict[str, str]:
@@ -694,6 +704,7 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
         raise ConfigError("topology.world_size", f"resolved to {world_size}; need at least 1")
     if topo["world_size"] == AUTO:
         _check_seq_len(data["shape"]["seq_len"], world_size, topo["layout"])
+    _check_transport(topo["kind"], topo["transport"], device)
     block_size, kernel_options = _resolve_blocks(data, device, dict(data["kernel_options"]))
     _check_flash(kernel_options, dtype)
     _check_flash_device(kernel_options, device, block_size)

@@ -233,3 +233,21 @@ def test_rank_other_than_zero_runs_and_only_logs(tmp_path, attngym_cli):
     assert "attngym: ok" not in proc.stdout  # no results table
     text = (run_dir / "rank1.log").read_text()
     assert "validated 64 rows" in text and "rank 1 done: validation ok" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["topology=ring", "topology.transport=copy_engine", "logger=wandb"], "topology.transport"),
+        (["+experiment=flex_vs_sdpa", "hydra.mode=RUN", "logger=wandb"], "experiment"),
+    ],
+    ids=["copy_engine_on_cpu", "gpu_preset_on_cpu"],
+)
+def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key):
+    run_dir = tmp_path / "r"
+    proc = attngym_cli(["device=cpu", *args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attngym: error: {key}:"), lines
+    assert not (run_dir / "heatmap.png").exists() and not (run_dir / "block_mask.png").exists()
+    assert not (run_dir / "wandb").exists()
