@@ -45,7 +45,12 @@ log = logging.getLogger(__name__)
 CONF_PACKAGE = "attngym.conf"
 CONF_DIR = Path(str(files(CONF_PACKAGE)))  # a regular package, so a real folder on disk
 PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
-HEATMAP_WINDOW = 128  # tokens shown by heatmap.png (the top-left corner of the score matrix)
+HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
+# Both pictures evaluate the mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K
+# on one CPU thread, growing with S^2. Above these many pairs on the device that draws (the
+# heatmap always on the CPU) a picture is skipped with the reason, so a long run is not followed
+# by minutes of drawing.
+PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
 
 # Shown at the end of a run, in this order, when present.
 RESULT_ROWS = (
@@ -258,24 +263,18 @@ def _already_ok(run_dir: Path, overrides: list[str]) -> bool:
 
 
 def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
-    """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures."""
+    """heatmap.png and block_mask.png for any topology; failures are warnings, not run failures,
+    and a sequence too long to draw in seconds is skipped with the reason."""
     from attngym import viz
 
     variant = settings.variant
-    drawn = {}
     seq_len = settings.shape.seq_len
-    try:
-        path = run_dir / PICTURES["heatmap"]
-        viz.save_heatmap(
-            variant, path, seq_len=seq_len, window=min(HEATMAP_WINDOW, seq_len), seed=settings.seed
-        )
-        drawn["heatmap"] = path
-    except Exception as err:
-        log.warning("heatmap.png not drawn: %s: %s", type(err).__name__, err)
-    try:
-        path = run_dir / PICTURES["block_mask"]
-        # Evaluated on the run's device: the mask is walked strip by strip over S x S entries,
-        # seconds at 64K on a CPU, minutes at 256K; a GPU does it in a fraction of that.
+
+    def heatmap(path: Path) -> None:
+        window = min(HEATMAP_WINDOW, seq_len)
+        viz.save_heatmap(variant, path, seq_len=seq_len, window=window, seed=settings.seed)
+
+    def block_mask(path: Path) -> None:
         viz.save_block_mask_picture(
             variant.to(settings.device).mask_mod,
             seq_len,
@@ -285,9 +284,27 @@ def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
             title=f"{variant.name}: block mask at {settings.block_size}",
             device=settings.device,
         )
-        drawn["block_mask"] = path
-    except Exception as err:
-        log.warning("block_mask.png not drawn: %s: %s", type(err).__name__, err)
+
+    drawn = {}
+    # The heatmap evaluates the mask on the CPU, the block mask on the run's device.
+    for name, draw, device in (("heatmap", heatmap, "cpu"), ("block_mask", block_mask, None)):
+        device = device or settings.device
+        limit = PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"])
+        if seq_len * seq_len > limit:
+            log.info(
+                "%s not drawn: S x S = %.3g mask pairs to evaluate on %s, above %.3g",
+                PICTURES[name],
+                float(seq_len) ** 2,
+                device,
+                limit,
+            )
+            continue
+        path = run_dir / PICTURES[name]
+        try:
+            draw(path)
+            drawn[name] = path
+        except Exception as err:
+            log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
     return drawn
 
 
@@ -388,8 +405,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         return _run_other_rank(cfg, job)
     settings, metrics, failure = _check_and_run(cfg, job)
     _write_files(job, metrics)
-    if settings is not None:
-        _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+    if settings is not None:  # it ran; a failed run draws nothing more
+        images = _draw_pictures(settings, job.run_dir) if metrics["status"] == "ok" else {}
+        _track(cfg, job, settings, metrics, images)
     return _finish(job, metrics, failure)
 
 

@@ -251,3 +251,17 @@ def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key
     assert len(lines) == 1 and lines[0].startswith(f"attngym: error: {key}:"), lines
     assert not (run_dir / "heatmap.png").exists() and not (run_dir / "block_mask.png").exists()
     assert not (run_dir / "wandb").exists()
+
+
+def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, caplog):
+    import logging
+
+    from attngym.cli import PICTURE_MAX_PAIRS, _draw_pictures
+    from attngym.config import Settings, Shape
+
+    seq_len = 2 * int(PICTURE_MAX_PAIRS["cpu"] ** 0.5)  # 4x the pairs allowed on a CPU
+    settings = Settings(attention={"name": "causal"}, shape=Shape(seq_len=seq_len))
+    with caplog.at_level(logging.INFO, logger="attngym"):
+        assert _draw_pictures(settings, tmp_path) == {}
+    assert list(tmp_path.iterdir()) == []
+    assert sum("not drawn" in r.getMessage() for r in caplog.records) == 2
