@@ -322,7 +322,11 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
     lines = [f"attngym: {metrics.get('status')}"]
     shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
-    rows = [(label, metrics[key]) for key, label in shown if metrics.get(key) is not None]
+    rows = [
+        (_label(key, label, metrics), metrics[key])
+        for key, label in shown
+        if metrics.get(key) is not None
+    ]
     rows += [
         (f"flex speed-up vs {baseline} {p.replace('fwd_bwd', 'fwd+bwd')}", metrics[key])
         for baseline in HEADLINE_BASELINES
@@ -337,6 +341,17 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
         lines.append(f"  error: {metrics['error']}")
     lines.append(f"run folder: {run_dir}")
     return "\n".join(lines)
+
+
+# On a CPU the one-device comparison attends densely (every masked entry computed, then
+# dropped) while the ranks skip masked blocks, so efficiency there compares unequal work.
+CPU_EFFICIENCY_NOTE = " (CPU: one device computes masked pairs too; not scaling)"
+
+
+def _label(key: str, label: str, metrics: dict[str, Any]) -> str:
+    if key.startswith("efficiency") and metrics.get("device") == "cpu":
+        return label + CPU_EFFICIENCY_NOTE
+    return label
 
 
 def _rank_log(run_dir: Path, rank: int) -> logging.Handler:

@@ -265,3 +265,11 @@ def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, 
         assert _draw_pictures(settings, tmp_path) == {}
     assert list(tmp_path.iterdir()) == []
     assert sum("not drawn" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_cp_efficiency_on_a_cpu_is_labelled_as_not_scaling(tmp_path):
+    from attngym.cli import CPU_EFFICIENCY_NOTE, format_results
+
+    cp = {"status": "ok", "topology": "ring", "world_size": 2, "efficiency": 3.15}
+    assert CPU_EFFICIENCY_NOTE in format_results({**cp, "device": "cpu"}, tmp_path)
+    assert CPU_EFFICIENCY_NOTE not in format_results({**cp, "device": "cuda"}, tmp_path)
