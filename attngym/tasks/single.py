@@ -131,10 +131,10 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
     if device.type == "cuda":
         bench.l2_flush_buffer(device)
     sync(device)
-    live = device_mod.reset_peak_memory(device)
     flops = pass_flops(shape, seq_len, sparsity)
-    flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
-    metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device) - live
+    with device_mod.peak_memory(device) as peak:
+        flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
+    metrics["peak_mem_bytes"] = peak["bytes"]
     metrics.update(pass_metrics(flex_ms, shape, seq_len, sparsity))
 
     # Profile one call, in the run folder.
