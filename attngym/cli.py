@@ -200,7 +200,27 @@ def prepare_overrides(argv: list[str]) -> list[str]:
                 raise ConfigError(match["group"], choice_error("option", item, options))
         quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
         out.append(f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}")
+    _check_preset_on_this_machine(out)
     return out
+
+
+def _check_preset_on_this_machine(argv: list[str]) -> None:
+    """A GPU-sized preset on a CPU is refused once, before a sweep's first job (each job checks
+    it again with the device its config resolves to: attngym.presets)."""
+    presets = [
+        m["value"] for a in argv if (m := _GROUP_ARG.match(a)) and m["group"] == "experiment"
+    ]
+    if len(presets) != 1 or "," in presets[0]:
+        return
+    from attngym.device import resolve_device
+    from attngym.presets import check_fits_machine
+
+    devices = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("device=")]
+    try:
+        device = resolve_device(devices[-1] if devices else "auto").type
+    except ValueError:
+        return  # the job's own check names the device
+    check_fits_machine(CONF_DIR, presets[0], device, argv)
 
 
 _VALUE_ARG = re.compile(r"^(?P<prefix>\+{0,2})(?P<key>[A-Za-z_][\w.]*)=")

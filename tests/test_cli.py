@@ -113,7 +113,7 @@ def test_prepare_overrides_quotes_and_checks():
         "shape.seq_len=64",
     ]
     assert prepare_overrides(["block_size=64,flash"]) == ["block_size='64',flash"]
-    assert prepare_overrides(["+experiment=flex_vs_sdpa"]) == ["+experiment=flex_vs_sdpa"]
+    assert prepare_overrides(["+experiment=ring_attention"]) == ["+experiment=ring_attention"]
     with pytest.raises(ConfigError, match="did you mean 'flex_vs_sdpa'") as info:
         prepare_overrides(["+experiment=flex_vs_sdp"])
     assert info.value.key == "experiment"
@@ -150,6 +150,12 @@ def test_an_unknown_key_in_a_config_file_is_refused():
     with pytest.raises(ConfigError) as info:
         check_config({"shape": {"seq_len": 64, "seqlen": 512}})
     assert info.value.key == "shape.seqlen" and "shape.seq_len" in str(info.value)
+
+
+def test_a_gpu_sized_preset_is_refused_before_its_sweep_starts():
+    with pytest.raises(ConfigError, match="add .*shape.seq_len=512") as info:
+        prepare_overrides(["+experiment=flex_vs_sdpa", "device=cpu"])
+    assert info.value.key == "experiment"
 
 
 def test_import_is_light():
