@@ -474,6 +474,8 @@ def _check_fits(
     from attngym.estimate import estimate, format_bytes
 
     shape = data["shape"]
+    if device == "cuda" and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
     result = estimate(
         batch=shape["batch"],
         heads=shape["heads"],
