@@ -246,8 +246,9 @@ def test_rank_other_than_zero_runs_and_only_logs(tmp_path, attngym_cli):
     [
         (["topology=ring", "topology.transport=copy_engine", "logger=wandb"], "topology.transport"),
         (["+experiment=flex_vs_sdpa", "hydra.mode=RUN", "logger=wandb"], "experiment"),
+        (["shape.seq_len=10000000", "logger=wandb"], "shape.seq_len"),
     ],
-    ids=["copy_engine_on_cpu", "gpu_preset_on_cpu"],
+    ids=["copy_engine_on_cpu", "gpu_preset_on_cpu", "too_large_for_memory"],
 )
 def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key):
     run_dir = tmp_path / "r"

@@ -19,6 +19,7 @@ from typing import Any
 
 from attngym import registry
 from attngym.fileio import atomic_write, remove_stale_tmps
+from attngym.metrics import format_value
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ class LocalTracker:
 
     def log_run(self, record: RunRecord) -> None:
         """Write run_dir/results.md, values as the sweep summary shows them (MiB, 3 figures)."""
-        from attngym.tracking.sweep import format_value
-
         lines = [f"# {record.name}", "", "| metric | value |", "|---|---|"]
         lines += [
             f"| {k} | {format_value(k, v)} |" for k, v in scalar_metrics(record.metrics).items()
