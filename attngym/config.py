@@ -654,7 +654,7 @@ def _resolve_world_size(kind: str, value: Any, device: str) -> int:
 
 
 def _resolve_blocks(
-    data: dict[str, Any], device: str, kernel_options: dict[str, Any]
+    data: dict[str, Any], device: str, dtype: str, kernel_options: dict[str, Any]
 ) -> tuple[tuple[int, int], dict[str, Any]]:
     """The block size on this device (a `flash` or `tuned` name resolved) and the kernel
     options (`tuned` adds the table's, yours win)."""
@@ -668,6 +668,8 @@ def _resolve_blocks(
             data["shape"]["head_dim"],
             device_info(device)["capability"],
             kernel_options,
+            dtype=dtype,
+            topology=data["topology"]["kind"],
         )
         return (blocks[0], blocks[1]), kernel_options
     blocks = []
@@ -707,7 +709,7 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
     if topo["world_size"] == AUTO:
         _check_seq_len(data["shape"]["seq_len"], world_size, topo["layout"])
     _check_transport(topo["kind"], topo["transport"], device)
-    block_size, kernel_options = _resolve_blocks(data, device, dict(data["kernel_options"]))
+    block_size, kernel_options = _resolve_blocks(data, device, dtype, dict(data["kernel_options"]))
     _check_flash(kernel_options, dtype)
     _check_flash_device(kernel_options, device, block_size)
     skipped = _check_fits(data, device, dtype, world_size, block_size)

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from attngym.bench import attention_flops
+
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 # Python, torch, Hydra and matplotlib in one process. Calibrated on a CPU build with the default
 # config: max RSS 1.26 GiB at S=4096 (0.54 GiB of it the S x S terms below) and ~10 GB at
@@ -116,7 +118,7 @@ def estimate(
     groups = kv_heads or heads
     passes = tuple(passes)
     backward = "bwd" in passes
-    flops = 4.0 * batch * heads * seq_len * seq_len * head_dim
+    flops = attention_flops(batch, heads, seq_len, seq_len, head_dim)
 
     if on_cpu:
         cores = cpu_cores if cpu_cores is not None else _cpu_cores()

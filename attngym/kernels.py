@@ -102,6 +102,17 @@ def flash_lse_scaled_by_ln2() -> bool:
         return scaled
 
 
+def raise_recompile_limits() -> None:
+    """Raise torch._dynamo's recompile limits for the whole process (to RECOMPILE_LIMIT)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+    )
+
+
 @functools.cache
 def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
     """flex_attention compiled once per process, mode and lse_grad, with room for one graph per
@@ -116,14 +127,9 @@ def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
     same variant (or shifting it by tensor offsets) reuses the compiled kernel. The first call
     raises torch._dynamo's recompile limits for the whole process (to RECOMPILE_LIMIT).
     """
-    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    config.accumulated_recompile_limit = max(
-        config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
-    )
+    raise_recompile_limits()
     if mode not in COMPILE_MODES:
         raise ValueError(choice_error("compile mode", mode, COMPILE_MODES))
     fn = flex_attention if lse_grad else _flex_attention_constant_lse
@@ -131,19 +137,21 @@ def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
 
 
 @functools.lru_cache(maxsize=4096)
-def _offset_tensor(offset: int, device: torch.device) -> torch.Tensor:
+def _offset_tensor(offset: int, device: torch.device, role: str) -> torch.Tensor:
     return torch.tensor(offset, device=device)
 
 
-def _position(offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A 0-d tensor of the offset on `device`, made once per (offset, device): making it per
-    chunk call copies from pageable host memory, which synchronises the stream each time and
-    leaves the GPU idle while the host queues the next chunk."""
+def position(offset: int | torch.Tensor, device: torch.device, role: str = "q") -> torch.Tensor:
+    """A 0-d tensor of the offset on `device`, made once per (offset, device, role): making it
+    per chunk call copies from pageable host memory, which synchronises the stream each time and
+    leaves the GPU idle while the host queues the next chunk. The q and kv offsets of one call
+    are distinct tensors (role "q" / "kv") even when equal: Dynamo compiles aliased inputs into
+    a graph of their own, so a diagonal chunk pair would otherwise cost a second compile."""
     if isinstance(offset, torch.Tensor):
         return offset.to(device)
     if device.type == "cuda" and device.index is None:  # the cache key names the GPU
         device = torch.device("cuda", torch.cuda.current_device())
-    return _offset_tensor(int(offset), device)
+    return _offset_tensor(int(offset), device, role)
 
 
 def shifted_mods(
@@ -152,7 +160,8 @@ def shifted_mods(
     """The variant's callbacks with chunk-local indices moved to global positions."""
     if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0:
         return variant.score_mod, variant.mask_mod
-    q_off, kv_off = (_position(o, torch.device(device)) for o in (q_offset, kv_offset))
+    q_off = position(q_offset, torch.device(device), "q")
+    kv_off = position(kv_offset, torch.device(device), "kv")
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod
@@ -179,7 +188,7 @@ def shifted_heads(variant: Variant, head_offset: int, device) -> Variant:
     """
     if head_offset == 0:
         return variant
-    off = _position(head_offset, torch.device(device))
+    off = position(head_offset, torch.device(device), "h")
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod
@@ -207,13 +216,20 @@ def make_block_mask(
     kv_offset: int | torch.Tensor = 0,
     block_size: tuple[int, int] = (128, 128),
     device: torch.device | str = "cpu",
+    full_when_unmasked: bool = False,
 ):
-    """The BlockMask of the variant's mask on this chunk pair, or None when it has no mask."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The BlockMask of the variant's mask on this chunk pair.
+
+    A variant without a mask gives None, or with `full_when_unmasked` a BlockMask keeping every
+    block (flex's backward op takes a block mask in every case).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, noop_mask
 
     _, mask_mod = shifted_mods(variant, q_offset, kv_offset, device)
     if mask_mod is None:
-        return None
+        if not full_when_unmasked:
+            return None
+        mask_mod = noop_mask
     return create_block_mask(
         mask_mod,
         None,

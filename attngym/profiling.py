@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from attngym import registry
+from attngym.fileio import atomic_write
 
 
 def _activities() -> list:
@@ -170,7 +171,7 @@ def kernels_profiler(
             yield result
         out = pathlib.Path(run_dir) / f"kernels_rank{rank}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(f"{n}\n" for n in result["kernel_names"]))
+        atomic_write(out, "".join(f"{n}\n" for n in result["kernel_names"]))
         result["kernels_path"] = str(out)
 
     return run()

@@ -151,7 +151,7 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`attngym report DIR [--out FILE]`; returns the exit code."""
+    """`attngym report DIR [--out FILE | --wandb ENTITY/PROJECT]`; returns the exit code."""
     parser = argparse.ArgumentParser(
         prog="attngym report",
         description="Write a self-contained report.html (table, plots, pictures inline) for a "
@@ -159,9 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("folder", type=Path, help="a sweep folder or a single run folder")
     parser.add_argument("--out", type=Path, default=None, help="default: FOLDER/report.html")
+    parser.add_argument(
+        "--wandb",
+        metavar="ENTITY/PROJECT",
+        help="instead: a W&B Report of the synced sweep (needs the [report] extra)",
+    )
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"folder {str(args.folder)!r} does not exist")
+    if args.wandb:
+        from attngym.tracking.wandb_report import publish
+
+        try:
+            print(f"W&B report: {publish(args.folder, args.wandb)}")
+        except (ValueError, ImportError) as err:
+            print(f"attngym report: error: {err}")
+            return 2
+        return 0
     try:
         path = write_report(args.folder, args.out)
     except ValueError as err:

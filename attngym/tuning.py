@@ -9,12 +9,20 @@ entry the run keeps FlexAttention's defaults and logs that it did.
 
 Lookup order within a capability ("sm90"): `<variant>/d<head_dim>`, `<variant>`,
 `default/d<head_dim>`, `default`.
+
+FLASH: a sweep run with `kernel_options.BACKEND=FLASH` and the `flex_default` baseline (Triton,
+same process, same inputs) gives an entry a `"flash"` part: the FLASH block size and options and
+`over_triton`, FLASH's metric over Triton's. `block_size=tuned` takes it only where flash-attn-4
+is importable and `over_triton` > 1 (FLASH measured 0.72x Triton on the 256-token window, so
+Triton stays there); otherwise the Triton part (or FlexAttention's defaults). It logs which
+backend it took and why the other was not taken. An explicit `kernel_options.BACKEND` decides.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import logging
 import math
@@ -22,12 +30,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from attngym.fileio import atomic_write
+
 log = logging.getLogger(__name__)
 
 TABLE = Path(__file__).with_name("tuned.json")
 DEFAULT_BLOCK_SIZE = (128, 128)
 # Columns of summary.csv that hold kernel options (`kernel_options.<NAME>`), see attngym.tracking.
 OPTION_PREFIX = "kernel_options."
+FLASH = "FLASH"
+# The baseline whose columns (`flex_default_<metric>`) are the Triton reference of a FLASH row.
+TRITON_REFERENCE = "flex_default"
+
+
+def flash_importable() -> bool:
+    """Whether flash-attn-4 (the module FlexAttention's FLASH backend imports) is installed."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # no flash_attn package at all, or a broken one
+        return False
 
 
 def capability_key(capability: str | None) -> str | None:
@@ -60,24 +81,86 @@ def lookup(
 
 
 def resolve(
-    variant: str, head_dim: int, capability: str | None, kernel_options: Mapping[str, Any]
+    variant: str,
+    head_dim: int,
+    capability: str | None,
+    kernel_options: Mapping[str, Any],
+    *,
+    dtype: str | None = None,
+    topology: str = "single",
 ) -> tuple[tuple[int, int], dict[str, Any]]:
-    """(block_size, kernel_options) for `block_size=tuned`; defaults (logged) without an entry."""
+    """(block_size, kernel_options) for `block_size=tuned`; defaults (logged) without an entry.
+
+    dtype and topology, where the caller gives them, keep FLASH's part out of runs it cannot do
+    (a 32/64-bit dtype; context parallelism, which differentiates through the lse).
+    """
+    where = f"{variant} (head_dim {head_dim}) on {capability_key(capability) or 'cpu'}"
     entry = lookup(variant, head_dim, capability)
     if entry is None:
         log.warning(
-            "block_size=tuned: no entry for %s (head_dim %d) on %s in %s; using the defaults %s",
-            variant,
-            head_dim,
-            capability_key(capability) or "cpu",
+            "block_size=tuned: no entry for %s in %s; using the defaults %s",
+            where,
             TABLE.name,
             DEFAULT_BLOCK_SIZE,
         )
         return DEFAULT_BLOCK_SIZE, dict(kernel_options)
-    block_size = (int(entry["block_size"][0]), int(entry["block_size"][1]))
-    options = {**entry.get("kernel_options", {}), **kernel_options}
-    log.info("block_size=tuned: %s, kernel_options %s (%s)", block_size, options, entry["source"])
+    if dtype in ("float32", "float64"):
+        flash_here = f"FLASH needs a 16-bit dtype, dtype={dtype}"
+    elif topology != "single":
+        flash_here = f"FLASH cannot back topology={topology}"
+    else:
+        flash_here = None if flash_importable() else "flash-attn-4 is not importable"
+    chosen, why = choose_backend(entry, kernel_options.get("BACKEND"), flash_here)
+    if chosen is None:
+        log.info("block_size=tuned: %s; no Triton entry for %s, using the defaults", why, where)
+        return DEFAULT_BLOCK_SIZE, dict(kernel_options)
+    block_size = (int(chosen["block_size"][0]), int(chosen["block_size"][1]))
+    options = {**chosen.get("kernel_options", {}), **kernel_options}
+    log.info(
+        "block_size=tuned: %s for %s: %s, kernel_options %s (%s)",
+        why,
+        where,
+        block_size,
+        options,
+        chosen.get("source", TABLE.name),
+    )
     return block_size, options
+
+
+def choose_backend(
+    entry: Mapping[str, Any], asked: str | None, flash_unavailable: str | None
+) -> tuple[Mapping[str, Any] | None, str]:
+    """The part of a table entry to use (its FLASH part or its Triton part) and why, in words.
+
+    Args:
+        entry: a table entry: Triton's `block_size`/`kernel_options` (optional) and an optional
+            `"flash"` part with `over_triton`.
+        asked: the user's `kernel_options.BACKEND`, if any: it decides.
+        flash_unavailable: why FLASH cannot run here (e.g. "flash-attn-4 is not importable"),
+            or None where it can.
+
+    Returns:
+        (part, reason): part is None where Triton is chosen and the entry has no Triton part.
+    """
+    flash = entry.get("flash")
+    triton = entry if "block_size" in entry else None
+    if asked is not None:
+        if asked == FLASH and flash is not None:
+            return flash, "FLASH (kernel_options.BACKEND=FLASH)"
+        if asked == FLASH:
+            return triton, "FLASH (kernel_options.BACKEND=FLASH) with the Triton entry's blocks"
+        return triton, f"Triton (kernel_options.BACKEND={asked})"
+    if flash is None:
+        return triton, "Triton (FLASH not taken: no FLASH entry)"
+    speedup = flash.get("over_triton")
+    if speedup is None or speedup <= 1.0:
+        measured = "not measured against Triton" if speedup is None else f"{speedup:.2f}x Triton"
+        return triton, f"Triton (FLASH not taken: measured slower, {measured})"
+    if flash_unavailable:
+        return triton, (
+            f"Triton (FLASH not taken: {flash_unavailable}; it measured {speedup:.2f}x Triton)"
+        )
+    return flash, f"FLASH (Triton not taken: FLASH measured {speedup:.2f}x Triton)"
 
 
 def _number(text: str) -> Any:
@@ -92,15 +175,20 @@ def _number(text: str) -> Any:
 def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[str, Any]]:
     """The fastest ok row per (capability, variant, head_dim) by `metric` (higher is better).
 
+    Rows run with `kernel_options.BACKEND=FLASH` compete apart and go under the entry's "flash"
+    key, with `over_triton`: their metric over the same row's `flex_default_<metric>` (Triton,
+    same process, same inputs); a FLASH row without that column is skipped with a warning.
+
     Args:
         rows: summary.csv rows (strings), with columns capability, variant, head_dim, block_q,
             block_kv, status, `metric` and `kernel_options.<NAME>` ones.
         metric: e.g. "fwd_bwd_tflops" or "fwd_tflops".
 
     Returns:
-        {"sm90": {"causal/d128": {"block_size": [...], "kernel_options": {...}, metric: x}}}.
+        {"sm90": {"causal/d128": {"block_size": [...], "kernel_options": {...}, metric: x,
+        "flash": {...}}}}; an entry holds only "flash" where the rows had no Triton winner.
     """
-    best: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+    best: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
     for row in rows:
         value = row.get(metric)
         gpu = capability_key(row.get("capability"))
@@ -121,29 +209,56 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
             metric: round(score, 2),
             "seq_len": int(row["seq_len"]),
         }
-        if (gpu, name) not in best or score > best[(gpu, name)][0]:
-            best[(gpu, name)] = (score, entry)
+        part = "flash" if options.get("BACKEND") == FLASH else "triton"
+        if part == "flash":
+            reference = row.get(f"{TRITON_REFERENCE}_{metric}")
+            if not reference:
+                log.warning(
+                    "FLASH row for %s has no %s_%s: not comparable, skipped",
+                    name,
+                    TRITON_REFERENCE,
+                    metric,
+                )
+                continue
+            entry["over_triton"] = round(score / float(reference), 3)
+        if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:
+            best[(gpu, name, part)] = (score, entry)
     table: dict[str, dict[str, Any]] = {}
-    for (gpu, name), (_, entry) in sorted(best.items()):
-        table.setdefault(gpu, {})[name] = entry
+    for (gpu, name, part), (_, entry) in sorted(best.items()):
+        slot = table.setdefault(gpu, {}).setdefault(name, {})
+        if part == "flash":
+            slot["flash"] = entry
+        else:
+            slot.update(entry)
     return table
 
 
-def update(sweep_dir: Path, metric: str, path: Path = TABLE) -> dict[str, Any]:
-    """Merge the sweep's winners into the table at `path`; return the merged table."""
-    summary = Path(sweep_dir) / "summary.csv"
+def update(source: Path, metric: str, path: Path = TABLE) -> dict[str, Any]:
+    """Merge the winners of `source` (a sweep folder holding summary.csv, or a CSV file) into
+    the table at `path`; return the merged table. Each part (Triton, FLASH) replaces only its own
+    kind: a FLASH measurement keeps an entry's Triton winner and the other way round."""
+    source = Path(source)
+    summary = source if source.suffix == ".csv" else source / "summary.csv"
     if not summary.exists():
         raise FileNotFoundError(f"{summary} not found: run the sweep (it writes summary.csv)")
     with summary.open(newline="") as f:
         found = winners(list(csv.DictReader(f)), metric)
     if not found:
         raise ValueError(f"no ok row with {metric!r} and a GPU capability in {summary}")
+    label = source.stem if source.suffix == ".csv" else source.name
     table = load(path)
     for gpu, entries in found.items():
         for name, entry in entries.items():
-            entry["source"] = f"{Path(sweep_dir).name}, best {metric}"
-            table.setdefault(gpu, {})[name] = entry
-    path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+            slot = table.setdefault(gpu, {}).setdefault(name, {})
+            if "flash" in entry:
+                entry["flash"]["source"] = f"{label}, best {metric}, over {TRITON_REFERENCE}"
+                slot["flash"] = entry.pop("flash")
+            if "block_size" in entry:
+                entry["source"] = f"{label}, best {metric}"
+                kept = {"flash": slot["flash"]} if "flash" in slot else {}
+                slot.clear()
+                slot.update(entry, **kept)
+    atomic_write(path, json.dumps(table, indent=2, sort_keys=True) + "\n")
     return table
 
 
@@ -152,14 +267,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m attngym.tuning",
         description="Write a block-size sweep's winners into the tuned table (block_size=tuned).",
     )
-    parser.add_argument("sweep_dir", type=Path, help="a multirun folder holding summary.csv")
+    parser.add_argument(
+        "sweep_dir", type=Path, help="a multirun folder holding summary.csv, or a summary CSV"
+    )
     parser.add_argument("--metric", default="fwd_bwd_tflops", help="higher is better")
     parser.add_argument("--table", type=Path, default=TABLE, help="the table to update")
     args = parser.parse_args(argv)
     table = update(args.sweep_dir, args.metric, args.table)
     for gpu, entries in table.items():
         for name, entry in entries.items():
-            print(f"{gpu} {name}: block_size {entry['block_size']} {entry['kernel_options']}")
+            if "block_size" in entry:
+                print(f"{gpu} {name}: Triton {entry['block_size']} {entry['kernel_options']}")
+            if "flash" in entry:
+                flash = entry["flash"]
+                print(f"{gpu} {name}: FLASH {flash['block_size']}, {flash['over_triton']}x Triton")
     print(f"written: {args.table}")
     return 0
 

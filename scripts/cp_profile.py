@@ -9,8 +9,12 @@ Runs ring or all-gather attention on every GPU (one process each), then on rank 
 A GPU that is busy for much less than the wall time waits on the host (launch overhead or
 syncs); a busy GPU with slow kernels points at the kernel.
 
+"launches_per_call" sums the host's kernel-launch calls per call: the number to compare before and
+after a change of the CP code (for instance --backward recompute against --backward flex).
+
 Usage (two or more GPUs):
     python scripts/cp_profile.py --kind ring --seq-len 32768 --layout zigzag --out profile.json
+    python scripts/cp_profile.py --kind ring --backward recompute --out profile_recompute.json
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import warnings
 import torch
 
 from attngym import variants
-from attngym.distributed import allgather_attention, ring_attention, shard
+from attngym.distributed import CPOptions, allgather_attention, ring_attention, shard
+from attngym.distributed.cp import BACKWARDS
 from attngym.distributed.launch import launch
+from attngym.distributed.layout import LAYOUTS
 
 
 def _sync_sites(call) -> dict[str, int]:
@@ -76,29 +82,54 @@ def _profile(call, repeats: int = 3) -> dict:
         "wall_ms": wall_ms,
         "gpu_busy_ms": sum(by_name.values()),
         "gpu_ops_per_call": len(gpu) / repeats,
+        # Kernel launches the host issued per call (runtime and driver API), the host-cost figure
+        # to compare before and after a change (e.g. --backward recompute against flex).
+        "launches_per_call": sum(n for name, n in host.items() if "LaunchKernel" in name),
         "top_gpu_ms": dict(by_name.most_common(12)),
         "host_cuda_calls_per_call": dict(host.most_common(12)),
     }
 
 
-def _worker(rank: int, world: int, kind: str, seq_len: int, layout: str, heads: int) -> dict:
+VARIANTS = {
+    "causal": lambda seq_len: variants.get("causal"),
+    "sliding_window": lambda seq_len: variants.get("sliding_window", window_size=1024),
+    "document": lambda seq_len: variants.get(
+        "document", doc_lengths=[seq_len // 2, seq_len // 4, seq_len // 8, seq_len // 8]
+    ),
+}
+
+
+def _worker(
+    rank: int,
+    world: int,
+    kind: str,
+    seq_len: int,
+    layout: str,
+    heads: int,
+    variant_name: str = "causal",
+    backward: str = "auto",
+) -> dict:
     fn = ring_attention if kind == "ring" else allgather_attention
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
+    variant = VARIANTS[variant_name](seq_len).to(device)
     q, k, v, g = (
-        shard(torch.randn(1, heads, seq_len, 128, generator=gen), rank, world, layout)
+        shard(
+            torch.randn(1, heads, seq_len, 128, generator=gen), rank, world, layout, variant=variant
+        )
         .to(device, torch.bfloat16)
         .requires_grad_()
         for _ in range(4)
     )
-    variant = variants.get("causal").to(device)
+    options = CPOptions(backward=backward)
 
     def fwd():
         with torch.no_grad():
-            return fn(q, k, v, variant, layout=layout, transport="auto")
+            return fn(q, k, v, variant, layout=layout, transport="auto", options=options)
 
     def fwd_bwd():
-        return torch.autograd.grad(fn(q, k, v, variant, layout=layout), (q, k, v), g)
+        out = fn(q, k, v, variant, layout=layout, options=options)
+        return torch.autograd.grad(out, (q, k, v), g)
 
     for _ in range(2):  # compile and warm up
         fwd_bwd()
@@ -116,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", choices=["ring", "allgather"], default="ring")
     parser.add_argument("--seq-len", type=int, default=32768)
-    parser.add_argument("--layout", choices=["contiguous", "zigzag"], default="zigzag")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="zigzag")
+    parser.add_argument("--variant", choices=list(VARIANTS), default="causal")
+    parser.add_argument("--backward", choices=list(BACKWARDS), default="auto")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--out", default="cp_profile.json")
     args = parser.parse_args(argv)
@@ -124,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     result = launch(
         _worker,
         world,
-        args=(args.kind, args.seq_len, args.layout, args.heads),
+        args=(args.kind, args.seq_len, args.layout, args.heads, args.variant, args.backward),
         device="cuda",
         timeout_s=300,
     )

@@ -31,6 +31,16 @@ LIBRARY = (
     "attngym.profiling",
     "attngym.device",
     "attngym.progress",
+    "attngym.validation",
+    "attngym.metrics",
+    "attngym.inputs",
+    "attngym.estimate",
+    "attngym.fileio",
+    "attngym.distributed",
+    "attngym.distributed.ulysses",
+    "attngym.distributed.torch_cp",
+    "attngym.distributed.launch",
+    "attngym.distributed.keepalive",
 )
 
 

@@ -1,5 +1,5 @@
 """Imports only point down: no cycle between attngym's modules, and the library never imports the
-run layer (tasks, tracking, the CLI, config) or Hydra/OmegaConf.
+run layer (tasks, tracking, the CLI, config), Hydra/OmegaConf or wandb.
 
 The graph is read from the source with `ast`, every import counted, including the ones inside
 functions (a lazy import is still a dependency, only a later one).
@@ -26,6 +26,9 @@ LIBRARY = (
     "attngym.device",
     "attngym.errors",
     "attngym.utils",
+    "attngym.fileio",
+    "attngym.estimate",
+    "attngym.progress",
 )
 RUN_LAYER = (
     "attngym.tasks",
@@ -35,6 +38,7 @@ RUN_LAYER = (
     "attngym.presets",
     "hydra",
     "omegaconf",
+    "wandb",
 )
 
 

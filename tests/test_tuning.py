@@ -103,3 +103,135 @@ def test_block_size_tuned_without_an_entry_falls_back_with_a_note(caplog):
 def test_block_size_names_are_checked():
     with pytest.raises(config.ConfigError, match=r"block_size.q.*tuned"):
         config.from_config(_cfg(q="tunde", kv=128))
+
+
+FLASH_ROWS = [
+    # FLASH faster than the same row's Triton reference (flex_default): over_triton 1.5
+    {"capability": "9.0", "variant": "causal", "head_dim": "128", "seq_len": "8192",
+     "block_q": "128", "block_kv": "128", "status": "ok", "fwd_bwd_tflops": "450.0",
+     "kernel_options.BACKEND": "FLASH", "flex_default_fwd_bwd_tflops": "300.0"},
+    # FLASH slower than Triton on the narrow window: recorded, never taken
+    {"capability": "9.0", "variant": "sliding_window", "head_dim": "128", "seq_len": "8192",
+     "block_q": "128", "block_kv": "128", "status": "ok", "fwd_bwd_tflops": "180.0",
+     "kernel_options.BACKEND": "FLASH", "flex_default_fwd_bwd_tflops": "240.0"},
+    # no Triton reference in the row: not comparable, skipped
+    {"capability": "9.0", "variant": "full", "head_dim": "128", "seq_len": "8192",
+     "block_q": "128", "block_kv": "128", "status": "ok", "fwd_bwd_tflops": "600.0",
+     "kernel_options.BACKEND": "FLASH", "flex_default_fwd_bwd_tflops": ""},
+]  # fmt: skip
+
+
+def _write_csv(path, rows):
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for row in rows for k in row}))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_flash_rows_become_flash_parts_measured_against_triton():
+    table = tuning.winners(ROWS + FLASH_ROWS, "fwd_bwd_tflops")["sm90"]
+    assert table["causal/d128"]["block_size"] == [128, 128]  # the Triton winner stays
+    assert table["causal/d128"]["kernel_options"] == {"fwd_BLOCK_M": 64}
+    assert table["causal/d128"]["flash"]["kernel_options"] == {"BACKEND": "FLASH"}
+    assert table["causal/d128"]["flash"]["over_triton"] == 1.5
+    assert table["sliding_window/d128"] == {"flash": table["sliding_window/d128"]["flash"]}
+    assert table["sliding_window/d128"]["flash"]["over_triton"] == 0.75
+    assert "full/d128" not in table
+
+
+def test_update_from_a_csv_keeps_the_other_backends_part(tmp_path):
+    table_path = tmp_path / "tuned.json"
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    _write_csv(sweep / "summary.csv", ROWS)
+    tuning.update(sweep, "fwd_bwd_tflops", table_path)
+    _write_csv(tmp_path / "flash_backend.csv", FLASH_ROWS)
+    tuning.update(tmp_path / "flash_backend.csv", "fwd_bwd_tflops", table_path)
+    causal = json.loads(table_path.read_text())["sm90"]["causal/d128"]
+    assert causal["kernel_options"] == {"fwd_BLOCK_M": 64}  # the Triton sweep's winner is kept
+    assert causal["source"] == "sweep, best fwd_bwd_tflops"
+    assert causal["flash"]["over_triton"] == 1.5
+    assert causal["flash"]["source"].startswith("flash_backend, best fwd_bwd_tflops")
+    tuning.update(sweep, "fwd_bwd_tflops", table_path)  # and a Triton re-run keeps FLASH's part
+    assert json.loads(table_path.read_text())["sm90"]["causal/d128"]["flash"]["over_triton"] == 1.5
+
+
+def test_the_checked_in_table_takes_flash_except_on_the_narrow_window():
+    table = tuning.load()["sm90"]
+    faster = {
+        name for name, entry in table.items() if entry.get("flash", {}).get("over_triton", 0) > 1
+    }
+    assert "causal/d128" in faster and "full/d64" in faster
+    assert table["sliding_window/d128"]["flash"]["over_triton"] < 1
+
+
+TABLE = tuning.winners(ROWS + FLASH_ROWS, "fwd_bwd_tflops")
+
+
+@pytest.fixture
+def flash_table(monkeypatch):
+    monkeypatch.setattr(tuning, "load", lambda path=tuning.TABLE: TABLE)
+
+
+@pytest.mark.parametrize("importable", [True, False])
+def test_resolve_takes_flash_only_where_importable_and_faster(
+    flash_table, monkeypatch, caplog, importable
+):
+    monkeypatch.setattr(tuning, "flash_importable", lambda: importable)
+    with caplog.at_level(logging.INFO, logger="attngym.tuning"):
+        blocks, options = tuning.resolve("causal", 128, "9.0", {"num_warps": 4})
+    if importable:
+        assert options == {"BACKEND": "FLASH", "num_warps": 4}
+        assert "FLASH (Triton not taken: FLASH measured 1.50x Triton)" in caplog.text
+    else:
+        assert options == {"fwd_BLOCK_M": 64, "num_warps": 4}
+        assert "flash-attn-4 is not importable" in caplog.text
+    assert blocks == (128, 128)
+
+
+def test_resolve_keeps_triton_where_flash_measured_slower(flash_table, monkeypatch, caplog):
+    monkeypatch.setattr(tuning, "flash_importable", lambda: True)
+    with caplog.at_level(logging.INFO, logger="attngym.tuning"):
+        blocks, options = tuning.resolve("sliding_window", 128, "9.0", {})
+    # the entry has no Triton part: FlexAttention's defaults, Triton backend
+    assert (blocks, options) == (tuning.DEFAULT_BLOCK_SIZE, {})
+    assert "measured slower, 0.75x Triton" in caplog.text
+
+
+def test_choose_backend_explains_each_case():
+    triton = {"block_size": [64, 64], "kernel_options": {}}
+    flash = {"block_size": [128, 128], "kernel_options": {"BACKEND": "FLASH"}, "over_triton": 1.3}
+    both = {**triton, "flash": flash}
+    assert tuning.choose_backend(triton, None, None) == (
+        triton,
+        "Triton (FLASH not taken: no FLASH entry)",
+    )
+    assert tuning.choose_backend(both, None, None)[0] is flash
+    assert tuning.choose_backend(both, None, "no flash")[0] is both
+    assert tuning.choose_backend(both, "TRITON", None) == (
+        both,
+        "Triton (kernel_options.BACKEND=TRITON)",
+    )
+    assert tuning.choose_backend(both, "FLASH", "no flash")[0] is flash  # asked: the user decides
+
+
+@pytest.mark.parametrize(
+    ("dtype", "topology", "reason"),
+    [("float32", "single", "16-bit dtype"), ("bfloat16", "ring", "topology=ring")],
+)
+def test_resolve_keeps_flash_out_of_runs_it_cannot_do(
+    flash_table, monkeypatch, caplog, dtype, topology, reason
+):
+    monkeypatch.setattr(tuning, "flash_importable", lambda: True)
+    with caplog.at_level(logging.INFO, logger="attngym.tuning"):
+        _, options = tuning.resolve("causal", 128, "9.0", {}, dtype=dtype, topology=topology)
+    assert "BACKEND" not in options
+    assert reason in caplog.text
+
+
+def test_flash_importable_is_false_without_flash_attn(monkeypatch):
+    def missing(name):
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr(tuning.importlib.util, "find_spec", missing)
+    assert tuning.flash_importable() is False

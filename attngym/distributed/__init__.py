@@ -4,11 +4,12 @@ Importing this package is light: no symmetric memory, cuda.bindings or pynvml. T
 classes and the NVLink-domain helpers are imported when first used.
 
 Public API:
-    shard, unshard                      sequence layouts (contiguous, zigzag)
+    shard, unshard, plan, load_imbalance   sequence layouts (contiguous, zigzag, balanced)
     P2PChannel, P2PAllGather, P2PAllToAll    the transport interface over NCCL / gloo
     CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain
     ring_attention, allgather_attention context-parallel attention of sharded q, k, v
+    CPOptions, CPStats                  their options and statistics (attngym.distributed.cp)
     ulysses_attention, hybrid_attention head-parallel (all-to-all) and all-to-all + ring/all-gather
     check_ulysses_heads                 the heads check a config can run before any tensor work
 """
@@ -20,7 +21,8 @@ from typing import Any
 
 from attngym.distributed import transport  # noqa: F401  (registers kind "transport")
 from attngym.distributed.allgather import allgather_attention
-from attngym.distributed.layout import shard, unshard
+from attngym.distributed.cp import CPOptions, CPStats
+from attngym.distributed.layout import load_imbalance, plan, shard, unshard
 from attngym.distributed.merge import merge
 from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 from attngym.distributed.ring import ring_attention
@@ -46,6 +48,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CPOptions",
+    "CPStats",
     "CopyEngineAllGather",
     "CopyEngineAllToAll",
     "CopyEngineChannel",
@@ -56,8 +60,10 @@ __all__ = [
     "check_ulysses_heads",
     "hybrid_attention",
     "in_one_nvlink_domain",
+    "load_imbalance",
     "merge",
     "nvlink_domain",
+    "plan",
     "ring_attention",
     "shard",
     "ulysses_attention",

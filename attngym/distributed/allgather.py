@@ -1,116 +1,163 @@
-"""All-gather attention: each rank gathers every K/V shard once, then attends its q shard to all.
+"""All-gather attention: each rank gathers every K/V shard, then attends its q shard in one call.
 
 Contract (P ranks, this rank r, an all-gather from `transport`):
-    * Forward: `start([k, v])` issues the gather; while it is in flight the rank attends its q
-      chunks to its own K/V shard (already local); `wait` returns the gathered (2, B, G, S, D)
-      buffer, rank p's shard at rows [p·S/P, (p+1)·S/P) in layout order, and the rank attends to
-      the other shards. Partials are folded in with merge.merge_into. The gathered buffer is dropped
-      before returning; only the local shards, out and lse are saved.
-    * Backward gathers K/V again the same way, recomputes each (q chunk, kv chunk) pair with
-      autograd (weights w_i = exp(lse_i - lse)), accumulates dK/dV for the whole sequence and
-      returns this rank's part of their sum over ranks with `reduce_scatter`.
-    * One gather is outstanding at a time; fully masked pairs are skipped (the decision is kept
-      as in ring.py).
+    * Forward: `start([k, v])`, then `wait` returns the gathered (2, B, G, S, D) buffer (rank p's
+      shard at rows [p·S/P, (p+1)·S/P), in layout order) through the transport's differentiable
+      wait. One kernel call attends the rank's q shard (S/P rows) to all S keys: the variant's
+      callbacks read each local row and key index through the layout's map to global positions
+      (an offset when the rows are one chunk, the identity when the gathered keys are already in
+      global order, else a position table), and the block mask is built in that local index
+      space, so every masked block is skipped as in the one-device kernel.
+    * Backward is the kernel's own (flex's backward, or the reference's autograd) over the
+      gathered K/V; the wait's backward reduce-scatters dK/dV to their home ranks. Nothing is
+      recomputed and `CPOptions.backward` does not apply.
+    * Why one call and no overlap of the gather with the local shard's compute: splitting the
+      call into a local and a remote part costs a second kernel, an lse merge over the output and
+      pair bookkeeping per step, to hide a gather that is a few percent of the compute from 64K
+      tokens per GPU on (1.25 ms of a 45 ms forward at S = 128K on two H200s); PyTorch's own
+      flex context parallelism makes the same choice.
+    * The mapped variant and its block mask are kept per Variant object (weak keys) and layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import weakref
 from typing import Any
 
 import torch
 
-from attngym.distributed.ring import (
-    Accumulator,
-    CPConfig,
-    CPStats,
-    StepClock,
-    apply,
-    backward_pairs,
-    forward_pairs,
-)
+from attngym import kernels
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, attend, pairs, run
+from attngym.distributed.layout import Layout
 from attngym.variants.base import Variant
 
+__all__ = ["CPOptions", "CPStats", "allgather_attention"]
 
-def _gather(cfg: CPConfig, k: torch.Tensor):
+
+def _gather(call: CPCall, k: torch.Tensor):
     from attngym.distributed.transport import cached
 
     return cached(
-        cfg.transport.allgather,
+        call.transport.allgather,
         tuple(k.shape),
         2,
         2,
         dtype=k.dtype,
         device=k.device,
-        timeout_s=cfg.timeout_s,
-        group=cfg.group,
+        timeout_s=call.options.timeout_s,
+        group=call.group,
     )
 
 
-def _others(cfg: CPConfig) -> list[int]:
-    return [p for p in range(cfg.world_size) if p != cfg.rank]
+def _index_map(positions: torch.Tensor):
+    """How a local index becomes a global position: an int offset, or the table itself."""
+    start = int(positions[0])
+    if torch.equal(
+        positions, torch.arange(start, start + positions.numel(), device=positions.device)
+    ):
+        return start
+    return positions
 
 
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg: CPConfig):
-        stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
-        s = k.shape[2]
-        acc = Accumulator(q, v.shape[-1])
-        ag = _gather(cfg, k) if cfg.world_size > 1 else None
-        if ag is not None:
-            ag.start([k, v])
-            if stats is not None:
-                stats.bytes_sent += 2 * k.numel() * k.element_size() * (cfg.world_size - 1)
-        clock.start()
-        forward_pairs(cfg, acc, q, k, v, cfg.rank)  # overlaps the gather
-        clock.stop(stats.step_compute_ms if stats else [])
-        if ag is not None:
-            clock.start()
-            kv = ag.wait([k, v])
-            clock.stop(stats.step_wait_ms if stats else [])
-            clock.start()
-            for p in _others(cfg):
-                rows = slice(p * s, (p + 1) * s)
-                forward_pairs(cfg, acc, q, kv[0][:, :, rows], kv[1][:, :, rows], p)
-            clock.stop(stats.step_compute_ms if stats else [])
-            del kv
-        out = acc.out.to(q.dtype)
-        if stats is not None:
-            stats.lse = acc.lse
-        ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.cfg = cfg
-        return out
+def mapped_variant(variant: Variant, layout: Layout, rank: int, device) -> Variant:
+    """The variant over (this rank's shard rows) x (the gathered keys in layout order).
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cfg: CPConfig = ctx.cfg
-        acc_dtype = lse.dtype
-        saved = (q, out.to(acc_dtype), lse, dout.to(acc_dtype))
-        s, P = k.shape[2], cfg.world_size
-        dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        dkv_all = torch.zeros(
-            (2, *k.shape[:2], s * P, k.shape[3]), dtype=acc_dtype, device=q.device
-        )
-        own = slice(cfg.rank * s, (cfg.rank + 1) * s)
-        ag = _gather(cfg, k) if P > 1 else None
-        if ag is not None:
-            ag.start([k, v])
-        backward_pairs(cfg, saved, k, v, cfg.rank, dq_acc, dkv_all[:, :, :, own])
-        if ag is None:
-            return dq_acc.to(q.dtype), dkv_all[0].to(k.dtype), dkv_all[1].to(v.dtype), None
-        kv = ag.wait([k, v])
-        for p in _others(cfg):
-            rows = slice(p * s, (p + 1) * s)
-            backward_pairs(
-                cfg, saved, kv[0][:, :, rows], kv[1][:, :, rows], p, dq_acc, dkv_all[:, :, :, rows]
+    Query row i is global position q_map(i), key j is kv_map(j); each map is an offset (a 0-d
+    tensor) or a position table, so the callbacks stay tensor-only and one compiled kernel serves
+    every rank.
+    """
+    q_map = _index_map(layout.positions(rank, device))
+    kv_map = _index_map(torch.cat([layout.positions(p, device) for p in range(layout.world_size)]))
+    q_at = _mapper(q_map, device, "q")
+    kv_at = _mapper(kv_map, device, "kv")
+    score_mod = mask_mod = None
+    if variant.score_mod is not None:
+        inner_score = variant.score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return inner_score(score, b, h, q_at(q_idx), kv_at(kv_idx))
+
+    if variant.mask_mod is not None:
+        inner_mask = variant.mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return inner_mask(b, h, q_at(q_idx), kv_at(kv_idx))
+
+    return dataclasses.replace(
+        variant,
+        name=f"{variant.name}@{layout.name}.rank{rank}",
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        buffers={},
+        bind=None,
+        seq_len=None,
+    )
+
+
+def _mapper(index_map, device, role: str):
+    if isinstance(index_map, torch.Tensor):
+        table = index_map
+
+        def at(idx):
+            return table[idx]
+
+    else:
+        offset = kernels.position(index_map, torch.device(device), role)
+
+        def at(idx):
+            return idx + offset
+
+    return at
+
+
+# Variant -> {(layout, rank, device, B, H, block size, backend): (mapped variant, block mask)}.
+_MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _mapped(call: CPCall, q: torch.Tensor):
+    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend)
+    per = _MAPPED.setdefault(call.variant, {})
+    if key not in per:
+        mapped = mapped_variant(call.variant, call.layout, call.rank, q.device)
+        block_mask = None
+        if call.backend == "flex":
+            block_mask = kernels.make_block_mask(
+                mapped,
+                q.shape[2],
+                call.seq_len,
+                block_size=call.options.block_size,
+                device=q.device,
             )
-        del kv
-        if cfg.stats is not None:
-            cfg.stats.bytes_sent += dkv_all.numel() * dkv_all.element_size() * (P - 1) // P
-        dkv = ag.reduce_scatter(dkv_all)
-        return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        per[key] = (mapped, block_mask)
+    return per[key]
+
+
+def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) -> torch.Tensor:
+    stats, clock = call.stats, StepClock(call.stats, q.device)
+    if call.world_size > 1:
+        ag = _gather(call, k)
+        clock.start()
+        ag.start([k, v])
+        kv = ag.wait([k, v])  # differentiable: its backward reduce-scatters dK/dV
+        clock.stop("step_wait_ms")
+        k_all, v_all = kv[0], kv[1]
+        if stats is not None:
+            stats.bytes_sent += 2 * k.numel() * k.element_size() * (call.world_size - 1)
+    else:
+        k_all, v_all = k, v
+    mapped, block_mask = _mapped(call, q)
+    clock.start()
+    out, lse = attend(call, q, k_all, v_all, 0, 0, block_mask, variant=mapped)
+    clock.stop("step_compute_ms")
+    if stats is not None:
+        stats.lse = lse.detach()
+        stats.backward = "kernel"  # flex's own backward, or the reference's autograd
+        for p in range(call.world_size):  # the chunk pairs the one call covers, for comparison
+            pairs(call, q, p)
+    return out
 
 
 def allgather_attention(
@@ -121,17 +168,12 @@ def allgather_attention(
     *,
     group=None,
     transport: str = "auto",
-    layout: str = "contiguous",
-    backend: str = "auto",
-    block_size: tuple[int, int] = (128, 128),
-    kernel_options: Mapping[str, Any] | None = None,
-    scale: float | None = None,
-    timeout_s: float = 60.0,
+    layout: str | Layout = "contiguous",
+    options: CPOptions | None = None,
     stats: CPStats | None = None,
-    compile: bool = True,
-    compile_mode: str = "default",
+    **overrides: Any,
 ) -> torch.Tensor:
-    """Attention of this rank's q shard over the whole sequence, K/V all-gathered once.
+    """Attention of this rank's q shard over the whole sequence, K/V all-gathered, one kernel call.
 
     Collective: every rank of `group` calls it with its shards (same shapes, same arguments).
     The arguments are those of `ring_attention`.
@@ -140,10 +182,21 @@ def allgather_attention(
         q: (B, H, S/P, D) this rank's query shard in `layout`.
         k, v: (B, G, S/P, D) this rank's key/value shards, G dividing H (GQA).
         variant: the attention variant, evaluated at global positions.
-        group, transport, layout, backend, block_size, kernel_options, scale, timeout_s, stats,
-            compile, compile_mode: as in ring_attention.
+        group, transport, layout, options, stats, **overrides: as in ring_attention.
 
     Returns:
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
     """
-    return apply(_AllGatherAttention, **locals())
+    return run(
+        _allgather,
+        q,
+        k,
+        v,
+        variant,
+        group=group,
+        transport=transport,
+        layout=layout,
+        options=options,
+        stats=stats,
+        **overrides,
+    )

@@ -14,8 +14,8 @@ Contract:
       GRACE_S more, then SIGKILL (not torch's default 30 s per step).
     * Every wait is bounded by `timeout_s`, enforced by the caller, not by the ranks: a rank whose
       peers wait on it may itself be unable to time out (stopped with SIGSTOP, wedged in native
-      code holding the GIL), and its peers may legitimately wait longer than `timeout_s` (rank 0's
-      float64 reference in attngym.tasks.ring waits on a group with a longer timeout). So each
+      code holding the GIL), and its peers may legitimately wait longer than `timeout_s` (for
+      rank 0's float64 reference; attngym.distributed.keepalive bounds each of those waits). So each
       rank runs a daemon heartbeat thread that touches `alive<rank>` in the private directory
       every HEARTBEAT_S; the caller polls the ranks and, as soon as one rank's heartbeat is older
       than `timeout_s` (or the rank never beat within `timeout_s` + STARTUP_S of the launch), it

@@ -6,18 +6,37 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
     zigzag      S is cut into 2P equal chunks; rank r holds chunk r, then chunk 2P-1-r. Under a
                 causal mask every rank then does the same amount of work (the early chunk is cheap,
                 the late one expensive).
+    balanced    placed from the variant's block mask: S is cut into n = 2P·m equal pieces
+                (m = 1, 2 or 4, whichever balances best), each piece costs the non-empty blocks of
+                its query rows, and a greedy placement (largest piece first, to the least loaded
+                rank that still has room) gives every rank n/P pieces of about equal cost. Pieces
+                adjacent on a rank merge into one chunk. For causal it finds zigzag; for packed
+                documents it spreads each document's expensive tail (the designs PyTorch's
+                per-document head-tail and PTRR load balancers follow, computed here from the
+                mask rather than per variant).
 
 A rank's shard is the concatenation of its chunks in that order; `chunks` gives them as
 (global offset, length) pairs, which is what the context-parallel kernels pass as q/kv offsets.
+A `Layout` (from `plan`) holds every rank's chunks; contiguous and zigzag need only (P, S), a
+balanced one needs the variant, so shard/unshard/chunks take either a name with the variant or a
+precomputed Layout. `load_imbalance` is max over mean of the non-empty blocks per rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+# Pieces per 2P that `balanced` tries, fewest first (more pieces: finer balance, more chunk pairs).
+BALANCE_SPLITS = (1, 2, 4)
+# A placement this close to perfect (max/mean) stops the search for more pieces.
+GOOD_ENOUGH = 1.02
 
 
 def _check(layout: str, world_size: int) -> None:
@@ -28,7 +47,7 @@ def _check(layout: str, world_size: int) -> None:
 
 
 def pieces(layout: str, world_size: int) -> int:
-    """How many equal pieces S is cut into: P (contiguous) or 2P (zigzag)."""
+    """How many equal pieces S is at least cut into: P (contiguous) or 2P (zigzag, balanced)."""
     _check(layout, world_size)
     return world_size if layout == "contiguous" else 2 * world_size
 
@@ -43,52 +62,205 @@ def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
         )
 
 
-def chunks(rank: int, world_size: int, seq_len: int, layout: str) -> list[tuple[int, int]]:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every rank's chunks: `placement[r]` is rank r's (global offset, length) list, shard order."""
+
+    name: str
+    world_size: int
+    seq_len: int
+    placement: tuple[tuple[tuple[int, int], ...], ...]
+
+    def chunks(self, rank: int) -> list[tuple[int, int]]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return list(self.placement[rank])
+
+    def positions(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(S/P,) the global position of each row of `rank`'s shard."""
+        return torch.cat([torch.arange(o, o + n, device=device) for o, n in self.placement[rank]])
+
+
+def _fixed(layout: str, world_size: int, seq_len: int) -> Layout:
+    check_seq_len(seq_len, world_size, layout)
+    n = pieces(layout, world_size)
+    size = seq_len // n
+    if layout == "contiguous":
+        placement = [((r * size, size),) for r in range(world_size)]
+    else:
+        placement = [((r * size, size), ((n - 1 - r) * size, size)) for r in range(world_size)]
+    return Layout(layout, world_size, seq_len, tuple(placement))
+
+
+def row_block_costs(
+    variant, seq_len: int, block: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """(S/block,) non-empty (block x block) key blocks of each query block row of the variant."""
+    from attngym import kernels
+
+    block_mask = kernels.make_block_mask(
+        variant, seq_len, seq_len, block_size=(block, block), device=device
+    )
+    if block_mask is None:  # no mask: every block is kept
+        return torch.full((seq_len // block,), seq_len // block, dtype=torch.long)
+    dense = block_mask.to_dense()  # (1, 1, S/block, S/block)
+    return dense[0, 0].ne(0).sum(-1).cpu()
+
+
+def _greedy(costs: list[int], world_size: int) -> list[list[int]]:
+    """Pieces per rank: largest first, to the least loaded rank with room (ties: lower index)."""
+    per_rank = len(costs) // world_size
+    load = [0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min((r for r in range(world_size) if len(owned[r]) < per_rank), key=lambda r: load[r])
+        owned[r].append(i)
+        load[r] += costs[i]
+    return [sorted(o) for o in owned]
+
+
+def _merged(indices: list[int], size: int) -> tuple[tuple[int, int], ...]:
+    """(offset, length) chunks of the pieces `indices` (sorted), adjacent pieces merged."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][0] + out[-1][1] == i * size:
+            out[-1][1] += size
+        else:
+            out.append([i * size, size])
+    return tuple((o, n) for o, n in out)
+
+
+def _balanced(world_size: int, seq_len: int, variant, block_size: Sequence[int], device) -> Layout:
+    if variant is None:
+        raise ValueError(
+            "layout='balanced' is placed from the variant's block mask: pass variant= (or a "
+            "Layout from attngym.distributed.layout.plan)"
+        )
+    check_seq_len(seq_len, world_size, "balanced")
+    best = None
+    for m in BALANCE_SPLITS:
+        n = 2 * world_size * m
+        if seq_len % n:
+            break
+        size = seq_len // n
+        block = min(int(block_size[0]), size)
+        if size % block:
+            block = size
+        rows = row_block_costs(variant, seq_len, block, device).view(n, size // block).sum(-1)
+        owned = _greedy(rows.tolist(), world_size)
+        loads = [sum(rows[i].item() for i in o) for o in owned]
+        imbalance = max(loads) / max(sum(loads) / world_size, 1e-9)
+        if best is None or imbalance < best[0] - 1e-9:
+            best = (imbalance, tuple(_merged(o, size) for o in owned))
+        if imbalance <= GOOD_ENOUGH:
+            break
+    return Layout("balanced", world_size, seq_len, best[1])
+
+
+def plan(
+    layout: str | Layout,
+    world_size: int,
+    seq_len: int,
+    variant=None,
+    block_size: Sequence[int] = (128, 128),
+    device: torch.device | str = "cpu",
+) -> Layout:
+    """Every rank's chunks for `layout` (a name, or a Layout checked against P and S).
+
+    Args:
+        layout: contiguous | zigzag | balanced, or a Layout made earlier.
+        world_size, seq_len: P and S.
+        variant: the attention variant; `balanced` needs it (its block mask decides).
+        block_size: (q, kv) block size whose non-empty blocks `balanced` evens out.
+        device: where `balanced` builds the block mask (large S: CUDA, see kernels.make_block_mask).
+    """
+    if isinstance(layout, Layout):
+        if (layout.world_size, layout.seq_len) != (world_size, seq_len):
+            raise ValueError(
+                f"layout was planned for world_size={layout.world_size}, seq_len="
+                f"{layout.seq_len}; this call has world_size={world_size}, seq_len={seq_len}"
+            )
+        return layout
+    _check(layout, world_size)
+    if layout == "balanced":
+        return _balanced(world_size, seq_len, variant, block_size, device)
+    return _fixed(layout, world_size, seq_len)
+
+
+def resolve(layout, world_size: int, seq_len: int, variant, device) -> Layout:
+    """The Layout a context-parallel call uses: `plan` with its defaults, memoised per variant
+    for `balanced` (so a call agrees with `shard(..., variant=)`; pass a Layout to plan with other
+    block sizes)."""
+    if not isinstance(layout, str) or layout != "balanced":
+        return plan(layout, world_size, seq_len)
+    key = (world_size, seq_len)
+    memo = _BALANCED.setdefault(variant, {})
+    if key not in memo:
+        memo[key] = plan(layout, world_size, seq_len, variant, device=device)
+    return memo[key]
+
+
+# Variant -> {(P, S): Layout}: a balanced placement lives as long as its variant.
+_BALANCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def chunks(
+    rank: int, world_size: int, seq_len: int, layout: str | Layout, variant=None
+) -> list[tuple[int, int]]:
     """The (global offset, length) chunks rank `rank` holds, in shard order.
 
     Args:
         rank: 0 <= rank < world_size.
         world_size: P.
         seq_len: S, the whole sequence.
-        layout: "contiguous" or "zigzag".
+        layout: contiguous | zigzag | balanced (with `variant`), or a Layout.
 
     Returns:
         One pair for contiguous, two for zigzag; lengths sum to S/P.
     """
-    check_seq_len(seq_len, world_size, layout)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    n = pieces(layout, world_size)
-    size = seq_len // n
-    if layout == "contiguous":
-        return [(rank * size, size)]
-    return [(rank * size, size), ((n - 1 - rank) * size, size)]
+    if isinstance(layout, str) and layout == "balanced" and variant is not None:
+        # The same memoised placement the CP call resolves; built on the GPU where there is one
+        # (the whole sequence's block mask; the placement does not depend on the device).
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve(layout, world_size, seq_len, variant, device).chunks(rank)
+    return plan(layout, world_size, seq_len, variant).chunks(rank)
 
 
-def shard(x: torch.Tensor, rank: int, world_size: int, layout: str, dim: int = 2) -> torch.Tensor:
+def shard(
+    x: torch.Tensor,
+    rank: int,
+    world_size: int,
+    layout: str | Layout,
+    dim: int = 2,
+    *,
+    variant=None,
+) -> torch.Tensor:
     """This rank's shard of `x` along `dim` (a contiguous copy).
 
     Args:
         x: the whole tensor, e.g. q_BHSD with S at `dim`.
         rank, world_size: which shard of how many.
-        layout: "contiguous" or "zigzag".
+        layout: contiguous | zigzag | balanced (with `variant`), or a Layout.
         dim: the sequence dimension.
 
     Returns:
         (…, S/P, …): the rank's chunks concatenated in shard order.
     """
     parts = [
-        x.narrow(dim, off, length) for off, length in chunks(rank, world_size, x.shape[dim], layout)
+        x.narrow(dim, off, length)
+        for off, length in chunks(rank, world_size, x.shape[dim], layout, variant)
     ]
     return torch.cat(parts, dim=dim).contiguous()
 
 
-def unshard(shards: Sequence[torch.Tensor], layout: str, dim: int = 2) -> torch.Tensor:
+def unshard(
+    shards: Sequence[torch.Tensor], layout: str | Layout, dim: int = 2, *, variant=None
+) -> torch.Tensor:
     """Reassemble the whole tensor from every rank's shard (rank order), the inverse of `shard`.
 
     Args:
         shards: P tensors (…, S/P, …), shard r from rank r.
-        layout: the layout they were cut with.
+        layout: the layout they were cut with (a name, with `variant` for balanced, or a Layout).
         dim: the sequence dimension.
 
     Returns:
@@ -105,7 +277,32 @@ def unshard(shards: Sequence[torch.Tensor], layout: str, dim: int = 2) -> torch.
                 f"shard {rank} has shape {tuple(s.shape)}, shard 0 {tuple(shards[0].shape)}"
             )
         start = 0
-        for off, length in chunks(rank, world_size, seq_len, layout):
+        for off, length in chunks(rank, world_size, seq_len, layout, variant):
             placed.append((off, s.narrow(dim, start, length)))
             start += length
     return torch.cat([t for _, t in sorted(placed, key=lambda p: p[0])], dim=dim)
+
+
+def load_imbalance(
+    layout: str | Layout,
+    variant,
+    world_size: int,
+    seq_len: int,
+    block_size: Sequence[int] = (128, 128),
+    device: torch.device | str = "cpu",
+) -> float:
+    """max over mean of the non-empty (q block, kv block) pairs each rank's queries attend.
+
+    Counted on the whole sequence's block mask at square blocks of `block_size[0]`, or of the
+    largest size below it that divides every chunk boundary (small shapes); 1.0 is perfect
+    balance.
+    """
+    placement = plan(layout, world_size, seq_len, variant, block_size, device)
+    block = math.gcd(int(block_size[0]), *(x for c in placement.placement for o, n in c
+                                            for x in (o, n)))  # fmt: skip
+    rows = row_block_costs(variant, seq_len, block, device)
+    loads = [
+        sum(int(rows[o // block : (o + n) // block].sum()) for o, n in placement.chunks(r))
+        for r in range(world_size)
+    ]
+    return max(loads) / max(sum(loads) / world_size, 1e-9)

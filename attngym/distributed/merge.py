@@ -6,12 +6,14 @@ where a row saw no key), attention over the union of the K_i is
     lse = log Σ_i exp(lse_i),    out = Σ_i w_i · out_i,    w_i = exp(lse_i − lse).
 
 Rows where every lse_i is -inf stay out = 0, lse = -inf (no NaN). Context-parallel forward folds
-each chunk pair's partial into its accumulator with `merge_into`; `merge` combines a list;
+each chunk pair's partial into its accumulator with `merge_into` (compiled on CUDA:
+`compiled_merge_into`); `merge` combines a list;
 backward splits the output gradient with the same weights (`weights`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +61,14 @@ def merge_into(
     new, w, w_i = _fold_weights(lse, lse_i)
     out.mul_(w).addcmul_(out_i, w_i)
     lse.copy_(new)
+
+
+@functools.cache
+def compiled_merge_into():
+    """`merge_into` compiled (dynamic=False): the weights and both passes over `out` become one
+    or two fused kernels instead of about ten elementwise launches per chunk pair. Inductor
+    writes the mutated views in place; one graph per chunk shape."""
+    return torch.compile(merge_into, dynamic=False)
 
 
 def merge(

@@ -370,7 +370,8 @@ def hybrid_attention(
     """
     import torch.distributed as dist
 
-    import attngym.distributed as cp
+    from attngym.distributed.allgather import allgather_attention
+    from attngym.distributed.ring import ring_attention
 
     if across not in ACROSS:
         raise ValueError(f"across: expected one of {', '.join(ACROSS)}, got {across!r}")
@@ -380,7 +381,7 @@ def hybrid_attention(
     layouts.check_seq_len(q.shape[2] * world, world, layout)
     variant.check_seq_len(q.shape[2] * world)
     a2a_group, across_group = hybrid_groups(a2a_size, group)
-    fn = cp.ring_attention if across == "ring" else cp.allgather_attention
+    fn = ring_attention if across == "ring" else allgather_attention
 
     def attend(q_h, k_h, v_h, variant_d, head_offset):
         shifted, _ = _plan(variant_d, head_offset, None, None, "across", q.device)

@@ -144,7 +144,13 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     import torch.distributed as dist
 
     from attngym import bench
-    from attngym.distributed import allgather_attention, ring_attention, shard, unshard
+    from attngym.distributed import (
+        allgather_attention,
+        load_imbalance,
+        ring_attention,
+        shard,
+        unshard,
+    )
     from attngym.distributed.ring import CPStats
 
     topo = settings.topology
@@ -171,7 +177,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
     )
 
     def mine(t: torch.Tensor) -> torch.Tensor:
-        return shard(t, rank, world_size, topo.layout)
+        return shard(t, rank, world_size, topo.layout, variant=variant_cpu)
 
     # 1. Whole-sequence inputs on the CPU (the same draw on every rank), only the shard on device.
     whole = make_inputs(settings.shape, settings.seed, "cpu", torch.float32)  # q, k, v, grad_out
@@ -189,7 +195,7 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         t = t.detach().cpu().contiguous()
         parts = [torch.empty_like(t) for _ in range(world_size)] if rank == 0 else None
         dist.gather(t, parts, dst=0, group=wait_group)
-        return unshard(parts, topo.layout) if rank == 0 else None
+        return unshard(parts, topo.layout, variant=variant_cpu) if rank == 0 else None
 
     # 2. The first call, timed apart.
     start = time.perf_counter()
@@ -248,6 +254,9 @@ def _rank_body(rank, world_size, settings, kind, device, resolved, wait_group) -
         )
     sparsity = float(bench.block_sparsity(block_mask))
     metrics["sparsity"] = sparsity
+    metrics["load_imbalance"] = load_imbalance(
+        topo.layout, variant, world_size, seq_len, settings.block_size, device
+    )
     b = settings.benchmark
 
     def timed(call, setup=None) -> Any:

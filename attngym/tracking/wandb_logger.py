@@ -15,8 +15,9 @@ on, the local copy in the run folder can be uploaded with `wandb sync`. A W&B fa
 (metrics.json is already on disk: the caller writes it first). wandb is imported only in the child.
 
 Mapping: config = the resolved config; summary = the scalar metrics (same names as
-metrics.json); the PNGs as `wandb.Image`; group = the sweep (or run) folder name; job_type = the
-topology; name = the overrides that make the run different (hydra.job.override_dirname).
+metrics.json), the numeric ones also as one history step (for report line plots); the PNGs as
+`wandb.Image`; group = the sweep (or run) folder name; job_type = the topology; name = the
+overrides that make the run different (hydra.job.override_dirname).
 """
 
 from __future__ import annotations
@@ -162,8 +163,14 @@ class WandbTracker:
                 for n, p in record.images.items()
                 if p.exists()
             }
-            if images:
-                run.log(images)
+            # the numbers go to the history too: a report's line plot of fwd_tflops against
+            # seq_len, grouped by variant, reads them there (one step per run)
+            numbers = {
+                k: v
+                for k, v in scalar_metrics(metrics).items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            run.log({**numbers, **images})
         finally:
             self._finish(run, exit_code=0 if ok else 1)
         return run.dir if self.mode == "offline" else getattr(run, "url", "")

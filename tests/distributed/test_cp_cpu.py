@@ -45,15 +45,15 @@ def _cases():
     }
 
 
-def _gather(t, world_size, layout):
+def _gather(t, world_size, layout, variant=None):
     import torch.distributed as dist
 
     parts = [torch.empty_like(t) for _ in range(world_size)]
     dist.all_gather(parts, t.detach().contiguous())
-    return unshard(parts, layout)
+    return unshard(parts, layout, variant=variant)
 
 
-def _parity(rank, world_size, name, variant, heads, kv_heads, fns, layouts):
+def _parity(rank, world_size, name, variant, heads, kv_heads, fns, layouts, backward="auto"):
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(2, heads, S if world_size == 2 else 36, 8, generator=gen, dtype=torch.float64)
     k, v = (
@@ -67,13 +67,16 @@ def _parity(rank, world_size, name, variant, heads, kv_heads, fns, layouts):
     errors = {}
     for fn in fns:
         for layout in layouts:
-            q_s, k_s, v_s = (shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v))
-            out = fn(q_s, k_s, v_s, variant, layout=layout, transport="gloo")
-            out.backward(shard(dout, rank, world_size, layout))
+            q_s, k_s, v_s = (
+                shard(t, rank, world_size, layout, variant=variant).requires_grad_()
+                for t in (q, k, v)
+            )
+            out = fn(q_s, k_s, v_s, variant, layout=layout, transport="gloo", backward=backward)
+            out.backward(shard(dout, rank, world_size, layout, variant=variant))
             got = [out, q_s.grad, k_s.grad, v_s.grad]
             want = [ref_out, qr.grad, kr.grad, vr.grad]
-            errors[(name, fn.__name__, layout)] = [
-                (_gather(g, world_size, layout) - w).abs().max().item()
+            errors[(name, fn.__name__, layout, backward)] = [
+                (_gather(g, world_size, layout, variant) - w).abs().max().item()
                 for g, w in zip(got, want, strict=True)
             ]
     return errors
@@ -85,6 +88,8 @@ def _attention_worker(rank, world_size):
     errors = {}
     for name, variant in _cases().items():
         kv_heads = 2 if name == "causal" else 4  # GQA on one case
+        # Every layout: the ring with flex's backward op (auto resolves to it on this torch), the
+        # all-gather (one call, the kernel's own backward); the re-run backward on one layout.
         errors.update(
             _parity(
                 rank,
@@ -94,9 +99,15 @@ def _attention_worker(rank, world_size):
                 4,
                 kv_heads,
                 (ring_attention, allgather_attention),
-                ("contiguous", "zigzag"),
+                ("contiguous", "zigzag", "balanced"),
             )
         )
+        errors.update(
+            _parity(
+                rank, world_size, name, variant, 4, kv_heads, (ring_attention,), ("zigzag",),
+                backward="recompute",
+            )
+        )  # fmt: skip
     # Pairs computed / skipped by a causal forward, per rank.
     counts = {}
     gen = torch.Generator().manual_seed(1)
@@ -113,10 +124,11 @@ def _attention_worker(rank, world_size):
     # compile / compile_mode reach the chunk kernel of both topologies, forward and backward.
     import attngym.kernels
 
-    seen, attend_chunk = set(), attngym.kernels.attend_chunk
+    seen, calls, attend_chunk = set(), [], attngym.kernels.attend_chunk
 
     def spy(*args, **kwargs):
         seen.add((kwargs["compile"], kwargs["compile_mode"]))
+        calls.append(1)
         return attend_chunk(*args, **kwargs)
 
     attngym.kernels.attend_chunk = spy
@@ -125,15 +137,29 @@ def _attention_worker(rank, world_size):
             xs = shard(x, rank, world_size, "contiguous").requires_grad_()
             out = fn(xs, xs, xs, variants.get("causal"), compile=False, compile_mode="max-autotune")
             out.sum().backward()
+        # Forward kernel calls made by the ring's backward: none with flex's backward op, one per
+        # computed pair when re-running forwards.
+        reruns = {}
+        for backward in ("flex", "recompute"):
+            xs = shard(x, rank, world_size, "zigzag").requires_grad_()
+            stats = CPStats()
+            out = ring_attention(
+                xs, xs, xs, variants.get("causal"), layout="zigzag", backward=backward, stats=stats
+            )
+            before = len(calls)
+            out.sum().backward()
+            reruns[backward] = (len(calls) - before, stats.pairs_computed, stats.backward)
     finally:
         attngym.kernels.attend_chunk = attend_chunk
-    return errors, counts, seen
+    return errors, counts, seen, reruns
 
 
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
-    errors, counts, seen = launch(_attention_worker, 2, timeout_s=60)
-    assert seen == {(False, "max-autotune")}
-    assert len(errors) == 4 * 2 * 2
+    errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
+    assert seen == {(False, "max-autotune"), (True, "default")}
+    assert len(errors) == 4 * (2 * 3 + 1)
+    assert reruns["flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no forward re-run
+    assert reruns["recompute"] == (5, 5, "recompute")
     for case, errs in errors.items():
         assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
     for fn in ("ring_attention", "allgather_attention"):
@@ -276,7 +302,32 @@ def _transport_worker(rank, world_size, run_dir):
         4,
         2,
         (ring_attention, allgather_attention),
-        ("contiguous", "zigzag"),
+        ("contiguous", "zigzag", "balanced"),
+    )
+    # A window shorter than a shard: shard s is read by rank s + 1 only, so the ring stops after
+    # two of its three steps (and dK/dV go straight home), and only the halo the window reads
+    # travels (8 of 12 rows at 4-token blocks); a causal mask needs all three steps, whole shards.
+    steps = {}
+    for name, variant in (("window", variants.get("sliding_window", window_size=5)),
+                          ("causal", variants.get("causal"))):  # fmt: skip
+        stats = CPStats()
+        x = torch.randn(1, 2, 12, 4, dtype=torch.float64)
+        with torch.no_grad():
+            ring_attention(x, x, x, variant, stats=stats, block_size=(4, 4))
+        steps[name] = (len(stats.step_compute_ms), stats.bytes_sent // (2 * 2 * 4 * 8))
+    out["steps"] = steps
+    out["parity"].update(
+        _parity(
+            rank,
+            world_size,
+            "document",
+            variants.get("document", doc_lengths=[20, 6, 10]),
+            4,
+            4,
+            (ring_attention,),
+            ("balanced",),
+            backward="recompute",
+        )
     )
     return out
 
@@ -311,6 +362,7 @@ def test_p2p_transports_and_three_rank_attention(tmp_path):
     assert "already outstanding" in out["double_start"]
     assert "no gather outstanding" in out["wait_without_start"]
     assert out["gather_ok"] and out["reduce_scatter_ok"] and out["grad_ok"]
+    assert out["steps"] == {"window": (2, 8), "causal": (3, 24)}  # (steps, K/V rows sent)
     for case, errs in out["parity"].items():
         assert max(errs) < TOL, f"{case}: {errs}"
 
@@ -402,15 +454,15 @@ def test_interrupted_launch_leaves_no_rank_alive(monkeypatch):
 
 def test_pair_plans_live_as_long_as_their_variant():
     """The skip decisions are kept per Variant object and go with it (no growing global cache)."""
-    from attngym.distributed import ring
+    from attngym.distributed import cp
 
     variant = variants.get("causal")
     args = (1, 2, (16, 16), (0, 16), (16, 16), "reference", torch.device("cpu"))
-    assert ring._pair_plan(variant, *args) == (False, None)
-    assert ring._pair_plan(variant, 1, 2, (0, 16), (16, 16), *args[4:])[0] is True  # future keys
-    assert len(ring._PLANS[variant]) == 2
-    assert ring._pair_plan(variant, *args) is ring._PLANS[variant][(*args[:2], *args[2:])]
-    before = len(ring._PLANS)
+    assert cp._pair_plan(variant, *args) == (False, None)
+    assert cp._pair_plan(variant, 1, 2, (0, 16), (16, 16), *args[4:])[0] is True  # future keys
+    assert len(cp._PLANS[variant]) == 2
+    assert cp._pair_plan(variant, *args) is cp._PLANS[variant][(*args[:2], *args[2:])]
+    before = len(cp._PLANS)
     del variant
     gc.collect()
-    assert len(ring._PLANS) == before - 1
+    assert len(cp._PLANS) == before - 1

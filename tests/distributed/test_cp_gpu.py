@@ -40,7 +40,7 @@ def _variants(names):
     return {name: made[name]() for name in names}
 
 
-def _worker(rank, world_size, transport, variant_names):
+def _worker(rank, world_size, transport, variant_names, backward="auto", layouts=None):
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -56,12 +56,15 @@ def _worker(rank, world_size, transport, variant_names):
         ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)
         ref_out.backward(dout.double())
         for fn in (ring_attention, allgather_attention):
-            for layout in ("contiguous", "zigzag"):
+            for layout in layouts or ("contiguous", "zigzag"):
                 q_s, k_s, v_s = (
-                    shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v)
+                    shard(t, rank, world_size, layout, variant=variant).requires_grad_()
+                    for t in (q, k, v)
                 )
-                out = fn(q_s, k_s, v_s, variant, layout=layout, transport=transport)
-                out.backward(shard(dout, rank, world_size, layout))
+                out = fn(
+                    q_s, k_s, v_s, variant, layout=layout, transport=transport, backward=backward
+                )
+                out.backward(shard(dout, rank, world_size, layout, variant=variant))
                 rel = []
                 for got, want in zip(
                     (out, q_s.grad, k_s.grad, v_s.grad),
@@ -70,7 +73,7 @@ def _worker(rank, world_size, transport, variant_names):
                 ):
                     parts = [torch.empty_like(got) for _ in range(world_size)]
                     dist.all_gather(parts, got.detach().contiguous())
-                    whole = unshard(parts, layout).double()
+                    whole = unshard(parts, layout, variant=variant).double()
                     rel.append(((whole - want).norm() / want.norm()).item())
                 errors[(name, fn.__name__, layout)] = rel
     return errors
@@ -99,3 +102,166 @@ def test_auto_transport_picks_copy_engine_inside_one_host():
     errors = launch(_worker, 2, args=("auto", ("causal",)), device="cuda", timeout_s=300)
     for case, rel in errors.items():
         assert max(rel) < REL, f"auto {case}: {rel}"
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backward", ["flex", "recompute"])
+def test_ring_backward_modes_and_balanced_layout(backward):
+    """The ring's backward through flex's compiled backward op (no forward re-run) and through
+    re-run forwards; both topologies on the mask-balanced layout."""
+    errors = launch(
+        _worker,
+        2,
+        args=("auto", ("causal", "document"), backward, ("zigzag", "balanced")),
+        device="cuda",
+        timeout_s=300,
+    )
+    for case, rel in errors.items():
+        assert max(rel) < REL, f"backward={backward} {case}: {rel}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "document+alibi"])
+def test_compiled_flex_backward_op_matches_reference(case):
+    """One chunk pair's gradient from the whole rows' out and lse through flex's compiled
+    backward op, against the float64 reference restricted to that pair's keys."""
+    from attngym import kernels
+    from attngym.distributed.flex_backward import attend_backward
+
+    S = 512
+    made = {
+        "causal": variants.get("causal"),
+        "document+alibi": variants.compose(
+            variants.get("document", doc_lengths=[100, 300, 112]),
+            variants.get("alibi", num_heads=4),
+        ),
+    }
+    variant = made[case].to("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(1, 4, S, 64, generator=gen, device="cuda") for _ in range(2))
+    k, v = (torch.randn(1, 2, S, 64, generator=gen, device="cuda") for _ in range(2))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(q64, k64, v64, variant.score_mod, variant.mask_mod)
+    rows, half = slice(S // 2, S), S // 2
+    # The reference gradient of the last q chunk's rows alone (the pairs computed below).
+    want = torch.autograd.grad(out[:, :, rows], (q64, k64, v64), dout.double()[:, :, rows])
+    got = [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)]
+    for kv0 in (0, half):  # the two kv chunks of the last q chunk
+        block_mask = kernels.make_block_mask(
+            variant, half, half, q_offset=half, kv_offset=kv0, device="cuda",
+            full_when_unmasked=True,
+        )  # fmt: skip
+        dq, dk, dv = attend_backward(
+            q[:, :, rows], k[:, :, kv0 : kv0 + half], v[:, :, kv0 : kv0 + half],
+            out[:, :, rows].float(), lse[:, :, rows], dout[:, :, rows], variant,
+            q_offset=half, kv_offset=kv0, block_mask=block_mask,
+        )  # fmt: skip
+        got[0][:, :, rows] += dq
+        got[1][:, :, kv0 : kv0 + half] += dk
+        got[2][:, :, kv0 : kv0 + half] += dv
+    got[0] = got[0][:, :, rows]
+    for name, g, w in zip(("dq", "dk", "dv"), got, (want[0][:, :, rows], *want[1:]), strict=True):
+        rel = ((g - w).norm() / w.norm()).item()
+        assert rel < REL, f"{case} {name}: relative error {rel}"
+
+
+@pytest.mark.multigpu
+def test_flash_backend_runs_the_cp_backward():
+    """BACKEND=FLASH (flash-attn-4, where installed) through the ring's flex backward op: the op
+    takes the merged lse and no lse gradient, which is all FLASH's backward supports."""
+    pytest.importorskip("flash_attn.cute")
+    errors = launch(_flash_worker, 2, device="cuda", timeout_s=300)
+    for case, rel in errors.items():
+        assert max(rel) < 2e-2, f"FLASH {case}: relative errors of out, dq, dk, dv = {rel}"
+
+
+def _flash_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from attngym.device import get_flash_block_size
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(0)
+    S = 2048
+    q, k, v, dout = (
+        torch.randn(1, 4, S, 128, generator=gen).to(device, torch.bfloat16) for _ in range(4)
+    )
+    variant = variants.get("causal")
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)
+    ref_out.backward(dout.double())
+    q_s, k_s, v_s = (shard(t, rank, world_size, "zigzag").requires_grad_() for t in (q, k, v))
+    out = ring_attention(
+        q_s, k_s, v_s, variant, layout="zigzag", backward="flex",
+        kernel_options={"BACKEND": "FLASH"}, block_size=get_flash_block_size(),
+    )  # fmt: skip
+    out.backward(shard(dout, rank, world_size, "zigzag"))
+    rel = []
+    for got, want in zip(
+        (out, q_s.grad, k_s.grad, v_s.grad), (ref_out, qr.grad, kr.grad, vr.grad), strict=True
+    ):
+        parts = [torch.empty_like(got) for _ in range(world_size)]
+        dist.all_gather(parts, got.detach().contiguous())
+        whole = unshard(parts, "zigzag").double()
+        rel.append(((whole - want).norm() / want.norm()).item())
+    return {("causal", "ring", "zigzag"): rel}
+
+
+@pytest.mark.gpu
+def test_compiled_merge_matches_eager_merge_on_accumulator_views():
+    """The fused (compiled) merge writes the same rows as the eager one, empty rows included."""
+    from attngym.distributed.merge import compiled_merge_into, merge_into
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    acc = torch.randn(1, 4, 512, 64, generator=gen, device="cuda")
+    lse = torch.randn(1, 4, 512, generator=gen, device="cuda")
+    lse[0, 0, :7], acc[0, 0, :7] = float("-inf"), 0.0  # rows no key reached yet
+    out_i = torch.randn(1, 4, 256, 64, generator=gen, device="cuda").bfloat16()
+    lse_i = torch.randn(1, 4, 256, generator=gen, device="cuda")
+    lse_i[0, 1, :5] = float("-inf")  # rows this pair does not reach
+    rows = slice(128, 384)
+    want_acc, want_lse = acc.clone(), lse.clone()
+    merge_into(want_acc[:, :, rows], want_lse[:, :, rows], out_i, lse_i)
+    compiled_merge_into()(acc[:, :, rows], lse[:, :, rows], out_i, lse_i)
+    # float32 both ways; the fused kernel may round exp/log differently by an ulp or two.
+    torch.testing.assert_close(acc, want_acc, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+def _graph_worker(rank, world_size):
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(rank)
+    variant = variants.get("causal")
+    static = [torch.randn(1, 4, 512, 64, generator=gen).to(device) for _ in range(3)]
+
+    def call():
+        with torch.no_grad():
+            return ring_attention(*static, variant, layout="zigzag", transport="copy_engine")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile, plan and allocate the channels outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    fresh = [torch.randn(t.shape, generator=gen).to(device) for t in static]
+    for t, f in zip(static, fresh, strict=True):
+        t.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = call()
+    dist.barrier()
+    return ((out - want).norm() / want.norm()).item()
+
+
+@pytest.mark.multigpu
+def test_ring_forward_replays_in_a_cuda_graph():
+    """The whole CP forward (copy-engine ring, compiled chunk kernels, fused merges) captured
+    once and replayed on new inputs gives the eager result (no host sync inside the call)."""
+    rel = launch(_graph_worker, 2, device="cuda", timeout_s=300)
+    assert rel < 1e-5, rel

@@ -9,13 +9,85 @@ from attngym import reference, variants
 from attngym.distributed import layout, merge, shard, unshard
 
 
-@pytest.mark.parametrize("name", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("name", ["contiguous", "zigzag", "balanced"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shard_unshard_round_trip(rng, name, world_size):
     x = torch.randn(2, 3, 24, 5, generator=rng)
-    shards = [shard(x, r, world_size, name) for r in range(world_size)]
+    variant = variants.get("document", doc_lengths=[3, 15, 6])
+    shards = [shard(x, r, world_size, name, variant=variant) for r in range(world_size)]
     assert all(s.shape == (2, 3, 24 // world_size, 5) for s in shards)
-    assert torch.equal(unshard(shards, name), x)
+    assert torch.equal(unshard(shards, name, variant=variant), x)
+
+
+def _loads(placement, variant, seq_len, block):
+    """Non-empty (block x block) pairs per rank, counted from the dense mask (independent of
+    layout.row_block_costs)."""
+    pos = torch.arange(seq_len)
+    keep = reference.dense_mask(variant.mask_mod, 1, 1, pos, pos)[0, 0]
+    nb = seq_len // block
+    blocks = keep.view(nb, block, nb, block).any(3).any(1)
+    return [
+        sum(int(blocks[o // block : (o + n) // block].sum()) for o, n in placement.chunks(r))
+        for r in range(placement.world_size)
+    ]
+
+
+def test_balanced_layout_evens_out_non_empty_blocks():
+    # Causal, P = 2, S = 64 at 8-token blocks: contiguous gives rank 1 three times rank 0's
+    # blocks (max/mean 1.5 with 8 x 8 blocks: 10 vs 26); zigzag and balanced are even.
+    causal = variants.get("causal")
+    S, P, block = 64, 2, (8, 8)
+    contiguous = layout.plan("contiguous", P, S)
+    assert _loads(contiguous, causal, S, 8) == [10, 26]
+    assert layout.load_imbalance("contiguous", causal, P, S, block) == pytest.approx(26 / 18)
+    assert layout.load_imbalance("zigzag", causal, P, S, block) == pytest.approx(1.0)
+    balanced = layout.plan("balanced", P, S, causal, block)
+    assert len(set(_loads(balanced, causal, S, 8))) == 1
+    # Packed documents of unequal length: balanced beats zigzag, which ignores the documents.
+    docs = variants.get("document", doc_lengths=[40, 8, 8, 8])
+    zig = layout.load_imbalance("zigzag", docs, P, S, block)
+    bal = layout.load_imbalance("balanced", docs, P, S, block)
+    loads = _loads(layout.plan("balanced", P, S, docs, block), docs, S, 8)
+    assert bal == pytest.approx(max(loads) / (sum(loads) / P))
+    assert zig > 1.05 and bal < zig and bal <= 1.05, (zig, bal)
+    # Every rank still holds S/P tokens, each position once.
+    covered = sorted(
+        p
+        for r in range(P)
+        for p in layout.plan("balanced", P, S, docs, block).positions(r).tolist()
+    )
+    assert covered == list(range(S))
+
+
+def test_balanced_layout_needs_the_variant_and_a_matching_plan():
+    x = torch.randn(1, 1, 16, 2)
+    with pytest.raises(ValueError, match="layout='balanced' is placed from the variant"):
+        shard(x, 0, 2, "balanced")
+    placed = layout.plan("zigzag", 2, 16)
+    assert torch.equal(shard(x, 1, 2, placed), shard(x, 1, 2, "zigzag"))  # accepts a Layout
+    with pytest.raises(ValueError, match="planned for world_size=2, seq_len=16"):
+        shard(torch.randn(1, 1, 32, 2), 0, 2, placed)
+    # Chunks of 6 tokens: counted at 2-token blocks (the gcd), where zigzag is exactly even.
+    assert layout.load_imbalance("zigzag", variants.get("causal"), 2, 24, (8, 8)) == 1.0
+    assert layout.load_imbalance("zigzag", variants.get("causal"), 2, 32, (8, 8)) == 1.0
+
+
+def test_cp_options_reject_bad_values_by_name_and_accept_good_ones():
+    from attngym.distributed import CPOptions
+    from attngym.distributed.cp import options_from
+
+    with pytest.raises(ValueError, match="backward.*'flexx'.*auto, flex, recompute"):
+        CPOptions(backward="flexx")
+    with pytest.raises(ValueError, match="block_size must be two positive ints"):
+        CPOptions(block_size=(128,))
+    with pytest.raises(ValueError, match="compile_mode"):
+        CPOptions(compile_mode="fast")
+    with pytest.raises(ValueError, match="timeout_s must be a positive"):
+        CPOptions(timeout_s=0)
+    with pytest.raises(TypeError, match="options must be a CPOptions"):
+        options_from({"backward": "flex"})
+    opts = options_from(CPOptions(backward="recompute"), block_size=[64, 32], scale=0.5)
+    assert opts == CPOptions(backward="recompute", block_size=(64, 32), scale=0.5)
 
 
 def test_zigzag_chunks_balance_causal_work():
@@ -29,7 +101,9 @@ def test_zigzag_chunks_balance_causal_work():
 
 def test_layout_rejects_bad_values_by_name():
     x = torch.randn(1, 1, 12, 2)
-    with pytest.raises(ValueError, match="layout must be one of contiguous, zigzag; got 'zigzg'"):
+    with pytest.raises(
+        ValueError, match="layout must be one of contiguous, zigzag, balanced; got 'zigzg'"
+    ):
         shard(x, 0, 2, "zigzg")
     with pytest.raises(ValueError, match=r"seq_len=12 must be divisible by 8"):
         shard(x, 0, 4, "zigzag")

@@ -1,0 +1,509 @@
+"""The machinery ring and all-gather attention share: options, plan of chunk pairs, accumulators.
+
+Context-parallel attention splits the sequence over P ranks (attngym.distributed.layout); each
+rank holds the q/k/v rows of its chunks and computes attention of its q chunks over every K/V
+chunk, the variant evaluated at global positions. The algorithms (ring.py, allgather.py) differ in
+how K/V travel; what they share lives here:
+
+    CPOptions    the kernel and backward choices of one call (one dataclass, validated once)
+    CPStats      what a call did (pairs, bytes, per-step timings, the merged lse)
+    CPCall       a resolved call: options plus rank, world size, transport, layout, variant
+    pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
+                 held), masked ones skipped; rows_read: which rows of a shard a rank reads
+    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA)
+    forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
+    StepClock    per-step host timings for CPStats
+
+Backward of one pair (`CPOptions.backward`):
+    flex       the pair's gradient from the merged (global) out and lse through flex's backward
+               op (attngym.distributed.flex_backward): P = exp(s - lse), D = rowsum(dO * O), as
+               ring-flash-attention and TransformerEngine do; no forward is run again.
+    recompute  re-run the pair's forward under autograd and weight its gradient by
+               w = exp(lse_pair - lse) (the chunk kernel's own backward).
+    auto       flex where this PyTorch has the op (logged once), else recompute; a flex failure
+               at run time under auto is logged and recompute takes over for the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from attngym import kernels, reference
+from attngym.distributed import layout as layouts
+from attngym.distributed.merge import compiled_merge_into, merge_into, weights
+from attngym.errors import choice_error
+from attngym.variants.base import Variant
+
+log = logging.getLogger(__name__)
+
+BACKWARDS = ("auto", "flex", "recompute")
+
+
+@dataclasses.dataclass
+class CPStats:
+    """What one context-parallel call did, filled when passed as `stats=` (for tasks and tests).
+
+    Timing a step synchronises the device around it on CUDA, so a call with stats measures steps,
+    not the overlapped whole; time the whole without stats.
+    """
+
+    pairs_computed: int = 0  # (q chunk, kv chunk) pairs attended
+    pairs_skipped: int = 0  # pairs skipped as fully masked
+    bytes_sent: int = 0  # bytes this rank pushed or contributed to a gather
+    step_compute_ms: list[float] = dataclasses.field(default_factory=list)
+    step_wait_ms: list[float] = dataclasses.field(default_factory=list)  # blocked on a transfer
+    lse: torch.Tensor | None = None  # (B, H, S/P) merged log-sum-exp of the last forward
+    backward: str | None = (
+        None  # the last call's backward: flex | recompute (ring), or the kernel's own
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CPOptions:
+    """The kernel and backward choices of one context-parallel call.
+
+    Attributes:
+        backend: chunk kernel, auto | flex | reference (auto: flex on CUDA, reference on CPU).
+        block_size: (q, kv) block size of the block masks.
+        kernel_options: passed to flex_attention (and to its backward op).
+        scale: score scale, default 1 / sqrt(D).
+        timeout_s: how long a CPU transfer may wait before RankFailure.
+        compile: compile the flex kernels (False: eager flex); see attngym.kernels.attend_chunk.
+        compile_mode: torch.compile mode when compiling (attngym.kernels.COMPILE_MODES).
+        backward: how a pair's gradient is computed: auto | flex | recompute (module docstring).
+    """
+
+    backend: str = "auto"
+    block_size: tuple[int, int] = (128, 128)
+    kernel_options: Mapping[str, Any] | None = None
+    scale: float | None = None
+    timeout_s: float = 60.0
+    compile: bool = True
+    compile_mode: str = "default"
+    backward: str = "auto"
+
+    def __post_init__(self):
+        if self.backend not in kernels.BACKENDS:
+            raise ValueError(choice_error("backend", self.backend, kernels.BACKENDS))
+        try:
+            block = tuple(int(x) for x in self.block_size)
+        except (TypeError, ValueError):
+            raise ValueError(f"block_size must be (q, kv) ints, got {self.block_size!r}") from None
+        if len(block) != 2 or min(block) <= 0:
+            raise ValueError(
+                f"block_size must be two positive ints (q, kv), got {self.block_size!r}"
+            )
+        object.__setattr__(self, "block_size", block)
+        if self.compile_mode not in kernels.COMPILE_MODES:
+            raise ValueError(choice_error("compile_mode", self.compile_mode, kernels.COMPILE_MODES))
+        if self.backward not in BACKWARDS:
+            raise ValueError(choice_error("backward", self.backward, BACKWARDS))
+        if isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}"
+            )
+        object.__setattr__(self, "compile", bool(self.compile))
+
+
+def options_from(options: CPOptions | None, **overrides: Any) -> CPOptions:
+    """`options` (default CPOptions()) with the keyword arguments a caller passed on top."""
+    base = options if options is not None else CPOptions()
+    if not isinstance(base, CPOptions):
+        raise TypeError(f"options must be a CPOptions, got {type(options).__name__}")
+    return dataclasses.replace(base, **overrides) if overrides else base
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CPCall:
+    """A resolved context-parallel call: its options and where this rank stands."""
+
+    variant: Variant
+    group: Any
+    transport: Any  # transport.Transport
+    layout: layouts.Layout
+    options: CPOptions
+    backend: str  # resolved: flex | reference
+    backward: str  # resolved: flex | recompute
+    rank: int
+    world_size: int
+    seq_len: int
+    stats: CPStats | None
+
+    def chunks(self, rank: int) -> list[tuple[int, int]]:
+        """The (global offset, length) chunks of `rank`'s shard."""
+        return self.layout.chunks(rank)
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    *,
+    group,
+    transport: str,
+    layout: str | layouts.Layout,
+    options: CPOptions,
+    stats: CPStats | None,
+) -> CPCall:
+    """Check the shards and arguments (ValueError naming the parameter) and resolve the choices."""
+    import torch.distributed as dist
+
+    from attngym.distributed.transport import resolve_transport
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context-parallel attention needs an initialised process group")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    b, h, s, d = q.shape
+    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({h})")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError("q, k, v must share one dtype and one device")
+    world_size = dist.get_world_size(group)
+    seq_len = s * world_size
+    variant.check_seq_len(seq_len)
+    if variant.device is not None and variant.device != q.device:
+        variant = variant.to(q.device)
+    plan = layouts.resolve(layout, world_size, seq_len, variant, q.device)
+    return CPCall(
+        variant=variant,
+        group=group,
+        transport=resolve_transport(transport, q.device, group),
+        layout=plan,
+        options=options,
+        backend=kernels.resolve_backend(options.backend, q.device),
+        backward=_resolve_backward(options.backward),
+        rank=dist.get_rank(group),
+        world_size=world_size,
+        seq_len=seq_len,
+        stats=stats,
+    )
+
+
+def _resolve_backward(choice: str) -> str:
+    from attngym.distributed import flex_backward
+
+    if choice == "recompute":
+        return "recompute"
+    usable, why = flex_backward.available()
+    if choice == "flex":
+        if not usable:
+            raise ValueError(f"backward='flex' is unusable on this PyTorch: {why}; use recompute")
+        return "flex"
+    if not usable or flex_backward.failed_before():
+        flex_backward.log_once(f"backward=auto resolved to 'recompute': {why or 'flex failed'}")
+        return "recompute"
+    flex_backward.log_once("backward=auto resolved to 'flex' (no forward re-run)")
+    return "flex"
+
+
+# Variant -> {(batch, heads, q chunk, kv chunk, block size, backend, device): (skip, block_mask)}.
+# Weak keys: an entry (with its device BlockMasks) goes when its Variant is collected, so a caller
+# whose variant prepare() moves to the device on every call builds per call and leaks nothing.
+_PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[bool, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pair_plan(
+    variant: Variant,
+    batch: int,
+    heads: int,
+    q_chunk: tuple[int, int],
+    kv_chunk: tuple[int, int],
+    block_size: tuple[int, int],
+    backend: str,
+    device: torch.device,
+):
+    """(skip, block_mask) for one chunk pair: skip when the variant masks every entry.
+
+    backend "reference": the exact dense mask over (B, H) decides and no block mask is kept (the
+    mask is small there). "flex": the block mask the kernels use anyway decides, and is kept for
+    them; a variant without a mask gets a full block mask (flex's backward op needs one). Memoised
+    in _PLANS.
+    """
+    plans = _PLANS.setdefault(variant, {})
+    key = (batch, heads, q_chunk, kv_chunk, block_size, backend, device)
+    if key not in plans:
+        plans[key] = _build_pair_plan(
+            variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device
+        )
+    return plans[key]
+
+
+def _build_pair_plan(variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
+    if backend == "reference":
+        if variant.mask_mod is None:
+            return False, None
+        q_pos = torch.arange(q_chunk[0], q_chunk[0] + q_chunk[1], device=device)
+        kv_pos = torch.arange(kv_chunk[0], kv_chunk[0] + kv_chunk[1], device=device)
+        keep = reference.dense_mask(variant.mask_mod, batch, heads, q_pos, kv_pos)
+        return not bool(keep.any()), None
+    block_mask = kernels.make_block_mask(
+        variant,
+        q_chunk[1],
+        kv_chunk[1],
+        q_offset=q_chunk[0],
+        kv_offset=kv_chunk[0],
+        block_size=block_size,
+        device=device,
+        full_when_unmasked=True,
+    )
+    return kernels.block_mask_is_empty(block_mask), block_mask
+
+
+def pairs(
+    call: CPCall,
+    q: torch.Tensor,
+    kv_rank: int,
+    *,
+    block_masks: str | None = None,
+    window: tuple[int, int] | None = None,
+):
+    """The (q rows, kv rows, q chunk, kv chunk, block_mask) pairs to compute against kv_rank.
+
+    Rows are local slices of this rank's q shard and of the K/V held; chunks are global
+    (offset, length). Skipped pairs are counted in call.stats.
+
+    Args:
+        block_masks: the backend whose block masks to return ("flex", or "reference" for none);
+            default the call's backend. The flex backward asks for "flex" masks whatever the
+            forward kernel is.
+        window: (start, length): only rows [start, start + length) of kv_rank's shard are held
+            (a halo, see ring.py); kv rows are then relative to `start` and each kv chunk is cut
+            to the window. Rows outside it must be masked for this rank (the halo plan ensures
+            it), so the cut is exact.
+    """
+    backend = block_masks or call.backend
+    lo, hi = (0, call.seq_len // call.world_size) if window is None else (window[0], sum(window))
+    out = []
+    q_start = 0
+    for qc in call.chunks(call.rank):
+        kv_start = 0
+        for kc in call.chunks(kv_rank):
+            a, b = max(kv_start, lo), min(kv_start + kc[1], hi)
+            kv_start += kc[1]
+            if a >= b:
+                continue
+            kc_cut = (kc[0] + a - (kv_start - kc[1]), b - a)
+            skip, block_mask = _call_plan(call, q, qc, kc_cut, backend)
+            if call.stats is not None and block_masks is None:
+                call.stats.pairs_skipped += int(skip)
+                call.stats.pairs_computed += int(not skip)
+            if not skip:
+                out.append(
+                    (slice(q_start, q_start + qc[1]), slice(a - lo, b - lo), qc, kc_cut, block_mask)
+                )
+        q_start += qc[1]
+    return out
+
+
+def rows_read(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> tuple[int, int] | None:
+    """[lo, hi): the local rows of kv_rank's shard that q_rank's queries read (whole blocks of
+    the pairs' block masks, so a superset of the exact rows), or None when they read none."""
+    lo, hi = None, None
+    kv_start = 0
+    for kc in call.chunks(kv_rank):
+        for qc in call.chunks(q_rank):
+            skip, block_mask = _call_plan(call, q, qc, kc, "flex")
+            if skip:
+                continue
+            used = block_mask.to_dense().flatten(0, -2).ne(0).any(0).nonzero().flatten()
+            block = block_mask.BLOCK_SIZE[1]
+            a = kv_start + int(used[0]) * block
+            b = kv_start + min((int(used[-1]) + 1) * block, kc[1])
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+        kv_start += kc[1]
+    return None if lo is None else (lo, hi)
+
+
+def _call_plan(call: CPCall, q: torch.Tensor, qc, kc, backend: str):
+    """_pair_plan for one chunk pair of this call (q gives batch, heads and device)."""
+    return _pair_plan(
+        call.variant, q.shape[0], q.shape[1], qc, kc, call.options.block_size, backend, q.device
+    )
+
+
+def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None):
+    """attngym.kernels.attend_chunk with the call's options (and variant, unless given)."""
+    opts = call.options
+    return kernels.attend_chunk(
+        q,
+        k,
+        v,
+        call.variant if variant is None else variant,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        backend=call.backend,
+        block_size=opts.block_size,
+        block_mask=block_mask,
+        kernel_options=opts.kernel_options,
+        scale=opts.scale,
+        compile=opts.compile,
+        compile_mode=opts.compile_mode,
+    )
+
+
+class Accumulator:
+    """Running merge of partial (out, lse) per q row of this rank's shard, in the lse dtype.
+
+    `fused`: fold each pair in with the compiled merge (one or two kernels a pair, CUDA).
+    """
+
+    def __init__(self, q: torch.Tensor, dv: int, *, fused: bool = False):
+        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        b, h, s, _ = q.shape
+        self.out = torch.zeros((b, h, s, dv), dtype=self.acc_dtype, device=q.device)
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=self.acc_dtype, device=q.device)
+        self._merge = compiled_merge_into() if fused else merge_into
+
+    @classmethod
+    def of(cls, call: CPCall, q: torch.Tensor, dv: int) -> Accumulator:
+        """The accumulator of a call: fused where the call compiles its kernels on CUDA."""
+        return cls(q, dv, fused=call.options.compile and q.device.type == "cuda")
+
+    def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
+        self._merge(self.out[:, :, rows], self.lse[:, :, rows], out_i, lse_i)
+
+
+def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
+    """Attend this rank's q chunks to kv_rank's K/V (its shard, or the `window` of it held)."""
+    for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank, window=window):
+        out_i, lse_i = attend(
+            call, q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows], qc[0], kc[0], block_mask
+        )
+        acc.add(q_rows, out_i, lse_i)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What a rank's backward needs of its forward: its q shard and the merged results.
+
+    q, out, dout: (B, H, S/P, D) in the input dtype; lse: (B, H, S/P) merged, natural base, in the
+    accumulator dtype (float32, float64 for float64 inputs).
+    """
+
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+
+
+def backward_pairs(
+    call: CPCall,
+    saved: Saved,
+    k,
+    v,
+    kv_rank: int,
+    dq_acc: torch.Tensor,
+    dkv_acc: torch.Tensor,
+    *,
+    window: tuple[int, int] | None = None,
+    dkv_offset: int = 0,
+) -> None:
+    """Add the gradients of the pairs against kv_rank's shard: dq into dq_acc, dK/dV into dkv_acc.
+
+    Args:
+        saved: this rank's forward (Saved).
+        k, v: kv_rank's shard (B, G, S/P, D).
+        dq_acc: (B, H, S/P, D) float accumulator of this rank's dq.
+        dkv_acc: (2, B, G, rows, D) float accumulator of kv_rank's dK, dV: kv row j of the
+            held K/V lands at row j + dkv_offset.
+        window: the rows of kv_rank's shard held (see `pairs`).
+    """
+    from attngym.distributed import flex_backward
+
+    flex = call.backward == "flex"
+    for q_rows, kv_rows, qc, kc, block_mask in pairs(
+        call, saved.q, kv_rank, block_masks="flex" if flex else call.backend, window=window
+    ):
+        k_i, v_i = k[:, :, kv_rows], v[:, :, kv_rows]
+        grads = None
+        if flex:
+            grads = flex_backward.pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
+        if grads is None:  # recompute, or flex failed under backward=auto (logged)
+            grads = _recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
+        dq, dk, dv = grads
+        dq_acc[:, :, q_rows] += dq
+        rows = slice(kv_rows.start + dkv_offset, kv_rows.stop + dkv_offset)
+        dkv_acc[0, :, :, rows] += dk
+        dkv_acc[1, :, :, rows] += dv
+
+
+def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask):
+    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse)."""
+    lse = saved.lse[:, :, q_rows]
+    out = saved.out[:, :, q_rows].to(lse.dtype)
+    dout = saved.dout[:, :, q_rows].to(lse.dtype)
+    with torch.enable_grad():
+        q_i = saved.q[:, :, q_rows].detach().requires_grad_()
+        k_i = k_i.detach().requires_grad_()
+        v_i = v_i.detach().requires_grad_()
+        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask)
+        w = weights(lse_i.detach().to(lse.dtype), lse)
+        g_out = (w.unsqueeze(-1) * dout).to(out_i.dtype)
+        g_lse = w * (dout * (out_i.detach().to(lse.dtype) - out)).sum(-1)
+        return torch.autograd.grad([out_i, lse_i], [q_i, k_i, v_i], [g_out, g_lse.to(lse_i.dtype)])
+
+
+class StepClock:
+    """Per-step host timings for CPStats (synchronising the device when stats are wanted)."""
+
+    def __init__(self, stats: CPStats | None, device: torch.device):
+        self.stats, self.device = stats, device
+        self.t = 0.0
+
+    def start(self) -> None:
+        if self.stats is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.t = time.perf_counter()
+
+    def stop(self, into: str) -> None:
+        """Record the time since start() in stats.<into> (step_compute_ms or step_wait_ms)."""
+        if self.stats is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            getattr(self.stats, into).append((time.perf_counter() - self.t) * 1e3)
+
+
+def run(
+    function: type[torch.autograd.Function] | Any,
+    q,
+    k,
+    v,
+    variant,
+    *,
+    group=None,
+    transport: str = "auto",
+    layout: str | layouts.Layout = "contiguous",
+    options: CPOptions | None = None,
+    stats: CPStats | None = None,
+    **overrides: Any,
+) -> torch.Tensor:
+    """Check and resolve the arguments (prepare), then run `function` (ring or all-gather).
+
+    The one body of ring_attention and allgather_attention: they differ only in `function`, an
+    autograd Function or a plain callable taking (q, k, v, call).
+    """
+    opts = options_from(options, **overrides)
+    call = prepare(
+        q, k, v, variant, group=group, transport=transport, layout=layout, options=opts, stats=stats
+    )
+    if stats is not None:
+        stats.backward = call.backward
+    if isinstance(function, type) and issubclass(function, torch.autograd.Function):
+        return function.apply(q, k, v, call)
+    return function(q, k, v, call)
