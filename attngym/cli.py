@@ -51,7 +51,12 @@ log = logging.getLogger(__name__)
 CONF_PACKAGE = "attngym.conf"
 CONF_DIR = Path(str(files(CONF_PACKAGE)))  # a regular package, so a real folder on disk
 PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
-HEATMAP_WINDOW = 128  # tokens shown by heatmap.png (the top-left corner of the score matrix)
+HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
+# Both pictures evaluate the mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K
+# on one CPU thread, growing with S^2. Above these many pairs on the device that draws (the
+# heatmap always on the CPU) a picture is skipped with the reason, so a long run is not followed
+# by minutes of drawing.
+PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
 
 # Shown at the end of a run, in this order, when present.
 RESULT_ROWS = (
@@ -169,6 +174,9 @@ def prepare_overrides(argv: list[str]) -> list[str]:
       raises ConfigError listing the options with a suggestion;
     - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
       as integers and refuse them as group options;
+    - any other `key=value` (with or without `+`) must name a config key
+      (attngym.config.check_key): `seq_len=512` or `+shape.seqlen=512` raise ConfigError with
+      the key meant (`shape.seq_len`);
     - `attention.<key>=v` and `kernel_options.<key>=v` become `++attention.<key>=v` (add or
       override): these keys are checked by attngym (attngym.variants.spec.build_variant, the
       kernel-option checks of attngym.config), which names a misspelt key with a suggestion.
@@ -185,6 +193,7 @@ def prepare_overrides(argv: list[str]) -> list[str]:
             continue
         match = _GROUP_ARG.match(arg)
         if arg.startswith("-") or not match or match["group"] not in groups:
+            _check_value_key(arg)
             out.append(arg)
             continue
         value = match["value"]
@@ -201,7 +210,41 @@ def prepare_overrides(argv: list[str]) -> list[str]:
                 raise ConfigError(match["group"], choice_error("option", item, options))
         quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
         out.append(f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}")
+    _check_preset_on_this_machine(out)
     return out
+
+
+def _check_preset_on_this_machine(argv: list[str]) -> None:
+    """A GPU-sized preset on a CPU is refused once, before a sweep's first job (each job checks
+    it again with the device its config resolves to: attngym.presets)."""
+    presets = [
+        m["value"] for a in argv if (m := _GROUP_ARG.match(a)) and m["group"] == "experiment"
+    ]
+    if len(presets) != 1 or "," in presets[0]:
+        return
+    from attngym.device import resolve_device
+    from attngym.presets import check_fits_machine
+
+    devices = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("device=")]
+    try:
+        device = resolve_device(devices[-1] if devices else "auto").type
+    except ValueError:
+        return  # the job's own check names the device
+    check_fits_machine(CONF_DIR, presets[0], device, argv)
+
+
+_VALUE_ARG = re.compile(r"^(?P<prefix>\+{0,2})(?P<key>[A-Za-z_][\w.]*)=")
+
+
+def _check_value_key(arg: str) -> None:
+    """A `key=value` override (also `+key=` and `++key=`) names a config key
+    (attngym.config.check_key): a misspelt or group-less key is one line with the key it most
+    likely means, never a key Hydra adds and nothing reads. Hydra's own keys pass."""
+    from attngym.config import check_key
+
+    match = _VALUE_ARG.match(arg)
+    if match and match["key"].split(".")[0] != "hydra":
+        check_key(match["key"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +259,7 @@ class Job:
     name: str  # the run's name for trackers: its overrides, or "defaults"
     group: str  # the tracker group: the output folder's date_time
     sweep_dir: str  # hydra.sweep.dir in a sweep
+    preset: str | None  # +experiment=NAME
 
 
 def _job() -> Job:
@@ -235,6 +279,7 @@ def _job() -> Job:
         name=str(hc.job.override_dirname or "") or "defaults",
         group=f"{folder.parent.name}_{folder.name}",
         sweep_dir=str(hc.sweep.dir) if multirun else "",
+        preset=hc.runtime.choices.get("experiment"),
     )
 
 
@@ -262,26 +307,18 @@ def _why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
 
 def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
     """heatmap.png and block_mask.png for any topology; a picture that cannot be drawn is a
-    warning, one that cannot be written (OSError) fails the run."""
+    warning, one that cannot be written (OSError) fails the run, and a sequence too long to draw
+    in seconds is skipped with the reason."""
     from attngym import viz
 
     variant = settings.variant
-    drawn = {}
     seq_len = settings.shape.seq_len
-    try:
-        path = run_dir / PICTURES["heatmap"]
-        viz.save_heatmap(
-            variant, path, seq_len=seq_len, window=min(HEATMAP_WINDOW, seq_len), seed=settings.seed
-        )
-        drawn["heatmap"] = path
-    except OSError:
-        raise  # a write error fails the run (run_job)
-    except Exception as err:
-        log.warning("heatmap.png not drawn: %s: %s", type(err).__name__, err)
-    try:
-        path = run_dir / PICTURES["block_mask"]
-        # Evaluated on the run's device: the mask is walked strip by strip over S x S entries,
-        # seconds at 64K on a CPU, minutes at 256K; a GPU does it in a fraction of that.
+
+    def heatmap(path: Path) -> None:
+        window = min(HEATMAP_WINDOW, seq_len)
+        viz.save_heatmap(variant, path, seq_len=seq_len, window=window, seed=settings.seed)
+
+    def block_mask(path: Path) -> None:
         viz.save_block_mask_picture(
             variant.to(settings.device).mask_mod,
             seq_len,
@@ -291,11 +328,29 @@ def _draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
             title=f"{variant.name}: block mask at {settings.block_size}",
             device=settings.device,
         )
-        drawn["block_mask"] = path
-    except OSError:
-        raise
-    except Exception as err:
-        log.warning("block_mask.png not drawn: %s: %s", type(err).__name__, err)
+
+    drawn = {}
+    # The heatmap evaluates the mask on the CPU, the block mask on the run's device.
+    for name, draw, device in (("heatmap", heatmap, "cpu"), ("block_mask", block_mask, None)):
+        device = device or settings.device
+        limit = PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"])
+        if seq_len * seq_len > limit:
+            log.info(
+                "%s not drawn: S x S = %.3g mask pairs to evaluate on %s, above %.3g",
+                PICTURES[name],
+                float(seq_len) ** 2,
+                device,
+                limit,
+            )
+            continue
+        path = run_dir / PICTURES[name]
+        try:
+            draw(path)
+            drawn[name] = path
+        except OSError:
+            raise  # a write error fails the run (run_job)
+        except Exception as err:
+            log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
     return drawn
 
 
@@ -313,7 +368,11 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
     lines = [f"attngym: {metrics.get('status')}"]
     shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
-    rows = [(label, metrics[key]) for key, label in shown if metrics.get(key) is not None]
+    rows = [
+        (_label(key, label, metrics), metrics[key])
+        for key, label in shown
+        if metrics.get(key) is not None
+    ]
     rows += [
         (f"flex speed-up vs {baseline} {p.replace('fwd_bwd', 'fwd+bwd')}", metrics[key])
         for baseline in HEADLINE_BASELINES
@@ -328,6 +387,17 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
         lines.append(f"  error: {metrics['error']}")
     lines.append(f"run folder: {run_dir}")
     return "\n".join(lines)
+
+
+# On a CPU the one-device comparison attends densely (every masked entry computed, then
+# dropped) while the ranks skip masked blocks, so efficiency there compares unequal work.
+CPU_EFFICIENCY_NOTE = " (CPU: one device computes masked pairs too; not scaling)"
+
+
+def _label(key: str, label: str, metrics: dict[str, Any]) -> str:
+    if key.startswith("efficiency") and metrics.get("device") == "cpu":
+        return label + CPU_EFFICIENCY_NOTE
+    return label
 
 
 def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
@@ -438,8 +508,10 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             # metrics.json first (what was measured is safe), then `complete: true` once every
             # file of the run is written: a resumed sweep re-runs a job whose last write never came.
             _write_metrics(job, metrics, complete=False)
-            if settings is not None:
-                _track(cfg, job, settings, metrics, _draw_pictures(settings, job.run_dir))
+            if settings is not None:  # it ran; a failed run draws nothing more
+                ok = metrics["status"] == "ok"
+                images = _draw_pictures(settings, job.run_dir) if ok else {}
+                _track(cfg, job, settings, metrics, images)
             _write_metrics(job, metrics, complete=True)
         except OSError as err:  # a full disk, a symlink where a file goes
             failure = _unwritten(job, metrics, err)
@@ -483,25 +555,30 @@ def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> N
 def _check_and_run(
     cfg: DictConfig, job: Job, metrics: dict[str, Any]
 ) -> tuple[Settings | None, BaseException | None]:
-    """Settings (None when the config is refused) and the failure that stopped the run (None
-    for a run that ran, whatever its verdict); the run's metrics and status go into `metrics`."""
+    """Settings (None when the config is refused: every check that needs no tensors, the preset
+    against this machine included, runs here before the task) and the failure that stopped the
+    run (None for a run that ran, whatever its verdict); metrics and status go into `metrics`."""
     from attngym.config import from_config
+    from attngym.presets import check_fits_machine
 
     settings = None
     try:
         settings = from_config(to_plain(cfg))
+        check_fits_machine(CONF_DIR, job.preset, settings.device, job.overrides)
         metrics.update(_run_task(settings, job.run_dir, metrics))
     except Exception as err:
         metrics["error"] = (
             str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
         )
-        if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
-            log.error("run failed: %s", err)
-        elif not isinstance(err, ConfigError):
-            log.exception("run failed")
-        elif job.multirun:  # a single run prints the one line of _finish instead
+        if not isinstance(err, ConfigError):
+            if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
+                log.error("run failed: %s", err)
+            else:
+                log.exception("run failed")
+            return settings, err
+        if job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
-        return settings, err
+        return None, err  # refused: no picture, no tracker run
     metrics.update(_verdict(metrics))
     return settings, None
 

@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from attngym.errors import ConfigError, choice_error
+from attngym.errors import ConfigError, choice_error, closest
 
 if TYPE_CHECKING:
     from attngym.variants.base import Variant
@@ -148,6 +148,9 @@ class Settings:
     """A registered profiler: none | kernels | trace."""
     baseline_max_mask_bytes: int = 256 * 2**20
     """Dense SDPA masks larger than this are skipped, not attempted."""
+    skipped_baselines: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Baselines that alone would not fit in the device's memory, with why (attngym.estimate):
+    recorded as skipped, not attempted."""
     logger: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "none"})
     """A registered tracker's name and its parameters."""
 
@@ -170,7 +173,8 @@ class Settings:
 
     def describe(self) -> dict[str, Any]:
         """The metrics that describe the configuration (variant, shape, topology, dtype, blocks,
-        kernel options as `kernel_options.<NAME>`, and the device: gpu, capability, torch)."""
+        kernel options as `kernel_options.<NAME>`, and the device: device_name (the GPU's name, or
+        the CPU model), capability, torch)."""
         from attngym.device import device_info
 
         s = self.shape
@@ -192,7 +196,7 @@ class Settings:
             "block_q": self.block_size[0],
             "block_kv": self.block_size[1],
             **options,
-            "gpu": info["name"],
+            "device_name": info["name"],
             "capability": info["capability"],
             "torch": info["torch"],
         }
@@ -411,8 +415,104 @@ def _check_flash_device(
         )
 
 
+# How the composed config's keys map to Settings' fields. Sections are dataclasses (their fields
+# are the keys); a few fields are written as a mapping in YAML (a group's option file); open
+# mappings take any key and are checked by their own rule (the variant's parameters by
+# attngym.variants.spec, flex's kernel options by flex, a tracker's by its factory's signature).
+_SECTIONS = {"shape": Shape, "topology": Topology, "benchmark": Benchmark}
+_AS_MAPPING = {"device": ("name",), "block_size": ("q", "kv"), "profiler": ("name",)}
+OPEN_MAPPINGS = ("attention", "kernel_options", "logger")
+_NOT_CONFIG = ("variant", "skipped_baselines")  # built or estimated, never written
+
+
+def known_keys() -> list[str]:
+    """Every dotted key a config may set (an open mapping as its own name)."""
+    keys = []
+    for field in dataclasses.fields(Settings):
+        name = field.name
+        if name in _SECTIONS:
+            keys += [f"{name}.{f.name}" for f in dataclasses.fields(_SECTIONS[name])]
+        elif name in _AS_MAPPING:
+            keys += [f"{name}.{sub}" for sub in _AS_MAPPING[name]]
+        elif name not in _NOT_CONFIG:
+            keys.append(name)
+    return keys
+
+
+def check_key(key: str) -> None:
+    """`key` (dotted) maps to a Settings field, or lies in an open mapping; else a ConfigError
+    with the key it most likely means (`seq_len` → `shape.seq_len`, `shape.seqlen` →
+    `shape.seq_len`)."""
+    if key.split(".")[0] in OPEN_MAPPINGS:
+        return
+    known = known_keys()
+    if key in known or any(k.startswith(f"{key}.") for k in known):
+        return
+    leaves = {k.rsplit(".", 1)[-1]: k for k in known}
+    leaf = key.rsplit(".", 1)[-1]
+    hint = leaves.get(leaf) or closest(key, known) or leaves.get(closest(leaf, leaves) or "")
+    suffix = f"; did you mean {hint}?" if hint else ""
+    raise ConfigError(key, f"unknown key{suffix} (attngym --cfg job lists the keys)")
+
+
+def _check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
+    """Every key of the composed config maps to a Settings field (the one check of the rule)."""
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        check_key(key)
+        if isinstance(value, Mapping) and key.split(".")[0] not in OPEN_MAPPINGS:
+            _check_keys(value, f"{key}.")
+
+
+def _check_transport(kind: str, transport: str, device: str) -> None:
+    """The transport can move this device's tensors (copy_engine and nccl need CUDA), judged
+    before the ranks start; which NVLink domain the ranks share is judged on the ranks."""
+    if kind == "single":
+        return
+    from attngym.distributed.transport import check_transport
+
+    check_transport(transport, device, key="topology.transport")
+
+
+def _check_fits(
+    data: dict[str, Any], device: str, dtype: str, world_size: int, block_size: tuple[int, int]
+) -> dict[str, str]:
+    """The run fits the device's memory (and, on a CPU, its cores: one process per rank), judged
+    from the shape by attngym.estimate before any tensor exists; the baselines that alone would
+    not fit, with why (they are skipped, the run goes on)."""
+    from attngym.estimate import estimate, format_bytes
+
+    shape = data["shape"]
+    if device == "cuda" and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    result = estimate(
+        batch=shape["batch"],
+        heads=shape["heads"],
+        kv_heads=shape.get("kv_heads"),
+        seq_len=shape["seq_len"],
+        head_dim=shape["head_dim"],
+        dtype=dtype,
+        device=device,
+        passes=data["passes"],
+        baselines=data["baselines"],
+        validate_rows=data["validate_rows"] if data["validate"] else 0,
+        world_size=world_size,
+        block_size=block_size,
+        max_mask_bytes=data["baseline_max_mask_bytes"],
+    )
+    if not result.fits:
+        raise ConfigError(result.key, result.problem.removeprefix(f"{result.key}: "))
+    log.info(
+        "memory estimate: ~%s of %s available",
+        format_bytes(result.needed_bytes),
+        "?" if result.available_bytes is None else format_bytes(result.available_bytes),
+    )
+    return dict(result.skipped_baselines)
+
+
 def _check_values(data: dict[str, Any]) -> Variant:
     """Every check that needs no hardware, on `data` (defaults written in); the built Variant."""
+    _check_keys(data)
     seq_len = _check_shape(data)
     dtype = _choice(data, "dtype", DTYPES, "dtype", AUTO)
     passes = _check_run(data, dtype)
@@ -618,9 +718,11 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
         raise ConfigError("topology.world_size", f"resolved to {world_size}; need at least 1")
     if topo["world_size"] == AUTO:
         _check_seq_len(data["shape"]["seq_len"], world_size, topo["layout"])
+    _check_transport(topo["kind"], topo["transport"], device)
     block_size, kernel_options = _resolve_blocks(data, device, dtype, dict(data["kernel_options"]))
     _check_flash(kernel_options, dtype)
     _check_flash_device(kernel_options, device, block_size)
+    skipped = _check_fits(data, device, dtype, world_size, block_size)
     return Settings(
         attention=data["attention"],
         variant=variant,
@@ -640,5 +742,6 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
         seed=data["seed"],
         profiler=data["profiler"]["name"],
         baseline_max_mask_bytes=data["baseline_max_mask_bytes"],
+        skipped_baselines=skipped,
         logger=dict(data["logger"]),
     )

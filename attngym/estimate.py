@@ -17,7 +17,8 @@ The model (an upper-bound estimate, not an allocator trace; the parts are report
   twice: scores and probabilities; compiled CUDA flex works tile by tile), the float64 reference
   over `validate_rows` rows (scores, probabilities and their grads: O(rows x S)), and each
   baseline: SDPA on the CPU runs the math backend, (S x S) per batch and head like eager flex;
-  `sdpa_dense_mask` adds its (S x S) mask (bool) or bias (dtype);
+  `sdpa_dense_mask` adds its (S x S) mask or bias, shared by batch and heads (a mask of more
+  than `max_mask_bytes` entries is not attempted, so it adds nothing);
 * on the CPU, every process (one per rank) also holds Python and torch, ~`PROCESS_BYTES`.
 
 On CUDA the figure is compared with the free memory of the device (`torch.cuda.mem_get_info`), on
@@ -36,7 +37,10 @@ import torch
 from attngym.bench import attention_flops
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-PROCESS_BYTES = 400 * 2**20  # Python + torch in one process, measured ~350 MB on a CPU build
+# Python, torch, Hydra and matplotlib in one process. Calibrated on a CPU build with the default
+# config: max RSS 1.26 GiB at S=4096 (0.54 GiB of it the S x S terms below) and ~10 GB at
+# S=16384, where this model gives 1.25 GiB and 9.8 GiB.
+PROCESS_BYTES = 700 * 2**20
 CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")  # skipped on a CPU anyway
 SHAPE_KEYS = ("shape.seq_len", "shape.batch", "shape.heads")
 
@@ -86,6 +90,7 @@ def estimate(
     block_size: tuple[int, int] = (128, 128),
     available_bytes: int | None = None,
     cpu_cores: int | None = None,
+    max_mask_bytes: int | None = None,
 ) -> Estimate:
     """Estimate the peak memory of a run and check it against the device.
 
@@ -100,6 +105,7 @@ def estimate(
         block_size: the block mask's (q, kv) block.
         available_bytes: what the device has; default: measured (free GPU memory or MemAvailable).
         cpu_cores: CPU cores usable; default: measured (the process's affinity).
+        max_mask_bytes: the config's baseline_max_mask_bytes: a larger dense mask is skipped.
 
     Returns:
         The Estimate; `problem` and `key` are set when the run cannot start.
@@ -159,6 +165,11 @@ def estimate(
         name: _baseline_bytes(name, on_cpu, batch, heads, seq_len, elem)
         for name in baselines
         if not (on_cpu and name in CUDA_BACKENDS)
+        and not (
+            name == "sdpa_dense_mask"
+            and max_mask_bytes is not None
+            and seq_len * seq_len > max_mask_bytes
+        )
     }
 
     parts = {"resident": resident, "block_mask": block_mask, **transients}
@@ -204,7 +215,7 @@ def _baseline_bytes(name: str, on_cpu: bool, batch: int, heads: int, seq: int, e
     square = batch * heads * seq * seq  # entries of the (S x S) matrices of every (b, h)
     math_backend = 2 * square * max(elem, 4) if on_cpu else 0  # scores and probabilities
     if name == "sdpa_dense_mask":
-        return math_backend + square * elem  # a bias in dtype (a bool mask is smaller)
+        return math_backend + seq * seq * elem  # a bias in dtype (a bool mask is smaller)
     if name == "sdpa":
         return math_backend
     return 0  # flex_default (like flex) and the CUDA backends work tile by tile

@@ -2,12 +2,14 @@
 
 A single-device run and a context-parallel run of one config must land in the same columns of a
 sweep summary, so the names are defined here once and both the tasks (which fill them) and
-attngym.tracking (which tabulates them) import them. `import attngym.metrics` pulls in no torch:
+attngym.tracking (which tabulates them) import them, with `format_value`, how a value reads in
+every table (results.md, summary.md, report.html). `import attngym.metrics` pulls in no torch:
 the sweep summary reads metric names in processes that never attend.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +22,7 @@ METRIC_NAMES = (
     "world_size",
     "transport",
     "device",
+    "device_name",
     "dtype",
     "batch",
     "heads",
@@ -145,3 +148,25 @@ def pass_metrics(
     metrics["fwd_ms_min"] = fwd.min_ms if fwd else None
     metrics["fwd_ms_max"] = fwd.max_ms if fwd else None
     return metrics
+
+
+def format_value(column: str, value: Any) -> str:
+    """A metric as a person reads it: bytes in MiB/GiB, times to 3 significant figures, TFLOP/s
+    to one decimal (from 0.1 up), other floats to 3 significant figures; None is empty.
+    summary.csv keeps the raw numbers."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if column.endswith("_bytes") or column == "bytes_moved":
+        from attngym.estimate import format_bytes
+
+        return format_bytes(value)
+    if column.endswith("_tflops") and abs(value) >= 0.1:
+        return f"{value:.1f}"  # below 0.1 (a CPU), 3 significant figures say more than 0.0
+    if isinstance(value, float):
+        if value == 0.0 or not math.isfinite(value):
+            return f"{value:g}"
+        digits = max(0, 2 - math.floor(math.log10(abs(value))))  # 3 significant, no exponent
+        return f"{value:.{digits}f}" if abs(value) >= 1e-3 else f"{value:.2e}"
+    return str(value)

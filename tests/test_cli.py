@@ -113,13 +113,49 @@ def test_prepare_overrides_quotes_and_checks():
         "shape.seq_len=64",
     ]
     assert prepare_overrides(["block_size=64,flash"]) == ["block_size='64',flash"]
-    assert prepare_overrides(["+experiment=flex_vs_sdpa"]) == ["+experiment=flex_vs_sdpa"]
+    assert prepare_overrides(["+experiment=ring_attention"]) == ["+experiment=ring_attention"]
     with pytest.raises(ConfigError, match="did you mean 'flex_vs_sdpa'") as info:
         prepare_overrides(["+experiment=flex_vs_sdp"])
     assert info.value.key == "experiment"
     with pytest.raises(ConfigError) as info:
         prepare_overrides(["-m", "attention=causal,documnt"])
     assert info.value.key == "attention" and "'documnt'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("arg", "key", "meant"),
+    [
+        ("shape.seqlen=512", "shape.seqlen", "shape.seq_len"),
+        ("+shape.seqlen=512", "shape.seqlen", "shape.seq_len"),
+        ("++shape.seqlen=512", "shape.seqlen", "shape.seq_len"),
+        ("seq_len=512", "seq_len", "shape.seq_len"),
+        ("validate_row=8", "validate_row", "validate_rows"),
+    ],
+)
+def test_unknown_keys_refused_with_the_key_meant(arg, key, meant):
+    with pytest.raises(ConfigError) as info:
+        prepare_overrides([arg])
+    assert info.value.key == key and f"did you mean {meant}?" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_keys_that_take_new_entries_still_take_plus():
+    kept = ["+hydra.callbacks.x._target_=a.B", "+attention.extra=1", "++logger.tags=[a]"]
+    assert prepare_overrides(kept) == kept
+
+
+def test_an_unknown_key_in_a_config_file_is_refused():
+    from attngym.config import check_config
+
+    with pytest.raises(ConfigError) as info:
+        check_config({"shape": {"seq_len": 64, "seqlen": 512}})
+    assert info.value.key == "shape.seqlen" and "shape.seq_len" in str(info.value)
+
+
+def test_a_gpu_sized_preset_is_refused_before_its_sweep_starts():
+    with pytest.raises(ConfigError, match="add .*shape.seq_len=512") as info:
+        prepare_overrides(["+experiment=flex_vs_sdpa", "device=cpu"])
+    assert info.value.key == "experiment"
 
 
 def test_import_is_light():
@@ -204,3 +240,44 @@ def test_rank_other_than_zero_runs_and_only_logs(tmp_path, attngym_cli):
     text = (run_dir / "rank1.log").read_text()
     assert "validated 64 rows" in text and "rank 1 done: validation ok" in text
     assert (run_dir / "attngym.log").read_text() == ""  # rank 0's file: rank 1 stays out of it
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["topology=ring", "topology.transport=copy_engine", "logger=wandb"], "topology.transport"),
+        (["+experiment=flex_vs_sdpa", "hydra.mode=RUN", "logger=wandb"], "experiment"),
+        (["shape.seq_len=10000000", "logger=wandb"], "shape.seq_len"),
+    ],
+    ids=["copy_engine_on_cpu", "gpu_preset_on_cpu", "too_large_for_memory"],
+)
+def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key):
+    run_dir = tmp_path / "r"
+    proc = attngym_cli(["device=cpu", *args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attngym: error: {key}:"), lines
+    assert not (run_dir / "heatmap.png").exists() and not (run_dir / "block_mask.png").exists()
+    assert not (run_dir / "wandb").exists()
+
+
+def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, caplog):
+    import logging
+
+    from attngym.cli import PICTURE_MAX_PAIRS, _draw_pictures
+    from attngym.config import Settings, Shape
+
+    seq_len = 2 * int(PICTURE_MAX_PAIRS["cpu"] ** 0.5)  # 4x the pairs allowed on a CPU
+    settings = Settings(attention={"name": "causal"}, shape=Shape(seq_len=seq_len))
+    with caplog.at_level(logging.INFO, logger="attngym"):
+        assert _draw_pictures(settings, tmp_path) == {}
+    assert list(tmp_path.iterdir()) == []
+    assert sum("not drawn" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_cp_efficiency_on_a_cpu_is_labelled_as_not_scaling(tmp_path):
+    from attngym.cli import CPU_EFFICIENCY_NOTE, format_results
+
+    cp = {"status": "ok", "topology": "ring", "world_size": 2, "efficiency": 3.15}
+    assert CPU_EFFICIENCY_NOTE in format_results({**cp, "device": "cpu"}, tmp_path)
+    assert CPU_EFFICIENCY_NOTE not in format_results({**cp, "device": "cuda"}, tmp_path)

@@ -432,3 +432,40 @@ def test_kv_heads_resolved_once():
     from attngym.config import Shape
 
     assert Shape(heads=8).kv_heads == 8 and Shape(heads=8, kv_heads=2).kv_heads == 2
+
+
+def test_describe_names_the_device_not_the_architecture(hydra_ctx):
+    from attngym.device import cpu_model
+    from attngym.metrics import table_columns
+
+    described = from_config(make(["device=cpu"])).describe()
+    assert "gpu" not in described and described["device_name"] == cpu_model()
+    assert set(described) - {"capability", "torch"} <= set(table_columns())
+
+
+def test_a_run_too_large_for_this_machine_is_refused_before_any_tensor(hydra_ctx):
+    with pytest.raises(ConfigError) as info:
+        from_config(make(["device=cpu", "shape.seq_len=10000000"]))
+    assert info.value.key == "shape.seq_len" and "\n" not in str(info.value)
+    assert "available RAM" in str(info.value) and str(info.value).count("iB") >= 2  # both numbers
+
+
+def test_a_baseline_that_alone_would_not_fit_is_skipped(hydra_ctx, monkeypatch):
+    # S=8192 on a CPU: the process and tensors ~764 MiB, eager flex 2 x 4 heads x 8192^2 float32
+    # = 2 GiB, SDPA's math backend as much, the dense-mask baseline its 256 MiB float32 bias more
+    # (3068 MiB in all); with 2940 MiB available only that one is left out.
+    from attngym import estimate
+
+    monkeypatch.setattr(estimate, "available_memory", lambda device: 2940 * 2**20)
+    settings = from_config(make(["device=cpu", "shape.seq_len=8192"]))
+    assert set(settings.skipped_baselines) == {"sdpa_dense_mask"}
+    assert "available" in settings.skipped_baselines["sdpa_dense_mask"]
+
+
+def test_more_ranks_than_cpu_cores_refused(hydra_ctx, monkeypatch):
+    from attngym import estimate
+
+    monkeypatch.setattr(estimate, "_cpu_cores", lambda: 2)
+    with pytest.raises(ConfigError) as info:
+        from_config(make(["device=cpu", "topology=ring", "topology.world_size=64"]))
+    assert info.value.key == "topology.world_size" and "2 core" in str(info.value)

@@ -35,6 +35,7 @@ RUN_LAYER = (
     "attngym.tracking",
     "attngym.cli",
     "attngym.config",
+    "attngym.presets",
     "hydra",
     "omegaconf",
     "wandb",

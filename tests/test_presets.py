@@ -30,3 +30,21 @@ def test_help_lists_every_preset_with_its_device_and_time():
         assert name in rows, f"{name} is not in the --help preset table"
         assert "CPU" in rows[name] or "GPU" in rows[name]
         assert any(unit in rows[name] for unit in (" s ", " min "))
+
+
+def test_a_gpu_sized_preset_on_a_cpu_is_refused_naming_the_overrides_that_fit():
+    from attngym.errors import ConfigError
+    from attngym.presets import check_fits_machine
+
+    with pytest.raises(ConfigError) as info:
+        check_fits_machine(CONF, "flex_vs_sdpa", "cpu", ["device=cpu"])
+    message = str(info.value)
+    assert info.value.key == "experiment" and "\n" not in message
+    assert "shape.seq_len=512" in message and "device=cpu" not in message
+    smoke = ["attention=causal", "shape.seq_len=512", "shape.head_dim=64", "shape.batch=2"]
+    smoke += ["benchmark.warmup=1", "benchmark.repeats=3"]
+    check_fits_machine(CONF, "flex_vs_sdpa", "cpu", smoke)  # sized down: accepted
+    check_fits_machine(CONF, "flex_vs_sdpa", "cuda", [])  # where it is sized for
+    check_fits_machine(CONF, "variant_gallery", "cpu", [])  # sized for a CPU
+    with pytest.raises(ConfigError, match="run it on a GPU"):
+        check_fits_machine(CONF, "block_size_sweep", "cpu", [])

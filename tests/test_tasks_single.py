@@ -147,3 +147,12 @@ def test_flex_default_baseline_runs_when_flex_is_not_the_default(over, runs):
         out, _ = fn()
         expected, _ = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
         torch.testing.assert_close(out, expected.to(out.dtype), atol=1e-4, rtol=1e-4)
+
+
+def test_a_baseline_the_estimate_skips_is_recorded_with_its_reason(tmp_path):
+    why = "needs ~9 GiB with the run's tensors, 8 GiB available"
+    skipped = {"sdpa_dense_mask": why}
+    m = single.run(settings({"name": "causal"}, skipped_baselines=skipped), tmp_path)
+    assert m["sdpa_dense_mask_status"] == f"skipped: {why}"
+    assert m.get("sdpa_dense_mask_fwd_ms") is None  # not attempted
+    assert m["sdpa_status"] == "ok"  # the others still run

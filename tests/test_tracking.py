@@ -28,7 +28,7 @@ def test_trackers_registered_and_local_writes_results(tmp_path):
     assert registry.names("tracker") == ["local", "none", "wandb"]
     record = RunRecord(
         run_dir=tmp_path,
-        metrics={"status": "ok", "fwd_ms": 2.25, "variant": "causal"},
+        metrics={"status": "ok", "fwd_ms": 2.25, "peak_mem_bytes": 3 * 2**20, "variant": "causal"},
         config={},
         images={},
         name="attention=causal",
@@ -38,6 +38,7 @@ def test_trackers_registered_and_local_writes_results(tmp_path):
     registry.build("tracker", "local").log_run(record)
     text = (tmp_path / "results.md").read_text()
     assert "| fwd_ms | 2.25 |" in text and "# attention=causal" in text
+    assert "| peak_mem_bytes | 3 MiB |" in text  # as the sweep summary shows it
     registry.build("tracker", "none").log_run(record)
 
 

@@ -134,10 +134,10 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     if device.type == "cuda":
         bench.l2_flush_buffer(device)
     sync(device)
-    live = device_mod.reset_peak_memory(device)
     flops = pass_flops(shape, seq_len, sparsity)
-    flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
-    metrics["peak_mem_bytes"] = device_mod.peak_memory_bytes(device) - live
+    with device_mod.peak_memory(device) as peak:
+        flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
+    metrics["peak_mem_bytes"] = peak["bytes"]
     metrics.update(pass_metrics(flex_ms, shape, seq_len, sparsity))
 
     # Profile one call, in the run folder.
@@ -148,7 +148,10 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     from attngym.config import SINGLE_BASELINES
 
     for name in (b for b in settings.baselines if b in SINGLE_BASELINES):
-        fn, reason = _baseline(name, variant, q, k, v, settings, device)
+        if name in settings.skipped_baselines:  # the memory estimate: it alone would not fit
+            fn, reason = None, settings.skipped_baselines[name]
+        else:
+            fn, reason = _baseline(name, variant, q, k, v, settings, device)
         metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
         if fn is None:
             log.info("baseline %s skipped: %s", name, reason)

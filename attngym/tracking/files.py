@@ -19,6 +19,7 @@ from typing import Any
 
 from attngym import registry
 from attngym.fileio import atomic_write, remove_stale_tmps
+from attngym.metrics import format_value
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +103,6 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
-
-
 class NoneTracker:
     """Logs nothing (metrics.json is written by the caller in any case)."""
 
@@ -119,9 +114,11 @@ class LocalTracker:
     """Adds results.md, a two-column table of the run's metrics, next to metrics.json."""
 
     def log_run(self, record: RunRecord) -> None:
-        """Write run_dir/results.md."""
+        """Write run_dir/results.md, values as the sweep summary shows them (MiB, 3 figures)."""
         lines = [f"# {record.name}", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in scalar_metrics(record.metrics).items()]
+        lines += [
+            f"| {k} | {format_value(k, v)} |" for k, v in scalar_metrics(record.metrics).items()
+        ]
         lines += [""] + [f"![{n}]({p.name})" for n, p in record.images.items()]
         atomic_write(Path(record.run_dir) / "results.md", "\n".join(lines) + "\n")
 

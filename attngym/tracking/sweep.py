@@ -31,7 +31,7 @@ from typing import Any
 
 from attngym.errors import ConfigError
 from attngym.fileio import atomic_write, write_error
-from attngym.metrics import table_columns
+from attngym.metrics import format_value, table_columns
 from attngym.tracking.files import read_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
 
@@ -117,28 +117,6 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
         row.setdefault("error", None)
         rows.append(row)
     return rows
-
-
-def format_value(column: str, value: Any) -> str:
-    """A metric as a person reads it: bytes in MiB/GiB, times to 3 significant figures, TFLOP/s
-    to one decimal (from 0.1 up), other floats to 3 significant figures; None is empty.
-    summary.csv keeps the raw numbers."""
-    if value is None:
-        return ""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return str(value)
-    if column.endswith("_bytes") or column == "bytes_moved":
-        from attngym.estimate import format_bytes
-
-        return format_bytes(value)
-    if column.endswith("_tflops") and abs(value) >= 0.1:
-        return f"{value:.1f}"  # below 0.1 (a CPU), 3 significant figures say more than 0.0
-    if isinstance(value, float):
-        if value == 0.0 or not math.isfinite(value):
-            return f"{value:g}"
-        digits = max(0, 2 - math.floor(math.log10(abs(value))))  # 3 significant, no exponent
-        return f"{value:.{digits}f}" if abs(value) >= 1e-3 else f"{value:.2e}"
-    return str(value)
 
 
 def format_table(
