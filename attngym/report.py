@@ -54,7 +54,7 @@ def _img(path: Path, alt: str, cls: str = "") -> str:
 
 
 def _cell(key: str, value: Any) -> str:
-    from attngym.tracking.sweep import format_value
+    from attngym.metrics import format_value
 
     cls = {"overrides": "text", "variant": "text", "error": "error"}.get(key)
     attr = f' class="{cls}"' if cls else ""
@@ -76,8 +76,8 @@ def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
 
 def build_report(folder: str | Path) -> str:
     """The report's HTML for a sweep folder (job sub-folders) or a single run folder."""
+    from attngym.metrics import format_value
     from attngym.tracking.sweep import (
-        format_value,
         md_columns,
         plot_metric,
         table_layout,
