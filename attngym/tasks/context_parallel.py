@@ -2,7 +2,8 @@
 
 One task per context-parallel algorithm (ring, allgather, ulysses, hybrid), registered from
 `KINDS`, the one table from a task kind to its library attention function, the topology keys it
-takes, its transfer-only timing and its own config check. Everything else is shared, so the algorithms report comparable numbers.
+takes, its transfer-only timing and its own config check. Everything else is shared, so the
+algorithms report comparable numbers.
 
 The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
 attngym.config); the parent process checks the transport against the device and raises
@@ -192,8 +193,8 @@ class Kind:
 
 
 # Task kind -> its algorithm. A new algorithm is one row here: its function takes the shards, the
-# variant, ring_attention's keyword arguments and the row's options, and fills what it can of a CPStats (the merged
-# lse for validation; metrics it leaves empty are None).
+# variant, ring_attention's keyword arguments and the row's options, and fills what it can of a
+# CPStats (the merged lse for validation; metrics it leaves empty are None).
 KINDS = {
     "ring": Kind("ring_attention", _ring_transfer_ms),
     "allgather": Kind("allgather_attention", _gather_transfer_ms),
