@@ -13,7 +13,8 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
 1. `shard`: the same seeded whole-sequence inputs drawn on the CPU on every rank
    (attngym.inputs.make_inputs), this rank's shard in the layout moved to its device: no device
    holds the whole sequence. Reports `load_imbalance` (max over mean of the non-empty blocks each
-   rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses).
+   rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses; hybrid:
+   among its groups, whose members attend the same blocks).
 2. `first_call`: one forward (+ backward when passes include bwd; on CPU the reference chunk kernel
    gives one) timed apart as `compile_s` (compilation on CUDA).
 3. `validate`: validation.validate_rows, judged per dtype like a single run (a verdict over
@@ -164,6 +165,17 @@ def _check_ulysses(settings: Settings) -> None:
     _check_head_parallel_layout(settings)
 
 
+def _hybrid_groups(topo: Topology) -> int:
+    """Groups of a hybrid run (collective: a2a_size None is resolved from the NVLink domains);
+    every member of a group attends the group's whole shard for its head slice."""
+    import torch.distributed as dist
+
+    from attngym.distributed.ulysses import hybrid_groups
+
+    _, across_group = hybrid_groups(topo.a2a_size)
+    return dist.get_world_size(across_group)
+
+
 def _check_head_parallel_layout(settings: Settings) -> None:
     """The all-to-all puts contiguous or zigzag shards back in global order (exchange_order)."""
     topo = settings.topology
@@ -185,9 +197,10 @@ class Kind:
     # (transport, k_s, timeout_s, repeats) -> step times in ms; None: step_transfer_ms not measured
     transfer_ms: Callable[..., list] | None
     check: Callable[[Settings], None] | None = None  # ConfigError before any rank starts
-    # False: every rank attends the whole sequence for H/P heads, so the work is balanced
-    # whatever the layout (load_imbalance 1.0).
-    sequence_sharded: bool = True
+    # (topology) -> how many shards of the sequence the ranks attend apart, on the ranks (may be
+    # collective); load_imbalance is judged among them. 1: every rank attends the whole
+    # sequence for H/P heads, balanced whatever the layout (load_imbalance 1.0).
+    sequence_shards: Callable[[Topology], int] = lambda topo: topo.world_size
     # The topology's own keyword arguments of the attention function (reported with the metrics).
     options: Callable[[Topology], dict[str, Any]] = lambda topo: {}
 
@@ -199,14 +212,18 @@ KINDS = {
     "ring": Kind("ring_attention", _ring_transfer_ms),
     "allgather": Kind("allgather_attention", _gather_transfer_ms),
     "ulysses": Kind(
-        "ulysses_attention", _alltoall_transfer_ms, _check_ulysses, sequence_sharded=False
+        "ulysses_attention",
+        _alltoall_transfer_ms,
+        _check_ulysses,
+        sequence_shards=lambda topo: 1,
     ),
     # Two levels of transfers (all-to-all in a group, ring or all-gather across): no one step to
-    # time alone. load_imbalance is judged over all the ranks' shards (ring's measure).
+    # time alone.
     "hybrid": Kind(
         "hybrid_attention",
         None,
         _check_head_parallel_layout,
+        sequence_shards=_hybrid_groups,
         options=lambda topo: {"a2a_size": topo.a2a_size, "across": topo.across},
     ),
 }
@@ -411,10 +428,11 @@ def shard(job: RankJob) -> dict[str, Any]:
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
-    if not KINDS[job.kind].sequence_sharded:
+    shards = KINDS[job.kind].sequence_shards(s.topology)
+    if shards == 1:
         return {"load_imbalance": 1.0}
     imbalance = load_imbalance(
-        s.topology.layout, job.variant, job.world_size, job.seq_len, s.block_size, job.device
+        s.topology.layout, job.variant, shards, job.seq_len, s.block_size, job.device
     )
     return {"load_imbalance": imbalance}
 

@@ -308,6 +308,8 @@ def test_hybrid_task_on_four_ranks_matches_the_reference(tmp_path):
     # PyTorch's CP on the same shards agrees (both float32 over the same blocks).
     assert metrics["torch_cp_status"] == "ok" and metrics["torch_cp_validation"] == "ok"
     assert metrics["efficiency"] > 0 and metrics["pairs_computed"] > 0
+    # Causal over the 2 groups in contiguous order: the second group attends more blocks.
+    assert metrics["load_imbalance"] > 1.0
 
 
 def test_hybrid_layout_is_checked_before_any_rank_starts():
