@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from attngym.errors import ConfigError, choice_error, closest
 
 if TYPE_CHECKING:
+    from attngym.distributed.ulysses import Across
     from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Topology:
     """How the sequence is spread over ranks."""
 
     kind: str = "single"
-    """A registered task: single | ring | allgather."""
+    """A registered task: single | ring | allgather | ulysses | hybrid."""
     world_size: int = 1
     """Ranks; `auto` in a config is resolved before Settings exist."""
     transport: str = AUTO
@@ -93,6 +94,13 @@ class Topology:
     the ranks."""
     layout: str = "contiguous"
     """contiguous | zigzag (attngym.distributed.layout.LAYOUTS)."""
+    a2a_size: int | None = None
+    """hybrid: ranks per all-to-all group, consecutive ranks dividing world_size and shape.heads;
+    None takes one NVLink domain per group, found on the ranks (attngym.distributed.hybrid_groups).
+    """
+    across: Across = "ring"
+    """hybrid: ring | allgather (attngym.distributed.ulysses.ACROSS), the algorithm among the
+    groups (the ranks holding the same head slice)."""
     timeout_s: float = 120.0
     """A rank that waits longer than this fails the run."""
 
@@ -345,13 +353,36 @@ def _check_kv_heads(heads: int, kv_heads: int | None) -> None:
 
 
 def _check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
-    """The sequence splits evenly into the layout's pieces (attngym.distributed.layout)."""
+    """The sequence splits evenly into the layout's pieces (attngym.distributed.layout).
+
+    This is also all hybrid attention needs: with W ranks in groups of a, each group's shards
+    make its shard in the same layout for W/a ranks (attngym.distributed.hybrid_attention).
+    """
     from attngym.distributed.layout import check_seq_len
 
     try:
         check_seq_len(seq_len, world_size, layout)
     except ValueError as err:
         raise ConfigError("shape.seq_len", str(err)) from None
+
+
+def _check_a2a_size(kind: str, a2a_size: int | None, world_size: int | str, heads: int) -> None:
+    """hybrid: the all-to-all groups split the ranks and the query heads evenly (K/V heads are
+    repeated as Ulysses does). None is judged on the ranks, where the NVLink domains are known."""
+    if kind != "hybrid" or a2a_size is None:
+        return
+    if world_size != AUTO and world_size % a2a_size:
+        raise ConfigError(
+            "topology.a2a_size",
+            f"{a2a_size} does not divide topology.world_size={world_size}; use a divisor of "
+            f"{world_size} (or null: one NVLink domain per group)",
+        )
+    if heads % a2a_size:
+        raise ConfigError(
+            "topology.a2a_size",
+            f"{a2a_size} does not divide shape.heads={heads}; each group splits the heads over "
+            "its ranks, use a common divisor of the heads and the world size",
+        )
 
 
 def _check_world_size(kind: str, world_size: int | str) -> None:
@@ -575,8 +606,8 @@ def _check_run(data: dict[str, Any], dtype: str) -> list[str]:
 
 
 def _check_topology(data: dict[str, Any], seq_len: int, passes: list[str]) -> None:
-    """topology.*: a registered kind, its ranks, transport, layout and timeout, and seq_len
-    against the layout when the ranks are known."""
+    """topology.*: a registered kind, its ranks, transport, layout, hybrid groups and timeout,
+    and seq_len and a2a_size against the ranks when they are known."""
     kind = _choice(
         data, "topology.kind", _names("task"), "topology kind", _default(Topology, "kind")
     )
@@ -590,6 +621,12 @@ def _check_topology(data: dict[str, Any], seq_len: int, passes: list[str]) -> No
 
     _choice(data, "topology.transport", TRANSPORTS, "transport", _default(Topology, "transport"))
     layout = _choice(data, "topology.layout", LAYOUTS, "layout", _default(Topology, "layout"))
+    from attngym.distributed.ulysses import ACROSS
+
+    _choice(data, "topology.across", ACROSS, "across", _default(Topology, "across"))
+    if _get(data, "topology.a2a_size", _default(Topology, "a2a_size")) is not None:
+        a2a_size = _int(data, "topology.a2a_size")
+        _check_a2a_size(kind, a2a_size, world_size, data["shape"]["heads"])
     timeout = _get(data, "topology.timeout_s", _default(Topology, "timeout_s"))
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError("topology.timeout_s", f"must be a positive number, got {timeout!r}")
@@ -718,6 +755,7 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
         raise ConfigError("topology.world_size", f"resolved to {world_size}; need at least 1")
     if topo["world_size"] == AUTO:
         _check_seq_len(data["shape"]["seq_len"], world_size, topo["layout"])
+        _check_a2a_size(topo["kind"], topo["a2a_size"], world_size, data["shape"]["heads"])
     _check_transport(topo["kind"], topo["transport"], device)
     block_size, kernel_options = _resolve_blocks(data, device, dtype, dict(data["kernel_options"]))
     _check_flash(kernel_options, dtype)

@@ -237,6 +237,41 @@ CASES = [
         "attention.num_heads",  # one ALiBi slope per query head: tied to shape.heads
         ["attention=alibi", "shape.heads=4", "attention.num_heads=4"],
     ),
+    (
+        ["topology=hybrid", "topology.world_size=4", "topology.a2a_size=3"],
+        "topology.a2a_size",  # groups of 3 cannot split 4 ranks
+        ["topology=hybrid", "topology.world_size=4", "topology.a2a_size=2"],
+    ),
+    (
+        ["topology=hybrid", "topology.world_size=4", "shape.heads=2", "topology.a2a_size=4"],
+        "topology.a2a_size",  # 2 heads cannot split over a group of 4
+        ["topology=hybrid", "topology.world_size=4", "shape.heads=2", "topology.a2a_size=2"],
+    ),
+    (
+        ["topology=hybrid", "topology.a2a_size=0"],
+        "topology.a2a_size",
+        ["topology=hybrid", "topology.a2a_size=null"],
+    ),
+    (
+        ["topology=hybrid", "topology.across=tree"],
+        "topology.across",
+        ["topology=hybrid", "topology.across=allgather"],
+    ),
+    (
+        [
+            "topology=hybrid",
+            "topology.world_size=4",
+            "topology.layout=zigzag",
+            "shape.seq_len=1028",
+        ],
+        "shape.seq_len",  # zigzag over 4 ranks: 8 pieces, also what each group's layout needs
+        [
+            "topology=hybrid",
+            "topology.world_size=4",
+            "topology.layout=zigzag",
+            "shape.seq_len=1032",
+        ],
+    ),
     (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),
     (["baselines=[cudnn]"], "baselines", ["baselines=[sdpa]"]),
     (["benchmark.repeats=0"], "benchmark.repeats", ["benchmark.repeats=1"]),
@@ -469,3 +504,21 @@ def test_more_ranks_than_cpu_cores_refused(hydra_ctx, monkeypatch):
     with pytest.raises(ConfigError) as info:
         from_config(make(["device=cpu", "topology=ring", "topology.world_size=64"]))
     assert info.value.key == "topology.world_size" and "2 core" in str(info.value)
+
+
+def test_hybrid_groups_checked_against_the_resolved_world_size(hydra_ctx):
+    """topology.world_size=auto is 2 on CPU: a2a_size is judged once the ranks are known, and
+    the composed hybrid topology reaches Settings typed."""
+    with pytest.raises(ConfigError) as info:
+        from_config(make(["topology=hybrid", "device=cpu", "topology.a2a_size=4"]))
+    assert info.value.key == "topology.a2a_size" and "world_size=2" in str(info.value)
+    settings = from_config(
+        make(["topology=hybrid", "device=cpu", "topology.a2a_size=2", "topology.across=allgather"])
+    )
+    topo = settings.topology
+    assert (topo.kind, topo.world_size, topo.a2a_size, topo.across) == (
+        "hybrid",
+        2,
+        2,
+        "allgather",
+    )

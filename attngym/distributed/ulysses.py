@@ -34,7 +34,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -42,7 +42,9 @@ from attngym import kernels
 from attngym.distributed import layout as layouts
 from attngym.variants.base import Variant
 
-ACROSS = ("ring", "allgather")
+# The algorithm among hybrid attention's groups (ranks holding the same head slice).
+Across = Literal["ring", "allgather"]
+ACROSS = get_args(Across)
 
 
 def check_ulysses_heads(heads: int, kv_heads: int | None, world_size: int) -> None:
@@ -334,7 +336,7 @@ def hybrid_attention(
     variant: Variant,
     *,
     a2a_size: int | None = None,
-    across: str = "ring",
+    across: Across = "ring",
     group=None,
     transport: str = "auto",
     layout: str = "contiguous",
@@ -366,7 +368,8 @@ def hybrid_attention(
         transport: for the all-to-all and for the ring/all-gather (auto picks per group).
 
     Returns:
-        (B, H, S/W, D) this rank's output shard, differentiable w.r.t. q, k, v.
+        (B, H, S/W, D) this rank's output shard, differentiable w.r.t. q, k, v. stats.lse is
+        left None.
     """
     import torch.distributed as dist
 
@@ -403,7 +406,7 @@ def hybrid_attention(
             compile_mode=compile_mode,
         )
 
-    return _exchange(
+    out = _exchange(
         q,
         k,
         v,
@@ -415,3 +418,8 @@ def hybrid_attention(
         timeout_s=timeout_s,
         stats=stats,
     )
+    if stats is not None:
+        # The across call's lse is of this rank's head slice over its group's sequence, not of
+        # this rank's shard: like ulysses_attention, hybrid reports none.
+        stats.lse = None
+    return out

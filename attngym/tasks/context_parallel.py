@@ -1,8 +1,9 @@
 """Context-parallel runs: spawn the ranks, then shard, validate, time, instrument, compare.
 
-One task per context-parallel algorithm (ring, allgather, ulysses), registered from `KINDS`, the
-one table from a task kind to its library attention function, its transfer-only timing and its
-own config check. Everything else is shared, so the algorithms report comparable numbers.
+One task per context-parallel algorithm (ring, allgather, ulysses, hybrid), registered from
+`KINDS`, the one table from a task kind to its library attention function, the topology keys it
+takes, its transfer-only timing and its own config check. Everything else is shared, so the
+algorithms report comparable numbers.
 
 The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
 attngym.config); the parent process checks the transport against the device and raises
@@ -12,7 +13,8 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
 1. `shard`: the same seeded whole-sequence inputs drawn on the CPU on every rank
    (attngym.inputs.make_inputs), this rank's shard in the layout moved to its device: no device
    holds the whole sequence. Reports `load_imbalance` (max over mean of the non-empty blocks each
-   rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses).
+   rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses; hybrid:
+   among its groups, whose members attend the same blocks).
 2. `first_call`: one forward (+ backward when passes include bwd; on CPU the reference chunk kernel
    gives one) timed apart as `compile_s` (compilation on CUDA).
 3. `validate`: validation.validate_rows, judged per dtype like a single run (a verdict over
@@ -70,7 +72,7 @@ from typing import Any
 import torch
 
 from attngym import kernels, registry
-from attngym.config import Settings
+from attngym.config import Settings, Topology
 from attngym.device import sync
 from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError, choice_error
@@ -160,9 +162,27 @@ def _check_ulysses(settings: Settings) -> None:
     except ValueError as err:
         key, _, message = str(err).partition(": ")
         raise ConfigError(f"shape.{key}", message) from None
+    _check_head_parallel_layout(settings)
+
+
+def _hybrid_groups(topo: Topology) -> int:
+    """Groups of a hybrid run (collective: a2a_size None is resolved from the NVLink domains);
+    every member of a group attends the group's whole shard for its head slice."""
+    import torch.distributed as dist
+
+    from attngym.distributed.ulysses import hybrid_groups
+
+    _, across_group = hybrid_groups(topo.a2a_size)
+    return dist.get_world_size(across_group)
+
+
+def _check_head_parallel_layout(settings: Settings) -> None:
+    """The all-to-all puts contiguous or zigzag shards back in global order (exchange_order)."""
+    topo = settings.topology
     if topo.layout not in ULYSSES_LAYOUTS:
         raise ConfigError(
-            "topology.layout", choice_error("layout for ulysses", topo.layout, ULYSSES_LAYOUTS)
+            "topology.layout",
+            choice_error(f"layout for {topo.kind}", topo.layout, ULYSSES_LAYOUTS),
         )
 
 
@@ -174,21 +194,37 @@ class Kind:
     """What differs between context-parallel algorithms: the call and what one step moves."""
 
     attention: str  # name of the attention function in attngym.distributed
-    transfer_ms: Callable[..., list]  # (transport, k_s, timeout_s, repeats) -> step times in ms
+    # (transport, k_s, timeout_s, repeats) -> step times in ms; None: step_transfer_ms not measured
+    transfer_ms: Callable[..., list] | None
     check: Callable[[Settings], None] | None = None  # ConfigError before any rank starts
-    # False: every rank attends the whole sequence for H/P heads, so the work is balanced
-    # whatever the layout (load_imbalance 1.0).
-    sequence_sharded: bool = True
+    # (topology) -> how many shards of the sequence the ranks attend apart, on the ranks (may be
+    # collective); load_imbalance is judged among them. 1: every rank attends the whole
+    # sequence for H/P heads, balanced whatever the layout (load_imbalance 1.0).
+    sequence_shards: Callable[[Topology], int] = lambda topo: topo.world_size
+    # The topology's own keyword arguments of the attention function (reported with the metrics).
+    options: Callable[[Topology], dict[str, Any]] = lambda topo: {}
 
 
 # Task kind -> its algorithm. A new algorithm is one row here: its function takes the shards, the
-# variant and ring_attention's keyword arguments and fills what it can of a CPStats (the merged
-# lse for validation; metrics it leaves empty are None).
+# variant, ring_attention's keyword arguments and the row's options, and fills what it can of a
+# CPStats (the merged lse for validation; metrics it leaves empty are None).
 KINDS = {
     "ring": Kind("ring_attention", _ring_transfer_ms),
     "allgather": Kind("allgather_attention", _gather_transfer_ms),
     "ulysses": Kind(
-        "ulysses_attention", _alltoall_transfer_ms, _check_ulysses, sequence_sharded=False
+        "ulysses_attention",
+        _alltoall_transfer_ms,
+        _check_ulysses,
+        sequence_shards=lambda topo: 1,
+    ),
+    # Two levels of transfers (all-to-all in a group, ring or all-gather across): no one step to
+    # time alone.
+    "hybrid": Kind(
+        "hybrid_attention",
+        None,
+        _check_head_parallel_layout,
+        sequence_shards=_hybrid_groups,
+        options=lambda topo: {"a2a_size": topo.a2a_size, "across": topo.across},
     ),
 }
 
@@ -220,6 +256,7 @@ def run_context_parallel(
     check_hardware(settings)
     metrics = {} if metrics is None else metrics
     metrics.update(settings.describe())
+    metrics.update(KINDS[kind].options(settings.topology))
     metrics.update(
         launch(
             _rank_run,
@@ -362,6 +399,7 @@ class RankJob:
             timeout_s=s.topology.timeout_s,
             compile=s.compile,
             compile_mode=s.compile_mode,
+            **KINDS[self.kind].options(s.topology),
         )
 
     def timed(self, call, setup=None) -> Any:
@@ -390,10 +428,11 @@ def shard(job: RankJob) -> dict[str, Any]:
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
-    if not KINDS[job.kind].sequence_sharded:
+    shards = KINDS[job.kind].sequence_shards(s.topology)
+    if shards == 1:
         return {"load_imbalance": 1.0}
     imbalance = load_imbalance(
-        s.topology.layout, job.variant, job.world_size, job.seq_len, s.block_size, job.device
+        s.topology.layout, job.variant, shards, job.seq_len, s.block_size, job.device
     )
     return {"load_imbalance": imbalance}
 
@@ -530,11 +569,17 @@ def instrument(job: RankJob) -> dict[str, Any]:
     }
 
 
-def _transfer_ms(kind: str, transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> float:
-    """Median time of one step's K/V transfer alone for `kind` (0.0 on one rank)."""
+def _transfer_ms(
+    kind: str, transport, k_s: torch.Tensor, timeout_s: float, repeats: int
+) -> float | None:
+    """Median time of one step's K/V transfer alone for `kind` (0.0 on one rank; None where the
+    kind has no single step to time)."""
     if torch.distributed.get_world_size() == 1:
         return 0.0
-    return statistics.median(KINDS[kind].transfer_ms(transport, k_s, timeout_s, repeats))
+    transfer_ms = KINDS[kind].transfer_ms
+    if transfer_ms is None:
+        return None
+    return statistics.median(transfer_ms(transport, k_s, timeout_s, repeats))
 
 
 def one_device(job: RankJob) -> dict[str, Any]:
