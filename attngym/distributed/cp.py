@@ -141,6 +141,22 @@ class CPCall:
         return self.layout.chunks(rank)
 
 
+def check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """ValueError unless q (B, H, S/P, D) and k, v (B, G, S/P, D) are one rank's shards of one
+    call: 4-D, k and v alike, G dividing H, one dtype and one device."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    b, h, s, d = q.shape
+    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({h})")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError("q, k, v must share one dtype and one device")
+
+
 def prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,19 +176,9 @@ def prepare(
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context-parallel attention needs an initialised process group")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    b, h, s, d = q.shape
-    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
-        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
-    if h % k.shape[1]:
-        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({h})")
-    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
-        raise ValueError("q, k, v must share one dtype and one device")
+    check_shards(q, k, v)
     world_size = dist.get_world_size(group)
-    seq_len = s * world_size
+    seq_len = q.shape[2] * world_size
     variant.check_seq_len(seq_len)
     if variant.device is not None and variant.device != q.device:
         variant = variant.to(q.device)

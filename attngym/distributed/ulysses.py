@@ -33,13 +33,14 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
+from attngym.distributed.cp import CPOptions, CPStats, check_shards, options_from
 from attngym.variants.base import Variant
 
 # The algorithm among hybrid attention's groups (ranks holding the same head slice).
@@ -66,17 +67,6 @@ def check_ulysses_heads(heads: int, kv_heads: int | None, world_size: int) -> No
         )
     if kv < 1 or heads % kv:
         raise ValueError(f"kv_heads: {kv} must be a positive divisor of heads ({heads})")
-
-
-def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
-        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
-    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
-        raise ValueError("q, k, v must share one dtype and one device")
 
 
 def exchange_order(layout: str, world_size: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
@@ -136,7 +126,7 @@ def _exchange(
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("head-parallel attention needs an initialised process group")
-    _check_shards(q, k, v)
+    check_shards(q, k, v)
     check_transport(transport, q.device)
     P, r = dist.get_world_size(group), dist.get_rank(group)
     b, h, s, d = q.shape
@@ -179,6 +169,18 @@ def _exchange(
     return a2a(out_h, 1, False)([out_h])[0]
 
 
+def _ulysses_options(options: CPOptions | None, overrides: dict[str, Any]) -> CPOptions:
+    """The call's CPOptions; ValueError for a `backward` choice, which has nothing to act on here
+    (no chunk pairs: autograd differentiates the one kernel call and the all-to-alls)."""
+    opts = options_from(options, **overrides)
+    if opts.backward != "auto":
+        raise ValueError(
+            f"backward: ulysses_attention differentiates its one kernel call with autograd; "
+            f"only 'auto' is allowed, got {opts.backward!r}"
+        )
+    return opts
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -188,19 +190,13 @@ def ulysses_attention(
     group=None,
     transport: str = "auto",
     layout: str = "contiguous",
-    backend: str = "auto",
-    block_size: tuple[int, int] = (128, 128),
-    kernel_options: Mapping[str, Any] | None = None,
-    scale: float | None = None,
-    timeout_s: float = 60.0,
-    stats=None,
-    compile: bool = True,
-    compile_mode: str = "default",
+    options: CPOptions | None = None,
+    stats: CPStats | None = None,
+    **overrides: Any,
 ) -> torch.Tensor:
     """Attention of this rank's shards, head-parallel: all-to-all, one flex call, all-to-all back.
 
     Collective: every rank of `group` calls it with its shards (same shapes, same arguments).
-    The arguments are those of `ring_attention`.
 
     Args:
         q: (B, H, S/P, D) this rank's query shard in `layout`; P must divide H.
@@ -210,24 +206,24 @@ def ulysses_attention(
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (attngym.distributed.transport).
         layout: contiguous | zigzag (attngym.distributed.layout).
-        backend: auto | flex | reference (auto: flex on CUDA, reference on CPU).
-        block_size: (q, kv) block size of the whole-sequence block mask.
-        kernel_options: passed to flex_attention.
-        scale: score scale, default 1 / sqrt(D).
-        timeout_s: how long a transfer may wait before failing.
+        options: kernel choices (CPOptions; default CPOptions()). block_size is that of the
+            whole-sequence block mask; backward must stay auto: the gradient is autograd's
+            through the one kernel call and the all-to-alls, with no pairs to choose for.
         stats: a CPStats; its bytes_sent grows by what this rank sends.
-        compile, compile_mode: as in attngym.kernels.attend_chunk.
+        **overrides: any CPOptions field on top of `options`, as in ring_attention.
 
     Returns:
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
 
     Raises:
-        ValueError: P does not divide H (`heads`), or a bad shape, layout or sequence length.
+        ValueError: P does not divide H (`heads`), a backward other than auto, or a bad option,
+            shape, layout or sequence length.
     """
     import torch.distributed as dist
 
-    resolved = kernels.resolve_backend(backend, q.device)
-    block = tuple(int(x) for x in block_size)
+    opts = _ulysses_options(options, overrides)
+    resolved = kernels.resolve_backend(opts.backend, q.device)
+    block = opts.block_size
     if dist.is_available() and dist.is_initialized():
         variant.check_seq_len(q.shape[2] * dist.get_world_size(group))
 
@@ -243,10 +239,10 @@ def ulysses_attention(
             backend=resolved,
             block_size=block,
             block_mask=block_mask,
-            kernel_options=kernel_options,
-            scale=scale,
-            compile=compile,
-            compile_mode=compile_mode,
+            kernel_options=opts.kernel_options,
+            scale=opts.scale,
+            compile=opts.compile,
+            compile_mode=opts.compile_mode,
         )
         return out_h
 
@@ -259,7 +255,7 @@ def ulysses_attention(
         group=group,
         transport=transport,
         layout=layout,
-        timeout_s=timeout_s,
+        timeout_s=opts.timeout_s,
         stats=stats,
     )
 
@@ -340,14 +336,9 @@ def hybrid_attention(
     group=None,
     transport: str = "auto",
     layout: str = "contiguous",
-    backend: str = "auto",
-    block_size: tuple[int, int] = (128, 128),
-    kernel_options: Mapping[str, Any] | None = None,
-    scale: float | None = None,
-    timeout_s: float = 60.0,
-    stats=None,
-    compile: bool = True,
-    compile_mode: str = "default",
+    options: CPOptions | None = None,
+    stats: CPStats | None = None,
+    **overrides: Any,
 ) -> torch.Tensor:
     """Ulysses inside groups of a2a_size consecutive ranks, ring or all-gather across the groups.
 
@@ -359,7 +350,8 @@ def hybrid_attention(
     yields the group's shard for g ranks in the same layout, of H/a heads, and ring_attention or
     allgather_attention among the g ranks with the same head slice finishes it.
 
-    Collective over `group`. Arguments as in ulysses_attention, plus:
+    Collective over `group`. Arguments as in ulysses_attention, except that every CPOptions
+    field is honoured: `backward` chooses the ring's or all-gather's backward across the groups.
 
     Args:
         a2a_size: ranks per all-to-all group (a divisor of the world size; a must divide H);
@@ -376,6 +368,7 @@ def hybrid_attention(
     from attngym.distributed.allgather import allgather_attention
     from attngym.distributed.ring import ring_attention
 
+    opts = options_from(options, **overrides)
     if across not in ACROSS:
         raise ValueError(f"across: expected one of {', '.join(ACROSS)}, got {across!r}")
     if not dist.is_available() or not dist.is_initialized():
@@ -396,14 +389,8 @@ def hybrid_attention(
             group=across_group,
             transport=transport,
             layout=layout,
-            backend=backend,
-            block_size=block_size,
-            kernel_options=kernel_options,
-            scale=scale,
-            timeout_s=timeout_s,
+            options=opts,
             stats=stats,
-            compile=compile,
-            compile_mode=compile_mode,
         )
 
     out = _exchange(
@@ -415,7 +402,7 @@ def hybrid_attention(
         group=a2a_group,
         transport=transport,
         layout=layout,
-        timeout_s=timeout_s,
+        timeout_s=opts.timeout_s,
         stats=stats,
     )
     if stats is not None:

@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.distributed import check_ulysses_heads, hybrid_attention, shard, ulysses_attention
+from attngym.distributed import (
+    CPOptions,
+    CPStats,
+    check_ulysses_heads,
+    hybrid_attention,
+    shard,
+    ulysses_attention,
+)
 from attngym.distributed.launch import launch
 
 TOL = 1e-10
@@ -95,6 +102,35 @@ def test_ulysses_matches_reference_for_every_variant_fwd_bwd():
     assert refused is not None and refused.startswith("heads: 3 query heads"), refused
 
 
+def _options_worker(rank, world_size):
+    """ulysses_attention with options=CPOptions(...) and with the same fields as keywords; then
+    a backward choice, which ulysses has nothing to act on, as an option and as a keyword."""
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, HEADS, S // world_size, 8, generator=gen) for _ in range(3))
+    variant = variants.get("alibi", num_heads=HEADS)
+    fields = {"backend": "reference", "scale": 0.3, "block_size": (16, 16), "timeout_s": 30.0}
+    by_options = ulysses_attention(q, k, v, variant, transport="gloo", options=CPOptions(**fields))
+    by_keywords = ulysses_attention(q, k, v, variant, transport="gloo", **fields)
+    default = ulysses_attention(q, k, v, variant, transport="gloo", backend="reference")
+    refused = []
+    for how in ({"options": CPOptions(backward="recompute")}, {"backward": "flex"}):
+        try:
+            ulysses_attention(q, k, v, variant, transport="gloo", **how)
+            refused.append(None)
+        except ValueError as e:
+            refused.append(str(e))
+    return torch.equal(by_options, by_keywords), torch.equal(by_options, default), refused
+
+
+def test_ulysses_options_object_equals_keywords_and_refuses_backward():
+    same, same_as_default, refused = launch(_options_worker, 2, timeout_s=60)
+    assert same  # one CPOptions either way: the very same computation
+    assert not same_as_default  # the scale was honoured, not dropped
+    assert [msg.split(";")[0] for msg in refused] == [
+        "backward: ulysses_attention differentiates its one kernel call with autograd"
+    ] * 2, refused
+
+
 def _hybrid_worker(rank, world_size):
     cases = {
         "alibi": (variants.get("alibi", num_heads=HEADS), 4),
@@ -121,6 +157,20 @@ def _hybrid_worker(rank, world_size):
                 a2a_size=2,
                 across=across,
             )
+    # An options object reaches the ring across the groups, backward choice included.
+    stats = CPStats()
+    errors[("causal", "ring", "contiguous", "recompute")] = _errors(
+        hybrid_attention,
+        rank,
+        world_size,
+        variants.get("causal"),
+        2,
+        "contiguous",
+        len(cases),
+        a2a_size=2,
+        options=CPOptions(backward="recompute"),
+        stats=stats,
+    )
     refused = []
     x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
     for bad in ({"a2a_size": 3}, {"a2a_size": 2, "across": "tree"}):
@@ -129,16 +179,17 @@ def _hybrid_worker(rank, world_size):
             refused.append(None)
         except ValueError as e:
             refused.append(str(e))
-    return errors, refused
+    return errors, refused, stats.backward
 
 
 def test_hybrid_matches_reference_at_four_ranks():
-    errors, refused = launch(_hybrid_worker, 4, timeout_s=180)
+    errors, refused, backward = launch(_hybrid_worker, 4, timeout_s=180)
+    assert backward == "recompute"
     assert refused == [
         "a2a_size: 3 does not divide the world size 4",
         "across: expected one of ring, allgather, got 'tree'",
     ]
-    assert len(errors) == 3 * 2
+    assert len(errors) == 3 * 2 + 1
     bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
     assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
 
