@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attngym.config import Settings
 from attngym.errors import ConfigError, Interrupted, RankFailure, choice_error
-from attngym.metrics import HEADLINE_BASELINES  # the ratios worth a line in the table
+from attngym.metrics import HEADLINE_BASELINES, format_value  # ratios worth a line; units
 
 log = logging.getLogger(__name__)
 
@@ -369,19 +369,18 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     lines = [f"attngym: {metrics.get('status')}"]
     shown = RESULT_ROWS + (CP_ROWS if metrics.get("topology") not in (None, "single") else ())
     rows = [
-        (_label(key, label, metrics), metrics[key])
+        (_label(key, label, metrics), format_value(key, metrics[key]))
         for key, label in shown
         if metrics.get(key) is not None
     ]
     rows += [
-        (f"flex speed-up vs {baseline} {p.replace('fwd_bwd', 'fwd+bwd')}", metrics[key])
+        (f"flex speed-up vs {baseline} {p.replace('fwd_bwd', 'fwd+bwd')}", f"{metrics[key]:.3g}")
         for baseline in HEADLINE_BASELINES
         for p in ("fwd", "bwd", "fwd_bwd")
         if metrics.get(key := f"flex_over_{baseline}_{p}") is not None
     ]
     width = max((len(label) for label, _ in rows), default=0)
-    for label, value in rows:
-        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    for label, text in rows:
         lines.append(f"  {label:<{width}}  {text}")
     if metrics.get("error"):
         lines.append(f"  error: {metrics['error']}")
