@@ -1,13 +1,18 @@
-"""All-gather attention: each rank gathers every K/V shard, then attends its q shard in one call.
+"""All-gather attention: each rank gathers the K/V rows it reads, then attends in one call.
 
 Contract (P ranks, this rank r, an all-gather from `transport`):
-    * Forward: `start([k, v])`, then `wait` returns the gathered (2, B, G, S, D) buffer (rank p's
-      shard at rows [p·S/P, (p+1)·S/P), in layout order) through the transport's differentiable
-      wait. One kernel call attends the rank's q shard (S/P rows) to all S keys: the variant's
-      callbacks read each local row and key index through the layout's map to global positions
-      (an offset when the rows are one chunk, the identity when the gathered keys are already in
-      global order, else a position table), and the block mask is built in that local index
-      space, so every masked block is skipped as in the one-device kernel.
+    * Only what the mask reads moves (HaloPlan, from the pairs' block masks, the same on every
+      rank): each rank contributes the `width` rows of its K/V shard that some other rank's
+      queries read, from `starts[p]` (whole shards for causal; a halo for local masks; nothing,
+      and no gather, when no rank reads another's shard).
+    * Forward: `start([k, v] rows)`, then `wait` returns the gathered (2, B, G, P·width, D)
+      buffer (rank p's rows at [p·width, (p+1)·width)) through the transport's differentiable
+      wait. The keys of the call are the gathered buffer when width = S/P, else this rank's own
+      shard followed by the other ranks' rows. One kernel call attends the rank's q shard (S/P
+      rows) to those keys: the variant's callbacks read each local row and key index through a
+      map to global positions (an offset when the rows are one chunk, the identity when the keys
+      are already in global order, else a position table), and the block mask is built in that
+      local index space, so every masked block is skipped as in the one-device kernel.
     * Backward is the kernel's own (flex's backward, or the reference's autograd) over the
       gathered K/V; the wait's backward reduce-scatters dK/dV to their home ranks. Nothing is
       recomputed and `CPOptions.backward` does not apply.
@@ -28,19 +33,63 @@ from typing import Any
 import torch
 
 from attngym import kernels
-from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, attend, pairs, run
+from attngym.distributed.cp import (
+    CPCall,
+    CPOptions,
+    CPStats,
+    StepClock,
+    attend,
+    pairs,
+    rows_read,
+    run,
+)
 from attngym.distributed.layout import Layout
 from attngym.variants.base import Variant
 
 __all__ = ["CPOptions", "CPStats", "allgather_attention"]
 
 
-def _gather(call: CPCall, k: torch.Tensor):
+@dataclasses.dataclass(frozen=True)
+class HaloPlan:
+    """The rows of each shard that travel (the same on every rank).
+
+    width: rows each rank contributes, S/P for masks that read whole shards, 0 when no rank reads
+        another's shard; starts[p]: the first local row of rank p's contribution. The rows cover
+    every row some other rank's queries read (from their block masks, so whole blocks).
+    """
+
+    width: int
+    starts: tuple[int, ...]
+
+
+# Variant -> {(layout, B, H, block size, backend, device): HaloPlan}.
+_HALO_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def halo_plan(call: CPCall, q: torch.Tensor) -> HaloPlan:
+    """The HaloPlan of this call (memoised per variant)."""
+    key = (call.layout, *q.shape[:2], call.options.block_size, call.backend, q.device)
+    per = _HALO_PLANS.setdefault(call.variant, {})
+    if key not in per:
+        P, n = call.world_size, call.seq_len // call.world_size
+        spans = []
+        for s in range(P):
+            read = [rows_read(call, q, p, s) for p in range(P) if p != s]
+            read = [x for x in read if x]
+            spans.append((min(a for a, _ in read), max(b for _, b in read)) if read else None)
+        width = max((b - a for a, b in filter(None, spans)), default=0)
+        # A shard read by no other rank still sends `width` rows (an all-gather moves one size).
+        starts = tuple(0 if sp is None else min(sp[0], n - width) for sp in spans)
+        per[key] = HaloPlan(width, starts)
+    return per[key]
+
+
+def _gather(call: CPCall, k: torch.Tensor, width: int):
     from attngym.distributed.transport import cached
 
     return cached(
         call.transport.allgather,
-        tuple(k.shape),
+        (*k.shape[:2], width, k.shape[3]),
         2,
         2,
         dtype=k.dtype,
@@ -60,15 +109,28 @@ def _index_map(positions: torch.Tensor):
     return positions
 
 
-def mapped_variant(variant: Variant, layout: Layout, rank: int, device) -> Variant:
-    """The variant over (this rank's shard rows) x (the gathered keys in layout order).
+def key_positions(layout: Layout, rank: int, plan: HaloPlan, device) -> torch.Tensor:
+    """The global position of each key of rank `rank`'s call, in the order the call holds them."""
+    every = [layout.positions(p, device) for p in range(layout.world_size)]
+    if plan.width == every[rank].numel():  # whole shards: the gathered buffer itself
+        return torch.cat(every)
+    rows = [every[p][plan.starts[p] : plan.starts[p] + plan.width] for p in range(len(every))]
+    return torch.cat([every[rank], *(rows[p] for p in range(len(every)) if p != rank)])
+
+
+def mapped_variant(
+    variant: Variant, layout: Layout, rank: int, device, kv_positions: torch.Tensor | None = None
+) -> Variant:
+    """The variant over (this rank's shard rows) x (the call's keys).
 
     Query row i is global position q_map(i), key j is kv_map(j); each map is an offset (a 0-d
     tensor) or a position table, so the callbacks stay tensor-only and one compiled kernel serves
-    every rank.
+    every rank. `kv_positions` (default: every shard in layout order) gives key j's position.
     """
     q_map = _index_map(layout.positions(rank, device))
-    kv_map = _index_map(torch.cat([layout.positions(p, device) for p in range(layout.world_size)]))
+    if kv_positions is None:
+        kv_positions = torch.cat([layout.positions(p, device) for p in range(layout.world_size)])
+    kv_map = _index_map(kv_positions)
     q_at = _mapper(q_map, device, "q")
     kv_at = _mapper(kv_map, device, "kv")
     score_mod = mask_mod = None
@@ -111,23 +173,24 @@ def _mapper(index_map, device, role: str):
     return at
 
 
-# Variant -> {(layout, rank, device, B, H, block size, backend): (mapped variant, block mask)}.
+# Variant -> {(layout, rank, device, B, H, block size, backend, plan): (mapped variant, mask)}.
 _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _mapped(call: CPCall, q: torch.Tensor):
-    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend)
+def _mapped(call: CPCall, q: torch.Tensor, plan: HaloPlan):
+    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan)
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
-        mapped = mapped_variant(call.variant, call.layout, call.rank, q.device)
+        positions = key_positions(call.layout, call.rank, plan, q.device)
+        mapped = mapped_variant(call.variant, call.layout, call.rank, q.device, positions)
         block_mask = None
         if call.backend == "flex":
             block_mask = kernels.make_block_mask(
                 mapped,
                 q.shape[2],
-                call.seq_len,
+                positions.numel(),
                 block_size=call.options.block_size,
                 device=q.device,
             )
@@ -137,18 +200,29 @@ def _mapped(call: CPCall, q: torch.Tensor):
 
 def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) -> torch.Tensor:
     stats, clock = call.stats, StepClock(call.stats, q.device)
-    if call.world_size > 1:
-        ag = _gather(call, k)
+    P, r, n = call.world_size, call.rank, k.shape[2]
+    plan = halo_plan(call, q) if P > 1 else HaloPlan(n, (0,))
+    if P > 1 and plan.width > 0:
+        w = plan.width
+        ag = _gather(call, k, w)
+        mine = [t.narrow(2, plan.starts[r], w) for t in (k, v)]
         clock.start()
-        ag.start([k, v])
-        kv = ag.wait([k, v])  # differentiable: its backward reduce-scatters dK/dV
+        ag.start(mine)
+        kv = ag.wait(mine)  # differentiable: its backward reduce-scatters dK/dV
         clock.stop("step_wait_ms")
-        k_all, v_all = kv[0], kv[1]
+        if w == n:
+            k_all, v_all = kv[0], kv[1]
+        else:  # this rank's whole shard, then the other ranks' rows
+            others = [p for p in range(P) if p != r]
+            k_all, v_all = (
+                torch.cat([own, *(kv[j][:, :, p * w : (p + 1) * w] for p in others)], dim=2)
+                for j, own in enumerate((k, v))
+            )
         if stats is not None:
-            stats.bytes_sent += 2 * k.numel() * k.element_size() * (call.world_size - 1)
-    else:
+            stats.bytes_sent += 2 * mine[0].numel() * k.element_size() * (P - 1)
+    else:  # one rank, or no rank reads another's shard
         k_all, v_all = k, v
-    mapped, block_mask = _mapped(call, q)
+    mapped, block_mask = _mapped(call, q, plan)
     clock.start()
     out, lse = attend(call, q, k_all, v_all, 0, 0, block_mask, variant=mapped)
     clock.stop("step_compute_ms")

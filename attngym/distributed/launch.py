@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
 import pathlib
@@ -193,6 +194,9 @@ def _rank_main(
 ) -> None:
     _die_with_parent()
     _lead_process_group()
+    # A rank killed by a fatal signal (an abort in a native library, say) prints every thread's
+    # Python stack to its stderr: the caller names the rank, this says where it was.
+    faulthandler.enable(all_threads=True)
     _start_heartbeat(pathlib.Path(result_dir) / f"alive{rank}")
     os.environ.update(RANK_ENV)
     os.environ.update(

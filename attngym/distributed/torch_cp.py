@@ -34,6 +34,7 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
+from attngym.distributed.cp import CPOptions, check_shards, options_from
 from attngym.errors import choice_error
 from attngym.variants.base import Variant
 
@@ -287,26 +288,23 @@ def torch_cp_attention(
     *,
     group=None,
     layout: str = "contiguous",
-    block_size: tuple[int, int] = (128, 128),
-    kernel_options: Mapping[str, Any] | None = None,
-    scale: float | None = None,
-    compile: bool = True,
-    compile_mode: str = "default",
+    options: CPOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor:
     """PyTorch's flex CP of this rank's shards, built and run once (ring_attention's arguments).
 
     For repeated (timed) calls build a `TorchCP` once instead. Shards in a layout PyTorch lacks
-    are resharded to zigzag and the output back (differentiably).
+    are resharded to zigzag and the output back (differentiably). Of `options` (or its fields as
+    keywords) the kernel's apply: block_size, kernel_options, scale, compile, compile_mode;
+    PyTorch's CP has its own transfers and backward.
 
     Returns:
         (B, H, S/P, D) this rank's output shard in `layout`.
     """
     import torch.distributed as dist
 
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, H, S/P, D); got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
+    check_shards(q, k, v)
+    opts = options_from(options, **overrides)
     b, h, rows, _ = q.shape
     cp = TorchCP(
         variant,
@@ -317,11 +315,11 @@ def torch_cp_attention(
         group=group,
         layout=layout,
         device=q.device,
-        block_size=block_size,
-        kernel_options=kernel_options,
-        scale=scale,
-        compile=compile,
-        compile_mode=compile_mode,
+        block_size=opts.block_size,
+        kernel_options=opts.kernel_options,
+        scale=opts.scale,
+        compile=opts.compile,
+        compile_mode=opts.compile_mode,
     )
     q, k, v = (reshard(t, layout, cp.layout, group=group) for t in (q, k, v))
     return reshard(cp(q, k, v), cp.layout, layout, group=group)

@@ -53,7 +53,9 @@ def _gather(t, world_size, layout, variant=None):
     return unshard(parts, layout, variant=variant)
 
 
-def _parity(rank, world_size, name, variant, heads, kv_heads, fns, layouts, backward="auto"):
+def _parity(
+    rank, world_size, name, variant, heads, kv_heads, fns, layouts, backward="auto", **overrides
+):
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(2, heads, S if world_size == 2 else 36, 8, generator=gen, dtype=torch.float64)
     k, v = (
@@ -71,11 +73,14 @@ def _parity(rank, world_size, name, variant, heads, kv_heads, fns, layouts, back
                 shard(t, rank, world_size, layout, variant=variant).requires_grad_()
                 for t in (q, k, v)
             )
-            out = fn(q_s, k_s, v_s, variant, layout=layout, transport="gloo", backward=backward)
+            out = fn(
+                q_s, k_s, v_s, variant, layout=layout, transport="gloo", backward=backward,
+                **overrides,
+            )  # fmt: skip
             out.backward(shard(dout, rank, world_size, layout, variant=variant))
             got = [out, q_s.grad, k_s.grad, v_s.grad]
             want = [ref_out, qr.grad, kr.grad, vr.grad]
-            errors[(name, fn.__name__, layout, backward)] = [
+            errors[(name, fn.__name__, layout, backward, *overrides.values())] = [
                 (_gather(g, world_size, layout, variant) - w).abs().max().item()
                 for g, w in zip(got, want, strict=True)
             ]
@@ -307,7 +312,9 @@ def _transport_worker(rank, world_size, run_dir):
     # A window shorter than a shard: shard s is read by rank s + 1 only, so the ring stops after
     # two of its three steps (and dK/dV go straight home), and only the halo the window reads
     # travels (8 of 12 rows at 4-token blocks); a causal mask needs all three steps, whole shards.
-    steps = {}
+    # The all-gather likewise gathers only the rows some other rank reads: the same 8 of 12 rows
+    # for the window, whole shards for causal.
+    steps, gathered = {}, {}
     for name, variant in (("window", variants.get("sliding_window", window_size=5)),
                           ("causal", variants.get("causal"))):  # fmt: skip
         stats = CPStats()
@@ -315,7 +322,25 @@ def _transport_worker(rank, world_size, run_dir):
         with torch.no_grad():
             ring_attention(x, x, x, variant, stats=stats, block_size=(4, 4))
         steps[name] = (len(stats.step_compute_ms), stats.bytes_sent // (2 * 2 * 4 * 8))
-    out["steps"] = steps
+        stats = CPStats()
+        with torch.no_grad():
+            allgather_attention(x, x, x, variant, stats=stats, block_size=(4, 4))
+        gathered[name] = stats.bytes_sent // (2 * 2 * 4 * 8 * (world_size - 1))  # rows a rank
+    out["steps"], out["gathered_rows"] = steps, gathered
+    # Forward and backward exact where only halos travel (4-token blocks over 12-row shards).
+    out["parity"].update(
+        _parity(
+            rank,
+            world_size,
+            "sliding_window",
+            variants.get("sliding_window", window_size=5),
+            4,
+            2,
+            (ring_attention, allgather_attention),
+            ("contiguous", "zigzag"),
+            block_size=(4, 4),
+        )
+    )
     out["parity"].update(
         _parity(
             rank,
@@ -363,6 +388,7 @@ def test_p2p_transports_and_three_rank_attention(tmp_path):
     assert "no gather outstanding" in out["wait_without_start"]
     assert out["gather_ok"] and out["reduce_scatter_ok"] and out["grad_ok"]
     assert out["steps"] == {"window": (2, 8), "causal": (3, 24)}  # (steps, K/V rows sent)
+    assert out["gathered_rows"] == {"window": 8, "causal": 12}
     for case, errs in out["parity"].items():
         assert max(errs) < TOL, f"{case}: {errs}"
 

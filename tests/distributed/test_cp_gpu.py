@@ -8,8 +8,6 @@ relative; 2e-3 leaves room for the flex kernel's own accumulation order.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,17 +15,9 @@ from attngym import reference, variants
 from attngym.distributed import allgather_attention, ring_attention, shard, unshard
 from attngym.distributed.launch import launch
 
+from .gpu_ranks import relative_errors, transports
+
 REL = 2e-3
-
-
-def _transports():
-    """nccl needs a GPU per rank (NCCL refuses two ranks on one device); copy_engine also runs
-    with two ranks on one GPU when TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (a gloo group)."""
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out = ["nccl"] if n_gpu >= 2 else []
-    if n_gpu >= 2 or os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1":
-        out.append("copy_engine")
-    return out or ["nccl"]  # collected and skipped without CUDA
 
 
 def _variants(names):
@@ -41,8 +31,6 @@ def _variants(names):
 
 
 def _worker(rank, world_size, transport, variant_names, backward="auto", layouts=None):
-    import torch.distributed as dist
-
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     S = 1024
@@ -65,23 +53,19 @@ def _worker(rank, world_size, transport, variant_names, backward="auto", layouts
                     q_s, k_s, v_s, variant, layout=layout, transport=transport, backward=backward
                 )
                 out.backward(shard(dout, rank, world_size, layout, variant=variant))
-                rel = []
-                for got, want in zip(
+                errors[(name, fn.__name__, layout)] = relative_errors(
                     (out, q_s.grad, k_s.grad, v_s.grad),
                     (ref_out, qr.grad, kr.grad, vr.grad),
-                    strict=True,
-                ):
-                    parts = [torch.empty_like(got) for _ in range(world_size)]
-                    dist.all_gather(parts, got.detach().contiguous())
-                    whole = unshard(parts, layout, variant=variant).double()
-                    rel.append(((whole - want).norm() / want.norm()).item())
-                errors[(name, fn.__name__, layout)] = rel
+                    world_size,
+                    layout,
+                    variant,
+                )
     return errors
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["causal", "sliding_window", "document"])
-@pytest.mark.parametrize("transport", _transports())
+@pytest.mark.parametrize("transport", transports())
 def test_cp_on_cuda_matches_reference(transport, variant, monkeypatch):
     world_size = max(2, torch.cuda.device_count()) if transport == "nccl" else 2
     if torch.cuda.device_count() < world_size:

@@ -9,29 +9,20 @@ leaves room for the kernel's accumulation order, far below a wrong head slice or
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.distributed import hybrid_attention, shard, ulysses_attention, unshard
+from attngym.distributed import hybrid_attention, shard, ulysses_attention
 from attngym.distributed.launch import launch
+
+from .gpu_ranks import relative_errors, transports
 
 REL = 2e-3
 
 
-def _transports():
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out = ["nccl"] if n_gpu >= 2 else []
-    if n_gpu >= 2 or os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1":
-        out.append("copy_engine")
-    return out or ["nccl"]  # collected and skipped without CUDA
-
-
 def _worker(rank, world_size, transport):
-    import torch.distributed as dist
-
     device = torch.device("cuda", torch.cuda.current_device())
     S, H = 1024, 4
     cases = {
@@ -64,22 +55,17 @@ def _worker(rank, world_size, transport):
                 )
                 out = fn(q_s, k_s, v_s, variant, layout=layout, transport=transport)
                 out.backward(shard(dout, rank, world_size, layout))
-                rel = []
-                for got, want in zip(
+                errors[(name, call, layout)] = relative_errors(
                     (out, q_s.grad, k_s.grad, v_s.grad),
                     (ref_out, qr.grad, kr.grad, vr.grad),
-                    strict=True,
-                ):
-                    parts = [torch.empty_like(got) for _ in range(world_size)]
-                    dist.all_gather(parts, got.detach().contiguous())
-                    whole = unshard(parts, layout).double()
-                    rel.append(((whole - want).norm() / want.norm()).item())
-                errors[(name, call, layout)] = rel
+                    world_size,
+                    layout,
+                )
     return errors
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", _transports())
+@pytest.mark.parametrize("transport", transports())
 def test_ulysses_and_hybrid_on_cuda_match_reference(transport, monkeypatch):
     if transport == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("nccl needs a GPU per rank")
