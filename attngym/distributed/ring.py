@@ -143,7 +143,7 @@ class _RingAttention(torch.autograd.Function):
         plan = ring_plan(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
         acc = Accumulator.of(cfg, q, v.shape[-1])
-        kv = torch.stack([k, v])
+        kv = (k, v)  # the own shard as is (no stacked copy); a received slot is (2, B, G, rows, D)
         hops = _hops(cfg, k, k.dtype, "kv", plan)
         for i in range(plan.steps):
             s = (r - i) % P
@@ -155,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
                 part = _slice(kv, plan, s, i + 1)
                 hops[i + 1][0].send(part, hops[i + 1][1] - 1)
                 if stats is not None:
-                    stats.bytes_sent += part.numel() * part.element_size()
+                    stats.bytes_sent += sum(t.numel() * t.element_size() for t in part)
             clock.start()
             window = (plan.starts[s][i], plan.widths[i])
             forward_pairs(cfg, acc, q, kv[0], kv[1], s, window=window)
@@ -180,8 +180,8 @@ class _RingAttention(torch.autograd.Function):
         acc_dtype = lse.dtype
         saved = Saved(q, out, lse, dout)
         dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = torch.stack([k, v])
-        dkv_own = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+        kv = (k, v)
+        dkv_own = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
         backward_pairs(cfg, saved, k, v, r, dq_acc, dkv_own)  # step 0: this rank's own shard
         if steps == 1:  # no shard leaves its rank
             return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None
@@ -203,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
                 onward = _slice(kv, plan, s, i + 1)
                 hops[i + 1][0].send(onward, hops[i + 1][1] - 1)
                 if stats is not None:
-                    stats.bytes_sent += onward.numel() * onward.element_size()
+                    stats.bytes_sent += sum(t.numel() * t.element_size() for t in onward)
             part = torch.zeros(wide, dtype=acc_dtype, device=q.device)
             backward_pairs(
                 cfg, saved, kv[0], kv[1], s, dq_acc, part,
@@ -230,10 +230,11 @@ class _RingAttention(torch.autograd.Function):
         return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None
 
 
-def _slice(kv: torch.Tensor, plan: RingPlan, s: int, i: int) -> torch.Tensor:
-    """The rows of shard s held at step i, cut from the (2, B, G, rows, D) held at step i - 1."""
+def _slice(kv, plan: RingPlan, s: int, i: int) -> list[torch.Tensor]:
+    """The rows of shard s held at step i, [K, V] cut from the K and V held at step i - 1 (the
+    own shard's (k, v), or a received (2, B, G, rows, D) slot)."""
     start = plan.starts[s][i] - plan.starts[s][i - 1]
-    return kv.narrow(3, start, plan.widths[i])
+    return [t.narrow(2, start, plan.widths[i]) for t in kv]
 
 
 def _distinct(channels):
