@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Context parallelism on the GPUs of one host against PyTorch's own flex CP (the torch_cp baseline
-# of every CP job) and one GPU, as two torchrun sweeps per part. Run from any directory where
-# attngym is installed; results land in $STUDY_DIR (default multirun/cp_study).
+# of every CP job) and one GPU, as torchrun sweeps. Run from any directory where attngym is
+# installed; results land in $STUDY_DIR (default multirun/cp_study).
 #
-#   bash experiments/multi_gpu_cp/study.sh causal     # causal 32K/128K + sliding_window(1024) 128K
-#   bash experiments/multi_gpu_cp/study.sh document   # 8 unequal documents at 128K, ring
+#   bash experiments/multi_gpu_cp/study.sh causal     # causal + sliding_window(1024), 32K and 128K
+#   bash experiments/multi_gpu_cp/study.sh document   # 8 unequal documents, 32K and 128K
 #
-# Every job: ring, all-gather and Ulysses over the copy engine, B=1, H=8, D=128, bf16, forward and
-# forward+backward, validated on 64 sampled rows against the float64 reference, timed with one
-# warm-up and five repeats; torch_cp and the one-GPU run measured in the same job.
+# Every job: ring, all-gather and Ulysses over the copy engine (documents: ring and all-gather
+# with the balanced and zigzag layouts, Ulysses with zigzag, as it takes no balanced layout),
+# B=1, H=8, D=128, bf16, forward and forward+backward, validated on 64 sampled rows against the
+# float64 reference, timed with one warm-up and five repeats; torch_cp and the one-GPU run
+# measured in the same job.
 set -euo pipefail
 part=${1:?causal or document}
 dir=${STUDY_DIR:-multirun/cp_study}
@@ -28,15 +30,22 @@ case $part in
   causal)
     sweep causal attention=causal shape.seq_len=32768,131072 topology=ring,allgather,ulysses \
       topology.layout=zigzag
-    sweep window attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072 \
-      topology=ring,allgather,ulysses topology.layout=contiguous
+    sweep window attention=sliding_window ++attention.window_size=1024 \
+      shape.seq_len=32768,131072 topology=ring,allgather,ulysses topology.layout=contiguous
     ;;
   document)
-    # 8 documents of unequal length (22, 4, 18, 8, 16, 6, 20, 6 % of 128K)
-    # What ran: the ring only. The all-gather and Ulysses document jobs were not run.
-    docs='++attention.doc_lengths=[28835,5242,23592,10485,20971,7864,26214,7869]'
-    sweep document attention=document "$docs" shape.seq_len=131072 topology=ring \
-      topology.layout=balanced,zigzag
+    # 8 documents of unequal length (22, 4, 18, 8, 16, 6, 20, 6 % of S)
+    for n in 32768 131072; do
+      if [ "$n" = 32768 ]; then
+        docs='++attention.doc_lengths=[7209,1311,5898,2621,5243,1966,6554,1966]'
+      else
+        docs='++attention.doc_lengths=[28835,5242,23592,10485,20971,7864,26214,7869]'
+      fi
+      sweep "document_$n" attention=document "$docs" shape.seq_len=$n \
+        topology=ring,allgather topology.layout=balanced,zigzag
+      sweep "document_ulysses_$n" attention=document "$docs" shape.seq_len=$n \
+        topology=ulysses topology.layout=zigzag
+    done
     ;;
   *)
     echo "unknown part $part; use causal or document" >&2
