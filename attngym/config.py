@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -628,8 +629,14 @@ def _check_topology(data: dict[str, Any], seq_len: int, passes: list[str]) -> No
         a2a_size = _int(data, "topology.a2a_size")
         _check_a2a_size(kind, a2a_size, world_size, data["shape"]["heads"])
     timeout = _get(data, "topology.timeout_s", _default(Topology, "timeout_s"))
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ConfigError("topology.timeout_s", f"must be a positive number, got {timeout!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout < math.inf
+    ):
+        raise ConfigError(
+            "topology.timeout_s", f"must be a positive, finite number of seconds, got {timeout!r}"
+        )
     data["topology"]["timeout_s"] = float(timeout)
     if world_size != AUTO:
         _check_seq_len(seq_len, world_size, layout)

@@ -42,13 +42,16 @@ REL_ERRORS = ("err_out_rel", "err_dq_rel", "err_dk_rel", "err_dv_rel")
 def sample_rows(seq_len: int, max_rows: int, seed: int, device: torch.device | str) -> torch.Tensor:
     """Sorted query positions to validate: all rows when S <= max_rows, else a seeded sample.
 
-    The first and last rows are always included (masks are most often wrong at the edges).
+    The first and last rows are always included (masks are most often wrong at the edges), the
+    first alone when max_rows is 1.
 
     Returns:
         (R,) int64 positions, R = min(S, max_rows).
     """
     if seq_len <= max_rows:
         return torch.arange(seq_len, device=device)
+    if max_rows == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
     gen = torch.Generator().manual_seed(seed + 1)
     inner = torch.randperm(seq_len - 2, generator=gen)[: max(max_rows - 2, 0)] + 1
     rows = torch.cat([torch.tensor([0, seq_len - 1]), inner]).sort().values

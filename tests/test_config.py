@@ -199,6 +199,7 @@ CASES = [
     (["topology.world_size=0"], "topology.world_size", ["topology.world_size=1"]),
     (["topology.transport=carrier_pigeon"], "topology.transport", ["topology.transport=gloo"]),
     (["topology.layout=spiral"], "topology.layout", ["topology.layout=zigzag"]),
+    (["topology=ring", "topology.timeout_s=inf"], "topology.timeout_s", ["topology=ring"]),
     (["profiler.name=perf"], "profiler.name", ["profiler.name=kernels"]),
     (["logger.name=tensorboard"], "logger.name", ["logger.name=local"]),
     (["logger.mode=sometimes"], "logger.mode", ["logger.mode=online"]),

@@ -30,6 +30,7 @@ def test_sample_rows_bounded_with_edges():
     assert rows.numel() == 64 and rows[0] == 0 and rows[-1] == 9_999
     assert torch.equal(rows, rows.unique())  # sorted, no repeats
     assert torch.equal(sample_rows(32, 64, seed=0, device="cpu"), torch.arange(32))
+    assert sample_rows(10_000, 1, seed=0, device="cpu").tolist() == [0]  # at most max_rows
 
 
 def test_errors_helpers():

@@ -7,12 +7,14 @@ Contract (P ranks, this rank r, an all-gather from `transport`):
       and no gather, when no rank reads another's shard).
     * Forward: `start([k, v] rows)`, then `wait` returns the gathered (2, B, G, P·width, D)
       buffer (rank p's rows at [p·width, (p+1)·width)) through the transport's differentiable
-      wait. The keys of the call are the gathered buffer when width = S/P, else this rank's own
-      shard followed by the other ranks' rows. One kernel call attends the rank's q shard (S/P
-      rows) to those keys: the variant's callbacks read each local row and key index through a
-      map to global positions (an offset when the rows are one chunk, the identity when the keys
-      are already in global order, else a position table), and the block mask is built in that
-      local index space, so every masked block is skipped as in the one-device kernel.
+      wait. The keys of the call are the gathered buffer when width = S/P (copied when the
+      transport reuses its buffer, OUTPUT_REUSED, and a backward will read them), else this
+      rank's own shard followed by the other ranks' rows. One kernel call attends the rank's q
+      shard (S/P rows) to those keys: the variant's callbacks read each local row and key index
+      through a map to global positions (an offset when the rows are one chunk, the identity
+      when the keys are already in global order, else a position table), and the block mask is
+      built in that local index space, so every masked block is skipped as in the one-device
+      kernel.
     * Backward is the kernel's own (flex's backward, or the reference's autograd) over the
       gathered K/V; the wait's backward reduce-scatters dK/dV to their home ranks. Nothing is
       recomputed and `CPOptions.backward` does not apply.
@@ -51,11 +53,13 @@ __all__ = ["CPOptions", "CPStats", "allgather_attention"]
 
 @dataclasses.dataclass(frozen=True)
 class HaloPlan:
-    """The rows of each shard that travel (the same on every rank).
+    """The rows of each shard that travel (the same on every rank). They cover every row some
+    other rank's queries read (from their block masks, so whole blocks).
 
-    width: rows each rank contributes, S/P for masks that read whole shards, 0 when no rank reads
-        another's shard; starts[p]: the first local row of rank p's contribution. The rows cover
-    every row some other rank's queries read (from their block masks, so whole blocks).
+    Attributes:
+        width: rows each rank contributes: S/P for masks that read whole shards, 0 when no rank
+            reads another's shard.
+        starts: starts[p], the first local row of rank p's contribution.
     """
 
     width: int
@@ -212,6 +216,11 @@ def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) 
         clock.stop("step_wait_ms")
         if w == n:
             k_all, v_all = kv[0], kv[1]
+            saved = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+            if ag.OUTPUT_REUSED and saved:
+                # The kernel saves its keys for the backward, and the transport's buffer belongs
+                # to the next call (a second layer's forward before this one's backward).
+                k_all, v_all = k_all.clone(), v_all.clone()
         else:  # this rank's whole shard, then the other ranks' rows
             others = [p for p in range(P) if p != r]
             k_all, v_all = (

@@ -347,7 +347,12 @@ class CopyEngineAllGather(_CopyEngineBase):
     Raises:
         ValueError: a bad argument (named).
         RuntimeError: no initialised process group or no CUDA.
+
+    OUTPUT_REUSED: True, wait() returns this object's buffer, which the next start() overwrites
+    (a caller that keeps the result, for a backward say, copies it).
     """
+
+    OUTPUT_REUSED = True
 
     def __init__(
         self,

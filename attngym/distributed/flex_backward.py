@@ -265,9 +265,9 @@ def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | Non
 
     An explicit backward='flex' never falls back: its failure propagates.
     """
-    if _FAILED:
-        return None
     opts = call.options
+    if _FAILED and opts.backward == "auto":
+        return None
     try:
         return attend_backward(
             saved.q[:, :, q_rows],

@@ -36,6 +36,9 @@ Contract:
       group it creates lives until the process exits (so a torchrun sweep runs every job in the
       same group). torchrun supervises the ranks; there is no heartbeat (torchrun's agent only
       sees ranks that exit, so a stopped rank there is bounded by the group timeouts alone).
+    * Progress: rank 0 may call `report(measurements)` as it goes; a caller that passed a dict as
+      `progress` finds the latest report there however `launch` ends (returns, raises, or is
+      interrupted), so a run stopped part-way keeps what it measured.
     * Logs: with `run_dir`, every rank other than 0 writes `rank<N>.log` there, spawned or under
       torchrun; spawned rank 0 writes rank0.log too and speaks on stderr. A spawned rank is a fresh
       interpreter owned by this module, so it configures the root logger of that process. Under
@@ -60,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attngym.errors import ConfigError, RankFailure
@@ -80,6 +83,30 @@ HEARTBEAT_S = 0.5
 STARTUP_S = 60.0
 # How long failing or stopping ranks get between SIGTERM and SIGKILL.
 GRACE_S = 2.0
+
+
+# Where `report` goes in this process: the private directory's progress file (spawned rank 0) or
+# the caller's dict (torchrun rank 0); None elsewhere.
+_REPORT_TO: str | dict | None = None
+PROGRESS_FILE = "progress.pkl"
+
+
+def report(measurements: Mapping[str, Any]) -> None:
+    """Rank 0's measurements so far, for the caller's `progress` dict (module docstring); a no-op
+    on other ranks and outside `launch`."""
+    if isinstance(_REPORT_TO, dict):
+        _REPORT_TO.update(measurements)
+    elif _REPORT_TO is not None:
+        from attngym.fileio import atomic_write
+
+        atomic_write(pathlib.Path(_REPORT_TO) / PROGRESS_FILE, pickle.dumps(dict(measurements)))
+
+
+def _collect_progress(result_dir: str, progress: dict | None) -> None:
+    path = pathlib.Path(result_dir) / PROGRESS_FILE
+    if progress is not None and path.exists():
+        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
+            progress.update(pickle.loads(path.read_bytes()))
 
 
 def under_torchrun() -> bool:
@@ -208,6 +235,8 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     _log_to_files(rank, run_dir)
+    global _REPORT_TO
+    _REPORT_TO = result_dir if rank == 0 else None
     import torch.distributed as dist
 
     from attngym.distributed.transport import clear_cache
@@ -245,6 +274,7 @@ def launch(
     device: str = "cpu",
     timeout_s: float = 120.0,
     run_dir: str | os.PathLike | None = None,
+    progress: dict | None = None,
 ) -> Any:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks and return rank 0's result.
 
@@ -256,6 +286,7 @@ def launch(
         timeout_s: process-group timeout (a rank waiting longer on a peer fails), and the
             longest a spawned rank may go without a heartbeat before the caller stops the run.
         run_dir: where ranks write rank<N>.log (None: no files); see the module docstring.
+        progress: updated with rank 0's latest `report`, however the launch ends.
 
     Returns:
         Rank 0's return value (spawned), or this rank's return value (torchrun).
@@ -271,7 +302,13 @@ def launch(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if under_torchrun():
         return _join_torchrun(
-            fn, world_size, args=args, device=device, timeout_s=timeout_s, run_dir=run_dir
+            fn,
+            world_size,
+            args=args,
+            device=device,
+            timeout_s=timeout_s,
+            run_dir=run_dir,
+            progress=progress,
         )
     import torch.multiprocessing as mp
 
@@ -312,6 +349,7 @@ def launch(
     finally:
         if ctx is not None:
             _stop(ctx.processes)
+        _collect_progress(result_dir, progress)
         shutil.rmtree(result_dir, ignore_errors=True)
 
 
@@ -388,9 +426,11 @@ def _join_torchrun(
     device: str,
     timeout_s: float,
     run_dir: str | os.PathLike | None = None,
+    progress: dict | None = None,
 ) -> Any:
     import torch.distributed as dist
 
+    global _REPORT_TO
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ConfigError(
@@ -414,9 +454,11 @@ def _join_torchrun(
         handler = logging.FileHandler(path)
         handler.setFormatter(_formatter(rank))
         logging.getLogger().addHandler(handler)
+    _REPORT_TO = progress if rank == 0 else None
     try:
         return fn(rank, world_size, *args)
     finally:
+        _REPORT_TO = None
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()

@@ -247,7 +247,11 @@ class P2PAllGather:
         dtype, device: of every part.
         group: process group (default: the world).
         timeout_s: how long a CPU wait blocks before raising RankFailure.
+
+    OUTPUT_REUSED: False, wait() returns a new tensor each time (CopyEngineAllGather's is True).
     """
+
+    OUTPUT_REUSED = False
 
     def __init__(
         self,

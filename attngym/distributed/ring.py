@@ -10,7 +10,8 @@ Contract (P ranks, this rank r, channels from `transport`):
       (its own at i = 0, else `recv`). It first pushes the rows the next hop needs on, then
       computes its q chunks against what it holds, so the transfer for step i + 1 overlaps the
       compute of step i. After the compute the slot is released: the onward push out of it is
-      queued, so the slot may be overwritten. Partials are folded in with merge.merge_into.
+      queued (joined first where it went out on the next, narrower channel), so the slot may be
+      overwritten. Partials are folded in with merge.merge_into.
     * Backward computes each (q chunk, kv chunk) pair's gradient from the merged out and lse
       (CPOptions.backward: flex's backward op, or the pair's forward re-run; see cp.py). K/V
       travel again as in the forward. The other ranks' dK/dV of a shard (rows held at step 1)
@@ -161,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
             forward_pairs(cfg, acc, q, kv[0], kv[1], s, window=window)
             clock.stop("step_compute_ms")
             if i > 0:
-                hops[i][0].release(hops[i][1])
+                _release(hops, i, plan.steps)
         for chan in _distinct(c for c, _ in hops.values()):
             chan.join()
         out = acc.out.to(q.dtype)
@@ -218,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
                 home.send(part, 0)
             if stats is not None:
                 stats.bytes_sent += part.numel() * part.element_size()
-            hops[i][0].release(hops[i][1])
+            _release(hops, i, steps)
             if i > 1:
                 chain.release(i - 1)
         last = steps - 1 if home is chain else 1
@@ -235,6 +236,16 @@ def _slice(kv, plan: RingPlan, s: int, i: int) -> list[torch.Tensor]:
     own shard's (k, v), or a received (2, B, G, rows, D) slot)."""
     start = plan.starts[s][i] - plan.starts[s][i - 1]
     return [t.narrow(2, start, plan.widths[i]) for t in kv]
+
+
+def _release(hops, i: int, steps: int) -> None:
+    """Release hop i's slot. Its onward push (hop i + 1) is queued on this channel when the width
+    stays, and then ordered before the slot's next write; where the width shrinks it went out on
+    the next channel, whose pushes are joined first."""
+    chan, step = hops[i]
+    if i + 1 < steps and hops[i + 1][0] is not chan:
+        hops[i + 1][0].join()
+    chan.release(step)
 
 
 def _distinct(channels):

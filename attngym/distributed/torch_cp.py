@@ -102,8 +102,9 @@ def check_shape(seq_len: int, world_size: int, layout: str) -> None:
         )
 
 
-def reshard(x: torch.Tensor, src: str, dst: str, *, group=None, dim: int = SEQ_DIM):
-    """This rank's shard of the whole `x` moved from layout `src` to layout `dst` (collective).
+def reshard(x: torch.Tensor, src: str, dst: str, *, group=None, dim: int = SEQ_DIM, variant=None):
+    """This rank's shard of the whole `x` moved from layout `src` to layout `dst` (collective;
+    `variant` places a balanced layout).
 
     All-gathers the shards (differentiable), reassembles the sequence and cuts the `dst` shard;
     a copy of the whole tensor per rank, so it belongs outside timed code.
@@ -121,8 +122,8 @@ def reshard(x: torch.Tensor, src: str, dst: str, *, group=None, dim: int = SEQ_D
     gathered = gather(x.contiguous(), dim, group or dist.group.WORLD)
     if isinstance(gathered, funcol.AsyncCollectiveTensor):
         gathered = gathered.wait()
-    whole = layouts.unshard(list(gathered.chunk(world_size, dim)), src, dim=dim)
-    return layouts.shard(whole, dist.get_rank(group), world_size, dst, dim=dim)
+    whole = layouts.unshard(list(gathered.chunk(world_size, dim)), src, dim=dim, variant=variant)
+    return layouts.shard(whole, dist.get_rank(group), world_size, dst, dim=dim, variant=variant)
 
 
 @contextlib.contextmanager
@@ -321,5 +322,5 @@ def torch_cp_attention(
         compile=opts.compile,
         compile_mode=opts.compile_mode,
     )
-    q, k, v = (reshard(t, layout, cp.layout, group=group) for t in (q, k, v))
-    return reshard(cp(q, k, v), cp.layout, layout, group=group)
+    q, k, v = (reshard(t, layout, cp.layout, group=group, variant=variant) for t in (q, k, v))
+    return reshard(cp(q, k, v), cp.layout, layout, group=group, variant=variant)

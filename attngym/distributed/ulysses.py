@@ -30,7 +30,6 @@ sequence.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -260,25 +259,28 @@ def ulysses_attention(
     )
 
 
-@functools.cache
+# Default group -> {(ranks of the group, a2a_size): (a2a group, across group)}: kept for the life
+# of the default group (a re-initialised one starts afresh).
+_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _subgroups(group_key: tuple[int, ...], a2a_size: int):
-    """(a2a group, across group) of this rank: new_group for every block and stride, in order."""
+    """(a2a group, across group) of this rank: its block and its stride of `group_key`. Only the
+    members of each call new_group (local synchronisation), so `group` may be a subgroup of the
+    job (say the context-parallel ranks of one data-parallel replica)."""
     import torch.distributed as dist
 
-    ranks = list(group_key)
-    me = dist.get_rank()
-    a2a_group = across_group = None
-    for start in range(0, len(ranks), a2a_size):
-        block = ranks[start : start + a2a_size]
-        made = dist.new_group(block)
-        if me in block:
-            a2a_group = made
-    for offset in range(a2a_size):
-        stride = ranks[offset::a2a_size]
-        made = dist.new_group(stride)
-        if me in stride:
-            across_group = made
-    return a2a_group, across_group
+    memo = _SUBGROUPS.setdefault(dist.group.WORLD, {})
+    if (group_key, a2a_size) not in memo:
+        ranks = list(group_key)
+        me = ranks.index(dist.get_rank())
+        block = ranks[me - me % a2a_size : me - me % a2a_size + a2a_size]
+        stride = ranks[me % a2a_size :: a2a_size]
+        memo[group_key, a2a_size] = (
+            dist.new_group(block, use_local_synchronization=True),
+            dist.new_group(stride, use_local_synchronization=True),
+        )
+    return memo[group_key, a2a_size]
 
 
 def hybrid_groups(a2a_size: int | None, group=None):

@@ -165,14 +165,23 @@ def _check_ulysses(settings: Settings) -> None:
     _check_head_parallel_layout(settings)
 
 
-def _hybrid_groups(topo: Topology) -> int:
+def _hybrid_groups(settings: Settings) -> int:
     """Groups of a hybrid run (collective: a2a_size None is resolved from the NVLink domains);
-    every member of a group attends the group's whole shard for its head slice."""
+    every member of a group attends the group's whole shard for its head slice. A group size the
+    domains or the heads refuse is a ConfigError on every rank alike (exit 2, as before launch)."""
     import torch.distributed as dist
 
+    from attngym.distributed import check_ulysses_heads
     from attngym.distributed.ulysses import hybrid_groups
 
-    _, across_group = hybrid_groups(topo.a2a_size)
+    shape, topo = settings.shape, settings.topology
+    try:
+        a2a_group, across_group = hybrid_groups(topo.a2a_size)
+        check_ulysses_heads(shape.heads, shape.kv_heads, dist.get_world_size(a2a_group))
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        where = f"topology.{key}" if key == "a2a_size" else f"shape.{key}"
+        raise ConfigError(where, message) from None
     return dist.get_world_size(across_group)
 
 
@@ -197,10 +206,10 @@ class Kind:
     # (transport, k_s, timeout_s, repeats) -> step times in ms; None: step_transfer_ms not measured
     transfer_ms: Callable[..., list] | None
     check: Callable[[Settings], None] | None = None  # ConfigError before any rank starts
-    # (topology) -> how many shards of the sequence the ranks attend apart, on the ranks (may be
+    # (settings) -> how many shards of the sequence the ranks attend apart, on the ranks (may be
     # collective); load_imbalance is judged among them. 1: every rank attends the whole
     # sequence for H/P heads, balanced whatever the layout (load_imbalance 1.0).
-    sequence_shards: Callable[[Topology], int] = lambda topo: topo.world_size
+    sequence_shards: Callable[[Settings], int] = lambda s: s.topology.world_size
     # The topology's own keyword arguments of the attention function (reported with the metrics).
     options: Callable[[Topology], dict[str, Any]] = lambda topo: {}
 
@@ -215,7 +224,7 @@ KINDS = {
         "ulysses_attention",
         _alltoall_transfer_ms,
         _check_ulysses,
-        sequence_shards=lambda topo: 1,
+        sequence_shards=lambda s: 1,
     ),
     # Two levels of transfers (all-to-all in a group, ring or all-gather across): no one step to
     # time alone.
@@ -265,6 +274,7 @@ def run_context_parallel(
             device=settings.device,
             timeout_s=settings.topology.timeout_s,
             run_dir=run_dir,
+            progress=metrics,  # rank 0 reports after each phase
         )
     )
     return metrics
@@ -285,6 +295,7 @@ for _kind in KINDS:
 
 
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
+    from attngym.distributed.launch import report
     from attngym.distributed.transport import clear_cache, resolve_transport
 
     topo = settings.topology
@@ -313,6 +324,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         # rank 0 works there while the others wait for it.
         for phase in (shard, first_call, validate, time_passes, instrument, torch_cp):
             metrics.update(phase(job))
+            report(metrics)
         with rank0_work(topo.timeout_s):
             metrics.update(one_device(job))
         _fold_torch_cp_verdict(metrics)
@@ -411,8 +423,12 @@ class RankJob:
         )
 
     def max_over_ranks(self, value: int) -> int:
+        return self.over_ranks(value, torch.distributed.ReduceOp.MAX)
+
+    def over_ranks(self, value: int, op) -> int:
+        """`value` of every rank reduced with `op` (a collective: every rank calls it)."""
         t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.wait_group)
+        torch.distributed.all_reduce(t, op=op, group=self.wait_group)
         return int(t.item())
 
 
@@ -420,6 +436,7 @@ def shard(job: RankJob) -> dict[str, Any]:
     """Draw the whole inputs on the CPU (the same draw on every rank), keep this rank's shards on
     its device; rank 0 keeps the whole inputs on its CPU, rounded to the run dtype like the
     shards. Reports load_imbalance."""
+    from attngym.distributed import layout as layouts
     from attngym.distributed import load_imbalance
 
     s = job.settings
@@ -428,12 +445,13 @@ def shard(job: RankJob) -> dict[str, Any]:
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
-    shards = KINDS[job.kind].sequence_shards(s.topology)
+    shards = KINDS[job.kind].sequence_shards(s)
     if shards == 1:
         return {"load_imbalance": 1.0}
-    imbalance = load_imbalance(
-        s.topology.layout, job.variant, shards, job.seq_len, s.block_size, job.device
-    )
+    # The placement the CP call uses (balanced: planned at its default blocks), counted at the
+    # run's block size.
+    used = layouts.resolve(s.topology.layout, shards, job.seq_len, job.variant, job.device)
+    imbalance = load_imbalance(used, job.variant, shards, job.seq_len, s.block_size, job.device)
     return {"load_imbalance": imbalance}
 
 
@@ -549,20 +567,22 @@ def time_passes(job: RankJob) -> dict[str, Any]:
 
 
 def instrument(job: RankJob) -> dict[str, Any]:
-    """One instrumented forward (per-step compute, pairs, bytes) and the transfers alone."""
+    """One instrumented forward and the transfers alone: pairs summed over the ranks, bytes the
+    most any rank sent, rank 0's median step compute."""
     from attngym.distributed import CPStats
 
     stats = CPStats()
     with torch.no_grad():
         job.attend(stats)
     repeats = job.settings.benchmark.repeats
+    total = torch.distributed.ReduceOp.SUM
     return {
         "step_compute_ms": (
             statistics.median(stats.step_compute_ms) if stats.step_compute_ms else None
         ),
-        "pairs_computed": stats.pairs_computed,
-        "pairs_skipped": stats.pairs_skipped,
-        "bytes_moved": stats.bytes_sent,
+        "pairs_computed": job.over_ranks(stats.pairs_computed, total),
+        "pairs_skipped": job.over_ranks(stats.pairs_skipped, total),
+        "bytes_moved": job.max_over_ranks(stats.bytes_sent),
         "step_transfer_ms": _transfer_ms(
             job.kind, job.transport, job.shards[1], job.settings.topology.timeout_s, repeats
         ),
@@ -622,11 +642,22 @@ def one_device(job: RankJob) -> dict[str, Any]:
             compile_mode=s.compile_mode,
         )[0]
 
-    with torch.no_grad():
-        call()
-        single = {"fwd": job.timed(call)}
-    if do_bwd:
-        single["fwd_bwd"] = job.timed(lambda: torch.autograd.grad(call(), (q, k, v), grad_out))
+    single = {}
+    try:
+        with torch.no_grad():
+            call()
+            single["fwd"] = job.timed(call)
+        if do_bwd:
+            single["fwd_bwd"] = job.timed(lambda: torch.autograd.grad(call(), (q, k, v), grad_out))
+    except torch.OutOfMemoryError as err:
+        # The comparison is optional: the run keeps everything it measured before it.
+        q = k = v = grad_out = None
+        torch.cuda.empty_cache()
+        log.warning(
+            "one-device comparison %s: the whole problem does not fit on one device (%s)",
+            "stopped after the forward" if single else "skipped",
+            str(err).splitlines()[0],
+        )
     for name, result in single.items():
         suffix = "" if name == "fwd" else f"_{name}"
         efficiency = (result.median_ms / job.world_size) / job.timings[name].median_ms

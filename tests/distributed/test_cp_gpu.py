@@ -81,6 +81,44 @@ def test_cp_on_cuda_matches_reference(transport, variant, monkeypatch):
         assert max(rel) < REL, f"{transport} {case}: relative errors of out, dq, dk, dv = {rel}"
 
 
+def _two_layers_worker(rank, world_size, transport):
+    """Two calls of the same shapes (two layers) before one backward: the first call's saved keys
+    must not be the transport's buffer, which the second call overwrites."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    variant = variants.get("causal").to(device)
+    gen = torch.Generator().manual_seed(1)
+    S = 1024
+    q, q2, dout = (torch.randn(1, 4, S, 64, generator=gen).to(device) for _ in range(3))
+    k, v, k2, v2 = (torch.randn(1, 2, S, 64, generator=gen).to(device) for _ in range(4))
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)
+    ref_out.backward(dout.double())
+    errors = {}
+    for fn in (ring_attention, allgather_attention):
+        q_s, k_s, v_s = (shard(t, rank, world_size, "zigzag").requires_grad_() for t in (q, k, v))
+        other = [shard(t, rank, world_size, "zigzag") for t in (q2, k2, v2)]
+        out = fn(q_s, k_s, v_s, variant, layout="zigzag", transport=transport)
+        fn(*other, variant, layout="zigzag", transport=transport)  # a second layer's forward
+        out.backward(shard(dout, rank, world_size, "zigzag"))
+        errors[fn.__name__] = relative_errors(
+            (out, q_s.grad, k_s.grad, v_s.grad),
+            (ref_out, qr.grad, kr.grad, vr.grad),
+            world_size,
+            "zigzag",
+        )
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", transports())
+def test_a_second_call_before_the_backward_leaves_the_first_exact(transport, monkeypatch):
+    if torch.cuda.device_count() < 2:
+        monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    errors = launch(_two_layers_worker, 2, args=(transport,), device="cuda", timeout_s=300)
+    for case, rel in errors.items():
+        assert max(rel) < REL, f"{transport} {case}: relative errors of out, dq, dk, dv = {rel}"
+
+
 @pytest.mark.multigpu
 def test_auto_transport_picks_copy_engine_inside_one_host():
     errors = launch(_worker, 2, args=("auto", ("causal",)), device="cuda", timeout_s=300)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from attngym.config import Benchmark, Settings, Shape, Topology
 from attngym.tasks.context_parallel import (
@@ -59,7 +60,7 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     assert metrics["err_out_rel"] < 1e-4 and metrics["err_dq_rel"] < 1e-4
     assert metrics["err_dk_rel"] < 1e-4 and metrics["err_dv_rel"] < 1e-4
     if experiment == "ulysses_attention":  # one flex call per rank over the whole sequence
-        assert metrics["pairs_computed"] == 1 and metrics["load_imbalance"] == 1.0
+        assert metrics["pairs_computed"] == 2 and metrics["load_imbalance"] == 1.0  # summed
         assert metrics["err_lse_max_abs"] is None  # ulysses keeps no lse to compare
     else:
         assert metrics["pairs_skipped"] > 0  # causal: some (q chunk, kv chunk) pairs are empty
@@ -319,3 +320,49 @@ def test_hybrid_layout_is_checked_before_any_rank_starts():
     with pytest.raises(ConfigError, match=r"topology.layout: .*'balanced'.*contiguous, zigzag"):
         check_hardware(_settings(kind="hybrid", layout="balanced"))
     check_hardware(_settings(kind="hybrid", layout="zigzag"))
+
+
+def test_hybrid_group_size_from_the_domains_is_checked_as_config(tmp_path):
+    """a2a_size=None takes the ranks of one NVLink domain (here the host: all 4), known only on
+    the ranks: 2 heads cannot be split over 4, a ConfigError naming shape.heads (exit 2), not a
+    rank failure."""
+    from attngym import registry
+    from attngym.errors import ConfigError
+
+    settings = _settings(kind="hybrid", world_size=4)
+    with pytest.raises(ConfigError, match=r"shape.heads: 2 query heads cannot be split over 4"):
+        registry.get("task", "hybrid")(settings, tmp_path)
+
+
+def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
+    """The whole problem on one device is optional: out of memory there leaves the comparison
+    empty (or the forward's alone) and a warning, not a failed run that loses its measurements."""
+    from types import SimpleNamespace
+
+    from attngym import variants
+    from attngym.bench import Timing
+    from attngym.tasks.context_parallel import one_device
+
+    settings = _settings()
+    shape = settings.shape
+    whole = [torch.randn(1, shape.heads, shape.seq_len, shape.head_dim) for _ in range(4)]
+    done = Timing.from_times([1.0])
+    for fails_at, want in ((1, {}), (2, {"single_fwd_ms": 1.0, "efficiency": 1.0})):
+        calls = []
+
+        def timed(fn, fails_at=fails_at, calls=calls):
+            calls.append(fn)
+            if len(calls) == fails_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+            return done
+
+        job = SimpleNamespace(
+            rank=0, settings=settings, seq_len=shape.seq_len, device=torch.device("cpu"),
+            timings={"fwd": Timing.from_times([0.5]), "fwd_bwd": done},
+            whole=whole, variant=variants.get("causal"), block_mask=None, timed=timed,
+            world_size=2, kind="ring",
+        )  # fmt: skip
+        with caplog.at_level("WARNING"):
+            metrics = one_device(job)
+        assert {k: v for k, v in metrics.items() if v is not None} == want
+        assert "does not fit on one device (CUDA out of memory." in caplog.text

@@ -117,3 +117,20 @@ def test_dynamo_traces_the_op_once_per_variant_and_reuses_it():
     # One compile per variant's graphs (both chunk pairs share it); the first variant's entry is
     # reused afterwards (a GraphModule's type is unique, so the guards tell the graphs apart).
     assert frames == [1, 2, 2]
+
+
+def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
+    """Once flex's op failed under backward=auto, auto re-runs forwards; an explicit 'flex' still
+    calls the op (and would raise), it never falls back silently."""
+    from types import SimpleNamespace
+
+    from attngym.distributed.cp import CPOptions
+
+    monkeypatch.setattr(flex_backward, "_FAILED", ["RuntimeError: an earlier failure"])
+    monkeypatch.setattr(flex_backward, "attend_backward", lambda *a, **kw: "the op ran")
+    t = torch.randn(1, 1, 4, 2)
+    saved = SimpleNamespace(q=t, out=t, lse=t[..., 0], dout=t)
+    for backward, want in (("auto", None), ("flex", "the op ran")):
+        call = SimpleNamespace(options=CPOptions(backward=backward), variant=None)
+        got = flex_backward.pair_grads(call, saved, slice(0, 4), t, t, (0, 4), (0, 4), None)
+        assert got == want, backward

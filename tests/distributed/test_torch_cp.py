@@ -93,12 +93,12 @@ def test_torch_cp_rejects_bad_arguments_before_any_collective(kwargs, match):
         torch_cp.TorchCP(variants.get("causal"), **args)
 
 
-def _gather(t, world_size, layout):
+def _gather(t, world_size, layout, variant=None):
     import torch.distributed as dist
 
     parts = [torch.empty_like(t) for _ in range(world_size)]
     dist.all_gather(parts, t.detach().contiguous())
-    return layouts.unshard(parts, layout)
+    return layouts.unshard(parts, layout, variant=variant)
 
 
 def _forward_worker(rank, world_size):
@@ -115,13 +115,16 @@ def _forward_worker(rank, world_size):
         q = torch.randn(1, 4, S, 16, generator=gen, dtype=torch.float64)
         k, v = (torch.randn(1, kv_heads, S, 16, generator=gen, dtype=torch.float64) for _ in "kv")
         want, _ = reference.attention(q, k, v, variant.score_mod, variant.mask_mod)
-        for layout in ("contiguous", "zigzag"):
-            q_s, k_s, v_s = (layouts.shard(t, rank, world_size, layout) for t in (q, k, v))
+        # balanced: PyTorch has no such placement, so the shards are resharded to zigzag and back.
+        for layout in ("contiguous", "zigzag", "balanced"):
+            q_s, k_s, v_s = (
+                layouts.shard(t, rank, world_size, layout, variant=variant) for t in (q, k, v)
+            )
             with torch.no_grad():
                 out = torch_cp.torch_cp_attention(q_s, k_s, v_s, variant, layout=layout)
                 ring = ring_attention(q_s, k_s, v_s, variant, layout=layout, transport="gloo")
             errors[(name, layout)] = (
-                (_gather(out, world_size, layout) - want).abs().max().item(),
+                (_gather(out, world_size, layout, variant) - want).abs().max().item(),
                 (out - ring).abs().max().item(),
             )
     # reshard: contiguous -> zigzag shards, and the gradient back. Each position's weight is its
@@ -142,7 +145,7 @@ def test_torch_cp_forward_matches_reference_and_ring_on_cpu():
     that and far below a wrong global position (errors of order 1e-1)."""
     errors, resharded = launch(_forward_worker, 2, timeout_s=120)
     assert resharded, "reshard moved values or gradients to the wrong positions"
-    assert len(errors) == 2 * 2
+    assert len(errors) == 2 * 3
     for case, (vs_reference, vs_ring) in errors.items():
         assert vs_reference < 1e-10, f"{case}: max |torch_cp - reference| = {vs_reference}"
         assert vs_ring < 1e-10, f"{case}: max |torch_cp - ring_attention| = {vs_ring}"

@@ -171,6 +171,7 @@ def _hybrid_worker(rank, world_size):
         options=CPOptions(backward="recompute"),
         stats=stats,
     )
+    errors.update(_subgroup_errors(rank))
     refused = []
     x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
     for bad in ({"a2a_size": 3}, {"a2a_size": 2, "across": "tree"}):
@@ -182,6 +183,42 @@ def _hybrid_worker(rank, world_size):
     return errors, refused, stats.backward
 
 
+def _subgroup_errors(rank):
+    """Hybrid attention within a subgroup of the job: two replicas of two ranks (as a data
+    parallel x context parallel mesh makes), each on its own inputs; only a replica's members
+    create its in-group and across-group groups."""
+    import torch.distributed as dist
+
+    from attngym.distributed import unshard
+
+    replicas = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank calls new_group
+    group, me = replicas[rank // 2], rank % 2
+    variant = variants.get("causal")
+    gen = torch.Generator().manual_seed(50 + rank // 2)
+    q, dout = (torch.randn(1, HEADS, S, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, _ = reference.attention(*leaves, variant.score_mod, variant.mask_mod)
+    want_out.backward(dout)
+    errors = {}
+    for a2a_size in (1, 2):
+        q_s, k_s, v_s = (shard(t, me, 2, "zigzag").requires_grad_() for t in (q, k, v))
+        out = hybrid_attention(
+            q_s, k_s, v_s, variant, group=group, a2a_size=a2a_size, layout="zigzag",
+            transport="gloo",
+        )  # fmt: skip
+        out.backward(shard(dout, me, 2, "zigzag"))
+        errs = []
+        for got, want in zip(
+            (out, q_s.grad, k_s.grad, v_s.grad), (want_out, *(t.grad for t in leaves)), strict=True
+        ):
+            parts = [torch.empty_like(got) for _ in range(2)]
+            dist.all_gather(parts, got.detach().contiguous(), group=group)
+            errs.append((unshard(parts, "zigzag") - want).abs().max().item())
+        errors[("causal", "subgroup", f"a2a_size={a2a_size}")] = errs
+    return errors
+
+
 def test_hybrid_matches_reference_at_four_ranks():
     errors, refused, backward = launch(_hybrid_worker, 4, timeout_s=180)
     assert backward == "recompute"
@@ -189,7 +226,7 @@ def test_hybrid_matches_reference_at_four_ranks():
         "a2a_size: 3 does not divide the world size 4",
         "across: expected one of ring, allgather, got 'tree'",
     ]
-    assert len(errors) == 3 * 2 + 1
+    assert len(errors) == 3 * 2 + 1 + 2
     bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
     assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
 

@@ -66,3 +66,24 @@ def test_stopped_hung_or_killed_rank_fails_within_timeout_and_leaves_nothing(
     peers = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 2)]
     assert all(gone(p) for p in [rank_pid, *peers])
     assert wait_gone([grandchild]) == []  # the victim's own child went with its process group
+
+
+def _reporting_worker(rank, world_size):
+    """Rank 0 reports twice, then rank 1 dies: what rank 0 reported last must survive."""
+    import torch.distributed as dist
+
+    from attngym.distributed.launch import report
+
+    report({"fwd_ms": 1.0})
+    report({"fwd_ms": 2.0, "validation": "ok"})
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    time.sleep(LONG_WAIT_S)
+
+
+def test_a_failed_launch_keeps_rank0s_last_report():
+    progress = {"run": "kept"}
+    with pytest.raises(RankFailure, match="rank 1 exited with code 3"):
+        launch(_reporting_worker, 2, timeout_s=30, progress=progress)
+    assert progress == {"run": "kept", "fwd_ms": 2.0, "validation": "ok"}
