@@ -123,17 +123,15 @@ def key_positions(layout: Layout, rank: int, plan: HaloPlan, device) -> torch.Te
 
 
 def mapped_variant(
-    variant: Variant, layout: Layout, rank: int, device, kv_positions: torch.Tensor | None = None
+    variant: Variant, layout: Layout, rank: int, device, kv_positions: torch.Tensor
 ) -> Variant:
     """The variant over (this rank's shard rows) x (the call's keys).
 
-    Query row i is global position q_map(i), key j is kv_map(j); each map is an offset (a 0-d
-    tensor) or a position table, so the callbacks stay tensor-only and one compiled kernel serves
-    every rank. `kv_positions` (default: every shard in layout order) gives key j's position.
+    Query row i is global position q_map(i), key j is kv_map(j) (key j is at kv_positions[j]);
+    each map is an offset (a 0-d tensor) or a position table, so the callbacks stay tensor-only
+    and one compiled kernel serves every rank.
     """
     q_map = _index_map(layout.positions(rank, device))
-    if kv_positions is None:
-        kv_positions = torch.cat([layout.positions(p, device) for p in range(layout.world_size)])
     kv_map = _index_map(kv_positions)
     q_at = _mapper(q_map, device, "q")
     kv_at = _mapper(kv_map, device, "kv")
@@ -177,7 +175,8 @@ def _mapper(index_map, device, role: str):
     return at
 
 
-# Variant -> {(layout, rank, device, B, H, block size, backend, plan): (mapped variant, mask)}.
+# Variant -> {(layout, rank, device, block size, backend, plan): (mapped variant, block mask)};
+# the block mask broadcasts over batch and heads.
 _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -216,10 +215,11 @@ def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) 
         clock.stop("step_wait_ms")
         if w == n:
             k_all, v_all = kv[0], kv[1]
-            saved = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
-            if ag.OUTPUT_REUSED and saved:
-                # The kernel saves its keys for the backward, and the transport's buffer belongs
-                # to the next call (a second layer's forward before this one's backward).
+            saved = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            if getattr(ag, "OUTPUT_REUSED", True) and saved:
+                # The kernel saves its keys for the backward (dq needs them too), and the
+                # transport's buffer belongs to the next call (a second layer's forward before
+                # this one's backward).
                 k_all, v_all = k_all.clone(), v_all.clone()
         else:  # this rank's whole shard, then the other ranks' rows
             others = [p for p in range(P) if p != r]

@@ -93,13 +93,17 @@ PROGRESS_FILE = "progress.pkl"
 
 def report(measurements: Mapping[str, Any]) -> None:
     """Rank 0's measurements so far, for the caller's `progress` dict (module docstring); a no-op
-    on other ranks and outside `launch`."""
+    on other ranks and outside `launch`. Best effort: a failed write (a full disk) is logged and
+    the run goes on."""
     if isinstance(_REPORT_TO, dict):
         _REPORT_TO.update(measurements)
     elif _REPORT_TO is not None:
         from attngym.fileio import atomic_write
 
-        atomic_write(pathlib.Path(_REPORT_TO) / PROGRESS_FILE, pickle.dumps(dict(measurements)))
+        try:
+            atomic_write(pathlib.Path(_REPORT_TO) / PROGRESS_FILE, pickle.dumps(dict(measurements)))
+        except OSError as err:
+            logging.getLogger(__name__).warning("could not keep the measurements so far: %s", err)
 
 
 def _collect_progress(result_dir: str, progress: dict | None) -> None:

@@ -297,7 +297,7 @@ def torch_cp_attention(
     For repeated (timed) calls build a `TorchCP` once instead. Shards in a layout PyTorch lacks
     are resharded to zigzag and the output back (differentiably). Of `options` (or its fields as
     keywords) the kernel's apply: block_size, kernel_options, scale, compile, compile_mode;
-    PyTorch's CP has its own transfers and backward.
+    PyTorch's CP has its own transfers and backward (backend and backward must stay auto).
 
     Returns:
         (B, H, S/P, D) this rank's output shard in `layout`.
@@ -306,6 +306,11 @@ def torch_cp_attention(
 
     check_shards(q, k, v)
     opts = options_from(options, **overrides)
+    if opts.backward != "auto" or opts.backend not in ("auto", "flex"):
+        raise ValueError(
+            "backward, backend: PyTorch's CP runs compiled flex and its own backward; leave them "
+            f"auto (got backward={opts.backward!r}, backend={opts.backend!r})"
+        )
     b, h, rows, _ = q.shape
     cp = TorchCP(
         variant,

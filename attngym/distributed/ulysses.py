@@ -265,21 +265,32 @@ _SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _subgroups(group_key: tuple[int, ...], a2a_size: int):
-    """(a2a group, across group) of this rank: its block and its stride of `group_key`. Only the
-    members of each call new_group (local synchronisation), so `group` may be a subgroup of the
-    job (say the context-parallel ranks of one data-parallel replica)."""
+    """(a2a group, across group) of this rank: its block and its stride of `group_key`.
+
+    The whole job: every rank creates every block and stride, in one order (new_group's plain
+    protocol). A subgroup of the job (the context-parallel ranks of one data-parallel replica,
+    say): only the members of each group create it (local synchronisation), so every rank of the
+    job must have created the same number of groups before (PyTorch names such groups by it),
+    and the default group must not be bound to a device (PyTorch then splits a communicator
+    over every rank).
+    """
     import torch.distributed as dist
 
     memo = _SUBGROUPS.setdefault(dist.group.WORLD, {})
     if (group_key, a2a_size) not in memo:
-        ranks = list(group_key)
-        me = ranks.index(dist.get_rank())
-        block = ranks[me - me % a2a_size : me - me % a2a_size + a2a_size]
-        stride = ranks[me % a2a_size :: a2a_size]
-        memo[group_key, a2a_size] = (
-            dist.new_group(block, use_local_synchronization=True),
-            dist.new_group(stride, use_local_synchronization=True),
-        )
+        ranks, me = list(group_key), dist.get_rank()
+        blocks = [ranks[i : i + a2a_size] for i in range(0, len(ranks), a2a_size)]
+        strides = [ranks[i::a2a_size] for i in range(a2a_size)]
+        if len(ranks) == dist.get_world_size():
+            made = [(g, dist.new_group(g)) for g in blocks + strides]
+        else:
+            made = [
+                (g, dist.new_group(g, use_local_synchronization=True))
+                for g in blocks + strides
+                if me in g
+            ]
+        mine = [group for g, group in made if me in g]
+        memo[group_key, a2a_size] = (mine[0], mine[1])  # this rank's block, then its stride
     return memo[group_key, a2a_size]
 
 

@@ -614,7 +614,7 @@ def one_device(job: RankJob) -> dict[str, Any]:
     )
     if job.rank != 0:
         return metrics
-    shape, s = job.settings.shape, job.settings
+    shape = job.settings.shape
     dense_bytes = shape.batch * shape.heads * job.seq_len**2 * 8
     if job.device.type == "cpu" and dense_bytes > SINGLE_CPU_MAX_BYTES:
         log.info(
@@ -624,7 +624,43 @@ def one_device(job: RankJob) -> dict[str, Any]:
             SINGLE_CPU_MAX_BYTES / 2**30,
         )
         return metrics
-    do_bwd = "fwd_bwd" in job.timings
+    single: dict[str, Any] = {}
+    oom = None
+    try:
+        _time_whole_problem(job, "fwd_bwd" in job.timings, single)
+    except Exception as err:  # noqa: BLE001  (only out of memory is caught; the rest re-raised)
+        oom = _out_of_memory(err)
+        if oom is None:
+            raise
+    if oom is not None:
+        # The comparison is optional: the run keeps everything it measured before it. The
+        # tensors went with the failed call's frames (the error is gone here): free the cache.
+        torch.cuda.empty_cache()
+        log.warning(
+            "one-device comparison %s: the whole problem does not fit on one device (%s)",
+            "stopped after the forward" if single else "skipped",
+            oom,
+        )
+    for name, result in single.items():
+        suffix = "" if name == "fwd" else f"_{name}"
+        efficiency = (result.median_ms / job.world_size) / job.timings[name].median_ms
+        metrics[f"single_{name}_ms"] = result.median_ms
+        metrics[f"efficiency{suffix}"] = efficiency
+        log.info(
+            "%s %s %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
+            job.kind,
+            name,
+            job.timings[name].median_ms,
+            result.median_ms,
+            job.world_size,
+            efficiency,
+        )
+    return metrics
+
+
+def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> None:
+    """Time the whole problem on rank 0's device into `into` (fwd, then fwd_bwd)."""
+    s = job.settings
     q, k, v = (t.to(job.device).requires_grad_(do_bwd) for t in job.whole[:3])
     grad_out = job.whole[3].to(job.device)
 
@@ -642,37 +678,22 @@ def one_device(job: RankJob) -> dict[str, Any]:
             compile_mode=s.compile_mode,
         )[0]
 
-    single = {}
-    try:
-        with torch.no_grad():
-            call()
-            single["fwd"] = job.timed(call)
-        if do_bwd:
-            single["fwd_bwd"] = job.timed(lambda: torch.autograd.grad(call(), (q, k, v), grad_out))
-    except torch.OutOfMemoryError as err:
-        # The comparison is optional: the run keeps everything it measured before it.
-        q = k = v = grad_out = None
-        torch.cuda.empty_cache()
-        log.warning(
-            "one-device comparison %s: the whole problem does not fit on one device (%s)",
-            "stopped after the forward" if single else "skipped",
-            str(err).splitlines()[0],
-        )
-    for name, result in single.items():
-        suffix = "" if name == "fwd" else f"_{name}"
-        efficiency = (result.median_ms / job.world_size) / job.timings[name].median_ms
-        metrics[f"single_{name}_ms"] = result.median_ms
-        metrics[f"efficiency{suffix}"] = efficiency
-        log.info(
-            "%s %s %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
-            job.kind,
-            name,
-            job.timings[name].median_ms,
-            result.median_ms,
-            job.world_size,
-            efficiency,
-        )
-    return metrics
+    with torch.no_grad():
+        call()
+        into["fwd"] = job.timed(call)
+    if do_bwd:
+        into["fwd_bwd"] = job.timed(lambda: torch.autograd.grad(call(), (q, k, v), grad_out))
+
+
+def _out_of_memory(err: BaseException) -> str | None:
+    """The first line of the out-of-memory error in err's chain (a compiler may wrap it), else
+    None."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, torch.OutOfMemoryError):
+            return (str(seen).splitlines() or ["out of memory"])[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def torch_cp_skip_reason(settings: Settings, world_size: int) -> str | None:

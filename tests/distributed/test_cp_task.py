@@ -352,8 +352,11 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
 
         def timed(fn, fails_at=fails_at, calls=calls):
             calls.append(fn)
-            if len(calls) == fails_at:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+            if len(calls) == fails_at:  # wrapped, as a compiler may raise it
+                try:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+                except torch.OutOfMemoryError as oom:
+                    raise RuntimeError("compiling failed") from oom
             return done
 
         job = SimpleNamespace(
@@ -366,3 +369,7 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
             metrics = one_device(job)
         assert {k: v for k, v in metrics.items() if v is not None} == want
         assert "does not fit on one device (CUDA out of memory." in caplog.text
+    # Any other failure is the run's.
+    job.timed = lambda fn: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        one_device(job)

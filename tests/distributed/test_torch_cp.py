@@ -93,6 +93,13 @@ def test_torch_cp_rejects_bad_arguments_before_any_collective(kwargs, match):
         torch_cp.TorchCP(variants.get("causal"), **args)
 
 
+@pytest.mark.parametrize("kwargs", [{"backward": "recompute"}, {"backend": "reference"}])
+def test_torch_cp_attention_refuses_choices_it_cannot_honour(kwargs):
+    x = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="backward, backend: PyTorch's CP runs compiled flex"):
+        torch_cp.torch_cp_attention(x, x, x, variants.get("causal"), **kwargs)
+
+
 def _gather(t, world_size, layout, variant=None):
     import torch.distributed as dist
 
