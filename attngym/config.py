@@ -512,11 +512,14 @@ def _check_fits(
     """The run fits the device's memory (and, on a CPU, its cores: one process per rank), judged
     from the shape by attngym.estimate before any tensor exists; the baselines that alone would
     not fit, with why (they are skipped, the run goes on)."""
-    from attngym.estimate import estimate, format_bytes
+    from attngym.estimate import available_memory, estimate, format_bytes
 
     shape = data["shape"]
-    if device == "cuda" and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    have = None  # measured by estimate: free memory
+    if "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU, judged as every rank is
+        if device == "cuda":
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+        have = available_memory(device, total=True)
     result = estimate(
         batch=shape["batch"],
         heads=shape["heads"],
@@ -531,13 +534,15 @@ def _check_fits(
         world_size=world_size,
         block_size=block_size,
         max_mask_bytes=data["baseline_max_mask_bytes"],
+        available_bytes=have,
     )
     if not result.fits:
         raise ConfigError(result.key, result.problem.removeprefix(f"{result.key}: "))
     log.info(
-        "memory estimate: ~%s of %s available",
+        "memory estimate: ~%s of %s %s",
         format_bytes(result.needed_bytes),
         "?" if result.available_bytes is None else format_bytes(result.available_bytes),
+        "available" if have is None else "in all (under torchrun every rank judges by the total)",
     )
     return dict(result.skipped_baselines)
 

@@ -22,7 +22,11 @@ The model (an upper-bound estimate, not an allocator trace; the parts are report
 * on the CPU, every process (one per rank) also holds Python and torch, ~`PROCESS_BYTES`.
 
 On CUDA the figure is compared with the free memory of the device (`torch.cuda.mem_get_info`), on
-the CPU with the available RAM (`MemAvailable` of /proc/meminfo), which all ranks share.
+the CPU with the available RAM (`MemAvailable` of /proc/meminfo), which all ranks share. Under
+torchrun every rank judges on its own, before the ranks can talk, and free memory differs from
+GPU to GPU: there the figure is compared with the total memory (`MemTotal` on a CPU), the same on
+every rank of like machines, so the ranks agree on refusing a run or skipping a baseline (a
+refusal on one rank alone would leave the others waiting in collectives).
 """
 
 from __future__ import annotations
@@ -226,16 +230,18 @@ def _largest(parts: Mapping[str, int]) -> str:
     return f"largest: {name} ~{format_bytes(parts[name])}"
 
 
-def available_memory(device: str | torch.device) -> int | None:
-    """Free memory of a CUDA device, or MemAvailable of /proc/meminfo on a CPU (else None)."""
+def available_memory(device: str | torch.device, *, total: bool = False) -> int | None:
+    """Free memory of a CUDA device, or MemAvailable of /proc/meminfo on a CPU (else None);
+    with `total`, the device's whole memory (MemTotal), the same on every rank of like machines."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(dev)
-        return int(free)
+        free, whole = torch.cuda.mem_get_info(dev)
+        return int(whole if total else free)
+    field = "MemTotal:" if total else "MemAvailable:"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
