@@ -31,6 +31,7 @@ import torch
 from attngym import kernels, reference, registry, validation
 from attngym.config import Settings
 from attngym.device import sync
+from attngym.fileio import atomic_write
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import baseline_metric, pass_flops, pass_metrics, speedup_metric
 from attngym.variants.base import Variant
@@ -407,7 +408,6 @@ def _profile(
         fwd()
         sync(device)
     result = dict(result or {})
-    path = Path(run_dir) / "profile.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
+    path = atomic_write(Path(run_dir) / "profile.json", json.dumps(result, indent=2, default=str))
     log.info("profiler %s: results in %s", settings.profiler, path)
     return {"profiler": settings.profiler}

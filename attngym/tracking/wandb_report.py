@@ -16,6 +16,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from attngym.fileio import atomic_write
+
 log = logging.getLogger(__name__)
 
 DEFINITION = "wandb_report.json"
@@ -120,8 +122,7 @@ def publish(folder: Path, target: str) -> str:
         return str(report.url)
     except Exception as err:  # no network, not logged in, no such project: keep it locally
         log.warning("could not save the W&B report (%s: %s)", type(err).__name__, err)
-    path = Path(folder) / DEFINITION
-    path.write_text(definition(report) + "\n")
+    path = atomic_write(Path(folder) / DEFINITION, definition(report) + "\n")
     print(
         f"W&B report not published; its definition is in {path}. To publish it: sync the "
         f"runs (wandb sync {folder}/*/wandb/offline-run-*), `wandb login`, then run "
