@@ -458,11 +458,11 @@ def _join_torchrun(
         handler = logging.FileHandler(path)
         handler.setFormatter(_formatter(rank))
         logging.getLogger().addHandler(handler)
-    _REPORT_TO = progress if rank == 0 else None
+    before, _REPORT_TO = _REPORT_TO, (progress if rank == 0 else None)
     try:
         return fn(rank, world_size, *args)
     finally:
-        _REPORT_TO = None
+        _REPORT_TO = before
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()

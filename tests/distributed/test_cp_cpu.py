@@ -298,6 +298,13 @@ def _transport_worker(rank, world_size, run_dir):
         speak, world_size, args=(), device="cpu", timeout_s=30, run_dir=run_dir
     )
     out["handlers_restored"] = logging.getLogger().handlers == handlers
+    # Under torchrun rank 0's reports land in the caller's dict directly (no private folder).
+    progress = {}
+    launch_mod._join_torchrun(
+        lambda r, p: launch_mod.report({"fwd_ms": 1.5, "rank": r}),
+        world_size, args=(), device="cpu", timeout_s=30, progress=progress,
+    )  # fmt: skip
+    out["torchrun_progress"] = progress
     # Three ranks, GQA, zigzag and contiguous.
     out["parity"] = _parity(
         rank,
@@ -384,6 +391,7 @@ def test_p2p_transports_and_three_rank_attention(tmp_path):
         assert f"rank {r} of 3 speaks" in (tmp_path / f"rank{r}.log").read_text()
     assert not (tmp_path / "rank0.log").exists()
     assert out["handlers_restored"]
+    assert out["torchrun_progress"] == {"fwd_ms": 1.5, "rank": 0}
     assert "already outstanding" in out["double_start"]
     assert "no gather outstanding" in out["wait_without_start"]
     assert out["gather_ok"] and out["reduce_scatter_ok"] and out["grad_ok"]
