@@ -30,6 +30,8 @@ from attngym.distributed.launch import launch
 from attngym.distributed.ring import CPStats
 from attngym.errors import ConfigError, RankFailure
 
+from .catalogue import HEADS, PARAMS
+
 TOL = 1e-10
 S = 32
 
@@ -362,6 +364,34 @@ def _transport_worker(rank, world_size, run_dir):
         )
     )
     return out
+
+
+def _catalogue_worker(rank, world_size):
+    """Every catalogue variant through ring and all-gather, each on a layout in turn, at 8-token
+    blocks over 16-row shards (so local masks move halos and skip pairs)."""
+    names = ("contiguous", "zigzag", "balanced")
+    errors = {}
+    for n, name in enumerate(variants.names()):
+        variant = variants.get(name, **PARAMS[name])
+        for fn, layout in (
+            (ring_attention, names[n % 3]),
+            (allgather_attention, names[(n + 1) % 3]),
+        ):
+            errors.update(
+                _parity(
+                    rank, world_size, name, variant, HEADS, (4, 2)[n % 2], (fn,), (layout,),
+                    block_size=(8, 8),
+                )
+            )  # fmt: skip
+    return errors
+
+
+def test_every_variant_through_ring_and_allgather_matches_reference():
+    assert sorted(PARAMS) == variants.names(), "give every catalogue variant its test parameters"
+    errors = launch(_catalogue_worker, 2, timeout_s=180)
+    assert len(errors) == 2 * len(PARAMS)
+    bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
+    assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
 
 
 def test_p2p_transports_and_three_rank_attention(tmp_path):

@@ -23,26 +23,11 @@ from attngym.distributed import (
 )
 from attngym.distributed.launch import launch
 
+from .catalogue import HEADS, PARAMS
+
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
-S, HEADS = 32, 4
-
-# Every catalogue variant at a size that fits S = 32 tokens (natten: an 8 x 4 canvas).
-PARAMS = {
-    "alibi": {"num_heads": HEADS},
-    "bidirectional_sliding_window": {"window_size": 5},
-    "causal": {},
-    "chunked_causal": {"chunk_size": 8},
-    "dilated_sliding_window": {"window_size": 8, "dilation": 2},
-    "document": {"doc_lengths": [10, 14, 8]},
-    "full": {},
-    "natten": {"canvas_w": 8, "canvas_h": 4, "kernel_w": 3, "kernel_h": 3},
-    "prefix_lm": {"prefix_length": 7},
-    "relative_position": {},
-    "sliding_window": {"window_size": 6},
-    "sliding_window_sinks": {"window_size": 6, "num_sinks": 2},
-    "softcap": {"soft_cap": 5.0},
-}
+S = 32
 
 
 def _whole(t, world_size, layout):
