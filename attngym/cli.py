@@ -100,11 +100,15 @@ def register_resolvers() -> None:
     - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
     - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
       `total` exactly (the last one takes the rounding), e.g. document lengths.
+    - `${pid:}`: this process's id, which makes default run folders unique even for runs started
+      in the same microsecond.
     """
     if not OmegaConf.has_resolver("div"):
         OmegaConf.register_new_resolver("div", _div)
     if not OmegaConf.has_resolver("split"):
         OmegaConf.register_new_resolver("split", _split)
+    if not OmegaConf.has_resolver("pid"):
+        OmegaConf.register_new_resolver("pid", os.getpid)
 
 
 def _div(a: Any, b: Any) -> int:

@@ -28,7 +28,8 @@ Contract:
       every rank still alive is terminated (SIGKILL at once for a stopped one), given GRACE_S, then
       killed, and the process group of every rank is killed too: the children a rank started
       (compile workers, probes) go with it. A rank also dies with its parent (Linux parent-death
-      signal), and tears down its transports and process group in a `finally`, whatever `fn` did.
+      signal), and tears down its transports and process group in a `finally`, whatever `fn` did;
+      a rank that finished then exits at once, without the interpreter's teardown.
       Being in its own process group, a rank does not get the terminal's Ctrl-C: the caller does,
       and stops the ranks.
     * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
@@ -268,6 +269,17 @@ def _rank_main(
         clear_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
+    _exit_finished()
+
+
+def _exit_finished() -> None:
+    """End a rank that finished, skipping the interpreter's teardown: a native thread of a
+    library still joinable when the process tears down aborts it ("terminate called without an
+    active exception", SIGABRT), which would fail a run whose every result is in."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(

@@ -38,9 +38,13 @@ class FolderLocked(RuntimeError):
     def __init__(self, folder: Path, holder: dict[str, Any]):
         self.folder = folder
         self.holder = holder
+        who = (
+            f"pid {holder['pid']} on {holder.get('host', '?')} (since {holder.get('since', '?')})"
+            if "pid" in holder
+            else "another run that is just starting"
+        )
         super().__init__(
-            f"{folder} is in use by pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
-            f"(since {holder.get('since', '?')}); wait for it to finish or choose another folder"
+            f"{folder} is in use by {who}; wait for it to finish or choose another folder"
         )
 
 

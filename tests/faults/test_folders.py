@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -148,6 +149,11 @@ HOLD = textwrap.dedent(
         lock.release()
     """
 )
+
+
+def test_a_holder_that_has_not_written_its_name_yet_is_called_starting():
+    message = str(FolderLocked(Path("outputs/x"), {}))
+    assert message.startswith("outputs/x is in use by another run that is just starting;")
 
 
 def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over(

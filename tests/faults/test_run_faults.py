@@ -227,7 +227,8 @@ def test_a_symlink_where_a_picture_goes_fails_the_run_and_its_target_is_untouche
 
 
 def test_two_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
-    """Default folders carry the time to the microsecond; each run locks its own."""
+    """Default folders carry the time to the microsecond and the process id; each run locks its
+    own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
     runs = [
         subprocess.Popen(
