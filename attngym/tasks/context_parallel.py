@@ -440,12 +440,13 @@ def shard(job: RankJob) -> dict[str, Any]:
     from attngym.distributed import load_imbalance
 
     s = job.settings
+    # First: hybrid resolves its groups here and refuses a bad group size before any tensor.
+    shards = KINDS[job.kind].sequence_shards(s)
     whole = make_inputs(s.shape, s.seed, "cpu", torch.float32)  # q, k, v, grad_out
     job.shards = tuple(job.mine(t).to(device=job.device, dtype=job.dtype) for t in whole)
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
-    shards = KINDS[job.kind].sequence_shards(s)
     if shards == 1:
         return {"load_imbalance": 1.0}
     # The placement the CP call uses (balanced: planned at its default blocks), counted at the
