@@ -458,6 +458,10 @@ def zoom_origin(kept: torch.Tensor, cell: int, window: int, seq_len: int) -> tup
     (causal, a sliding window) scores by its partially kept cells, its edges; ties go to the
     earliest square. Squares on the diagonal weigh up to twice as much. Unmasked variants get
     the top-left corner.
+
+    A mask that is neither causal nor full is zoomed only where the square shows both: a part
+    that causal attention would draw otherwise and a part that is masked. Else a sliding window
+    longer than the zoom would be shown at its start, where it looks exactly like causal.
     """
     side = max(1, min(kept.shape[0], window // cell))
     differs = (kept[:-1, :-1] - kept[1:, 1:]).abs()
@@ -467,17 +471,41 @@ def zoom_origin(kept: torch.Tensor, cell: int, window: int, seq_len: int) -> tup
     edges = ((kept > 0) & (kept < 1)).float()
     # Edges count half: among squares on a document boundary, the one where it meets the
     # diagonal wins; a shift-invariant mask is zoomed on its first stretch of edges.
-    score = shift + 0.5 * edges
+    causal, full = _pooled_causal_and_full(kept.shape[0], cell, seq_len)
+    # An edge causal attention does not have (a window's far edge, a prefix's end) counts in
+    # full: it is what the picture is for.
+    own_edges = edges * ((kept - causal).abs() > 1e-6).float()
+    score = shift + 0.5 * edges + own_edges
     pooled = torch.nn.functional.avg_pool2d(score[None, None], side, stride=1)[0, 0]
     # Up to twice the weight for squares centred on the diagonal, where queries meet their own
     # neighbourhood: a document boundary is shown where it cuts the diagonal, not along its edge.
     rows = torch.arange(pooled.shape[0]).view(-1, 1)
     cols = torch.arange(pooled.shape[1]).view(1, -1)
     pooled = pooled * (2.0 - ((rows - cols).abs() / side).clamp(max=1.0))
+    telling = []
+    for reference in (causal, full):
+        apart = ((kept - reference).abs() > 1e-6).float()
+        if not apart.any():  # the mask is this reference: any square shows it
+            break
+        telling.append(torch.nn.functional.avg_pool2d(apart[None, None], side, stride=1)[0, 0])
+    else:
+        shows_both = (telling[0] > 0) & (telling[1] > 0)
+        if shows_both.any():
+            pooled = pooled.masked_fill(~shows_both, -1.0)
     flat = int(torch.argmax(pooled))  # the first maximum: the earliest square
     i, j = divmod(flat, pooled.shape[1])
     limit = seq_len - window
     return min(i * cell, limit), min(j * cell, limit)
+
+
+def _pooled_causal_and_full(cells: int, cell: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """pooled_keep of causal attention and of no mask, computed in closed form (cells on both
+    axes are the same token ranges, so a diagonal cell keeps its lower triangle)."""
+    sizes = (seq_len - torch.arange(cells) * cell).clamp(max=cell).to(torch.float32)
+    full = sizes.view(-1, 1) * sizes.view(1, -1) / cell**2
+    lower = torch.ones(cells, cells).tril(-1)
+    causal = full * lower + torch.diag(sizes * (sizes + 1) / 2 / cell**2)
+    return causal, full
 
 
 def _shifted(fn: Any, q0: int, k0: int) -> Any:

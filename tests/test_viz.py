@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attngym import utils, variants, viz
+from attngym.reference import dense_mask
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -458,3 +459,46 @@ def test_64k_block_picture(tmp_path):
     expected[(i - j > 0) & (i - j < w)] = 2
     expected[(i == j) | (i - j == w)] = 1
     assert torch.equal(classes, expected)
+
+
+# Parameters at S = 1024 for every catalogue variant, each feature longer than the 128-token
+# zoom where it has a length (the case where a zoom at the start looks like causal).
+ZOOM_PARAMS = {
+    "alibi": {"num_heads": 4},
+    "bidirectional_sliding_window": {"window_size": 160},
+    "causal": {},
+    "chunked_causal": {"chunk_size": 256},
+    "dilated_sliding_window": {"window_size": 256, "dilation": 2},
+    "document": {"doc_lengths": [400, 300, 324]},
+    "full": {},
+    "natten": {"canvas_w": 32, "canvas_h": 32, "kernel_w": 7, "kernel_h": 7},
+    "prefix_lm": {"prefix_length": 300},
+    "relative_position": {},
+    "sliding_window": {"window_size": 128},
+    "sliding_window_sinks": {"window_size": 256, "num_sinks": 4},
+    "softcap": {"soft_cap": 20.0},
+}
+
+
+def test_zoom_params_cover_the_catalogue():
+    assert sorted(ZOOM_PARAMS) == variants.names()
+
+
+@pytest.mark.parametrize("name", sorted(ZOOM_PARAMS))
+def test_zoom_shows_where_the_variant_differs_from_causal_and_full(name):
+    # The zoom square of the heatmap holds entries the variant masks unlike causal attention
+    # and entries it masks unlike no mask, wherever the whole mask has such entries.
+    seq_len, window, cell = 1024, 128, 4
+    mask_mod = variants.get(name, **ZOOM_PARAMS[name]).mask_mod
+    q0, k0 = viz.zoom_origin(viz.pooled_keep(mask_mod, seq_len, cell), cell, window, seq_len)
+    pos = torch.arange(seq_len)
+    keep = (
+        torch.ones(seq_len, seq_len, dtype=torch.bool)
+        if mask_mod is None
+        else dense_mask(mask_mod, 1, 1, pos, pos)[0, 0]
+    )
+    causal = pos.view(-1, 1) >= pos.view(1, -1)
+    square = (slice(q0, q0 + window), slice(k0, k0 + window))
+    for reference in (causal, torch.ones_like(causal)):
+        if not torch.equal(keep, reference):
+            assert not torch.equal(keep[square], reference[square]), (name, q0, k0)
