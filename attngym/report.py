@@ -32,11 +32,19 @@ th, td { border-right: 1px solid #ddd; border-bottom: 1px solid #ddd; padding: 3
 th { background: #f0f0f0; position: sticky; top: 0; z-index: 1; text-align: center; }
 td.text { text-align: left; } td.error { text-align: left; white-space: normal; min-width: 30em; }
 tr.failed td { background: #fde8e8; }
-.gallery { display: flex; flex-wrap: wrap; gap: 1em; }
-.card { border: 1px solid #ddd; padding: 0.5em; max-width: 820px; }
-.zoom { display: block; cursor: zoom-in; }
+.failures { border: 2px solid #c0392b; background: #fde8e8; padding: 0.5em 1em;
+            overflow-wrap: anywhere; }
+.failures li { margin: 0.3em 0; }
+.gallery { display: flex; flex-direction: column; gap: 1.5em; }
+.card { border: 1px solid #ddd; padding: 0.5em; max-width: 1400px; }
+.card.failed { border: 2px solid #c0392b; background: #fde8e8; }
+.card .error { white-space: pre-wrap; overflow-wrap: anywhere; font-family: monospace; }
+.pictures { display: flex; flex-wrap: wrap; gap: 0.5em; align-items: flex-start; }
+.zoom { display: block; cursor: zoom-in; max-width: 100%; }
 .zoom input { display: none; }
-.zoom img { max-width: 400px; margin: 2px; }
+.zoom img { max-width: 100%; margin: 2px; }
+.zoom img.heatmap { width: min(1100px, 100%); }
+.zoom img.block_mask { width: min(520px, 100%); }
 .zoom img.plot { max-width: min(900px, 100%); }
 .zoom input:checked + img { position: fixed; inset: 0; margin: auto; max-width: 98vw;
                             max-height: 98vh; z-index: 10; cursor: zoom-out;
@@ -72,6 +80,26 @@ def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
         row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
         return [row], [folder], False
     return collect(folder), job_dirs(folder), True
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    """`<status>: <error>` of a run that did not end ok."""
+    return f"{row.get('status')}: {row.get('error') or 'no error recorded'}"
+
+
+def _failures(rows: list[dict[str, Any]]) -> str:
+    """The failed runs and their errors, first on the page (the table's error column is its
+    last, off-screen on a laptop)."""
+    failed = [row for row in rows if row.get("status") != "ok"]
+    if not failed:
+        return ""
+    items = "".join(
+        f"<li><b>{html.escape(str(row.get('job')))}</b> "
+        f"<code>{html.escape(str(row.get('overrides') or ''))}</code>: "
+        f"{html.escape(_outcome(row))}</li>"
+        for row in failed
+    )
+    return f"<div class='failures'><b>{len(failed)} failed</b><ul>{items}</ul></div>"
 
 
 def build_report(folder: str | Path) -> str:
@@ -117,6 +145,7 @@ def build_report(folder: str | Path) -> str:
             if shared
             else ""
         ),
+        _failures(rows),
         "<div class='table-wrap'><table><thead><tr>"
         + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
         + "</tr></thead><tbody>",
@@ -138,8 +167,14 @@ def build_report(folder: str | Path) -> str:
         pictures = [job / name for name in ("heatmap.png", "block_mask.png")]
         pictures = [p for p in pictures if p.exists()]
         caption = html.escape(f"{row['job']}: {row.get('overrides') or row.get('variant')}")
-        body = "".join(_img(p, p.stem) for p in pictures) or "<p>(no pictures)</p>"
-        parts.append(f"<div class='card'><p><b>{caption}</b></p>{body}</div>")
+        body = "".join(_img(p, p.stem, p.stem) for p in pictures)
+        body = f"<div class='pictures'>{body}</div>" if body else ""
+        if row.get("status") == "ok":
+            body = body or "<p>(no pictures: the run's attngym.log says why)</p>"
+            parts.append(f"<div class='card'><p><b>{caption}</b></p>{body}</div>")
+        else:
+            error = f"<p class='error'>{html.escape(_outcome(row))}</p>"
+            parts.append(f"<div class='card failed'><p><b>{caption}</b></p>{error}{body}</div>")
     parts.append("</div></body></html>")
     return "\n".join(parts)
 

@@ -468,7 +468,11 @@ def zoom_origin(kept: torch.Tensor, cell: int, window: int, seq_len: int) -> tup
     shift = torch.zeros_like(kept)
     shift[:-1, :-1] += differs  # both cells of a pair that differ: the square holding the
     shift[1:, 1:] += differs  # feature's two sides beats one that ends on it
-    edges = ((kept > 0) & (kept < 1)).float()
+    edges = (kept > 0) & (kept < 1)
+    if cell == 1:  # one token a cell: no cell is kept in part; edges are where neighbours differ
+        edges[:, :-1] |= kept[:, :-1] != kept[:, 1:]
+        edges[:-1, :] |= kept[:-1, :] != kept[1:, :]
+    edges = edges.float()
     # Edges count half: among squares on a document boundary, the one where it meets the
     # diagonal wins; a shift-invariant mask is zoomed on its first stretch of edges.
     causal, full = _pooled_causal_and_full(kept.shape[0], cell, seq_len)

@@ -502,3 +502,11 @@ def test_zoom_shows_where_the_variant_differs_from_causal_and_full(name):
     for reference in (causal, torch.ones_like(causal)):
         if not torch.equal(keep, reference):
             assert not torch.equal(keep[square], reference[square]), (name, q0, k0)
+
+
+def test_zoom_of_a_window_at_one_token_a_cell_shows_its_far_edge():
+    # S = 256 pools to one token a cell: no cell is kept in part, edges come from neighbours.
+    mask_mod = variants.get("sliding_window", window_size=64).mask_mod
+    q0, k0 = viz.zoom_origin(viz.pooled_keep(mask_mod, 256, 1), 1, 64, 256)
+    assert q0 - (k0 + 63) < 64 < (q0 + 63) - k0  # the square holds q - kv = 64, the far edge
+    assert q0 <= k0 + 63  # and the diagonal
