@@ -204,13 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir():
         parser.error(f"folder {str(args.folder)!r} does not exist")
     if args.wandb:
-        from attngym.tracking.wandb_report import publish
+        from attngym.tracking.wandb_report import NotPublished, publish
 
         try:
             print(f"W&B report: {publish(args.folder, args.wandb)}")
         except (ValueError, ImportError) as err:
             print(f"attngym report: error: {err}")
             return 2
+        except NotPublished as err:
+            print(f"attngym report: error: {err}")
+            return 1
         return 0
     try:
         path = write_report(args.folder, args.out)

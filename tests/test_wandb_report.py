@@ -53,14 +53,20 @@ def test_without_wandb_login_the_definition_is_written_and_publishing_explained(
         raise ConnectionError("no network")
 
     monkeypatch.setattr(wr.Report, "save", offline)
-    path = wandb_report.publish(sweep, "team/attngym")
-    assert path == str(sweep / "wandb_report.json")
+    with pytest.raises(wandb_report.NotPublished) as caught:
+        wandb_report.publish(sweep, "team/attngym")
+    assert caught.value.path == sweep / "wandb_report.json"
+    assert "nothing was published" in str(caught.value)
+    assert "--wandb team/attngym" in str(caught.value)
     written = json.loads((sweep / "wandb_report.json").read_text())
     assert written["project"] == {"name": "attngym", "entityName": "team"}
     grids = [b for b in written["spec"]["blocks"] if b["type"] == "panel-grid"]
     (run_filter,) = grids[0]["metadata"]["runSets"][0]["filters"]["filters"]
     assert run_filter["value"] == "2026-11-30_12-00-00"
-    assert "--wandb team/attngym" in capsys.readouterr().out
+    # The command says plainly that nothing was published, and exits non-zero.
+    assert report.main([str(sweep), "--wandb", "team/attngym"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("attngym report: error: nothing was published to W&B")
 
 
 def test_report_cli_refuses_a_target_without_project(sweep, capsys):

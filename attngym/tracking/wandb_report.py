@@ -1,24 +1,21 @@
 """A W&B Report for a sweep synced to W&B: `attngym report DIR --wandb ENTITY/PROJECT`.
 
-Built with the wandb-workspaces library (`pip install -e ".[report]"`), imported only here. The
+Built with the wandb-workspaces library (`pip install "attngym[report]"`), imported only here. The
 report reads the runs of one sweep, selected by their W&B group (attngym's group is the sweep
 folder's `<date>_<time>` name, see attngym.tracking.wandb_logger): TFLOP/s against seq_len per
 variant, the speed-ups against the best SDPA, a runs table and the heatmap and block-mask media.
 
 Saving needs network and `wandb login`. Without them (or when saving fails) the report's
 definition, the model the library serialises, is written to `<DIR>/wandb_report.json` instead and
-the command to publish it later is printed: the same one, once online.
+`NotPublished` says so and how to publish it later: the same command, once online.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from attngym.fileio import atomic_write
-
-log = logging.getLogger(__name__)
 
 DEFINITION = "wandb_report.json"
 # Config keys of the resolved config (nested in W&B: attention.name is the variant).
@@ -39,7 +36,8 @@ def _library() -> Any:
         import wandb_workspaces.reports.v2 as wr
     except ImportError as err:
         raise ImportError(
-            f"--wandb needs wandb-workspaces ({err}); install it: pip install -e '.[report]'"
+            f"--wandb needs wandb-workspaces ({err}); install it: pip install 'attngym[report]'"
+            " (in a clone of attngym: pip install -e '.[report]')"
         ) from err
     return wr
 
@@ -105,11 +103,22 @@ def definition(report: Any) -> str:
     return report._to_model().model_dump_json(by_alias=True, exclude_none=True, indent=2)
 
 
-def publish(folder: Path, target: str) -> str:
-    """Save the report of `folder` to W&B `ENTITY/PROJECT`; offline, write its definition.
+class NotPublished(RuntimeError):
+    """The report could not be saved to W&B; its definition was written to `path`."""
 
-    Returns:
-        The report's URL, or the path of the definition written to the sweep folder.
+    def __init__(self, path: Path, message: str):
+        self.path = path
+        super().__init__(message)
+
+
+def publish(folder: Path, target: str) -> str:
+    """Save the report of `folder` to W&B `ENTITY/PROJECT` and return its URL.
+
+    Raises:
+        ValueError: `target` is not ENTITY/PROJECT.
+        NotPublished: it could not be saved (no network, not logged in, no such project); the
+            report's definition is written to the sweep folder and the message says how to
+            publish it.
     """
     entity, _, project = target.partition("/")
     if not entity or not project or "/" in project:
@@ -121,11 +130,11 @@ def publish(folder: Path, target: str) -> str:
         report.save()
         return str(report.url)
     except Exception as err:  # no network, not logged in, no such project: keep it locally
-        log.warning("could not save the W&B report (%s: %s)", type(err).__name__, err)
+        why = f"{type(err).__name__}: {err}"
     path = atomic_write(Path(folder) / DEFINITION, definition(report) + "\n")
-    print(
-        f"W&B report not published; its definition is in {path}. To publish it: sync the "
-        f"runs (wandb sync {folder}/*/wandb/offline-run-*), `wandb login`, then run "
-        f"`attngym report {folder} --wandb {target}` again."
+    raise NotPublished(
+        path,
+        f"nothing was published to W&B ({why}); the report's definition is in {path}. To "
+        f"publish it: sync the runs (wandb sync {folder}/*/wandb/offline-run-*), `wandb login`, "
+        f"then run `attngym report {folder} --wandb {target}` again.",
     )
-    return str(path)
