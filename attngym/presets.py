@@ -42,18 +42,20 @@ def check_fits_machine(conf_dir: Path, name: str | None, device: str, overrides:
     if name is None or device != "cpu":
         return
     header = _header(conf_dir, name)
-    sized = _after(header, SIZED_FOR) or ""
+    # The machine alone: "one 80+ GB GPU (H100/H200). Takes: ~40 minutes there (80 jobs; ..."
+    # goes on over lines a person reads; the sentence after the machine is not a reason.
+    sized = (_after(header, SIZED_FOR) or "").split(" Takes:")[0].rstrip(".")
     cpu_at, gpu_at = sized.find("CPU"), sized.find("GPU")
     if cpu_at >= 0 and (gpu_at < 0 or cpu_at < gpu_at):
         return  # sized for a CPU first ("a 2-core CPU or a GPU box"), not "a GPU, no CPU run"
     smoke = _after(header, CPU_SMOKE_RUN)
     if smoke is None:
-        raise ConfigError("experiment", f"{name} is sized for {sized.rstrip('.')}; run it on a GPU")
+        raise ConfigError("experiment", f"{name} is sized for {sized}; run it on a GPU")
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     needed = [o for o in smoke.split() if o.split("=", 1)[0] not in {"device", *given}]
     if needed:
         raise ConfigError(
             "experiment",
-            f"{name} is sized for {sized.rstrip('.')} and would take hours on this CPU; size it "
+            f"{name} is sized for {sized} and would take hours on this CPU; size it "
             f"down as its CPU smoke run does: add {' '.join(needed)}",
         )

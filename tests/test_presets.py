@@ -48,3 +48,17 @@ def test_a_gpu_sized_preset_on_a_cpu_is_refused_naming_the_overrides_that_fit():
     check_fits_machine(CONF, "variant_gallery", "cpu", [])  # sized for a CPU
     with pytest.raises(ConfigError, match="run it on a GPU"):
         check_fits_machine(CONF, "block_size_sweep", "cpu", [])
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_refusal_names_the_whole_machine_and_nothing_cut(name):
+    # The header's sentence goes on over lines; the refusal quotes the machine alone, whole.
+    from attngym.errors import ConfigError
+    from attngym.presets import check_fits_machine
+
+    try:
+        check_fits_machine(CONF, name, "cpu", [])
+    except ConfigError as err:
+        sized = str(err).split("is sized for ", 1)[1].split(" and would", 1)[0].split(";")[0]
+        assert sized.count("(") == sized.count(")"), sized
+        assert "Takes" not in sized and not sized.endswith((",", "(", "and", "cold")), sized
