@@ -32,6 +32,7 @@ refusal on one rank alone would leave the others waiting in collectives).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -40,12 +41,21 @@ import torch
 
 from attngym.bench import attention_flops
 
+log = logging.getLogger(__name__)
+
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 # Python, torch, Hydra and matplotlib in one process. Calibrated on a CPU build with the default
 # config: max RSS 1.26 GiB at S=4096 (0.54 GiB of it the S x S terms below) and ~10 GB at
 # S=16384, where this model gives 1.25 GiB and 9.8 GiB.
 PROCESS_BYTES = 700 * 2**20
 CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")  # skipped on a CPU anyway
+# Ranks a CPU core may carry. Ranks share the cores they outnumber and attend in lock-step (each
+# step waits for the slowest), so P ranks on C < P cores take about P / C times as long, and
+# their timings measure the sharing, not the algorithm: above the cores a warning says so. Past
+# this many ranks a core a run takes many times its time on enough cores (and every rank's
+# process holds PROCESS_BYTES): refused. 3 ranks on 2 cores, the usual way to test an odd world
+# size on a laptop, is well inside.
+RANKS_PER_CORE = 4
 SHAPE_KEYS = ("shape.seq_len", "shape.batch", "shape.heads")
 
 
@@ -126,7 +136,15 @@ def estimate(
 
     if on_cpu:
         cores = cpu_cores if cpu_cores is not None else _cpu_cores()
-        if world_size > cores:
+        if cores < world_size <= RANKS_PER_CORE * cores:
+            log.warning(
+                "topology.world_size=%d ranks share this CPU's %d core(s): the run takes about "
+                "%.1fx as long and its timings measure the sharing",
+                world_size,
+                cores,
+                world_size / cores,
+            )
+        if world_size > RANKS_PER_CORE * cores:
             return Estimate(
                 device=dev.type,
                 needed_bytes=0,
@@ -136,7 +154,9 @@ def estimate(
                 key="topology.world_size",
                 problem=(
                     f"topology.world_size={world_size} runs one process per rank, and this CPU "
-                    f"has {cores} core(s): use topology.world_size<={cores}"
+                    f"has {cores} core(s): at most {RANKS_PER_CORE} ranks a core, "
+                    f"topology.world_size<={RANKS_PER_CORE * cores} (ranks attend in lock-step, "
+                    f"so {world_size} ranks take about {world_size / cores:.0f}x as long)"
                 ),
                 flops=flops,
             )

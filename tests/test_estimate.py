@@ -76,10 +76,21 @@ def test_a_large_reference_names_validate_rows():
     assert result.key == "validate_rows"
 
 
-def test_more_ranks_than_cores_on_a_cpu_are_refused():
-    result = estimate(**{**DEFAULTS, "world_size": 64}, cpu_cores=2)
-    assert result.key == "topology.world_size" and "<=2" in result.problem
-    assert estimate(**{**DEFAULTS, "world_size": 2}, cpu_cores=2).fits
+def test_far_more_ranks_than_cores_on_a_cpu_are_refused():
+    result = estimate(**{**DEFAULTS, "world_size": 9}, cpu_cores=2)
+    assert result.key == "topology.world_size" and "<=8" in result.problem
+    assert estimate(**{**DEFAULTS, "world_size": 8}, cpu_cores=2).fits
+
+
+def test_a_few_more_ranks_than_cores_run_with_a_warning(caplog):
+    # 3 ranks on 2 cores is how an odd world size is tested on a laptop.
+    with caplog.at_level("WARNING", logger="attngym.estimate"):
+        assert estimate(**{**DEFAULTS, "world_size": 3}, cpu_cores=2).fits
+    assert "world_size=3 ranks share this CPU's 2 core(s)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="attngym.estimate"):
+        assert estimate(**{**DEFAULTS, "world_size": 2}, cpu_cores=2).fits
+    assert caplog.text == ""
 
 
 def test_an_unknown_dtype_is_refused():
