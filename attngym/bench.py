@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -50,17 +51,30 @@ def attention_flops(
     for p in passes:
         if p not in PASS_FACTORS:
             raise ValueError(f"passes must contain only {', '.join(PASS_FACTORS)}; got {p!r}")
-    for name, value in (
-        ("batch", batch),
-        ("heads", heads),
-        ("seq_q", seq_q),
-        ("seq_kv", seq_kv),
-        ("head_dim", head_dim),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    fwd = 4.0 * batch * heads * seq_q * seq_kv * head_dim * (1.0 - sparsity)
+    sizes = [
+        _count(name, value)
+        for name, value in (
+            ("batch", batch),
+            ("heads", heads),
+            ("seq_q", seq_q),
+            ("seq_kv", seq_kv),
+            ("head_dim", head_dim),
+        )
+    ]
+    fwd = 4.0 * math.prod(sizes) * (1.0 - sparsity)
     return fwd * sum(PASS_FACTORS[p] for p in passes)
+
+
+def _count(name: str, value: Any) -> int:
+    """A non-negative integer: a Python int or anything that is one (numpy and torch integer
+    scalars, as attention-gym's `calculate_tflops` takes them); bools and floats refused."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return count
 
 
 def tflops(flops: float, time_ms: float) -> float:

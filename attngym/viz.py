@@ -205,13 +205,14 @@ def _score_figure(
     head_idx: int,
     scale: float | None,
     title: str,
+    figsize: tuple[float, float] = (7.0, 6.0),
 ) -> Figure:
     """The seed's heatmap: post-mod scores of the first positions, drawn by `_draw_scores`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     scores = _head_scores(query, key, score_mod, mask_mod, device, scale, batch_idx, head_idx)
-    fig = Figure(figsize=(7.0, 6.0), dpi=120, layout="constrained")
+    fig = Figure(figsize=figsize, dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     _draw_scores(fig, ax, scores, (0, 0))
@@ -265,19 +266,31 @@ def plot_attention_scores(
     score_mod: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
     device: str = "cuda",
+    name: str = "attention_scores",
     batch_idx: int = 0,
     head_idx: int = 0,
     scale: float | None = None,
+    figsize: tuple[float, float] = (12, 10),
 ) -> Figure:
     """A heatmap of the post-mod scores of one batch and head, as a matplotlib Figure.
 
-    Args: as `visualize_attention_scores`, without `name` and `path`.
+    Args: as `visualize_attention_scores`, with attention-gym's order and `figsize`, the
+        figure's (width, height) in inches; `name` is the title (underscores read as spaces).
 
     Returns:
         The Figure (Agg canvas; save it with `fig.savefig(...)`).
     """
     return _score_figure(
-        query, key, score_mod, mask_mod, device, batch_idx, head_idx, scale, "attention scores"
+        query,
+        key,
+        score_mod,
+        mask_mod,
+        device,
+        batch_idx,
+        head_idx,
+        scale,
+        name.replace("_", " "),
+        tuple(figsize),
     )
 
 
@@ -301,9 +314,10 @@ def visualize_attention_scores(
         score_mod: `(score, b, h, q_idx, kv_idx) -> score`, or None.
         mask_mod: `(b, h, q_idx, kv_idx) -> bool`, or None; masked entries are drawn grey.
         device: where to compute; "cuda" needs CUDA (use "cpu" otherwise).
-        name: title of the picture and file name when `path` is a folder or None.
-        path: a folder (saves `<path>/<name>.png`), a file (its suffix becomes .png), or None
-            (saves `./<name>.png`).
+        name: title of the picture, and its file name when `path` is None.
+        path: where the PNG goes, as in attention-gym: its suffix becomes .png (`out` and
+            `out.png` both write `out.png`, beside a folder `out` if one exists), its parent
+            created; None saves `./<name>.png`.
         batch_idx: batch row to draw.
         head_idx: query head to draw.
         scale: score scale, default 1 / sqrt(D).
@@ -313,7 +327,9 @@ def visualize_attention_scores(
         folder.
     """
     fig = _score_figure(query, key, score_mod, mask_mod, device, batch_idx, head_idx, scale, name)
-    out = png_path(path, name).resolve()
+    out = pathlib.Path(f"{name}.png") if path is None else pathlib.Path(path).with_suffix(".png")
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
     save_png(fig, out)
     log.info("attention scores saved to %s", out)
     return out

@@ -47,6 +47,18 @@ def test_calculate_tflops_hand_example():
     assert utils.calculate_tflops(1, 1, 1000, 1000, 100, 1.0) == pytest.approx(0.4)
 
 
+def test_calculate_tflops_takes_numpy_and_torch_integers_as_attention_gym_does():
+    import numpy as np
+
+    sizes = (2, 4, 1024, 2048, 64)
+    expected = utils.calculate_tflops(*sizes, 2.0, sparsity=0.25)
+    assert utils.calculate_tflops(*map(np.int64, sizes), 2.0, sparsity=0.25) == expected
+    assert utils.calculate_tflops(*(torch.tensor(n) for n in sizes), 2.0, 0.25) == expected
+    for bad in (2.0, True, "2"):  # not an integer: refused by name, not miscounted
+        with pytest.raises(ValueError, match="batch must be a non-negative integer"):
+            utils.calculate_tflops(bad, 4, 1024, 2048, 64, 2.0)
+
+
 def test_attention_flops_pass_ratios():
     fwd = bench.attention_flops(2, 8, 4096, 4096, 128)
     assert fwd == 4.0 * 2 * 8 * 4096 * 4096 * 128

@@ -103,9 +103,11 @@ def test_seed_signatures():
         ("score_mod", None),
         ("mask_mod", None),
         ("device", "cuda"),
+        ("name", "attention_scores"),
         ("batch_idx", 0),
         ("head_idx", 0),
         ("scale", None),
+        ("figsize", (12, 10)),
     ]
     assert seed_signature(utils.create_score_mod) == [
         ("query", EMPTY),
@@ -178,8 +180,17 @@ def test_plot_attention_scores_builds_a_labelled_figure(rng):
     ax = fig.axes[0]
     assert ax.get_xlabel() == "key position"
     assert ax.get_ylabel() == "query position"
-    assert ax.get_title()
+    assert ax.get_title() == "attention scores"
     assert len(fig.axes) == 2  # the heatmap and its colorbar
+    assert tuple(fig.get_size_inches()) == (12, 10)  # attention-gym's default figsize
+
+
+def test_plot_attention_scores_takes_attention_gyms_positional_arguments(rng):
+    # attention-gym's order: (query, key, score_mod, mask_mod, device, name, batch_idx, ...).
+    q = torch.randn(2, 2, 8, 4, generator=rng)
+    fig = utils.plot_attention_scores(q, q, None, causal, "cpu", "my_mask", 1, 1, None, (4, 3))
+    assert fig.axes[0].get_title() == "my mask"
+    assert tuple(fig.get_size_inches()) == (4, 3)
 
 
 def test_visualize_attention_scores_path_rules(rng, tmp_path, monkeypatch, caplog):
@@ -187,8 +198,9 @@ def test_visualize_attention_scores_path_rules(rng, tmp_path, monkeypatch, caplo
     k = torch.randn(1, 1, 32, 8, generator=rng)
     mask = sliding_window(6)
 
-    out = utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path)
-    assert out == tmp_path / "attention_scores.png"  # a folder: <path>/<name>.png
+    (tmp_path / "out").mkdir()
+    out = utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path / "out")
+    assert out == tmp_path / "out.png"  # as attention-gym: <path>.png, beside a folder `out`
     read_png(out)
 
     utils.visualize_attention_scores(q, k, mask_mod=mask, device="cpu", path=tmp_path / "a.png")
@@ -304,7 +316,9 @@ def test_heatmaps_draw_both_forms(rng, tmp_path, form):
         atol=1e-4,
         rtol=1e-5,
     )
-    out = utils.visualize_attention_scores(q_in, k_in, mask_mod=causal, device="cpu", path=tmp_path)
+    out = utils.visualize_attention_scores(
+        q_in, k_in, mask_mod=causal, device="cpu", path=tmp_path / "scores"
+    )
     read_png(out)
 
 
