@@ -15,12 +15,18 @@ from typing import Any
 from attngym import registry, variants
 from attngym.errors import ConfigError, choice_error
 from attngym.registry import ParamError
+from attngym.variants import custom
 from attngym.variants.base import Variant
 
 # Variant parameters that must equal a shape field: parameter -> (shape key, why).
 TIED_TO_SHAPE = {
     "num_heads": ("shape.heads", "ALiBi gives each query head its slope of a geometric sequence"),
 }
+
+
+def names() -> list[str]:
+    """Every name `attention.name` takes: the catalogue and `custom` (your own callbacks)."""
+    return sorted([*variants.names(), custom.NAME])
 
 
 def build_variant(
@@ -48,8 +54,10 @@ def build_variant(
             `attention.compose.0.window_size`.
     """
     if not isinstance(attention, Mapping) or "name" not in attention:
-        raise ConfigError(key, f"needs a 'name' (one of {', '.join(variants.names())})")
+        raise ConfigError(key, f"needs a 'name' (one of {', '.join(names())})")
     name = attention["name"]
+    if name == custom.NAME and "compose" not in attention:
+        return custom.build(attention, key=key, seq_len=seq_len, heads=heads)
     if "compose" in attention:
         parts = attention["compose"]
         extra = sorted(set(attention) - {"name", "compose"})
@@ -58,7 +66,8 @@ def build_variant(
         if not isinstance(parts, Sequence) or isinstance(parts, str) or not parts:
             raise ConfigError(f"{key}.compose", f"must be a non-empty list, got {parts!r}")
         built = [
-            build_variant(p, key=f"{key}.compose.{i}", heads=heads) for i, p in enumerate(parts)
+            build_variant(p, key=f"{key}.compose.{i}", seq_len=seq_len, heads=heads)
+            for i, p in enumerate(parts)
         ]
         try:
             variant = variants.compose(*built)
@@ -67,9 +76,7 @@ def build_variant(
         variant = dataclasses.replace(variant, name=str(name))
     else:
         if name not in variants.names():
-            raise ConfigError(
-                f"{key}.name", choice_error("attention variant", name, variants.names())
-            )
+            raise ConfigError(f"{key}.name", choice_error("attention variant", name, names()))
         params = {k: v for k, v in attention.items() if k != "name"}
         try:
             registry.check_params("variant", name, params)

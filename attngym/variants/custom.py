@@ -1,0 +1,451 @@
+"""Your own variant: FlexAttention callbacks from any importable code.
+
+    attngym attention=custom attention.mask_mod=mymasks.checkerboard
+    attngym attention=custom attention.mask_mod=attn_gym.masks.generate_sliding_window \
+        attention.mask_args.window_size=64
+
+`attention.mask_mod` and `attention.score_mod` are import paths (`package.module.name`, as
+Hydra's `_target_`, or `package.module:name`), resolved from the working directory and
+PYTHONPATH, so a `mymasks.py` beside your runs needs no installing. Each names the callback
+itself, or a factory that returns it, called with `attention.mask_args` / `attention.score_args`
+(and with `device=` when it takes one, so the tensors it builds live where the run attends).
+
+User code is foreign input: everything that can be judged before any real tensor work is judged
+here, each failure one line naming the config key. The import, the names, the signatures, the
+factory's arguments, then a probe: the callback evaluated on a small grid of (b, h, q_idx, kv_idx)
+spanning the whole sequence, which must return a bool (mask_mod) or floating (score_mod) tensor
+of the grid's broadcast shape.
+
+The contract a callback meets (the README states it for users):
+
+* positions are global: `q_idx` and `kv_idx` index the whole sequence (0 .. seq_len - 1), `b`
+  the batch row and `h` the query head, whatever the topology (a context-parallel rank sees
+  global positions too);
+* tensor ops only, no Python branching on their values, so the same code runs inside
+  FlexAttention (compiled), on broadcast index grids (the float64 reference, the pictures, the
+  dense SDPA baseline) and on every rank;
+* tensors it reads (document ids, offsets, tables) cover the whole sequence and live on the run's
+  device: a factory that takes `device` is called with it (again on each rank, for its device); a
+  callback that reads a tensor on another device is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from attngym.errors import ConfigError, closest
+from attngym.variants.base import Variant
+
+NAME = "custom"
+# The callbacks' positional arguments, in FlexAttention's order.
+ARGUMENTS = {
+    "mask_mod": ("b", "h", "q_idx", "kv_idx"),
+    "score_mod": ("score", "b", "h", "q_idx", "kv_idx"),
+}
+KEYS = ("mask_mod", "mask_args", "score_mod", "score_args", "label")
+PROBE_POSITIONS = 16  # positions per axis of the probe grid, spread over the sequence
+
+
+@contextlib.contextmanager
+def _working_directory_importable() -> Iterator[None]:
+    """The working directory on sys.path while importing: `python -m` puts it there, the
+    `attngym` console script does not, and a researcher's mymasks.py lives beside their runs."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(cwd)
+
+
+def _import(module: str, path: str, key: str) -> types.ModuleType:
+    try:
+        with _working_directory_importable():
+            return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (module == err.name or module.startswith(f"{err.name}.")):
+            raise ConfigError(
+                key,
+                f"{path!r}: no module {err.name!r} (looked in the working directory "
+                f"{os.getcwd()} and PYTHONPATH); the path is module.name, e.g. "
+                "mymasks.checkerboard for a mymasks.py beside your runs",
+            ) from None
+        raise ConfigError(key, f"{path!r}: importing {module} failed: {err}") from None
+    except Exception as err:  # the user's module raised while importing (a SyntaxError too)
+        raise ConfigError(
+            key, f"{path!r}: importing {module} failed: {type(err).__name__}: {err}"
+        ) from None
+
+
+def resolve(path: Any, *, key: str) -> Any:
+    """The object an import path names: `package.module.name` or `package.module:name`.
+
+    Raises:
+        ConfigError(key, ...): not a path, no such module, no such name in it (with the closest
+            public name), or the module raised while importing.
+    """
+    if not isinstance(path, str) or not path.strip() or path.count(":") > 1:
+        raise ConfigError(key, f"must be an import path such as mymasks.checkerboard, got {path!r}")
+    if ":" in path:
+        module_name, _, rest = path.partition(":")
+        module, attrs = _import(module_name, path, key), rest.split(".")
+    else:
+        parts = path.split(".")
+        if len(parts) < 2:
+            raise ConfigError(
+                key, f"{path!r} names a module only; name its function too: {path}.NAME"
+            )
+        module, attrs = None, []
+        for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module
+            name = ".".join(parts[:cut])
+            try:
+                with _working_directory_importable():
+                    found = importlib.util.find_spec(name) is not None
+            except Exception:  # a parent that is no module, or raises: _import says which
+                found = False
+            if found or cut == 1:
+                module, attrs = _import(name, path, key), parts[cut:]
+                break
+    obj: Any = module
+    for i, attr in enumerate(attrs):
+        if not hasattr(obj, attr):
+            public = [n for n in dir(obj) if not n.startswith("_")]
+            hint = closest(attr, public)
+            where = ".".join([module.__name__, *attrs[:i]])
+            suffix = f"; did you mean {hint!r}?" if hint else ""
+            raise ConfigError(key, f"{path!r}: {where} has no {attr!r}{suffix}")
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _positional(fn: Callable[..., Any]) -> tuple[int, int] | None:
+    """(required, most) positional parameters of fn; most is large for *args; None when its
+    signature cannot be read."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is p.empty for p in positional)
+    most = 1 << 30 if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional)
+    return required, most
+
+
+def _takes(fn: Callable[..., Any], count: int) -> bool:
+    arity = _positional(fn)
+    return arity is None or arity[0] <= count <= arity[1]
+
+
+def _call_factory(
+    factory: Callable[..., Any], args: Mapping[str, Any], *, path: str, key: str, device: Any
+) -> Any:
+    """factory(**args), its arguments checked against its signature first (and `device` passed
+    when it takes one and the config does not set it)."""
+    params = inspect.signature(factory).parameters
+    named = {n: p for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    open_keywords = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    for arg in args:
+        if arg not in named and not open_keywords:
+            hint = closest(arg, named)
+            suffix = f" (did you mean {hint!r}?)" if hint else ""
+            allowed = ", ".join(named) or "none"
+            raise ConfigError(
+                f"{key}.{arg}",
+                f"{path} takes no argument {arg!r}; its arguments: {allowed}{suffix}",
+            )
+    call = dict(args)
+    if "device" in named and "device" not in call:
+        call["device"] = device
+    for name, p in named.items():
+        if p.default is p.empty and name not in call and p.kind != p.POSITIONAL_ONLY:
+            raise ConfigError(
+                f"{key}.{name}", f"{path} needs argument {name!r}: set {key}.{name}=..."
+            )
+    try:
+        return factory(**call)
+    except Exception as err:  # the user's factory refused its arguments
+        shown = ", ".join(f"{k}={v!r}" for k, v in call.items())
+        raise ConfigError(key, f"{path}({shown}) raised {type(err).__name__}: {err}") from None
+
+
+def callback(
+    path: Any, args: Mapping[str, Any] | None, *, kind: str, key: str, device: Any = "cpu"
+) -> Callable[..., torch.Tensor]:
+    """The `kind` callback ("mask_mod" or "score_mod") an import path names: the object itself
+    when it takes the callback's arguments and no factory arguments are given, else what the
+    factory returns when called with `args`.
+
+    Raises:
+        ConfigError: the path does not resolve, is not callable, takes or returns the wrong
+            arguments; key is `attention.<kind>` or `attention.<kind>_args.<name>`.
+    """
+    args_key = f"{key.rsplit('.', 1)[0]}.{kind.replace('_mod', '_args')}"
+    if args is not None and not isinstance(args, Mapping):
+        raise ConfigError(args_key, f"must be a mapping of the factory's arguments, got {args!r}")
+    obj = path if callable(path) else resolve(path, key=key)
+    shown = path if isinstance(path, str) else getattr(obj, "__qualname__", repr(obj))
+    if not callable(obj):
+        raise ConfigError(
+            key,
+            f"{shown} is a {type(obj).__name__}, not a function: name a {kind} or a factory "
+            "that returns one",
+        )
+    want = len(ARGUMENTS[kind])
+    signature = f"({', '.join(ARGUMENTS[kind])})"
+    if not args and _takes(obj, want):
+        return obj
+    if not args and _positional(obj) is not None and _positional(obj)[0] > 0:
+        required = _positional(obj)[0]
+        raise ConfigError(
+            key,
+            f"{shown} takes {required} argument(s) and a {kind} takes {want} {signature}; if it "
+            f"is a factory, give its arguments as {args_key}.NAME=VALUE",
+        )
+    built = _call_factory(obj, args or {}, path=shown, key=args_key, device=device)
+    if not callable(built) or not _takes(built, want):
+        what = (
+            f"a function of {_positional(built)[0]} argument(s)"
+            if callable(built) and _positional(built)
+            else f"a {type(built).__name__}"
+        )
+        raise ConfigError(
+            key, f"{shown} returned {what}; a {kind} takes {want} arguments {signature}"
+        )
+    return built
+
+
+def _grid(seq_len: int, heads: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    """(b, h, q_idx, kv_idx) broadcasting to (B, H, P, P), positions spread over the whole
+    sequence (its first and last included), int32 as FlexAttention passes them."""
+    pos = torch.linspace(0, seq_len - 1, min(PROBE_POSITIONS, seq_len)).round().to(torch.int32)
+    pos = pos.unique()
+    b = torch.arange(batch, dtype=torch.int32).view(-1, 1, 1, 1)
+    h = torch.arange(min(heads, 4), dtype=torch.int32).view(1, -1, 1, 1)
+    return b, h, pos.view(1, 1, -1, 1), pos.view(1, 1, 1, -1)
+
+
+def probe(fn: Callable[..., Any], *, kind: str, key: str, seq_len: int, heads: int) -> None:
+    """Evaluate fn on a small grid spanning the sequence; ConfigError(key) when it raises or
+    returns other than a bool (mask_mod) or floating (score_mod) tensor of the grid's shape."""
+    b, h, q_idx, kv_idx = _grid(seq_len, heads)
+    shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+    args = (b, h, q_idx, kv_idx)
+    if kind == "score_mod":
+        score = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        args = (score, *args)
+    where = f"on a probe grid (b < {b.numel()}, h < {h.numel()}, positions 0..{seq_len - 1})"
+    try:
+        out = fn(*args)
+    except Exception as err:  # the user's code, on tensors shaped as FlexAttention passes them
+        message = str(err).splitlines()[0] if str(err) else ""
+        hint = (
+            "; callbacks must use tensor ops only (torch.where, &, |), not Python if/and/or"
+            if "ambiguous" in message or "Boolean value" in message
+            else "; tensors it reads must cover shape.seq_len"
+            if isinstance(err, IndexError)
+            else ""
+        )
+        raise ConfigError(key, f"raised {type(err).__name__} {where}: {message}{hint}") from None
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(key, f"returned a {type(out).__name__} {where}; it must return a tensor")
+    want = "bool" if kind == "mask_mod" else "floating"
+    ok_dtype = out.dtype == torch.bool if kind == "mask_mod" else out.dtype.is_floating_point
+    if not ok_dtype:
+        raise ConfigError(key, f"returned {out.dtype} {where}; a {kind} returns a {want} tensor")
+    try:
+        fits = torch.broadcast_shapes(out.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ConfigError(
+            key,
+            f"returned shape {tuple(out.shape)} {where}; it must broadcast to the grid's "
+            f"{tuple(shape)} (one value per (b, h, q_idx, kv_idx))",
+        )
+
+
+def tensors_read(fn: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a callback can read: in its closure, its default arguments, the globals it
+    names, and recursively in the functions, partials and callable objects among those."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 8:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append((name, obj))
+        elif isinstance(obj, list | tuple):
+            for i, item in enumerate(obj):
+                visit(f"{name}[{i}]", item, depth + 1)
+        elif isinstance(obj, dict):
+            for k, item in obj.items():
+                visit(f"{name}[{k!r}]", item, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            code = obj.__code__
+            for var, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
+                with contextlib.suppress(ValueError):  # an empty cell
+                    visit(var, cell.cell_contents, depth + 1)
+            for var in code.co_names:
+                if var in obj.__globals__ and not isinstance(
+                    obj.__globals__[var], types.ModuleType
+                ):
+                    visit(var, obj.__globals__[var], depth + 1)
+            for i, default in enumerate(obj.__defaults__ or ()):
+                visit(f"{obj.__name__} default {i}", default, depth + 1)
+        elif hasattr(obj, "func") and hasattr(obj, "args"):  # functools.partial
+            visit(name, obj.func, depth + 1)
+            visit(name, obj.args, depth + 1)
+            visit(name, getattr(obj, "keywords", {}), depth + 1)
+        elif callable(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for attr, item in vars(obj).items():
+                visit(attr, item, depth + 1)
+
+    visit(getattr(fn, "__name__", "callback"), fn, 0)
+    return found
+
+
+def check_device(fn: Any, device: Any, *, key: str, variant: str) -> None:
+    """ConfigError(key) when fn reads a tensor that is not on `device`: FlexAttention would
+    fail to compile it deep inside, or the reference would index across devices."""
+    want = torch.device(device)
+    for name, tensor in tensors_read(fn):
+        if tensor.device.type != want.type:
+            raise ConfigError(
+                key,
+                f"variant {variant!r} reads {name}, a {tensor.device.type} tensor of shape "
+                f"{tuple(tensor.shape)}, but the run is on {want.type}: let its factory take "
+                f"`device` (attngym passes the run's), or build the tensor on {want.type}",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How to rebuild the callbacks on another device: paths (or objects) and arguments."""
+
+    mask_mod: Any
+    mask_args: Mapping[str, Any]
+    score_mod: Any
+    score_args: Mapping[str, Any]
+    key: str
+
+    def build(self, device: Any) -> tuple[Any, Any]:
+        mask = score = None
+        if self.mask_mod is not None:
+            mask = callback(
+                self.mask_mod,
+                self.mask_args,
+                kind="mask_mod",
+                key=f"{self.key}.mask_mod",
+                device=device,
+            )
+        if self.score_mod is not None:
+            score = callback(
+                self.score_mod,
+                self.score_args,
+                kind="score_mod",
+                key=f"{self.key}.score_mod",
+                device=device,
+            )
+        return score, mask
+
+
+# Names a closure often has that say nothing of the variant: the factory's name says more.
+_GENERIC_NAMES = {"mask_mod", "score_mod", "mask", "score", "mod", "fn", "inner", "wrapper"}
+
+
+def _label(fn: Any, path: Any) -> str:
+    """The name of a callback in tables and W&B: its __name__ (attention-gym's closures carry
+    their parameters, e.g. sliding_window_64), else the last part of its import path."""
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str) and name.isidentifier() and name not in _GENERIC_NAMES:
+        return name
+    if isinstance(path, str):
+        return path.replace(":", ".").rsplit(".", 1)[-1]
+    return getattr(path, "__name__", "callback")
+
+
+def build(
+    entry: Mapping[str, Any],
+    *,
+    key: str = "attention",
+    seq_len: int | None = None,
+    heads: int | None = None,
+) -> Variant:
+    """The Variant of a `{"name": "custom", "mask_mod": ..., "score_mod": ...}` config entry,
+    probed on a small grid (see the module docstring). Its callbacks are rebuilt by `.to(device)`
+    (a factory taking `device` is called again with it; otherwise the tensors its callbacks read
+    must already be on that device)."""
+    extra = sorted(set(entry) - {"name", *KEYS})
+    if extra:
+        hint = closest(extra[0], KEYS)
+        suffix = f"; did you mean {key}.{hint}?" if hint else ""
+        raise ConfigError(
+            f"{key}.{extra[0]}", f"a custom attention takes {', '.join(KEYS)}{suffix}"
+        )
+    mask_path, score_path = entry.get("mask_mod"), entry.get("score_mod")
+    if mask_path is None and score_path is None:
+        raise ConfigError(
+            f"{key}.mask_mod",
+            "a custom attention needs mask_mod or score_mod (or both): an import path such as "
+            f"{key}.mask_mod=mymasks.checkerboard",
+        )
+    recipe = _Recipe(
+        mask_mod=mask_path,
+        mask_args=dict(entry.get("mask_args") or {}),
+        score_mod=score_path,
+        score_args=dict(entry.get("score_args") or {}),
+        key=key,
+    )
+    score_mod, mask_mod = recipe.build("cpu")
+    size, head_count = seq_len or 1024, heads or 4
+    for kind, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is not None:
+            check_device(fn, "cpu", key=f"{key}.{kind}", variant=_label(fn, entry.get(kind)))
+            probe(fn, kind=kind, key=f"{key}.{kind}", seq_len=size, heads=head_count)
+    parts = [
+        _label(fn, entry.get(k))
+        for k, fn in (("mask_mod", mask_mod), ("score_mod", score_mod))
+        if fn
+    ]
+    name = entry.get("label") or "+".join(parts)
+    params = {k: entry[k] for k in KEYS if k != "label" and entry.get(k) not in (None, {})}
+    params = {
+        k: v if isinstance(v, str | Mapping) else getattr(v, "__qualname__", repr(v))
+        for k, v in params.items()
+    }
+
+    def bind(buffers: Mapping[str, torch.Tensor]) -> tuple[Any, Any]:
+        device = buffers["device"].device
+        score, mask = recipe.build(device)
+        for kind, fn in (("mask_mod", mask), ("score_mod", score)):
+            if fn is not None:
+                check_device(fn, device, key=f"{key}.{kind}", variant=str(name))
+        return score, mask
+
+    return Variant(
+        name=str(name),
+        params=params,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        # An empty tensor marks the device the callbacks were built for: `.to(device)` moves it
+        # and rebuilds them there (Variant.bind), as for a catalogue variant's buffers.
+        buffers={"device": torch.empty(0)},
+        bind=bind,
+    )
