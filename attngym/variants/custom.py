@@ -376,6 +376,8 @@ def _label(fn: Any, path: Any) -> str:
     name = getattr(fn, "__name__", None)
     if isinstance(name, str) and name.isidentifier() and name not in _GENERIC_NAMES:
         return name
+    if name == "<lambda>":
+        return "lambda"
     if isinstance(path, str):
         return path.replace(":", ".").rsplit(".", 1)[-1]
     return getattr(path, "__name__", "callback")

@@ -1,0 +1,61 @@
+"""`attngym.run(...)`: the command line's experiment from a notebook, returning its metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+import attngym
+from attngym import variants
+from attngym.errors import ConfigError
+
+SMALL = ["shape.seq_len=128", "logger=none", "benchmark.repeats=2", "validate_rows=32"]
+
+
+def diagonal_band(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 16
+
+
+@pytest.mark.slow
+def test_a_notebook_callback_runs_the_whole_experiment(tmp_path):
+    metrics = attngym.run(mask_mod=diagonal_band, overrides=SMALL, run_dir=tmp_path / "run")
+    assert metrics["status"] == "ok" and metrics["validation"] == "ok"
+    assert metrics["variant"] == "diagonal_band" and metrics["fwd_ms"] > 0
+    assert metrics["sdpa_dense_mask_status"] == "ok"  # the dense-mask contender ran
+    for picture in ("metrics.json", "heatmap.png", "block_mask.png"):
+        assert (tmp_path / "run" / picture).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_lambda_and_a_variant_run_on_one_device(tmp_path):
+    lam = attngym.run(mask_mod=lambda b, h, q, k: q >= k, overrides=SMALL, run_dir=tmp_path / "a")
+    assert lam["status"] == "ok" and lam["variant"] == "lambda"
+    doc = variants.get("document", doc_lengths=[50, 78])
+    built = attngym.run(variant=doc, overrides=SMALL, run_dir=tmp_path / "b")
+    assert built["status"] == "ok" and built["variant"] == "document"
+
+
+def test_a_callable_that_cannot_reach_new_processes_is_refused_for_context_parallelism():
+    with pytest.raises(ConfigError, match="lives only in this process") as err:
+        attngym.run(mask_mod=lambda b, h, q, k: q >= k, overrides=["topology=ring"])
+    assert err.value.key == "attention.mask_mod"
+
+
+def test_a_bad_path_is_a_config_error_before_any_tensor_work(tmp_path):
+    with pytest.raises(ConfigError, match="no module 'nope'"):
+        attngym.run(mask_mod="nope.mask", overrides=["logger=none"], run_dir=tmp_path / "run")
+
+
+def test_a_sweep_is_the_command_lines():
+    with pytest.raises(ConfigError, match="sweep with attngym -m"):
+        attngym.run(overrides=["-m", "shape.seq_len=128,256"])
+
+
+@pytest.mark.slow
+def test_a_module_level_function_reaches_the_ranks_of_a_ring(tmp_path):
+    metrics = attngym.run(
+        mask_mod=diagonal_band,
+        overrides=[*SMALL, "topology=ring", "baselines=[]"],
+        run_dir=tmp_path / "ring",
+    )
+    assert metrics["status"] == "ok" and metrics["validation"] == "ok"
+    assert metrics["world_size"] == 2
