@@ -47,7 +47,7 @@ def test_defaults_are_small_cpu_run(hydra_ctx):
     cfg = make()
     assert cfg.attention.name == "causal"
     assert cfg.device.name == "auto"
-    assert cfg.topology.kind == "single" and cfg.topology.world_size == 1
+    assert cfg.topology.kind == "single" and cfg.topology.world_size == "auto"  # one rank
     assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"
     assert cfg.dtype == "auto" and cfg.validate is True
     assert list(cfg.passes) == ["fwd", "bwd"]
@@ -201,7 +201,7 @@ CASES = [
     (["topology.layout=spiral"], "topology.layout", ["topology.layout=zigzag"]),
     (["topology=ring", "topology.timeout_s=inf"], "topology.timeout_s", ["topology=ring"]),
     (["profiler.name=perf"], "profiler.name", ["profiler.name=kernels"]),
-    (["logger.name=tensorboard"], "logger.name", ["logger.name=local"]),
+    (["logger.name=tensorboard"], "logger.name", ["logger=local"]),
     (["logger.mode=sometimes"], "logger.mode", ["logger.mode=online"]),
     (
         ["dtype=float32", "+kernel_options.BACKEND=FLASH"],
@@ -365,13 +365,20 @@ def test_flash_backend_needs_the_flash_block_size(monkeypatch):
     from attngym import config
 
     monkeypatch.setattr(config, "_flash_block_size", lambda device: (256, 128))  # an SM100 GPU
-    flash = {"BACKEND": "FLASH"}
+
+    def resolved(backend, q):
+        return {
+            "kernel_options": {"BACKEND": backend},
+            "device": {"name": "cuda"},
+            "block_size": {"q": q, "kv": 128},
+        }
+
     with pytest.raises(
         ConfigError, match=r"\(256, 128\) .* got \(128, 128\); use block_size=flash"
     ):
-        config._check_flash_device(flash, "cuda", (128, 128))
-    config._check_flash_device(flash, "cuda", (256, 128))
-    config._check_flash_device({"BACKEND": "TRITON"}, "cuda", (128, 128))
+        config._flash_on_this_device(resolved("FLASH", 128))
+    config._flash_on_this_device(resolved("FLASH", 256))
+    config._flash_on_this_device(resolved("TRITON", 128))
 
 
 def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
@@ -411,30 +418,108 @@ def test_defaults_come_from_the_dataclasses():
     from attngym.config import Settings
 
     settings = from_config({"attention": {"name": "causal"}, "device": {"name": "cpu"}})
-    default = Settings()
+    default = Settings(attention={"name": "causal"}, device="cpu")
     for field in ("shape", "topology", "benchmark", "block_size", "kernel_options", "compile"):
         assert getattr(settings, field) == getattr(default, field), field
     for field in ("compile_mode", "passes", "baselines", "validate", "validate_rows", "seed"):
         assert getattr(settings, field) == getattr(default, field), field
     assert settings.baseline_max_mask_bytes == default.baseline_max_mask_bytes == 256 * 2**20
     assert (settings.device, settings.dtype, settings.profiler) == ("cpu", "float32", "none")
-    with pytest.raises(ConfigError, match="attention: missing"):
+    assert settings.logger == default.logger == {"name": "wandb"}  # as conf/config.yaml
+    with pytest.raises(ConfigError, match="attention: missing; it has no default"):
         from_config({"device": {"name": "cpu"}})
 
 
-def test_config_yaml_agrees_with_the_dataclasses(hydra_ctx):
-    """Where conf/config.yaml states a key a user edits, it states the dataclass default."""
-    from attngym.config import Benchmark, Settings, Shape
+def test_auto_is_a_typed_default_resolved_in_settings():
+    """device, dtype and topology.world_size default to `auto` in the types; Settings hold them
+    resolved (from_config resolves them, Settings made directly alike)."""
+    from attngym.config import AUTO, Settings, Topology
 
-    data = check_config(make())
-    assert Shape(**data["shape"]) == Shape()
-    assert data["benchmark"] == dataclasses.asdict(Benchmark())
-    default = Settings()
-    for key in ("seed", "validate", "validate_rows", "compile", "compile_mode"):
-        assert data[key] == getattr(default, key), key
-    assert tuple(data["passes"]) == default.passes
-    assert tuple(data["baselines"]) == default.baselines
-    assert data["baseline_max_mask_bytes"] == default.baseline_max_mask_bytes
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    assert defaults["device"] == defaults["dtype"] == AUTO
+    assert {f.name: f.default for f in dataclasses.fields(Topology)}["world_size"] == AUTO
+    made = Settings(attention={"name": "causal"})
+    assert made.device in ("cpu", "cuda") and made.topology.world_size == 1
+    assert made.dtype == ("bfloat16" if made.device == "cuda" else "float32")
+    assert Settings(attention={"name": "causal"}, device="cpu").dtype == "float32"
+    assert Settings(attention={"name": "causal"}, device="cpu", dtype="float16").dtype == "float16"
+
+
+def _yaml(path: Path) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a YAML mapping's leaves."""
+    out = {}
+    for name, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+def _at(data: dict, key: str):
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def _default_files() -> dict[str, dict]:
+    """conf/config.yaml (its defaults list left out) and the default option of each group, by
+    the config node each one fills ("" for the root)."""
+    root = _yaml(CONF / "config.yaml")
+    files = {"": root}
+    for entry in root.pop("defaults"):
+        if isinstance(entry, dict):
+            ((group, option),) = entry.items()
+            if group in GROUPS:
+                files[group] = _yaml(CONF / group / f"{option}.yaml")
+    assert set(files) == {"", *GROUPS}
+    return files
+
+
+def test_yaml_defaults_agree_with_the_typed_defaults():
+    """Wherever conf/config.yaml or a group's default option states a key, it states the typed
+    default: the same value once checked (null kernel options are none, 120 seconds 120.0).
+    The variant has no typed default (the config names it); a tracker's parameters default in
+    its factory's signature."""
+    import inspect
+
+    files = _default_files()
+    stated = check_config({**files[""], **{group: files[group] for group in GROUPS}})
+    typed = check_config({"attention": stated["attention"]})  # every other key: its default
+    tracker = registry.get("tracker", typed["logger"]["name"])
+    params = inspect.signature(tracker).parameters
+    compared = 0
+    for group, node in files.items():
+        for key in _leaves(node, f"{group}." if group else ""):
+            if key.startswith("attention"):
+                continue
+            if key.startswith("logger.") and key != "logger.name":
+                default = params[key.removeprefix("logger.")].default
+                got = _at(stated, key)
+                assert (list(got) if isinstance(got, list) else got) == (
+                    list(default) if isinstance(default, tuple) else default
+                ), key
+                continue
+            assert _at(stated, key) == _at(typed, key), key
+            compared += 1
+    assert compared >= 20
+
+
+def test_every_yaml_key_is_a_known_key():
+    from attngym.config import check_key
+
+    for key in _leaves(_default_files()[""]):
+        check_key(key)
+    for group in GROUPS:
+        for path in (CONF / group).glob("*.yaml"):
+            for key in _leaves(_yaml(path), f"{group}."):
+                check_key(key)
+    with pytest.raises(ConfigError, match="did you mean shape.seq_len"):
+        check_key("shape.seqlen")
 
 
 def test_choice_tuples_come_from_the_literal_types():
