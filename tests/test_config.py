@@ -273,6 +273,8 @@ CASES = [
             "shape.seq_len=1032",
         ],
     ),
+    (["+logger.projct=demo"], "logger.projct", ["logger.project=demo"]),  # the tracker's keys
+    (["topology.layout=[zigzag]"], "topology.layout", ["topology.layout=zigzag"]),  # a string
     (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),
     (["baselines=[cudnn]"], "baselines", ["baselines=[sdpa]"]),
     (["benchmark.repeats=0"], "benchmark.repeats", ["benchmark.repeats=1"]),
@@ -608,3 +610,162 @@ def test_hybrid_groups_checked_against_the_resolved_world_size(hydra_ctx):
         2,
         "allgather",
     )
+
+
+def _with(key: str, value) -> dict:
+    """A config naming the variant, with `value` at dotted `key`."""
+    data: dict = {"attention": {"name": "causal"}}
+    node = data
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return data
+
+
+def test_the_walker_names_the_dotted_key_of_every_setting():
+    """A value of the wrong type anywhere is refused by its own dotted key, in every section."""
+    from attngym.config import known_keys
+
+    keys = known_keys()
+    sections = {key.split(".")[0] for key in keys if "." in key}
+    assert sections == {"shape", "topology", "benchmark", "device", "block_size", "profiler"}
+    for key in keys:
+        with pytest.raises(ConfigError) as info:
+            check_config(_with(key, ["?"]))
+        assert info.value.key == key, (key, str(info.value))
+        assert "'?'" in str(info.value), str(info.value)
+    for key in ("shape", "topology", "benchmark", "device", "block_size"):  # a section, not a map
+        with pytest.raises(ConfigError, match=rf"^{key}: must be a mapping, got 3$"):
+            check_config({"attention": {"name": "causal"}, key: 3})
+        check_config({"attention": {"name": "causal"}, key: None})  # null: every default
+
+
+def test_open_mappings_are_mappings():
+    with pytest.raises(ConfigError, match="^attention: must be a mapping, got 'causal'$"):
+        check_config({"attention": "causal"})
+    with pytest.raises(ConfigError, match="^kernel_options: must be a mapping, got 4$"):
+        check_config(_with("kernel_options", 4))
+    check_config(_with("kernel_options", None))  # null: none
+    with pytest.raises(ConfigError, match="^logger: must be a mapping, got 'wandb'$"):
+        check_config(_with("logger", "wandb"))
+    assert check_config(_with("logger", None))["logger"] == {"name": "wandb"}
+
+
+def test_a_tracker_parameter_is_checked_by_its_factory():
+    """The tracker's keyword arguments are the logger.* keys: a misspelt one is refused before
+    the run (with the parameters it has), and its defaults are the factory's."""
+    with pytest.raises(ConfigError, match="did you mean 'project'") as info:
+        check_config(_with("logger", {"name": "wandb", "projct": "demo"}))
+    assert info.value.key == "logger.projct"
+    with pytest.raises(ConfigError, match="'local' has no parameter 'mode'") as info:
+        check_config(_with("logger", {"name": "local", "mode": "offline"}))
+    assert info.value.key == "logger.mode"
+    assert check_config(_with("logger", {"name": "local"}))["logger"] == {"name": "local"}
+    assert check_config(_with("logger.project", "demo"))["logger"] == {
+        "name": "wandb",
+        "project": "demo",
+    }
+
+
+@dataclasses.dataclass
+class FakeSpec:
+    """A topology as attngym.distributed's table states one: layouts, options, rules."""
+
+    layouts: tuple = ("contiguous", "stripes")
+    options: tuple = ("a2a_size",)
+    seen: list = dataclasses.field(default_factory=list)
+
+    def check(self, *, heads, kv_heads, seq_len, world_size, layout, options):
+        from attngym.errors import choice_error
+
+        self.seen.append({"world_size": world_size, "layout": layout, "options": options})
+        if layout not in self.layouts:
+            raise ConfigError(
+                "topology.layout", choice_error("layout for fake", layout, self.layouts)
+            )
+        if world_size is not None and seq_len % world_size:
+            raise ConfigError("shape.seq_len", f"{seq_len} does not split over {world_size}")
+
+
+@pytest.fixture
+def fake_topology(monkeypatch):
+    """A topology `fake` (a task and a spec) in the registry, beside the real ones."""
+    spec = FakeSpec()
+    names, get = registry.names, registry.get
+
+    def fake_names(kind):
+        if kind == "topology":
+            try:
+                return sorted([*names(kind), "fake"])
+            except ValueError:  # no table of real topologies
+                return ["fake"]
+        return sorted([*names(kind), "fake"]) if kind == "task" else names(kind)
+
+    def fake_get(kind, name):
+        return spec if (kind, name) == ("topology", "fake") else get(kind, name)
+
+    monkeypatch.setattr(registry, "names", fake_names)
+    monkeypatch.setattr(registry, "get", fake_get)
+    return spec
+
+
+def test_a_topology_is_judged_by_its_spec(fake_topology):
+    """The spec gets the shape, the layout and its own options, world_size None while it is
+    auto and the resolved count after; its refusals reach the user with their key."""
+    topo = {"kind": "fake", "layout": "stripes", "a2a_size": 2}
+    check_config(_with("topology", topo))
+    assert fake_topology.seen[-1] == {
+        "world_size": None,
+        "layout": "stripes",
+        "options": {"a2a_size": 2},
+    }
+    settings = from_config({**_with("topology", topo), "device": {"name": "cpu"}})
+    assert fake_topology.seen[-1]["world_size"] == 2 == settings.topology.world_size  # CPU
+    assert settings.describe()["layout"] == "stripes"
+    with pytest.raises(ConfigError, match="layout for fake 'spiral'") as info:
+        check_config(_with("topology", {**topo, "layout": "spiral"}))
+    assert info.value.key == "topology.layout"
+    with pytest.raises(ConfigError) as info:
+        check_config({**_with("topology", {**topo, "world_size": 2}), "shape": {"seq_len": 1023}})
+    assert info.value.key == "shape.seq_len"
+    check_config({**_with("topology", {**topo, "world_size": 2}), "shape": {"seq_len": 1024}})
+
+
+def test_flash_backward_is_refused_for_every_topology_with_a_spec(fake_topology):
+    flash = {
+        "attention": {"name": "causal"},
+        "topology": {"kind": "fake"},
+        "dtype": "bfloat16",
+        "kernel_options": {"BACKEND": "FLASH"},
+    }
+    with pytest.raises(ConfigError, match="topology=fake merges chunks") as info:
+        check_config(flash)
+    assert info.value.key == "kernel_options.BACKEND"
+    check_config({**flash, "passes": ["fwd"]})
+    check_config({**flash, "topology": {"kind": "single"}})  # one device: no lse to merge
+
+
+def test_one_device_takes_one_rank_and_any_topologys_layout(fake_topology):
+    single = {"kind": "single"}
+    check_config(_with("topology", {**single, "layout": "stripes"}))  # a sweep may set it
+    with pytest.raises(ConfigError, match="unknown layout 'spiral'.*stripes") as info:
+        check_config(_with("topology", {**single, "layout": "spiral"}))
+    assert info.value.key == "topology.layout"
+    with pytest.raises(ConfigError, match="must be 1 \\(or auto\\) for topology single, got 2"):
+        check_config(_with("topology", {**single, "world_size": 2}))
+    settings = from_config({**_with("topology", single), "device": {"name": "cpu"}})
+    assert settings.topology.world_size == 1 and settings.describe()["layout"] is None
+
+
+def test_every_topology_spec_fits_the_typed_topology():
+    """Each context-parallel task has a spec, whose options are Topology fields (the keys a
+    config writes) and whose layouts take the typed default."""
+    from attngym import config
+
+    fields = {f.name: f for f in dataclasses.fields(config.Topology)}
+    specs = config._topology_specs()
+    assert set(specs) == set(registry.names("task")) - {"single"}
+    for kind, spec in specs.items():
+        assert set(spec.options) <= set(fields), kind
+        assert fields["layout"].default in spec.layouts, kind
