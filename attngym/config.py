@@ -1,44 +1,59 @@
 """Typed run settings: the composed config, a plain mapping, checked into `Settings`.
 
-`Settings` is what tasks receive, and its dataclasses are the one source of defaults: a key the
-config leaves out takes the field's default, and the YAML files state only what a user edits.
-Every field is plain Python (no OmegaConf: the CLI hands over a plain dict), so tasks and the
-library can be driven from a notebook too. `Settings` carries the built Variant, built once from
-the `attention` entry.
+Each setting is stated once, as a typed dataclass field below: its default, its allowed values
+(a `Literal` type; `setting(choices=...)` where another module owns the list, as the registry
+owns the task, transport, profiler and tracker names) and any check its type does not say
+(`setting(check=..., low=...)`). One walker (`_check_section`) checks a section from its fields
+and names the dotted key in every message; the rules between fields are named functions, listed
+once in `VALUE_RULES` and `RESOLVED_RULES`; `Settings` is read back from the checked data field by
+field (`_build`). The YAML files state only what a user edits, and tests/test_config.py holds
+their values to the typed defaults. Fields are plain Python (no OmegaConf: the CLI hands over a
+plain dict), so tasks and the library can be driven from a notebook too.
+
+`auto` is a value of its own where it is one (device, dtype, topology.world_size), and a
+`Settings` object holds it resolved: `from_config` resolves it together with the config's checks,
+and Settings made directly resolve what they leave `auto` the same way when made.
+
+What a context-parallel topology takes (its layouts, its own topology.* options, its rules) is
+asked of its spec, attngym.distributed's table read through attngym.registry ("topology"); no
+kind is matched by name here. A task kind without a spec runs on one device.
 
 Checking happens in two steps, so that configs stay pure:
 
 - `check_config(data)` looks at values only (types, ranges, choices, the variant and its
-  parameters, seq_len against world_size and the variant): it never probes hardware, so it gives
-  the same answer on a laptop and on a GPU node, and tests can run it anywhere.
+  parameters, the tracker's parameters, the topology's rules): it never probes hardware, so it
+  gives the same answer on a laptop and on a GPU node, and tests can run it anywhere.
 - `from_config(data)` runs the same checks, then resolves the `auto` values against this machine
-  (device, dtype, world_size, a `flash` or `tuned` block size) and checks what depends on it
-  (device=cuda without CUDA, more ranks than GPUs, FLASH's block size). It still runs before any
-  tensor is allocated.
+  (device, dtype, world_size, a `flash` or `tuned` block size) and checks what depends on them
+  (device=cuda without CUDA, more ranks than GPUs, FLASH's block size, the memory the run needs).
+  It still runs before any tensor is allocated. The transport is judged against the device by
+  the context-parallel task, before it launches its ranks.
 
-Each rule is checked in one function (`_check_*`), whichever step calls it. Every bad value raises
-`attngym.errors.ConfigError(key, message)` with the dotted key, the value received and what is
-allowed, so the CLI can print one line.
+Every bad value raises `attngym.errors.ConfigError(key, message)` with the dotted key, the value
+received and what is allowed, so the CLI can print one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
+import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from attngym.errors import ConfigError, choice_error, closest
 
 if TYPE_CHECKING:
-    from attngym.distributed.ulysses import Across
     from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
 
 # Choices, each stated once as a type; the tuples the checks use come from them.
+Auto = Literal["auto"]  # resolved on the machine that runs: device, dtype, world_size
+AUTO: Auto = "auto"
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # a resolved dtype
 Device = Literal["cpu", "cuda"]  # a resolved device
 Pass = Literal["fwd", "bwd"]
@@ -52,7 +67,6 @@ SingleBaseline = Literal[
 # runs the baselines of its own kind, so one default list serves both.
 CPBaseline = Literal["torch_cp"]
 Baseline = Literal[SingleBaseline, CPBaseline]
-AUTO = "auto"  # resolved on the machine that runs: device, dtype, world_size
 
 DTYPES = (AUTO, *get_args(Dtype))
 DEVICES = (AUTO, *get_args(Device))
@@ -60,6 +74,116 @@ PASSES = get_args(Pass)
 SINGLE_BASELINES = get_args(SingleBaseline)
 CP_BASELINES = get_args(CPBaseline)
 BASELINES = (*SINGLE_BASELINES, *CP_BASELINES)
+
+# `block_size=tuned`: block size and kernel options from attngym/tuned.json (see attngym.tuning).
+TUNED = "tuned"
+DEFAULT_TRACKER = "wandb"  # conf/config.yaml's logger; its parameters' defaults are its factory's
+
+
+# ---------------------------------------------------------------------------------------------
+# How a field says what its type does not.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """A field's check beyond its type, read by the walker (`_check_value`)."""
+
+    check: Callable[[str, Any], Any] | None = None
+    """(dotted key, value) -> the checked value; replaces the check the type implies."""
+    choices: Callable[[], Sequence[str]] | None = None
+    """A str field's choices, asked when checked (another module owns them)."""
+    what: str | None = None
+    """How a bad choice is named: `unknown <what> 'x'`; default: the field's name."""
+    low: int = 1
+    """An int's least value."""
+    non_empty: bool = False
+    """A list needs at least one item."""
+    keys: tuple[str, ...] = ()
+    """Written in a config as a mapping of these keys (a config group's option file): one key
+    holds the value, several the items of a tuple."""
+    written: bool = True
+    """False: built or estimated by the run, never written in a config."""
+
+
+_META = "attngym"
+_NO_RULE = _Rule()
+
+
+def setting(
+    default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **rule: Any
+) -> Any:
+    """A dataclass field and its `_Rule`: `seed: int = setting(0, low=0)`. Without a default or
+    a factory the key is required."""
+    return dataclasses.field(
+        default=default, default_factory=factory, metadata={_META: _Rule(**rule)}
+    )
+
+
+def _rule(field: dataclasses.Field) -> _Rule:
+    return field.metadata.get(_META, _NO_RULE)
+
+
+def _registered(kind: str, *extra: str) -> Callable[[], list[str]]:
+    """The names registered for `kind` (and `extra`), asked when checked: a component that
+    registers itself is accepted as soon as it exists."""
+
+    def names() -> list[str]:
+        from attngym import registry
+
+        return [*extra, *registry.names(kind)]
+
+    return names
+
+
+def _compile_modes() -> Sequence[str]:
+    """attngym.kernels' tuple, imported when first needed (`import attngym.config` pulls no
+    torch)."""
+    from attngym.kernels import COMPILE_MODES
+
+    return COMPILE_MODES
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(key, f"must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _block(key: str, value: Any) -> int | str:
+    """A block size: a positive multiple of 16, or a name resolved when the run starts."""
+    named = sorted([*BLOCK_SIZE_RESOLVERS, TUNED])
+    bad_int = isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16
+    if (value not in named) if isinstance(value, str) else bad_int:
+        raise ConfigError(
+            key, f"must be a positive multiple of 16 or one of {named}, got {value!r}"
+        )
+    return value
+
+
+def _tracker(key: str, value: Any) -> dict[str, Any]:
+    """A registered tracker and its parameters, checked by its factory (attngym.registry.build):
+    a tracker's constructor checks and keeps its parameters, its work starts in `log_run`. A
+    parameter left out takes the factory's default, so the defaults are stated there once."""
+    from attngym import registry
+
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, f"must be a mapping, got {value!r}")
+    params = dict(value)
+    name = params.pop("name", DEFAULT_TRACKER)
+    names = registry.names("tracker")
+    if name not in names:
+        raise ConfigError(f"{key}.name", choice_error("logger", name, names))
+    try:
+        registry.build("tracker", name, **params)
+    except registry.ParamError as err:
+        raise ConfigError(f"{key}.{err.param}", err.detail) from None
+    return {"name": name, **params}
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings.
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,7 +195,7 @@ class Shape:
     heads: int = 4
     """H, query heads."""
     kv_heads: int | None = None
-    """G, key/value heads (GQA); None means heads, resolved here once."""
+    """G, key/value heads (GQA), dividing heads; None means heads, resolved here once."""
     seq_len: int = 1024
     """S, the whole sequence (all ranks together)."""
     head_dim: int = 64
@@ -86,29 +210,30 @@ class Shape:
 class Topology:
     """How the sequence is spread over ranks."""
 
-    kind: str = "single"
-    """A registered task: single | ring | allgather | ulysses | hybrid."""
-    world_size: int = 1
-    """Ranks; `auto` in a config is resolved before Settings exist."""
-    transport: str = AUTO
-    """auto | copy_engine | nccl | gloo (attngym.distributed.transport.TRANSPORTS); resolved on
-    the ranks."""
+    kind: str = setting("single", choices=_registered("task"), what="topology kind")
+    """A registered task: single (one device) or a context-parallel topology (ring, allgather,
+    ulysses, hybrid: attngym.distributed's table)."""
+    world_size: Auto | int = AUTO
+    """Ranks: 1 on one device; auto = torchrun's WORLD_SIZE, else the GPU count (2 on CPU)."""
+    transport: str = setting(AUTO, choices=_registered("transport", AUTO))
+    """auto or a registered transport (copy_engine, nccl, gloo); resolved on the ranks."""
     layout: str = "contiguous"
-    """contiguous | zigzag (attngym.distributed.layout.LAYOUTS)."""
+    """How the sequence is cut into shards: one of the layouts the topology's spec takes
+    (contiguous, zigzag, balanced for ring and allgather; contiguous, zigzag for ulysses and
+    hybrid). Unused on one device."""
     a2a_size: int | None = None
     """hybrid: ranks per all-to-all group, consecutive ranks dividing world_size and shape.heads;
-    None takes one NVLink domain per group, found on the ranks (attngym.distributed.hybrid_groups).
-    """
-    across: Across = "ring"
-    """hybrid: ring | allgather (attngym.distributed.ulysses.ACROSS), the algorithm among the
-    groups (the ranks holding the same head slice)."""
-    timeout_s: float = 120.0
+    None takes one NVLink domain per group, found on the ranks."""
+    across: str = "ring"
+    """hybrid: the algorithm among the groups (the ranks holding the same head slice): ring or
+    allgather, as hybrid's spec checks."""
+    timeout_s: float = setting(120.0, check=_seconds)
     """A rank that waits longer than this fails the run."""
 
 
 @dataclasses.dataclass(kw_only=True)
 class Benchmark:
-    warmup: int = 2
+    warmup: int = setting(2, low=0)
     """Untimed calls before timing (the first call, compilation, is timed apart)."""
     repeats: int = 10
     """Timed calls; median, min and max are reported."""
@@ -116,34 +241,34 @@ class Benchmark:
 
 @dataclasses.dataclass(kw_only=True)
 class Settings:
-    """Everything a task needs to run one configuration."""
+    """Everything a task needs to run one configuration, `auto` resolved."""
 
-    attention: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "causal"})
-    """The config entry: {"name": ..., **params} or {"name": ..., "compose": [...]}."""
-    variant: Variant | None = None
+    attention: dict[str, Any] = setting()
+    """The config entry: {"name": ..., **params} or {"name": ..., "compose": [...]}; required
+    (the defaults list of conf/config.yaml names causal)."""
+    variant: Variant | None = setting(None, written=False)
     """The Variant `attention` describes; built from it when not given."""
     shape: Shape = dataclasses.field(default_factory=Shape)
     topology: Topology = dataclasses.field(default_factory=Topology)
     benchmark: Benchmark = dataclasses.field(default_factory=Benchmark)
-    device: Device = "cpu"
-    dtype: Dtype = "float32"
-    block_size: tuple[int, int] = (128, 128)
-    """(q, kv) block-mask block size."""
+    device: Auto | Device = setting(AUTO, keys=("name",), what="device")
+    """cpu | cuda; auto = cuda when torch sees a GPU, else cpu (attngym.device.resolve_device)."""
+    dtype: Auto | Dtype = AUTO
+    """auto = bfloat16 on cuda, float32 on cpu."""
+    block_size: tuple[int, int] = setting((128, 128), keys=("q", "kv"), check=_block)
+    """(q, kv) block-mask block size; a config may name one (flash, tuned), resolved on the
+    device."""
     kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Passed to flex_attention unchanged."""
+    """Passed to flex_attention unchanged; null in a config is none."""
     compile: bool = True
     """torch.compile flex_attention on CUDA (always eager on CPU)."""
-    compile_mode: str = "default"
+    compile_mode: str = setting("default", choices=_compile_modes)
     """A torch.compile mode (attngym.kernels.COMPILE_MODES)."""
-    passes: tuple[Pass, ...] = ("fwd", "bwd")
+    passes: tuple[Pass, ...] = setting(("fwd", "bwd"), what="pass", non_empty=True)
     """What to time; bwd also times fwd+bwd."""
-    baselines: tuple[Baseline, ...] = (
-        "sdpa",
-        "sdpa_cudnn",
-        "sdpa_flash",
-        "sdpa_efficient",
-        "sdpa_dense_mask",
-        "torch_cp",
+    baselines: tuple[Baseline, ...] = setting(
+        ("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask", "torch_cp"),
+        what="baseline",
     )
     """Contenders timed on the same inputs; each is skipped, with the reason, where it does not
     apply. A single-device run runs SINGLE_BASELINES, a context-parallel run CP_BASELINES."""
@@ -151,25 +276,36 @@ class Settings:
     """Compare against the float64 dense reference."""
     validate_rows: int = 256
     """At most this many query rows are checked when S is large."""
-    seed: int = 0
+    seed: int = setting(0, low=0)
     """Seeds the inputs and the sampled validation rows."""
-    profiler: str = "none"
+    profiler: str = setting("none", keys=("name",), choices=_registered("profiler"))
     """A registered profiler: none | kernels | trace."""
-    baseline_max_mask_bytes: int = 256 * 2**20
+    baseline_max_mask_bytes: int = setting(256 * 2**20, low=0)
     """Dense SDPA masks larger than this are skipped, not attempted."""
-    skipped_baselines: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped_baselines: dict[str, str] = setting(factory=dict, written=False)
     """Baselines that alone would not fit in the device's memory, with why (attngym.estimate):
     recorded as skipped, not attempted."""
-    logger: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "none"})
-    """A registered tracker's name and its parameters."""
+    logger: dict[str, Any] = setting(factory=lambda: {"name": DEFAULT_TRACKER}, check=_tracker)
+    """A registered tracker's name and its parameters (the tracker's factory's keywords)."""
 
     def __post_init__(self) -> None:
+        self._resolve_auto()
         if self.variant is None:
             from attngym.variants.spec import build_variant
 
             self.variant = build_variant(
                 self.attention, seq_len=self.shape.seq_len, heads=self.shape.heads
             )
+
+    def _resolve_auto(self) -> None:
+        """An `auto` left in a field, resolved on this machine as from_config resolves it."""
+        if self.device == AUTO:
+            self.device = _resolve_device(AUTO)
+        if self.dtype == AUTO:
+            self.dtype = _auto_dtype(self.device)
+        topo = self.topology
+        if topo.world_size == AUTO:
+            topo.world_size = _resolve_world_size(topo.kind, AUTO, self.device)
 
     # A Variant's callbacks are closures, which do not pickle: a spawned rank gets the settings
     # without it and builds it from `attention` once, in its own process.
@@ -189,12 +325,13 @@ class Settings:
         s = self.shape
         info = device_info(self.device)
         options = {f"kernel_options.{k}": v for k, v in sorted(self.kernel_options.items())}
+        spread = _topology_spec(self.topology.kind) is not None
         return {
             "variant": self.variant.name,
             "topology": self.topology.kind,
             "world_size": self.topology.world_size,
             "transport": self.topology.transport,
-            "layout": self.topology.layout if self.topology.kind != "single" else None,
+            "layout": self.topology.layout if spread else None,
             "device": self.device,
             "dtype": self.dtype,
             "batch": s.batch,
@@ -211,19 +348,6 @@ class Settings:
         }
 
 
-def _default(cls: type, name: str) -> Any:
-    """The default of field `name` of dataclass `cls`: a key the config leaves out takes it."""
-    field = cls.__dataclass_fields__[name]  # type: ignore[attr-defined]
-    return field.default_factory() if field.default is dataclasses.MISSING else field.default
-
-
-# ---------------------------------------------------------------------------------------------
-# Components that register themselves (tasks, profilers, trackers) are read from attngym.registry,
-# so a new one is accepted as soon as it registers. Choices the library owns (transports,
-# layouts, W&B modes, compile modes) are imported from it inside the checks, so each tuple is
-# defined once and `import attngym.config` stays light.
-
-
 def _flash_block_size(device: str) -> tuple[int, int]:
     from attngym.device import get_flash_block_size
 
@@ -233,242 +357,172 @@ def _flash_block_size(device: str) -> tuple[int, int]:
 # Named block sizes, resolved against the device when the run starts (e.g. `block_size=flash`).
 # Each maps the resolved device name to (q, kv).
 BLOCK_SIZE_RESOLVERS: dict[str, Callable[[str], tuple[int, int]]] = {"flash": _flash_block_size}
-# `block_size=tuned`: block size and kernel options from attngym/tuned.json (see attngym.tuning).
-TUNED = "tuned"
-
-
-def plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A nested dict/list copy of a mapping, the `hydra` node left out, so the checks can fill
-    in defaults without touching the caller's mapping."""
-
-    def copy(node: Any) -> Any:
-        if isinstance(node, Mapping):
-            return {str(k): copy(v) for k, v in node.items()}
-        if isinstance(node, Sequence) and not isinstance(node, str):
-            return [copy(v) for v in node]
-        return node
-
-    return {str(k): copy(v) for k, v in cfg.items() if k != "hydra"}
-
-
-_REQUIRED = object()
-
-
-def _get(data: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
-    """The value at dotted `key`; a missing one takes `default`, written into `data`."""
-    node = data
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None and default is not _REQUIRED:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            if child is None:
-                raise ConfigError(key, "missing; it has no default")
-            raise ConfigError(".".join(parts[: i + 1]), f"must be a mapping, got {child!r}")
-        node = child
-    if parts[-1] not in node:
-        if default is _REQUIRED:
-            raise ConfigError(key, "missing; it has no default")
-        node[parts[-1]] = default
-    return node[parts[-1]]
-
-
-def _int(data: dict[str, Any], key: str, *, low: int = 1, default: Any = _REQUIRED) -> int:
-    value = _get(data, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        need = "a positive integer" if low == 1 else f"an integer >= {low}"
-        raise ConfigError(key, f"must be {need}, got {value!r}")
-    return value
-
-
-def _bool(data: dict[str, Any], key: str, default: Any = _REQUIRED) -> bool:
-    value = _get(data, key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(key, f"must be true or false, got {value!r}")
-    return value
-
-
-def _choice(
-    data: dict[str, Any], key: str, choices: Any, what: str, default: Any = _REQUIRED
-) -> str:
-    value = _get(data, key, default)
-    choices = list(choices)
-    if value not in choices:
-        raise ConfigError(key, choice_error(what, value, choices))
-    return value
-
-
-def _choices(
-    data: dict[str, Any], key: str, choices: Sequence[str], what: str, default: Sequence[str]
-) -> list[str]:
-    """A list (of a top-level key) whose every item is one of `choices`; null is empty."""
-    values = _get(data, key, list(default))
-    if values is None:
-        values = data[key] = []
-    if not isinstance(values, list):
-        raise ConfigError(key, f"must be a list of {list(choices)}, got {values!r}")
-    for value in values:
-        if value not in choices:
-            raise ConfigError(key, choice_error(what, value, choices))
-    return values
-
-
-def _names(kind: str) -> list[str]:
-    from attngym import registry
-
-    return registry.names(kind)
-
-
-def _flash(kernel_options: Mapping[str, Any] | None) -> bool:
-    """attngym.kernels.is_flash, imported when first needed: `import attngym.config` pulls no
-    torch."""
-    from attngym.kernels import is_flash
-
-    return is_flash(kernel_options)
 
 
 # ---------------------------------------------------------------------------------------------
-# One function per rule.
+# Reading the fields.
 
 
-def _check_block(data: dict[str, Any], key: str, default: int) -> int | str:
-    """A block size: a positive multiple of 16, or a name resolved when the run starts."""
-    value = _get(data, key, default)
-    named = sorted([*BLOCK_SIZE_RESOLVERS, TUNED])
-    bad_int = isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16
-    if (value not in named) if isinstance(value, str) else bad_int:
-        raise ConfigError(
-            key, f"must be a positive multiple of 16 or one of {named}, got {value!r}"
-        )
-    return value
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The evaluated field types of `cls` (Variant, imported only for type checkers, as Any)."""
+    return get_type_hints(cls, localns={"Variant": Any})
 
 
-def _check_kv_heads(heads: int, kv_heads: int | None) -> None:
-    """GQA: every key/value head serves the same number of query heads."""
-    if kv_heads is not None and heads % kv_heads:
-        raise ConfigError(
-            "shape.kv_heads",
-            f"{kv_heads} does not divide shape.heads={heads}; use a divisor of {heads}",
-        )
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-def _check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
-    """The sequence splits evenly into the layout's pieces (attngym.distributed.layout).
-
-    This is also all hybrid attention needs: with W ranks in groups of a, each group's shards
-    make its shard in the same layout for W/a ranks (attngym.distributed.hybrid_attention).
-    """
-    from attngym.distributed.layout import check_seq_len
-
-    try:
-        check_seq_len(seq_len, world_size, layout)
-    except ValueError as err:
-        raise ConfigError("shape.seq_len", str(err)) from None
+def _written(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` a config may write."""
+    return [f for f in dataclasses.fields(cls) if _rule(f).written]
 
 
-def _check_a2a_size(kind: str, a2a_size: int | None, world_size: int | str, heads: int) -> None:
-    """hybrid: the all-to-all groups split the ranks and the query heads evenly (K/V heads are
-    repeated as Ulysses does). None is judged on the ranks, where the NVLink domains are known."""
-    if kind != "hybrid" or a2a_size is None:
-        return
-    if world_size != AUTO and world_size % a2a_size:
-        raise ConfigError(
-            "topology.a2a_size",
-            f"{a2a_size} does not divide topology.world_size={world_size}; use a divisor of "
-            f"{world_size} (or null: one NVLink domain per group)",
-        )
-    if heads % a2a_size:
-        raise ConfigError(
-            "topology.a2a_size",
-            f"{a2a_size} does not divide shape.heads={heads}; each group splits the heads over "
-            "its ranks, use a common divisor of the heads and the world size",
-        )
+def _default(field: dataclasses.Field, key: str) -> Any:
+    """The field's default as a config writes it (a fresh copy; a tuple as a list): a key the
+    config leaves out takes it."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    if field.default is dataclasses.MISSING:
+        raise ConfigError(key, "missing; it has no default")
+    return list(field.default) if isinstance(field.default, tuple) else field.default
 
 
-def _check_world_size(kind: str, world_size: int | str) -> None:
-    """One rank for a single-device run."""
-    if kind == "single" and world_size not in (1, AUTO):
-        raise ConfigError(
-            "topology.world_size", f"must be 1 (or auto) for topology single, got {world_size}"
-        )
+def _mapping_at(node: dict[str, Any], name: str, key: str) -> dict[str, Any]:
+    """node[name] as a mapping; a missing or null one is made empty (its keys take defaults)."""
+    child = node.get(name)
+    if child is None:
+        child = node[name] = {}
+    if not isinstance(child, dict):
+        raise ConfigError(key, f"must be a mapping, got {child!r}")
+    return child
 
 
-def _check_flash(kernel_options: Mapping[str, Any], dtype: str) -> None:
-    """BACKEND=FLASH needs a 16-bit dtype (judged on values only; `auto` is judged later)."""
-    if _flash(kernel_options) and dtype in ("float32", "float64"):
-        raise ConfigError(
-            "kernel_options.BACKEND",
-            f"FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype={dtype}",
-        )
+def _literals(args: Sequence[Any]) -> tuple[Any, ...]:
+    """The choices of the Literal types among `args` (a union's members)."""
+    return tuple(c for a in args if get_origin(a) is Literal for c in get_args(a))
 
 
-def _check_flash_compile(kernel_options: Mapping[str, Any], compile_: bool) -> None:
-    """BACKEND=FLASH is an Inductor kernel: it exists only compiled."""
-    if _flash(kernel_options) and not compile_:
-        raise ConfigError(
-            "compile",
-            "BACKEND=FLASH is a torch.compile (Inductor) kernel; compile=false would run flex's "
-            "eager path without it; use compile=true or drop kernel_options.BACKEND",
-        )
+def _check_value(key: str, value: Any, hint: Any, rule: _Rule, name: str) -> Any:
+    """`value` checked against the field's type and rule: the value as checked (a float for
+    a float, {} for a null mapping, [] for a null list), or a ConfigError naming `key`."""
+    if rule.check is not None:
+        return rule.check(key, value)
+    what = rule.what or name.replace("_", " ")
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        choices = _literals(args)
+        if value in choices and not isinstance(value, bool):
+            return value
+        rest = [a for a in args if a is not type(None) and get_origin(a) is not Literal]
+        if not rest:
+            raise ConfigError(key, choice_error(what, value, choices))
+        (other,) = rest
+        return _check_value(key, value, other, rule, name)
+    if origin is Literal:
+        if value not in args or isinstance(value, bool):
+            raise ConfigError(key, choice_error(what, value, args))
+        return value
+    if origin is tuple:  # tuple[X, ...]: a list in the config; null is none
+        values = [] if value is None else value
+        choices = list(_literals(args[:1]))
+        if not isinstance(values, list):
+            raise ConfigError(key, f"must be a list of {choices}, got {value!r}")
+        if rule.non_empty and not values:
+            raise ConfigError(key, f"must be a non-empty list of {choices}, got {values!r}")
+        return [_check_value(key, v, args[0], rule, name) for v in values]
+    if origin is dict:  # an open mapping: its keys are its owner's (checked by a rule)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < rule.low:
+            need = "a positive integer" if rule.low == 1 else f"an integer >= {rule.low}"
+            raise ConfigError(key, f"must be {need}, got {value!r}")
+        return value
+    if hint is str:
+        if rule.choices is not None:
+            choices = list(rule.choices())
+            if value not in choices:
+                raise ConfigError(key, choice_error(what, value, choices))
+        elif not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: no check for a field of type {hint!r}")  # a new type needs one
 
 
-def _check_flash_topology(kernel_options: Mapping[str, Any], kind: str, passes: list) -> None:
-    """Context parallelism differentiates through each chunk's lse; FLASH's backward cannot."""
-    if _flash(kernel_options) and kind != "single" and "bwd" in passes:
-        raise ConfigError(
-            "kernel_options.BACKEND",
-            f"FLASH has no gradient for the log-sum-exp, which topology={kind} merges chunks "
-            "with; use passes=[fwd] or drop BACKEND",
-        )
+def _check_section(cls: type, node: dict[str, Any], prefix: str = "") -> None:
+    """Check `node` against the fields of `cls`, in place: a key it leaves out takes the
+    field's default, every value its checked form; a bad value is a ConfigError naming the
+    dotted key (`prefix` + the field)."""
+    hints = _hints(cls)
+    for field in _written(cls):
+        key, hint, rule = prefix + field.name, hints[field.name], _rule(field)
+        if _is_section(hint):
+            _check_section(hint, _mapping_at(node, field.name, key), f"{key}.")
+        elif rule.keys:
+            child = _mapping_at(node, field.name, key)
+            several = len(rule.keys) > 1
+            defaults = _default(field, key) if several else (_default(field, key),)
+            items = get_args(hint) if several else (hint,)
+            for sub, default, item in zip(rule.keys, defaults, items, strict=True):
+                value = child.get(sub, default)
+                child[sub] = _check_value(f"{key}.{sub}", value, item, rule, field.name)
+        else:
+            if field.name not in node:
+                node[field.name] = _default(field, key)
+            node[field.name] = _check_value(key, node[field.name], hint, rule, field.name)
 
 
-def _check_flash_device(
-    kernel_options: Mapping[str, Any], device: str, block_size: tuple[int, int]
-) -> None:
-    """BACKEND=FLASH on the resolved device: a CUDA device, and the block size its kernel has.
-
-    The flash kernel is built for one block size per GPU generation
-    (attngym.device.get_flash_block_size); any other block mask cannot run on it.
-    """
-    if not _flash(kernel_options):
-        return
-    if device != "cuda":
-        raise ConfigError(
-            "kernel_options.BACKEND",
-            f"FLASH is a CUDA backend, but device={device}; use device=cuda or drop BACKEND",
-        )
-    need = _flash_block_size(device)
-    if tuple(block_size) != need:
-        raise ConfigError(
-            "block_size",
-            f"FLASH needs block_size (q, kv) = {need} on this GPU, got {tuple(block_size)}; "
-            "use block_size=flash",
-        )
+def _build(cls: type, node: Mapping[str, Any], **given: Any) -> Any:
+    """`cls` from a checked section, field by field (`given` for the fields no config writes)."""
+    hints = _hints(cls)
+    values = {}
+    for field in _written(cls):
+        value, hint, keys = node[field.name], hints[field.name], _rule(field).keys
+        if _is_section(hint):
+            value = _build(hint, value)
+        elif keys:
+            value = value[keys[0]] if len(keys) == 1 else tuple(value[k] for k in keys)
+        elif get_origin(hint) is tuple:
+            value = tuple(value)
+        elif get_origin(hint) is dict:
+            value = dict(value)
+        values[field.name] = value
+    return cls(**values, **given)
 
 
-# How the composed config's keys map to Settings' fields. Sections are dataclasses (their fields
-# are the keys); a few fields are written as a mapping in YAML (a group's option file); open
-# mappings take any key and are checked by their own rule (the variant's parameters by
-# attngym.variants.spec, flex's kernel options by flex, a tracker's by its factory's signature).
-_SECTIONS = {"shape": Shape, "topology": Topology, "benchmark": Benchmark}
-_AS_MAPPING = {"device": ("name",), "block_size": ("q", "kv"), "profiler": ("name",)}
-OPEN_MAPPINGS = ("attention", "kernel_options", "logger")
-_NOT_CONFIG = ("variant", "skipped_baselines")  # built or estimated, never written
+def _keys_of(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for field in _written(cls):
+        key, hint, rule = prefix + field.name, _hints(cls)[field.name], _rule(field)
+        if _is_section(hint):
+            keys += _keys_of(hint, f"{key}.")
+        elif rule.keys:
+            keys += [f"{key}.{sub}" for sub in rule.keys]
+        else:
+            keys.append(key)
+    return keys
+
+
+# Mappings that take any key, each checked by its owner: the variant's parameters by
+# attngym.variants.spec, flex's kernel options by flex, a tracker's by its factory.
+OPEN_MAPPINGS = tuple(
+    f.name for f in _written(Settings) if get_origin(_hints(Settings)[f.name]) is dict
+)
 
 
 def known_keys() -> list[str]:
     """Every dotted key a config may set (an open mapping as its own name)."""
-    keys = []
-    for field in dataclasses.fields(Settings):
-        name = field.name
-        if name in _SECTIONS:
-            keys += [f"{name}.{f.name}" for f in dataclasses.fields(_SECTIONS[name])]
-        elif name in _AS_MAPPING:
-            keys += [f"{name}.{sub}" for sub in _AS_MAPPING[name]]
-        elif name not in _NOT_CONFIG:
-            keys.append(name)
-    return keys
+    return _keys_of(Settings)
 
 
 def check_key(key: str) -> None:
@@ -496,155 +550,181 @@ def _check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
             _check_keys(value, f"{key}.")
 
 
-def _check_transport(kind: str, transport: str, device: str) -> None:
-    """The transport can move this device's tensors (copy_engine and nccl need CUDA), judged
-    before the ranks start; which NVLink domain the ranks share is judged on the ranks."""
-    if kind == "single":
+def plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested dict/list copy of a mapping, the `hydra` node left out, so the checks can fill
+    in defaults without touching the caller's mapping."""
+
+    def copy(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {str(k): copy(v) for k, v in node.items()}
+        if isinstance(node, Sequence) and not isinstance(node, str):
+            return [copy(v) for v in node]
+        return node
+
+    return {str(k): copy(v) for k, v in cfg.items() if k != "hydra"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Topologies, asked of their specs.
+
+
+def _topology_specs() -> dict[str, Any]:
+    """Every context-parallel topology's spec by kind (attngym.distributed's table)."""
+    from attngym import registry
+
+    return {kind: registry.get("topology", kind) for kind in registry.names("topology")}
+
+
+def _topology_spec(kind: str) -> Any | None:
+    """The spec of context-parallel topology `kind`, or None for a kind that runs on one
+    device."""
+    # TEMPORARY, until attngym.distributed registers its table as registry kind "topology":
+    # delete this try/except and keep `return _topology_specs().get(kind)`.
+    try:
+        specs = _topology_specs()
+    except ValueError:
+        if kind == "single":
+            return None
+        raise
+    return specs.get(kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules between fields, one function each, on the checked data. A value still `auto` is judged
+# once resolved (RESOLVED_RULES).
+
+
+def _flash(kernel_options: Mapping[str, Any] | None) -> bool:
+    """attngym.kernels.is_flash, imported when first needed: `import attngym.config` pulls no
+    torch."""
+    from attngym.kernels import is_flash
+
+    return is_flash(kernel_options)
+
+
+def _kv_heads_divide_heads(data: dict[str, Any]) -> None:
+    """GQA: every key/value head serves the same number of query heads."""
+    heads, kv_heads = data["shape"]["heads"], data["shape"]["kv_heads"]
+    if kv_heads is not None and heads % kv_heads:
+        raise ConfigError(
+            "shape.kv_heads",
+            f"{kv_heads} does not divide shape.heads={heads}; use a divisor of {heads}",
+        )
+
+
+def _topology_rules(data: dict[str, Any]) -> None:
+    """The topology's own rules (its spec's check: layouts, options, heads, seq_len against the
+    ranks once they are known); one rank, and any topology's layout, on one device."""
+    topo, shape = data["topology"], data["shape"]
+    kind, world_size, layout = topo["kind"], topo["world_size"], topo["layout"]
+    spec = _topology_spec(kind)
+    if spec is not None:
+        spec.check(
+            heads=shape["heads"],
+            kv_heads=shape["kv_heads"],
+            seq_len=shape["seq_len"],
+            world_size=None if world_size == AUTO else world_size,
+            layout=layout,
+            options={key: topo[key] for key in spec.options},
+        )
         return
-    from attngym.distributed.transport import check_transport
+    if world_size not in (1, AUTO):
+        raise ConfigError(
+            "topology.world_size", f"must be 1 (or auto) for topology {kind}, got {world_size}"
+        )
+    default = next(f.default for f in dataclasses.fields(Topology) if f.name == "layout")
+    if layout != default:  # unused here; a sweep may set it for every topology alike
+        layouts = sorted({name for s in _topology_specs().values() for name in s.layouts})
+        if layout not in layouts:
+            raise ConfigError("topology.layout", choice_error("layout", layout, layouts))
 
-    check_transport(transport, device, key="topology.transport")
+
+def _flash_needs_16_bit(data: dict[str, Any]) -> None:
+    """BACKEND=FLASH needs a 16-bit dtype."""
+    dtype = data["dtype"]
+    if _flash(data["kernel_options"]) and dtype in ("float32", "float64"):
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype={dtype}",
+        )
 
 
-def _check_fits(
-    data: dict[str, Any], device: str, dtype: str, world_size: int, block_size: tuple[int, int]
-) -> dict[str, str]:
-    """The run fits the device's memory (and, on a CPU, its cores: one process per rank), judged
-    from the shape by attngym.estimate before any tensor exists; the baselines that alone would
-    not fit, with why (they are skipped, the run goes on)."""
-    from attngym.estimate import available_memory, estimate, format_bytes
+def _flash_needs_compile(data: dict[str, Any]) -> None:
+    """BACKEND=FLASH is an Inductor kernel: it exists only compiled."""
+    if _flash(data["kernel_options"]) and not data["compile"]:
+        raise ConfigError(
+            "compile",
+            "BACKEND=FLASH is a torch.compile (Inductor) kernel; compile=false would run flex's "
+            "eager path without it; use compile=true or drop kernel_options.BACKEND",
+        )
 
-    shape = data["shape"]
-    have = None  # measured by estimate: free memory
-    if "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU, judged as every rank is
-        if device == "cuda":
-            device = f"cuda:{os.environ['LOCAL_RANK']}"
-        have = available_memory(device, total=True)
-    result = estimate(
-        batch=shape["batch"],
-        heads=shape["heads"],
-        kv_heads=shape.get("kv_heads"),
-        seq_len=shape["seq_len"],
-        head_dim=shape["head_dim"],
-        dtype=dtype,
-        device=device,
-        passes=data["passes"],
-        baselines=data["baselines"],
-        validate_rows=data["validate_rows"] if data["validate"] else 0,
-        world_size=world_size,
-        block_size=block_size,
-        max_mask_bytes=data["baseline_max_mask_bytes"],
-        available_bytes=have,
-    )
-    if not result.fits:
-        raise ConfigError(result.key, result.problem.removeprefix(f"{result.key}: "))
-    log.info(
-        "memory estimate: ~%s of %s %s",
-        format_bytes(result.needed_bytes),
-        "?" if result.available_bytes is None else format_bytes(result.available_bytes),
-        "available" if have is None else "in all (under torchrun every rank judges by the total)",
-    )
-    return dict(result.skipped_baselines)
+
+def _flash_has_no_lse_gradient(data: dict[str, Any]) -> None:
+    """Context parallelism differentiates through each chunk's lse; FLASH's backward cannot."""
+    kind = data["topology"]["kind"]
+    if (
+        _flash(data["kernel_options"])
+        and "bwd" in data["passes"]
+        and _topology_spec(kind) is not None
+    ):
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH has no gradient for the log-sum-exp, which topology={kind} merges chunks "
+            "with; use passes=[fwd] or drop BACKEND",
+        )
+
+
+def _flash_on_this_device(data: dict[str, Any]) -> None:
+    """BACKEND=FLASH on the resolved device: a CUDA device, and the block size its kernel has.
+
+    The flash kernel is built for one block size per GPU generation
+    (attngym.device.get_flash_block_size); any other block mask cannot run on it.
+    """
+    if not _flash(data["kernel_options"]):
+        return
+    device = data["device"]["name"]
+    if device != "cuda":
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH is a CUDA backend, but device={device}; use device=cuda or drop BACKEND",
+        )
+    need = _flash_block_size(device)
+    got = (data["block_size"]["q"], data["block_size"]["kv"])
+    if got != need:
+        raise ConfigError(
+            "block_size",
+            f"FLASH needs block_size (q, kv) = {need} on this GPU, got {got}; use block_size=flash",
+        )
+
+
+# The rules on values alone, in this order (check_config and from_config).
+VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
+    _kv_heads_divide_heads,
+    _topology_rules,
+    _flash_needs_16_bit,
+    _flash_needs_compile,
+    _flash_has_no_lse_gradient,
+)
+# The rules on resolved values (from_config): those `auto` deferred, and the device's own.
+RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
+    _flash_needs_16_bit,
+    _topology_rules,
+    _flash_on_this_device,
+)
 
 
 def _check_values(data: dict[str, Any]) -> Variant:
     """Every check that needs no hardware, on `data` (defaults written in); the built Variant."""
     _check_keys(data)
-    seq_len = _check_shape(data)
-    dtype = _choice(data, "dtype", DTYPES, "dtype", AUTO)
-    passes = _check_run(data, dtype)
-    _check_topology(data, seq_len, passes)
-    _choice(data, "profiler.name", _names("profiler"), "profiler", _default(Settings, "profiler"))
-    default_logger = _default(Settings, "logger")["name"]
-    logger = _choice(data, "logger.name", _names("tracker"), "logger", default_logger)
-    if logger == "wandb":
-        from attngym.tracking.wandb_logger import MODES
-
-        _choice(data, "logger.mode", MODES, "wandb mode", "offline")
-
+    _check_section(Settings, data)
+    for rule in VALUE_RULES:
+        rule(data)
     from attngym.variants.spec import build_variant
 
-    heads = _int(data, "shape.heads", default=_default(Shape, "heads"))
-    return build_variant(_get(data, "attention"), key="attention", seq_len=seq_len, heads=heads)
-
-
-def _check_shape(data: dict[str, Any]) -> int:
-    """shape.*: positive sizes, kv_heads dividing heads; the sequence length."""
-    shape = {
-        name: _int(data, f"shape.{name}", default=_default(Shape, name))
-        for name in ("batch", "heads", "seq_len", "head_dim")
-    }
-    if _get(data, "shape.kv_heads", _default(Shape, "kv_heads")) is not None:
-        _check_kv_heads(shape["heads"], _int(data, "shape.kv_heads"))
-    return shape["seq_len"]
-
-
-def _check_run(data: dict[str, Any], dtype: str) -> list[str]:
-    """What the run does and how it is timed: passes, compile, kernel options, benchmark,
-    baselines, validation, block size. Returns the passes."""
-    _int(data, "seed", low=0, default=_default(Settings, "seed"))
-    _bool(data, "validate", _default(Settings, "validate"))
-    _int(data, "validate_rows", default=_default(Settings, "validate_rows"))
-    passes = _choices(data, "passes", PASSES, "pass", _default(Settings, "passes"))
-    if not passes:
-        raise ConfigError("passes", f"must be a non-empty list of {list(PASSES)}, got {passes!r}")
-    compile_ = _bool(data, "compile", _default(Settings, "compile"))
-    from attngym.kernels import COMPILE_MODES
-
-    _choice(data, "compile_mode", COMPILE_MODES, "compile mode", _default(Settings, "compile_mode"))
-    kernel_options = _get(data, "kernel_options", None)
-    if kernel_options is None:
-        kernel_options = data["kernel_options"] = _default(Settings, "kernel_options")
-    if not isinstance(kernel_options, Mapping):
-        raise ConfigError("kernel_options", f"must be a mapping, got {kernel_options!r}")
-    _check_flash(kernel_options, dtype)
-    _check_flash_compile(kernel_options, compile_)
-    _int(data, "benchmark.warmup", low=0, default=_default(Benchmark, "warmup"))
-    _int(data, "benchmark.repeats", default=_default(Benchmark, "repeats"))
-    _choices(data, "baselines", BASELINES, "baseline", _default(Settings, "baselines"))
-    max_bytes = _default(Settings, "baseline_max_mask_bytes")
-    _int(data, "baseline_max_mask_bytes", low=0, default=max_bytes)
-    default_q, default_kv = _default(Settings, "block_size")
-    _check_block(data, "block_size.q", default_q)
-    _check_block(data, "block_size.kv", default_kv)
-    _choice(data, "device.name", DEVICES, "device", AUTO)
-    return passes
-
-
-def _check_topology(data: dict[str, Any], seq_len: int, passes: list[str]) -> None:
-    """topology.*: a registered kind, its ranks, transport, layout, hybrid groups and timeout,
-    and seq_len and a2a_size against the ranks when they are known."""
-    kind = _choice(
-        data, "topology.kind", _names("task"), "topology kind", _default(Topology, "kind")
+    shape = data["shape"]
+    return build_variant(
+        data["attention"], key="attention", seq_len=shape["seq_len"], heads=shape["heads"]
     )
-    _check_flash_topology(data["kernel_options"], kind, passes)
-    world_size = _get(data, "topology.world_size", _default(Topology, "world_size"))
-    if world_size != AUTO:
-        world_size = _int(data, "topology.world_size")
-    _check_world_size(kind, world_size)
-    from attngym.distributed.layout import LAYOUTS
-    from attngym.distributed.transport import TRANSPORTS
-
-    _choice(data, "topology.transport", TRANSPORTS, "transport", _default(Topology, "transport"))
-    layout = _choice(data, "topology.layout", LAYOUTS, "layout", _default(Topology, "layout"))
-    from attngym.distributed.ulysses import ACROSS
-
-    _choice(data, "topology.across", ACROSS, "across", _default(Topology, "across"))
-    if _get(data, "topology.a2a_size", _default(Topology, "a2a_size")) is not None:
-        a2a_size = _int(data, "topology.a2a_size")
-        _check_a2a_size(kind, a2a_size, world_size, data["shape"]["heads"])
-    timeout = _get(data, "topology.timeout_s", _default(Topology, "timeout_s"))
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not 0 < timeout < math.inf
-    ):
-        raise ConfigError(
-            "topology.timeout_s", f"must be a positive, finite number of seconds, got {timeout!r}"
-        )
-    data["topology"]["timeout_s"] = float(timeout)
-    if world_size != AUTO:
-        _check_seq_len(seq_len, world_size, layout)
 
 
 def check_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -662,6 +742,10 @@ def check_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return data
 
 
+# ---------------------------------------------------------------------------------------------
+# `auto` on this machine.
+
+
 def _resolve_device(name: str) -> str:
     """`device.name` resolved by attngym.device.resolve_device (the one resolver): cpu | cuda."""
     from attngym.device import resolve_device
@@ -672,13 +756,18 @@ def _resolve_device(name: str) -> str:
         raise ConfigError("device.name", str(err)) from None
 
 
+def _auto_dtype(device: str) -> str:
+    """dtype=auto: bfloat16 on cuda, float32 on cpu."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 def _resolve_world_size(kind: str, value: Any, device: str) -> int:
-    """auto → 1 for single; torchrun's WORLD_SIZE when launched by it; GPU count; 2 on CPU.
+    """auto → 1 on one device; torchrun's WORLD_SIZE when launched by it; GPU count; 2 on CPU.
 
     Without a launcher, more ranks than GPUs fail here (the one check of the rule) unless
     TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 lets ranks share GPUs.
     """
-    if kind == "single":
+    if _topology_spec(kind) is None:
         return 1
     env = os.environ.get("WORLD_SIZE")
     if env is not None:
@@ -696,6 +785,8 @@ def _resolve_world_size(kind: str, value: Any, device: str) -> int:
         count = torch.cuda.device_count()
         if value == AUTO:
             log.info("topology.world_size=auto: %d GPUs", count)
+            if count < 1:
+                raise ConfigError("topology.world_size", f"resolved to {count}; need at least 1")
             return count
         overlap = os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
         if value > count and not overlap:  # overlap: a protocol test of several ranks per GPU
@@ -740,9 +831,58 @@ def _resolve_blocks(
     return (blocks[0], blocks[1]), kernel_options
 
 
-def _fields(cls: type, values: Mapping[str, Any]) -> Any:
-    """`cls` from the checked values of its fields (other keys are not its business)."""
-    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+def _resolve(data: dict[str, Any]) -> None:
+    """Write the machine's values over `auto` and the named block sizes in the checked `data`:
+    device, dtype, topology.world_size, block_size (and the kernel options `tuned` adds)."""
+    device = data["device"]["name"] = _resolve_device(data["device"]["name"])
+    if data["dtype"] == AUTO:
+        data["dtype"] = _auto_dtype(device)
+    topo = data["topology"]
+    topo["world_size"] = _resolve_world_size(topo["kind"], topo["world_size"], device)
+    (q, kv), kernel_options = _resolve_blocks(data, device, data["dtype"], data["kernel_options"])
+    data["block_size"] = {"q": q, "kv": kv}
+    data["kernel_options"] = kernel_options
+
+
+def _check_fits(
+    data: dict[str, Any], device: str, dtype: str, world_size: int, block_size: tuple[int, int]
+) -> dict[str, str]:
+    """The run fits the device's memory (and, on a CPU, its cores: one process per rank), judged
+    from the shape by attngym.estimate before any tensor exists; the baselines that alone would
+    not fit, with why (they are skipped, the run goes on)."""
+    from attngym.estimate import available_memory, estimate, format_bytes
+
+    shape = data["shape"]
+    have = None  # measured by estimate: free memory
+    if "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU, judged as every rank is
+        if device == "cuda":
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+        have = available_memory(device, total=True)
+    result = estimate(
+        batch=shape["batch"],
+        heads=shape["heads"],
+        kv_heads=shape.get("kv_heads"),
+        seq_len=shape["seq_len"],
+        head_dim=shape["head_dim"],
+        dtype=dtype,
+        device=device,
+        passes=data["passes"],
+        baselines=data["baselines"],
+        validate_rows=data["validate_rows"] if data["validate"] else 0,
+        world_size=world_size,
+        block_size=block_size,
+        max_mask_bytes=data["baseline_max_mask_bytes"],
+        available_bytes=have,
+    )
+    if not result.fits:
+        raise ConfigError(result.key, result.problem.removeprefix(f"{result.key}: "))
+    log.info(
+        "memory estimate: ~%s of %s %s",
+        format_bytes(result.needed_bytes),
+        "?" if result.available_bytes is None else format_bytes(result.available_bytes),
+        "available" if have is None else "in all (under torchrun every rank judges by the total)",
+    )
+    return dict(result.skipped_baselines)
 
 
 def from_config(cfg: Mapping[str, Any]) -> Settings:
@@ -756,42 +896,11 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
     """
     data = plain(cfg)
     variant = _check_values(data)
-    device = _resolve_device(data["device"]["name"])
-    dtype = data["dtype"]
-    if dtype == AUTO:
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    _check_flash(data["kernel_options"], dtype)
-    topo = data["topology"]
-    world_size = _resolve_world_size(topo["kind"], topo["world_size"], device)
-    if world_size < 1:
-        raise ConfigError("topology.world_size", f"resolved to {world_size}; need at least 1")
-    if topo["world_size"] == AUTO:
-        _check_seq_len(data["shape"]["seq_len"], world_size, topo["layout"])
-        _check_a2a_size(topo["kind"], topo["a2a_size"], world_size, data["shape"]["heads"])
-    _check_transport(topo["kind"], topo["transport"], device)
-    block_size, kernel_options = _resolve_blocks(data, device, dtype, dict(data["kernel_options"]))
-    _check_flash(kernel_options, dtype)
-    _check_flash_device(kernel_options, device, block_size)
-    skipped = _check_fits(data, device, dtype, world_size, block_size)
-    return Settings(
-        attention=data["attention"],
-        variant=variant,
-        shape=_fields(Shape, data["shape"]),
-        topology=_fields(Topology, {**topo, "world_size": world_size}),
-        benchmark=_fields(Benchmark, data["benchmark"]),
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        kernel_options=kernel_options,
-        compile=data["compile"],
-        compile_mode=data["compile_mode"],
-        passes=tuple(data["passes"]),
-        baselines=tuple(data["baselines"]),
-        validate=data["validate"],
-        validate_rows=data["validate_rows"],
-        seed=data["seed"],
-        profiler=data["profiler"]["name"],
-        baseline_max_mask_bytes=data["baseline_max_mask_bytes"],
-        skipped_baselines=skipped,
-        logger=dict(data["logger"]),
+    _resolve(data)
+    for rule in RESOLVED_RULES:
+        rule(data)
+    blocks = (data["block_size"]["q"], data["block_size"]["kv"])
+    skipped = _check_fits(
+        data, data["device"]["name"], data["dtype"], data["topology"]["world_size"], blocks
     )
+    return _build(Settings, data, variant=variant, skipped_baselines=skipped)

@@ -268,7 +268,7 @@ def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, 
     from attngym.config import Settings, Shape
 
     seq_len = 2 * int(PICTURE_MAX_PAIRS["cpu"] ** 0.5)  # 4x the pairs allowed on a CPU
-    settings = Settings(attention={"name": "causal"}, shape=Shape(seq_len=seq_len))
+    settings = Settings(attention={"name": "causal"}, device="cpu", shape=Shape(seq_len=seq_len))
     with caplog.at_level(logging.INFO, logger="attngym"):
         assert _draw_pictures(settings, tmp_path) == {}
     assert list(tmp_path.iterdir()) == []

@@ -47,7 +47,7 @@ def test_defaults_are_small_cpu_run(hydra_ctx):
     cfg = make()
     assert cfg.attention.name == "causal"
     assert cfg.device.name == "auto"
-    assert cfg.topology.kind == "single" and cfg.topology.world_size == 1
+    assert cfg.topology.kind == "single" and cfg.topology.world_size == "auto"  # one rank
     assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"
     assert cfg.dtype == "auto" and cfg.validate is True
     assert list(cfg.passes) == ["fwd", "bwd"]
@@ -201,7 +201,7 @@ CASES = [
     (["topology.layout=spiral"], "topology.layout", ["topology.layout=zigzag"]),
     (["topology=ring", "topology.timeout_s=inf"], "topology.timeout_s", ["topology=ring"]),
     (["profiler.name=perf"], "profiler.name", ["profiler.name=kernels"]),
-    (["logger.name=tensorboard"], "logger.name", ["logger.name=local"]),
+    (["logger.name=tensorboard"], "logger.name", ["logger=local"]),
     (["logger.mode=sometimes"], "logger.mode", ["logger.mode=online"]),
     (
         ["dtype=float32", "+kernel_options.BACKEND=FLASH"],
@@ -273,6 +273,8 @@ CASES = [
             "shape.seq_len=1032",
         ],
     ),
+    (["+logger.projct=demo"], "logger.projct", ["logger.project=demo"]),  # the tracker's keys
+    (["topology.layout=[zigzag]"], "topology.layout", ["topology.layout=zigzag"]),  # a string
     (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),
     (["baselines=[cudnn]"], "baselines", ["baselines=[sdpa]"]),
     (["benchmark.repeats=0"], "benchmark.repeats", ["benchmark.repeats=1"]),
@@ -365,13 +367,20 @@ def test_flash_backend_needs_the_flash_block_size(monkeypatch):
     from attngym import config
 
     monkeypatch.setattr(config, "_flash_block_size", lambda device: (256, 128))  # an SM100 GPU
-    flash = {"BACKEND": "FLASH"}
+
+    def resolved(backend, q):
+        return {
+            "kernel_options": {"BACKEND": backend},
+            "device": {"name": "cuda"},
+            "block_size": {"q": q, "kv": 128},
+        }
+
     with pytest.raises(
         ConfigError, match=r"\(256, 128\) .* got \(128, 128\); use block_size=flash"
     ):
-        config._check_flash_device(flash, "cuda", (128, 128))
-    config._check_flash_device(flash, "cuda", (256, 128))
-    config._check_flash_device({"BACKEND": "TRITON"}, "cuda", (128, 128))
+        config._flash_on_this_device(resolved("FLASH", 128))
+    config._flash_on_this_device(resolved("FLASH", 256))
+    config._flash_on_this_device(resolved("TRITON", 128))
 
 
 def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
@@ -411,30 +420,108 @@ def test_defaults_come_from_the_dataclasses():
     from attngym.config import Settings
 
     settings = from_config({"attention": {"name": "causal"}, "device": {"name": "cpu"}})
-    default = Settings()
+    default = Settings(attention={"name": "causal"}, device="cpu")
     for field in ("shape", "topology", "benchmark", "block_size", "kernel_options", "compile"):
         assert getattr(settings, field) == getattr(default, field), field
     for field in ("compile_mode", "passes", "baselines", "validate", "validate_rows", "seed"):
         assert getattr(settings, field) == getattr(default, field), field
     assert settings.baseline_max_mask_bytes == default.baseline_max_mask_bytes == 256 * 2**20
     assert (settings.device, settings.dtype, settings.profiler) == ("cpu", "float32", "none")
-    with pytest.raises(ConfigError, match="attention: missing"):
+    assert settings.logger == default.logger == {"name": "wandb"}  # as conf/config.yaml
+    with pytest.raises(ConfigError, match="attention: missing; it has no default"):
         from_config({"device": {"name": "cpu"}})
 
 
-def test_config_yaml_agrees_with_the_dataclasses(hydra_ctx):
-    """Where conf/config.yaml states a key a user edits, it states the dataclass default."""
-    from attngym.config import Benchmark, Settings, Shape
+def test_auto_is_a_typed_default_resolved_in_settings():
+    """device, dtype and topology.world_size default to `auto` in the types; Settings hold them
+    resolved (from_config resolves them, Settings made directly alike)."""
+    from attngym.config import AUTO, Settings, Topology
 
-    data = check_config(make())
-    assert Shape(**data["shape"]) == Shape()
-    assert data["benchmark"] == dataclasses.asdict(Benchmark())
-    default = Settings()
-    for key in ("seed", "validate", "validate_rows", "compile", "compile_mode"):
-        assert data[key] == getattr(default, key), key
-    assert tuple(data["passes"]) == default.passes
-    assert tuple(data["baselines"]) == default.baselines
-    assert data["baseline_max_mask_bytes"] == default.baseline_max_mask_bytes
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    assert defaults["device"] == defaults["dtype"] == AUTO
+    assert {f.name: f.default for f in dataclasses.fields(Topology)}["world_size"] == AUTO
+    made = Settings(attention={"name": "causal"})
+    assert made.device in ("cpu", "cuda") and made.topology.world_size == 1
+    assert made.dtype == ("bfloat16" if made.device == "cuda" else "float32")
+    assert Settings(attention={"name": "causal"}, device="cpu").dtype == "float32"
+    assert Settings(attention={"name": "causal"}, device="cpu", dtype="float16").dtype == "float16"
+
+
+def _yaml(path: Path) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a YAML mapping's leaves."""
+    out = {}
+    for name, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+def _at(data: dict, key: str):
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def _default_files() -> dict[str, dict]:
+    """conf/config.yaml (its defaults list left out) and the default option of each group, by
+    the config node each one fills ("" for the root)."""
+    root = _yaml(CONF / "config.yaml")
+    files = {"": root}
+    for entry in root.pop("defaults"):
+        if isinstance(entry, dict):
+            ((group, option),) = entry.items()
+            if group in GROUPS:
+                files[group] = _yaml(CONF / group / f"{option}.yaml")
+    assert set(files) == {"", *GROUPS}
+    return files
+
+
+def test_yaml_defaults_agree_with_the_typed_defaults():
+    """Wherever conf/config.yaml or a group's default option states a key, it states the typed
+    default: the same value once checked (null kernel options are none, 120 seconds 120.0).
+    The variant has no typed default (the config names it); a tracker's parameters default in
+    its factory's signature."""
+    import inspect
+
+    files = _default_files()
+    stated = check_config({**files[""], **{group: files[group] for group in GROUPS}})
+    typed = check_config({"attention": stated["attention"]})  # every other key: its default
+    tracker = registry.get("tracker", typed["logger"]["name"])
+    params = inspect.signature(tracker).parameters
+    compared = 0
+    for group, node in files.items():
+        for key in _leaves(node, f"{group}." if group else ""):
+            if key.startswith("attention"):
+                continue
+            if key.startswith("logger.") and key != "logger.name":
+                default = params[key.removeprefix("logger.")].default
+                got = _at(stated, key)
+                assert (list(got) if isinstance(got, list) else got) == (
+                    list(default) if isinstance(default, tuple) else default
+                ), key
+                continue
+            assert _at(stated, key) == _at(typed, key), key
+            compared += 1
+    assert compared >= 20
+
+
+def test_every_yaml_key_is_a_known_key():
+    from attngym.config import check_key
+
+    for key in _leaves(_default_files()[""]):
+        check_key(key)
+    for group in GROUPS:
+        for path in (CONF / group).glob("*.yaml"):
+            for key in _leaves(_yaml(path), f"{group}."):
+                check_key(key)
+    with pytest.raises(ConfigError, match="did you mean shape.seq_len"):
+        check_key("shape.seqlen")
 
 
 def test_choice_tuples_come_from_the_literal_types():
@@ -523,3 +610,162 @@ def test_hybrid_groups_checked_against_the_resolved_world_size(hydra_ctx):
         2,
         "allgather",
     )
+
+
+def _with(key: str, value) -> dict:
+    """A config naming the variant, with `value` at dotted `key`."""
+    data: dict = {"attention": {"name": "causal"}}
+    node = data
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return data
+
+
+def test_the_walker_names_the_dotted_key_of_every_setting():
+    """A value of the wrong type anywhere is refused by its own dotted key, in every section."""
+    from attngym.config import known_keys
+
+    keys = known_keys()
+    sections = {key.split(".")[0] for key in keys if "." in key}
+    assert sections == {"shape", "topology", "benchmark", "device", "block_size", "profiler"}
+    for key in keys:
+        with pytest.raises(ConfigError) as info:
+            check_config(_with(key, ["?"]))
+        assert info.value.key == key, (key, str(info.value))
+        assert "'?'" in str(info.value), str(info.value)
+    for key in ("shape", "topology", "benchmark", "device", "block_size"):  # a section, not a map
+        with pytest.raises(ConfigError, match=rf"^{key}: must be a mapping, got 3$"):
+            check_config({"attention": {"name": "causal"}, key: 3})
+        check_config({"attention": {"name": "causal"}, key: None})  # null: every default
+
+
+def test_open_mappings_are_mappings():
+    with pytest.raises(ConfigError, match="^attention: must be a mapping, got 'causal'$"):
+        check_config({"attention": "causal"})
+    with pytest.raises(ConfigError, match="^kernel_options: must be a mapping, got 4$"):
+        check_config(_with("kernel_options", 4))
+    check_config(_with("kernel_options", None))  # null: none
+    with pytest.raises(ConfigError, match="^logger: must be a mapping, got 'wandb'$"):
+        check_config(_with("logger", "wandb"))
+    assert check_config(_with("logger", None))["logger"] == {"name": "wandb"}
+
+
+def test_a_tracker_parameter_is_checked_by_its_factory():
+    """The tracker's keyword arguments are the logger.* keys: a misspelt one is refused before
+    the run (with the parameters it has), and its defaults are the factory's."""
+    with pytest.raises(ConfigError, match="did you mean 'project'") as info:
+        check_config(_with("logger", {"name": "wandb", "projct": "demo"}))
+    assert info.value.key == "logger.projct"
+    with pytest.raises(ConfigError, match="'local' has no parameter 'mode'") as info:
+        check_config(_with("logger", {"name": "local", "mode": "offline"}))
+    assert info.value.key == "logger.mode"
+    assert check_config(_with("logger", {"name": "local"}))["logger"] == {"name": "local"}
+    assert check_config(_with("logger.project", "demo"))["logger"] == {
+        "name": "wandb",
+        "project": "demo",
+    }
+
+
+@dataclasses.dataclass
+class FakeSpec:
+    """A topology as attngym.distributed's table states one: layouts, options, rules."""
+
+    layouts: tuple = ("contiguous", "stripes")
+    options: tuple = ("a2a_size",)
+    seen: list = dataclasses.field(default_factory=list)
+
+    def check(self, *, heads, kv_heads, seq_len, world_size, layout, options):
+        from attngym.errors import choice_error
+
+        self.seen.append({"world_size": world_size, "layout": layout, "options": options})
+        if layout not in self.layouts:
+            raise ConfigError(
+                "topology.layout", choice_error("layout for fake", layout, self.layouts)
+            )
+        if world_size is not None and seq_len % world_size:
+            raise ConfigError("shape.seq_len", f"{seq_len} does not split over {world_size}")
+
+
+@pytest.fixture
+def fake_topology(monkeypatch):
+    """A topology `fake` (a task and a spec) in the registry, beside the real ones."""
+    spec = FakeSpec()
+    names, get = registry.names, registry.get
+
+    def fake_names(kind):
+        if kind == "topology":
+            try:
+                return sorted([*names(kind), "fake"])
+            except ValueError:  # no table of real topologies
+                return ["fake"]
+        return sorted([*names(kind), "fake"]) if kind == "task" else names(kind)
+
+    def fake_get(kind, name):
+        return spec if (kind, name) == ("topology", "fake") else get(kind, name)
+
+    monkeypatch.setattr(registry, "names", fake_names)
+    monkeypatch.setattr(registry, "get", fake_get)
+    return spec
+
+
+def test_a_topology_is_judged_by_its_spec(fake_topology):
+    """The spec gets the shape, the layout and its own options, world_size None while it is
+    auto and the resolved count after; its refusals reach the user with their key."""
+    topo = {"kind": "fake", "layout": "stripes", "a2a_size": 2}
+    check_config(_with("topology", topo))
+    assert fake_topology.seen[-1] == {
+        "world_size": None,
+        "layout": "stripes",
+        "options": {"a2a_size": 2},
+    }
+    settings = from_config({**_with("topology", topo), "device": {"name": "cpu"}})
+    assert fake_topology.seen[-1]["world_size"] == 2 == settings.topology.world_size  # CPU
+    assert settings.describe()["layout"] == "stripes"
+    with pytest.raises(ConfigError, match="layout for fake 'spiral'") as info:
+        check_config(_with("topology", {**topo, "layout": "spiral"}))
+    assert info.value.key == "topology.layout"
+    with pytest.raises(ConfigError) as info:
+        check_config({**_with("topology", {**topo, "world_size": 2}), "shape": {"seq_len": 1023}})
+    assert info.value.key == "shape.seq_len"
+    check_config({**_with("topology", {**topo, "world_size": 2}), "shape": {"seq_len": 1024}})
+
+
+def test_flash_backward_is_refused_for_every_topology_with_a_spec(fake_topology):
+    flash = {
+        "attention": {"name": "causal"},
+        "topology": {"kind": "fake"},
+        "dtype": "bfloat16",
+        "kernel_options": {"BACKEND": "FLASH"},
+    }
+    with pytest.raises(ConfigError, match="topology=fake merges chunks") as info:
+        check_config(flash)
+    assert info.value.key == "kernel_options.BACKEND"
+    check_config({**flash, "passes": ["fwd"]})
+    check_config({**flash, "topology": {"kind": "single"}})  # one device: no lse to merge
+
+
+def test_one_device_takes_one_rank_and_any_topologys_layout(fake_topology):
+    single = {"kind": "single"}
+    check_config(_with("topology", {**single, "layout": "stripes"}))  # a sweep may set it
+    with pytest.raises(ConfigError, match="unknown layout 'spiral'.*stripes") as info:
+        check_config(_with("topology", {**single, "layout": "spiral"}))
+    assert info.value.key == "topology.layout"
+    with pytest.raises(ConfigError, match="must be 1 \\(or auto\\) for topology single, got 2"):
+        check_config(_with("topology", {**single, "world_size": 2}))
+    settings = from_config({**_with("topology", single), "device": {"name": "cpu"}})
+    assert settings.topology.world_size == 1 and settings.describe()["layout"] is None
+
+
+def test_every_topology_spec_fits_the_typed_topology():
+    """Each context-parallel task has a spec, whose options are Topology fields (the keys a
+    config writes) and whose layouts take the typed default."""
+    from attngym import config
+
+    fields = {f.name: f for f in dataclasses.fields(config.Topology)}
+    specs = config._topology_specs()
+    assert set(specs) == set(registry.names("task")) - {"single"}
+    for kind, spec in specs.items():
+        assert set(spec.options) <= set(fields), kind
+        assert fields["layout"].default in spec.layouts, kind

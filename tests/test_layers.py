@@ -153,3 +153,10 @@ def test_tracking_reads_the_metric_schema_not_tasks():
     for module, targets in graph.items():
         if _within(module, ("attngym.tracking",)):
             assert not any(_within(t, ("attngym.tasks",)) for t in targets), module
+
+
+def test_config_imports_nothing_from_distributed():
+    """What the config knows of a topology it asks the topology's spec, through attngym.registry
+    (lazy imports counted too)."""
+    imported = import_graph()["attngym.config"]
+    assert not [m for m in imported if _within(m, ("attngym.distributed",))], sorted(imported)

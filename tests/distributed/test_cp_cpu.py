@@ -272,6 +272,7 @@ def _transport_worker(rank, world_size, run_dir):
     # the run as for a single-device run).
     settings = Settings(
         attention={"name": "causal"},
+        device="cpu",
         shape=Shape(batch=1, heads=2, seq_len=48, head_dim=8),
         topology=Topology(kind="ring", world_size=3, transport="auto", timeout_s=30),
         benchmark=Benchmark(warmup=0, repeats=1),
@@ -485,6 +486,7 @@ def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path
     def settings(transport):
         return Settings(
             attention={"name": "causal"},
+            device="cpu",
             shape=Shape(seq_len=64, heads=2, head_dim=8),
             topology=Topology(kind="ring", world_size=2, transport=transport),
         )

@@ -186,6 +186,7 @@ def test_torchrun_sweep_stops_at_a_rank_failure_and_resumes(tmp_path):
 def _settings(**topology):
     return Settings(
         attention={"name": "causal"},
+        device="cpu",
         shape=Shape(batch=1, heads=2, seq_len=topology.pop("seq_len", 512), head_dim=8),
         topology=Topology(**{"kind": "ring", "world_size": 2, **topology}),
         benchmark=Benchmark(warmup=0, repeats=1),
