@@ -29,6 +29,7 @@ Contract (P ranks, this rank r, an all-gather from `transport`):
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from typing import Any
 
@@ -45,10 +46,11 @@ from attngym.distributed.cp import (
     rows_read,
     run,
 )
-from attngym.distributed.layout import Layout
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.spec import TopologySpec
 from attngym.variants.base import Variant
 
-__all__ = ["CPOptions", "CPStats", "allgather_attention"]
+__all__ = ["ALLGATHER", "CPOptions", "CPStats", "allgather_attention", "allgather_transfer_ms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,3 +285,33 @@ def allgather_attention(
         stats=stats,
         **overrides,
     )
+
+
+def allgather_transfer_ms(
+    transport, k_s: torch.Tensor, timeout_s: float, repeats: int
+) -> list[float]:
+    """Times of one all-gather of every rank's whole K/V shard alone (start, then wait), as the
+    forward gathers them for masks that read whole shards. Collective over the world."""
+    from attngym.device import sync
+
+    kv = torch.stack([k_s.detach(), k_s.detach()])
+    ag = transport.allgather(
+        tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
+    )
+    times = []
+    for _ in range(repeats):
+        sync(k_s.device)
+        start = time.perf_counter()
+        ag.start(kv)
+        ag.wait(kv)
+        sync(k_s.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+ALLGATHER = TopologySpec(
+    name="allgather",
+    attention=allgather_attention,
+    layouts=LAYOUTS,
+    timer=allgather_transfer_ms,
+)
