@@ -14,7 +14,7 @@ import torch
 from attngym import reference
 from attngym.config import Benchmark, Settings, Shape
 from attngym.inputs import make_inputs
-from attngym.tasks import single
+from attngym.tasks import phases, single
 from attngym.variants.spec import build_variant
 
 TOL = 1e-4
@@ -104,16 +104,24 @@ class _NoBackward(torch.autograd.Function):
 def test_baseline_pass_without_backward_is_recorded_not_fatal():
     s = settings({"name": "causal"})
     q, k, v, g = make_inputs(s.shape, s.seed, "cpu", torch.float32, requires_grad=True)
-    args = (q, k, v, g, s, torch.device("cpu"), True)
+    rank = phases.Rank(
+        attend=lambda: _NoBackward.apply(q),
+        leaves=(q, k, v),
+        grad_out=g,
+        device=torch.device("cpu"),
+        warmup=0,
+        repeats=1,
+    )
+    passes = ("fwd", "bwd", "fwd_bwd")
     failures: dict[str, str] = {}
-    times = single._time_passes("sdpa_x", lambda: _NoBackward.apply(q), *args, failures)
+    times = phases.time_passes(rank, passes, label="sdpa_x", failures=failures)
     assert set(times) == {"fwd"} and times["fwd"].median_ms > 0
     assert failures == {
         "bwd": "No available kernel for the backward",
         "fwd_bwd": "No available kernel for the backward",
     }
     with pytest.raises(RuntimeError, match="No available kernel"):  # flex: the run fails
-        single._time_passes("flex", lambda: _NoBackward.apply(q), *args)
+        phases.time_passes(rank, passes)
 
 
 @pytest.mark.gpu
