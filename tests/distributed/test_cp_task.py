@@ -17,12 +17,8 @@ import pytest
 import torch
 
 from attngym.config import Benchmark, Settings, Shape, Topology
-from attngym.tasks.context_parallel import (
-    KINDS,
-    NO_CPU_BWD,
-    _fold_torch_cp_verdict,
-    torch_cp_skip_reason,
-)
+from attngym.tasks.context_parallel import _fold_torch_cp_verdict, torch_cp_skip_reason
+from attngym.tasks.phases import NO_CPU_BWD
 
 
 @pytest.mark.parametrize(
@@ -193,13 +189,30 @@ def _settings(**topology):
     )
 
 
-def test_every_cp_kind_is_a_registered_task_calling_its_library_function():
+def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     import attngym.distributed
     from attngym import registry
+    from attngym.distributed.topologies import TOPOLOGIES
 
-    for kind, entry in KINDS.items():
-        assert kind in registry.names("task")
-        assert callable(getattr(attngym.distributed, entry.attention))
+    assert (
+        registry.names("topology")
+        == sorted(TOPOLOGIES)
+        == [
+            "allgather",
+            "hybrid",
+            "ring",
+            "ulysses",
+        ]
+    )
+    for name, spec in TOPOLOGIES.items():
+        assert registry.get("topology", name) is spec and spec.name == name
+        assert name in registry.names("task")
+        # The spec's function is the library's public one.
+        assert getattr(attngym.distributed, spec.attention.__name__) is spec.attention
+    assert registry.get("topology", "hybrid").options == ("a2a_size", "across")
+    assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag")
+    with pytest.raises(ValueError, match=r"unknown topology 'rnig'.*did you mean 'ring'"):
+        registry.get("topology", "rnig")
 
 
 @pytest.mark.parametrize(
@@ -334,12 +347,12 @@ def test_hybrid_group_size_from_the_domains_is_checked_as_config(tmp_path):
         registry.get("task", "hybrid")(settings, tmp_path)
 
 
-def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
+def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
     """The whole problem on one device is optional: out of memory there leaves the comparison
     empty (or the forward's alone) and a warning, not a failed run that loses its measurements."""
     from types import SimpleNamespace
 
-    from attngym import variants
+    from attngym import bench, variants
     from attngym.bench import Timing
     from attngym.tasks.context_parallel import one_device
 
@@ -347,10 +360,15 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
     shape = settings.shape
     whole = [torch.randn(1, shape.heads, shape.seq_len, shape.head_dim) for _ in range(4)]
     done = Timing.from_times([1.0])
+    job = SimpleNamespace(
+        rank=0, settings=settings, seq_len=shape.seq_len, device=torch.device("cpu"),
+        timings={"fwd": Timing.from_times([0.5]), "fwd_bwd": done},
+        whole=whole, variant=variants.get("causal"), block_mask=None, world_size=2, kind="ring",
+    )  # fmt: skip
     for fails_at, want in ((1, {}), (2, {"single_fwd_ms": 1.0, "efficiency": 1.0})):
         calls = []
 
-        def timed(fn, fails_at=fails_at, calls=calls):
+        def time_fn(fn, fails_at=fails_at, calls=calls, **kwargs):
             calls.append(fn)
             if len(calls) == fails_at:  # wrapped, as a compiler may raise it
                 try:
@@ -359,17 +377,12 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
                     raise RuntimeError("compiling failed") from oom
             return done
 
-        job = SimpleNamespace(
-            rank=0, settings=settings, seq_len=shape.seq_len, device=torch.device("cpu"),
-            timings={"fwd": Timing.from_times([0.5]), "fwd_bwd": done},
-            whole=whole, variant=variants.get("causal"), block_mask=None, timed=timed,
-            world_size=2, kind="ring",
-        )  # fmt: skip
+        monkeypatch.setattr(bench, "time_fn", time_fn)
         with caplog.at_level("WARNING"):
             metrics = one_device(job)
         assert {k: v for k, v in metrics.items() if v is not None} == want
         assert "does not fit on one device (CUDA out of memory." in caplog.text
     # Any other failure is the run's.
-    job.timed = lambda fn: 1 / 0
+    monkeypatch.setattr(bench, "time_fn", lambda fn, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         one_device(job)
