@@ -386,3 +386,67 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
     monkeypatch.setattr(bench, "time_fn", lambda fn, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         one_device(job)
+
+
+def _phases_recording_rank(rank, world_size, settings):
+    """The CP task's rank body with tasks.phases.time_passes recording what it is asked."""
+    import attngym.tasks.context_parallel as cp
+    from attngym.tasks import phases
+
+    real, seen = phases.time_passes, []
+
+    def recording(rank_ctx, passes, call=None, **kwargs):
+        seen.append((passes, call is None, rank_ctx.max_over_ranks is phases._same))
+        return real(rank_ctx, passes, call, **kwargs)
+
+    phases.time_passes = recording
+    metrics = cp._rank_run(rank, world_size, settings, "ring")
+    return {**metrics, "time_passes": seen}
+
+
+TIMING_KEYS = {
+    "compile_s",
+    "peak_mem_bytes",
+    "fwd_ms",
+    "fwd_ms_min",
+    "fwd_ms_max",
+    "bwd_ms",
+    "fwd_bwd_ms",
+    "fwd_tflops",
+    "bwd_tflops",
+    "fwd_bwd_tflops",
+}
+
+
+def test_single_and_cp_tasks_time_through_the_same_phases(tmp_path):
+    """Both tasks time their measured call with tasks.phases (the single device at world size
+    1), so compile_s, the pass timings and peak_mem_bytes are the same keys with one meaning."""
+    from attngym.distributed.launch import launch
+    from attngym.tasks import single
+
+    settings = _settings(seq_len=256)
+    settings.validate_rows = 16
+    cp_metrics = launch(_phases_recording_rank, 2, args=(settings,), timeout_s=120)
+    assert cp_metrics["validation"] == "ok"
+    # attngym's passes over the ranks (the CPU ranks have a backward), torch_cp's forward alone
+    # (flex has no CPU backward) over the ranks, the one-device run's at world size 1.
+    assert cp_metrics["time_passes"] == [
+        (("fwd", "bwd", "fwd_bwd"), True, False),
+        (("fwd",), False, False),
+        (("fwd", "fwd_bwd"), True, True),
+    ]
+    one = single.run(
+        Settings(
+            attention={"name": "causal"},
+            shape=settings.shape,
+            benchmark=settings.benchmark,
+            baselines=(),
+            validate_rows=16,
+        ),
+        tmp_path,
+    )
+    for metrics in (cp_metrics, one):
+        assert set(metrics) >= TIMING_KEYS
+        assert metrics["fwd_ms"] > 0 and metrics["compile_s"] > 0
+    assert cp_metrics["bwd_ms"] > 0 and one["bwd_ms"] is None  # flex has no CPU backward
+    assert one["bwd_status"] == NO_CPU_BWD and cp_metrics["bwd_status"] == "ok"
