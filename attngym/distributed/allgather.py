@@ -29,7 +29,6 @@ Contract (P ranks, this rank r, an all-gather from `transport`):
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from typing import Any
 
@@ -290,23 +289,21 @@ def allgather_attention(
 def allgather_transfer_ms(
     transport, k_s: torch.Tensor, timeout_s: float, repeats: int
 ) -> list[float]:
-    """Times of one all-gather of every rank's whole K/V shard alone (start, then wait), as the
-    forward gathers them for masks that read whole shards. Collective over the world."""
-    from attngym.device import sync
-
+    """Times of one all-gather of every rank's whole K/V shard alone (start, then wait; the step
+    clock of CPStats), as the forward gathers them for masks that read whole shards. Collective
+    over the world."""
     kv = torch.stack([k_s.detach(), k_s.detach()])
     ag = transport.allgather(
         tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
     )
-    times = []
+    stats = CPStats()
+    clock = StepClock(stats, k_s.device)
     for _ in range(repeats):
-        sync(k_s.device)
-        start = time.perf_counter()
+        clock.start()
         ag.start(kv)
         ag.wait(kv)
-        sync(k_s.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+        clock.stop("step_wait_ms")
+    return stats.step_wait_ms
 
 
 ALLGATHER = TopologySpec(

@@ -30,7 +30,6 @@ evaluated at its global positions (attend_chunk q_offset / kv_offset).
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from typing import Any
 
@@ -303,33 +302,30 @@ def ring_attention(
 
 
 def ring_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list[float]:
-    """Times of each ring step's K/V push alone (whole shards), following the channel's step
-    protocol as the forward does: step i pushes what it holds (its own K/V at i = 0, else the
-    slot received at step i) and receives step i + 1 once; the slot of step i is released only
-    after its onward push is queued. Collective over the world."""
-    from attngym.device import sync
-
+    """Times of each ring step's K/V push alone (whole shards; the step clock of CPStats),
+    following the channel's step protocol as the forward does: step i pushes what it holds (its
+    own K/V at i = 0, else the slot received at step i) and receives step i + 1 once; the slot of
+    step i is released only after its onward push is queued. Collective over the world."""
     world_size = torch.distributed.get_world_size()
     kv = torch.stack([k_s.detach(), k_s.detach()])
     chan = transport.channel(
         tuple(k_s.shape), 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
     )
-    times = []
+    stats = CPStats()
+    clock = StepClock(stats, k_s.device)
     for _ in range(repeats):
         cur = kv
         for i in range(world_size - 1):
-            sync(k_s.device)
-            start = time.perf_counter()
+            clock.start()
             chan.send(cur, i)
             nxt = chan.recv(i + 1)
-            sync(k_s.device)
-            times.append((time.perf_counter() - start) * 1e3)
+            clock.stop("step_wait_ms")
             if i > 0:
                 chan.release(i)  # the onward push out of this slot is queued
             cur = nxt
         chan.release(world_size - 1)
         chan.join()
-    return times
+    return stats.step_wait_ms
 
 
 RING = TopologySpec(name="ring", attention=ring_attention, layouts=LAYOUTS, timer=ring_transfer_ms)

@@ -31,7 +31,6 @@ sequence.
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, get_args
@@ -40,7 +39,7 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
-from attngym.distributed.cp import CPOptions, CPStats, check_shards, options_from
+from attngym.distributed.cp import CPOptions, CPStats, StepClock, check_shards, options_from
 from attngym.distributed.spec import TopologySpec
 from attngym.errors import ConfigError, choice_error
 from attngym.variants.base import Variant
@@ -445,25 +444,22 @@ def hybrid_attention(
 def alltoall_transfer_ms(
     transport, k_s: torch.Tensor, timeout_s: float, repeats: int
 ) -> list[float]:
-    """Times of the Ulysses all-to-all of K and V alone (sequence shards to head slices), K/V
-    heads repeated up to a multiple of the ranks as ulysses_attention does. Collective over the
-    world."""
-    from attngym.device import sync
-
+    """Times of the Ulysses all-to-all of K and V alone (sequence shards to head slices; the step
+    clock of CPStats), K/V heads repeated up to a multiple of the ranks as ulysses_attention
+    does. Collective over the world."""
     world_size = torch.distributed.get_world_size()
     heads = k_s.shape[1]
     kv = k_s.detach().repeat_interleave(math.lcm(heads, world_size) // heads, dim=1)
     a2a = transport.alltoall(
         tuple(kv.shape), 2, 1, 2, dtype=kv.dtype, device=kv.device, timeout_s=timeout_s
     )
-    times = []
+    stats = CPStats()
+    clock = StepClock(stats, kv.device)
     for _ in range(repeats):
-        sync(kv.device)
-        start = time.perf_counter()
+        clock.start()
         a2a.exchange([kv, kv])
-        sync(kv.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+        clock.stop("step_wait_ms")
+    return stats.step_wait_ms
 
 
 def _config_error(err: ValueError) -> ConfigError:

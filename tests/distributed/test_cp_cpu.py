@@ -8,6 +8,7 @@ above that yet far below any real bug (a wrong offset or weight gives errors of 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -179,7 +180,6 @@ def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
 def _transport_worker(rank, world_size, run_dir):
     import torch.distributed as dist
 
-    import attngym.distributed
     from attngym.distributed import launch as launch_mod
     from attngym.distributed.topologies import TOPOLOGIES
     from attngym.distributed.transport import resolve_transport
@@ -284,13 +284,15 @@ def _transport_worker(rank, world_size, run_dir):
     # (The second run also skips the one-device comparison, as a CPU run too large for it would.)
     import attngym.tasks.context_parallel as ring_task
 
-    ring_attention, limit = attngym.distributed.ring_attention, ring_task.SINGLE_CPU_MAX_BYTES
-    attngym.distributed.ring_attention = lambda *a, **kw: 1.5 * ring_attention(*a, **kw)
+    spec_of, limit = ring_task._spec, ring_task.SINGLE_CPU_MAX_BYTES
+    ring = TOPOLOGIES["ring"]
+    wrong = dataclasses.replace(ring, attention=lambda *a, **kw: 1.5 * ring.attention(*a, **kw))
+    ring_task._spec = lambda kind: wrong
     ring_task.SINGLE_CPU_MAX_BYTES = 0
     try:
         out["task_wrong"] = _rank_run(rank, world_size, settings, "ring")
     finally:
-        attngym.distributed.ring_attention = ring_attention
+        ring_task._spec = spec_of
         ring_task.SINGLE_CPU_MAX_BYTES = limit
     # Under torchrun (the group exists already), ranks other than 0 log to rank<N>.log.
     name = "attngym.tests.torchrun"
