@@ -26,6 +26,7 @@ PACKAGES = {
     "tracker": "attngym.tracking",
     "profiler": "attngym.profiling",
     "transport": "attngym.distributed",
+    "topology": "attngym.distributed.topologies",
 }
 # How an unknown name of a kind is described to the user.
 _LABELS = {"variant": "attention variant"}

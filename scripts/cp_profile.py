@@ -1,6 +1,7 @@
 """Where a context-parallel step spends its time: GPU kernels, GPU idle time and host syncs.
 
-Runs ring or all-gather attention on every GPU (one process each), then on rank 0:
+Runs one context-parallel topology (ring, allgather, ulysses or hybrid: its function from the
+topology table, attngym.distributed.topologies) on every GPU (one process each), then on rank 0:
     * one forward and one forward+backward under torch.cuda.set_sync_debug_mode("warn"), with
       each synchronising call site counted (file:line of the attngym frame that caused it);
     * three forwards and three forward+backwards under torch.profiler, per call: wall time, the
@@ -15,6 +16,7 @@ after a change of the CP code (for instance --backward recompute against --backw
 Usage (two or more GPUs):
     python scripts/cp_profile.py --kind ring --seq-len 32768 --layout zigzag --out profile.json
     python scripts/cp_profile.py --kind ring --backward recompute --out profile_recompute.json
+    python scripts/cp_profile.py --kind hybrid --a2a-size 2 --across allgather --out hybrid.json
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import warnings
 
 import torch
 
-from attngym import variants
-from attngym.distributed import CPOptions, allgather_attention, ring_attention, shard
+from attngym import registry, variants
+from attngym.distributed import CPOptions, shard
 from attngym.distributed.cp import BACKWARDS
 from attngym.distributed.launch import launch
 from attngym.distributed.layout import LAYOUTS
+from attngym.errors import ConfigError
 
 
 def _sync_sites(call) -> dict[str, int]:
@@ -108,8 +111,9 @@ def _worker(
     heads: int,
     variant_name: str = "causal",
     backward: str = "auto",
+    options: dict | None = None,
 ) -> dict:
-    fn = ring_attention if kind == "ring" else allgather_attention
+    spec = registry.get("topology", kind)
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     variant = VARIANTS[variant_name](seq_len).to(device)
@@ -121,14 +125,19 @@ def _worker(
         .requires_grad_()
         for _ in range(4)
     )
-    options = CPOptions(backward=backward)
+    cp_options = CPOptions(backward=backward)
+
+    def call():
+        return spec.attention(
+            q, k, v, variant, layout=layout, options=cp_options, **(options or {})
+        )
 
     def fwd():
         with torch.no_grad():
-            return fn(q, k, v, variant, layout=layout, transport="auto", options=options)
+            return call()
 
     def fwd_bwd():
-        out = fn(q, k, v, variant, layout=layout, options=options)
+        out = call()
         return torch.autograd.grad(out, (q, k, v), g)
 
     for _ in range(2):  # compile and warm up
@@ -145,19 +154,42 @@ def _worker(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=["ring", "allgather"], default="ring")
+    parser.add_argument("--kind", choices=registry.names("topology"), default="ring")
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--layout", choices=list(LAYOUTS), default="zigzag")
     parser.add_argument("--variant", choices=list(VARIANTS), default="causal")
     parser.add_argument("--backward", choices=list(BACKWARDS), default="auto")
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--a2a-size", type=int, default=None, help="hybrid: ranks per group")
+    parser.add_argument("--across", default="ring", help="hybrid: ring | allgather")
     parser.add_argument("--out", default="cp_profile.json")
     args = parser.parse_args(argv)
     world = torch.cuda.device_count()
+    spec = registry.get("topology", args.kind)
+    options = {key: getattr(args, key) for key in spec.options}
+    try:
+        spec.check(
+            heads=args.heads,
+            kv_heads=args.heads,
+            seq_len=args.seq_len,
+            world_size=world,
+            layout=args.layout,
+            options=options,
+        )
+    except ConfigError as err:
+        parser.error(str(err))
     result = launch(
         _worker,
         world,
-        args=(args.kind, args.seq_len, args.layout, args.heads, args.variant, args.backward),
+        args=(
+            args.kind,
+            args.seq_len,
+            args.layout,
+            args.heads,
+            args.variant,
+            args.backward,
+            options,
+        ),
         device="cuda",
         timeout_s=300,
     )

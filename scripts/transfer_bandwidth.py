@@ -1,20 +1,21 @@
-"""Copy-engine transports against NCCL moving the same bytes, 1 MiB to 1 GiB per rank.
+"""Copy-engine transports against NCCL moving the same bytes, 1 MiB to 1 GiB of K + V per rank.
 
-    all-gather  CopyEngineAllGather(start + wait)  vs  dist.all_gather_into_tensor
-    channel     CopyEngineChannel (push to the next rank, receive from the previous, release)
-                vs  dist.batch_isend_irecv of the same send/recv pair
-    alltoall    CopyEngineAllToAll.exchange of a (P, n) tensor (row p to rank p)
-                vs  dist.all_to_all_single of the same tensor
-    ulysses     the Ulysses exchange of q (1, 32, S/P, 128) in zigzag layout to (1, 32/P, S, 128)
-                in global order: CopyEngineAllToAll vs P2PAllToAll over NCCL (pack,
-                all_to_all_single, unpack: what NCCL needs to land in the same layout)
+Each op is one topology's step transfer alone, timed by its spec (TopologySpec.transfer_ms, the
+timing behind the CP task's step_transfer_ms), so the script follows the algorithms' own step
+protocols instead of restating them:
 
-One process per GPU (attngym.distributed.launch; NCCL for the collectives). Each op is timed as
-`iters` back-to-back calls between two CUDA events on the caller's stream, after a barrier; the
-median of `repeats` such windows, the slowest rank's, is the op time. Bandwidth is NCCL-tests' bus
-bandwidth: the bytes one rank receives per op ((P - 1) x shard for the all-gather, one shard for
-the channel) per second. At 64 MiB each transport also runs under torch.profiler, and the CUDA
-activity it records is split into SM kernels and copies (the copy-engine rows should list no
+    ring       one ring step's K/V push to the next rank (ring.ring_transfer_ms)
+    allgather  one all-gather of every rank's K/V (allgather.allgather_transfer_ms)
+    ulysses    the all-to-all of K and V from sequence shards to head slices
+               (ulysses.alltoall_transfer_ms)
+
+each over the copy_engine transport (symmetric memory) and the nccl one (P2P over NCCL). K and V
+are (1, 32, n, 128) bfloat16 shards, n sized to the step. Each step is timed on the host with the
+device synchronised around it (iters x repeats rounds after two untimed ones); the median step,
+the slowest rank's, is the op time. Bandwidth is NCCL-tests' bus bandwidth: the bytes one rank
+receives per op (one K/V shard for the ring, (P - 1) of them for the all-gather, (P - 1)/P of
+them for the all-to-all) per second. At 64 MiB each op also runs under torch.profiler, and the
+CUDA activity it records is split into SM kernels and copies (the copy-engine rows should list no
 kernel at all).
 
 Usage (on a machine with two or more GPUs of one NVLink domain):
@@ -32,139 +33,36 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from attngym import registry
 from attngym.distributed.launch import launch
 from attngym.profiling import cuda_kernel_profiler
 
 MIB = 2**20
 PROFILE_BYTES = 64 * MIB
+HEADS, HEAD_DIM = 32, 128  # K/V heads: a multiple of the ranks, so Ulysses repeats none
+TRANSPORTS = ("copy_engine", "nccl")
+TIMEOUT_S = 60.0
 
 
-def _ce_allgather(x: torch.Tensor) -> Callable[[], None]:
-    from attngym.distributed import CopyEngineAllGather
-
-    gather = CopyEngineAllGather(tuple(x.shape), 1, 0, dtype=x.dtype, device=x.device)
-
-    def op() -> None:
-        gather.start([x])
-        gather.wait([x])
-
-    return op
+def _timed_topologies() -> list[str]:
+    """The topologies with one step to time alone (hybrid has two levels)."""
+    return [n for n in registry.names("topology") if registry.get("topology", n).timer]
 
 
-def _nccl_allgather(x: torch.Tensor) -> Callable[[], None]:
-    out = torch.empty(dist.get_world_size() * x.numel(), dtype=x.dtype, device=x.device)
-    return lambda: dist.all_gather_into_tensor(out, x)
-
-
-def _ce_channel(x: torch.Tensor) -> Callable[[], None]:
-    """One step of a sequence that never ends: push step i, receive step i + 1, release it."""
-    from attngym.distributed import CopyEngineChannel
-
-    chan = CopyEngineChannel(tuple(x.shape), 1, dtype=x.dtype, device=x.device)
-    step = [0]
-
-    def op() -> None:
-        i = step[0]
-        chan.send([x], i)
-        chan.recv(i + 1)
-        chan.release(i + 1)
-        chan.join()
-        step[0] = i + 1
-
-    return op
-
-
-def _nccl_channel(x: torch.Tensor) -> Callable[[], None]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    y = torch.empty_like(x)
-
-    def op() -> None:
-        ops = [
-            dist.P2POp(dist.isend, x, (rank + 1) % world),
-            dist.P2POp(dist.irecv, y, (rank - 1) % world),
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-    return op
-
-
-def _ce_alltoall(x: torch.Tensor) -> Callable[[], None]:
-    from attngym.distributed import CopyEngineAllToAll
-
-    flat = x.view(dist.get_world_size(), -1)
-    a2a = CopyEngineAllToAll(tuple(flat.shape), 1, 0, 1, dtype=x.dtype, device=x.device)
-    return lambda: a2a.exchange([flat])
-
-
-def _nccl_alltoall(x: torch.Tensor) -> Callable[[], None]:
-    out = torch.empty_like(x)
-    return lambda: dist.all_to_all_single(out, x)
-
-
-HEADS, HEAD_DIM = 32, 128
-
-
-def _ulysses(cls: type, x: torch.Tensor) -> Callable[[], None]:
-    """The q exchange of ulysses_attention (heads split, zigzag shards into global order)."""
-    from attngym.distributed.ulysses import exchange_order
-
-    world = dist.get_world_size()
-    shard = x.view(1, HEADS, -1, HEAD_DIM)
-    order = exchange_order("zigzag", world, shard.shape[2] * world)
-    a2a = cls(tuple(shard.shape), 1, 1, 2, dtype=x.dtype, device=x.device, concat_order=order)
-    return lambda: a2a.exchange([shard])
-
-
-def _ce_ulysses(x: torch.Tensor) -> Callable[[], None]:
-    from attngym.distributed import CopyEngineAllToAll
-
-    return _ulysses(CopyEngineAllToAll, x)
-
-
-def _nccl_ulysses(x: torch.Tensor) -> Callable[[], None]:
-    from attngym.distributed import P2PAllToAll
-
-    return _ulysses(P2PAllToAll, x)
-
-
-OPS = {
-    ("allgather", "copy_engine"): _ce_allgather,
-    ("allgather", "nccl"): _nccl_allgather,
-    ("channel", "copy_engine"): _ce_channel,
-    ("channel", "nccl"): _nccl_channel,
-    ("alltoall", "copy_engine"): _ce_alltoall,
-    ("alltoall", "nccl"): _nccl_alltoall,
-    ("ulysses", "copy_engine"): _ce_ulysses,
-    ("ulysses", "nccl"): _nccl_ulysses,
-}
-
-
-def _received(pattern: str, nbytes: int, world: int) -> float:
-    """Bytes one rank receives from its peers in one op of `pattern`."""
-    if pattern == "allgather":
+def _received(topology: str, nbytes: int, world: int) -> float:
+    """Bytes one rank receives from its peers in one step of `topology` (nbytes: its K + V)."""
+    if topology == "allgather":
         return (world - 1) * nbytes
-    if pattern == "channel":
-        return nbytes
-    return nbytes * (world - 1) / world  # all-to-alls keep their own 1/P
+    if topology == "ulysses":
+        return nbytes * (world - 1) / world  # the all-to-all keeps its own 1/P
+    return nbytes
 
 
-def _time_ms(op: Callable[[], None], iters: int, repeats: int) -> float:
-    """Median ms per op over `repeats` windows of `iters` calls, the slowest rank's."""
-    for _ in range(3):
-        op()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            op()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    worst = torch.tensor([statistics.median(times)], device="cuda")
+def _step_ms(op: Callable[[int], list[float]], rounds: int) -> float:
+    """The median step over `rounds` rounds after two untimed ones, the slowest rank's."""
+    op(2)
+    dist.barrier()
+    worst = torch.tensor([statistics.median(op(rounds))], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
 
@@ -181,28 +79,34 @@ def _profile(op: Callable[[], None]) -> dict[str, list[str]]:
     return {"kernels": [n for n in names if n not in copies], "copies": copies}
 
 
-def _worker(rank: int, world: int, sizes_mib: list[int], iters: int, repeats: int) -> dict:
+def _worker(rank: int, world: int, sizes_mib: list[int], rounds: int) -> dict:
     logging.getLogger().setLevel(logging.WARNING)
     rows, profiles = [], {}
     for mib in sizes_mib:
-        x = torch.randn(mib * MIB // 2, dtype=torch.bfloat16, device="cuda")
-        for (pattern, transport), make in OPS.items():
-            op = make(x)
-            n = max(2, min(iters, (256 * MIB) // (mib * MIB)))  # ~256 MiB moved per window
-            ms = _time_ms(op, n, repeats)
-            received = _received(pattern, x.nbytes, world)
-            rows.append(
-                {
-                    "pattern": pattern,
-                    "transport": transport,
-                    "bytes_per_rank": x.nbytes,
-                    "ms": ms,
-                    "busbw_GBps": received / ms / 1e6,
-                }
-            )
-            if mib * MIB == PROFILE_BYTES:
-                profiles[f"{pattern}/{transport}"] = _profile(op)
-            del op
+        n = max(1, mib * MIB // (2 * HEADS * HEAD_DIM * 2))  # K and V, 2 bytes each
+        k_s = torch.randn(1, HEADS, n, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        nbytes = 2 * k_s.nbytes
+        for topology in _timed_topologies():
+            spec = registry.get("topology", topology)
+            for name in TRANSPORTS:
+                transport = registry.build("transport", name)
+
+                def op(repeats: int, spec=spec, transport=transport, k_s=k_s) -> list[float]:
+                    return spec.transfer_ms(transport, k_s, TIMEOUT_S, repeats)
+
+                ms = _step_ms(op, rounds)
+                rows.append(
+                    {
+                        "pattern": topology,
+                        "transport": name,
+                        "bytes_per_rank": nbytes,
+                        "ms": ms,
+                        "busbw_GBps": _received(topology, nbytes, world) / ms / 1e6,
+                    }
+                )
+                if mib * MIB == PROFILE_BYTES:
+                    profiles[f"{topology}/{name}"] = _profile(lambda op=op: op(1))
+        del k_s
         torch.cuda.empty_cache()
     return {
         "world_size": world,
@@ -216,8 +120,8 @@ def _worker(rank: int, world: int, sizes_mib: list[int], iters: int, repeats: in
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[2**i for i in range(11)])
-    parser.add_argument("--iters", type=int, default=20, help="calls per timed window (at most)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed windows per op")
+    parser.add_argument("--iters", type=int, default=20, help="timed rounds per repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of --iters rounds per op")
     parser.add_argument("--world-size", type=int, default=0, help="0: every GPU")
     parser.add_argument("--out", default="transfer_bandwidth.json")
     args = parser.parse_args(argv)
@@ -227,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     result = launch(
         _worker,
         world,
-        args=(args.sizes_mib, args.iters, args.repeats),
+        args=(args.sizes_mib, args.iters * args.repeats),
         device="cuda",
         timeout_s=300,
     )
@@ -235,11 +139,12 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(result, f, indent=1)
     print(f"{'pattern':10} {'MiB':>6} {'copy_engine GB/s':>17} {'nccl GB/s':>10} {'ratio':>6}")
     by_key = {(r["pattern"], r["bytes_per_rank"], r["transport"]): r for r in result["rows"]}
-    for pattern in dict.fromkeys(p for p, _ in OPS):
-        for mib in args.sizes_mib:
-            ce = by_key[(pattern, mib * MIB, "copy_engine")]["busbw_GBps"]
-            nc = by_key[(pattern, mib * MIB, "nccl")]["busbw_GBps"]
-            print(f"{pattern:10} {mib:6d} {ce:17.1f} {nc:10.1f} {ce / nc:6.2f}")
+    for pattern, nbytes in dict.fromkeys(
+        (r["pattern"], r["bytes_per_rank"]) for r in result["rows"]
+    ):
+        ce = by_key[(pattern, nbytes, "copy_engine")]["busbw_GBps"]
+        nc = by_key[(pattern, nbytes, "nccl")]["busbw_GBps"]
+        print(f"{pattern:10} {nbytes / MIB:6.0f} {ce:17.1f} {nc:10.1f} {ce / nc:6.2f}")
     for name, prof in result["profile_64MiB"].items():
         print(f"{name}: kernels {prof['kernels'] or 'none'}; copies {prof['copies']}")
 

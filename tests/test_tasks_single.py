@@ -14,7 +14,7 @@ import torch
 from attngym import reference
 from attngym.config import Benchmark, Settings, Shape
 from attngym.inputs import make_inputs
-from attngym.tasks import single
+from attngym.tasks import phases, single
 from attngym.variants.spec import build_variant
 
 TOL = 1e-4
@@ -104,16 +104,24 @@ class _NoBackward(torch.autograd.Function):
 def test_baseline_pass_without_backward_is_recorded_not_fatal():
     s = settings({"name": "causal"})
     q, k, v, g = make_inputs(s.shape, s.seed, "cpu", torch.float32, requires_grad=True)
-    args = (q, k, v, g, s, torch.device("cpu"), True)
+    rank = phases.Rank(
+        attend=lambda: _NoBackward.apply(q),
+        leaves=(q, k, v),
+        grad_out=g,
+        device=torch.device("cpu"),
+        warmup=0,
+        repeats=1,
+    )
+    passes = ("fwd", "bwd", "fwd_bwd")
     failures: dict[str, str] = {}
-    times = single._time_passes("sdpa_x", lambda: _NoBackward.apply(q), *args, failures)
+    times = phases.time_passes(rank, passes, label="sdpa_x", failures=failures)
     assert set(times) == {"fwd"} and times["fwd"].median_ms > 0
     assert failures == {
         "bwd": "No available kernel for the backward",
         "fwd_bwd": "No available kernel for the backward",
     }
     with pytest.raises(RuntimeError, match="No available kernel"):  # flex: the run fails
-        single._time_passes("flex", lambda: _NoBackward.apply(q), *args)
+        phases.time_passes(rank, passes)
 
 
 @pytest.mark.gpu
@@ -156,3 +164,91 @@ def test_a_baseline_the_estimate_skips_is_recorded_with_its_reason(tmp_path):
     assert m["sdpa_dense_mask_status"] == f"skipped: {why}"
     assert m.get("sdpa_dense_mask_fwd_ms") is None  # not attempted
     assert m["sdpa_status"] == "ok"  # the others still run
+
+
+class _CountedBackward(torch.autograd.Function):
+    """x * 2 that counts its backward calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _CountedBackward.calls += 1
+        return grad * 2
+
+
+def _recording_rank(seen: list, **over):
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def call():
+        seen.append(torch.is_grad_enabled())
+        return _CountedBackward.apply(x)
+
+    fields = dict(
+        attend=call,
+        leaves=(x,),
+        grad_out=torch.ones(4, 3),
+        device=torch.device("cpu"),
+        warmup=1,
+        repeats=2,
+    )
+    return phases.Rank(**(fields | over))
+
+
+def test_fwd_records_autograd_exactly_when_the_run_times_a_backward():
+    """fwd_ms's one meaning (phases' docstring): the forward as training runs it when a backward
+    is timed too, under no_grad when the run is forward only."""
+    seen: list[bool] = []
+    rank = _recording_rank(seen)
+    forward_only = phases.time_passes(rank, ("fwd",))
+    assert set(forward_only) == {"fwd"} and seen == [False] * 3  # warmup + repeats
+    seen.clear()
+    before = _CountedBackward.calls
+    both = phases.time_passes(rank, ("fwd", "bwd", "fwd_bwd"))
+    assert set(both) == {"fwd", "bwd", "fwd_bwd"}
+    assert seen == [True] * 9  # fwd, the bwd's fresh graphs, fwd_bwd: 3 calls each
+    assert _CountedBackward.calls - before == 6  # bwd and fwd_bwd: 3 backwards each
+
+
+def test_first_call_runs_the_backward_only_when_one_is_timed():
+    seen: list[bool] = []
+    rank = _recording_rank(seen)
+    before = _CountedBackward.calls
+    assert phases.first_call(rank, backward=False) > 0
+    assert seen == [False] and _CountedBackward.calls == before
+    assert phases.first_call(rank, backward=True) > 0
+    assert seen == [False, True] and _CountedBackward.calls == before + 1
+
+
+def test_peak_memory_is_reduced_over_the_ranks():
+    """peak_mem_bytes is the largest rank's: the block's own peak goes through max_over_ranks,
+    the identity at world size 1."""
+    asked: list[int] = []
+
+    def max_over_ranks(value: int) -> int:
+        asked.append(value)
+        return 12345
+
+    into: dict = {}
+    with phases.peak_memory(_recording_rank([], max_over_ranks=max_over_ranks), into, "peak"):
+        torch.ones(2**20).sum()
+    assert into == {"peak": 12345} and len(asked) == 1 and asked[0] >= 0
+    with phases.peak_memory(_recording_rank([]), into, "alone"):
+        pass
+    assert into["alone"] >= 0  # world size 1: this process's own peak
+
+
+@pytest.mark.parametrize(
+    ("wanted", "done", "status"),
+    [
+        (True, True, "ok"),
+        (True, False, "not available: FlexAttention has no CPU backward"),
+        (False, False, "not requested"),
+    ],
+)
+def test_bwd_status_has_one_text_for_each_case(wanted, done, status):
+    assert phases.bwd_status(wanted, done) == status

@@ -12,6 +12,7 @@ Public API:
     CPOptions, CPStats                  their options and statistics (attngym.distributed.cp)
     ulysses_attention, hybrid_attention head-parallel (all-to-all) and all-to-all + ring/all-gather
     check_ulysses_heads                 the heads check a config can run before any tensor work
+    TopologySpec, TOPOLOGIES            what the run layer knows of each algorithm, by name
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from attngym.distributed.layout import load_imbalance, plan, shard, unshard
 from attngym.distributed.merge import merge
 from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 from attngym.distributed.ring import ring_attention
+from attngym.distributed.spec import TopologySpec
+from attngym.distributed.topologies import TOPOLOGIES
 from attngym.distributed.ulysses import (
     check_ulysses_heads,
     hybrid_attention,
@@ -48,6 +51,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "TOPOLOGIES",
     "CPOptions",
     "CPStats",
     "CopyEngineAllGather",
@@ -56,6 +60,7 @@ __all__ = [
     "P2PAllGather",
     "P2PAllToAll",
     "P2PChannel",
+    "TopologySpec",
     "allgather_attention",
     "check_ulysses_heads",
     "hybrid_attention",

@@ -45,10 +45,11 @@ from attngym.distributed.cp import (
     rows_read,
     run,
 )
-from attngym.distributed.layout import Layout
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.spec import TopologySpec
 from attngym.variants.base import Variant
 
-__all__ = ["CPOptions", "CPStats", "allgather_attention"]
+__all__ = ["ALLGATHER", "CPOptions", "CPStats", "allgather_attention", "allgather_transfer_ms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,3 +284,31 @@ def allgather_attention(
         stats=stats,
         **overrides,
     )
+
+
+def allgather_transfer_ms(
+    transport, k_s: torch.Tensor, timeout_s: float, repeats: int
+) -> list[float]:
+    """Times of one all-gather of every rank's whole K/V shard alone (start, then wait; the step
+    clock of CPStats), as the forward gathers them for masks that read whole shards. Collective
+    over the world."""
+    kv = torch.stack([k_s.detach(), k_s.detach()])
+    ag = transport.allgather(
+        tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
+    )
+    stats = CPStats()
+    clock = StepClock(stats, k_s.device)
+    for _ in range(repeats):
+        clock.start()
+        ag.start(kv)
+        ag.wait(kv)
+        clock.stop("step_wait_ms")
+    return stats.step_wait_ms
+
+
+ALLGATHER = TopologySpec(
+    name="allgather",
+    attention=allgather_attention,
+    layouts=LAYOUTS,
+    timer=allgather_transfer_ms,
+)

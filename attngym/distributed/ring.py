@@ -47,10 +47,11 @@ from attngym.distributed.cp import (
     rows_read,
     run,
 )
-from attngym.distributed.layout import Layout
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.spec import TopologySpec
 from attngym.variants.base import Variant
 
-__all__ = ["CPOptions", "CPStats", "ring_attention"]
+__all__ = ["RING", "CPOptions", "CPStats", "ring_attention", "ring_transfer_ms"]
 
 
 def _channel(call: CPCall, part_shape, device, dtype: torch.dtype, tag: str, hops: int = -1):
@@ -298,3 +299,33 @@ def ring_attention(
         stats=stats,
         **overrides,
     )
+
+
+def ring_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list[float]:
+    """Times of each ring step's K/V push alone (whole shards; the step clock of CPStats),
+    following the channel's step protocol as the forward does: step i pushes what it holds (its
+    own K/V at i = 0, else the slot received at step i) and receives step i + 1 once; the slot of
+    step i is released only after its onward push is queued. Collective over the world."""
+    world_size = torch.distributed.get_world_size()
+    kv = torch.stack([k_s.detach(), k_s.detach()])
+    chan = transport.channel(
+        tuple(k_s.shape), 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
+    )
+    stats = CPStats()
+    clock = StepClock(stats, k_s.device)
+    for _ in range(repeats):
+        cur = kv
+        for i in range(world_size - 1):
+            clock.start()
+            chan.send(cur, i)
+            nxt = chan.recv(i + 1)
+            clock.stop("step_wait_ms")
+            if i > 0:
+                chan.release(i)  # the onward push out of this slot is queued
+            cur = nxt
+        chan.release(world_size - 1)
+        chan.join()
+    return stats.step_wait_ms
+
+
+RING = TopologySpec(name="ring", attention=ring_attention, layouts=LAYOUTS, timer=ring_transfer_ms)

@@ -39,12 +39,26 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
-from attngym.distributed.cp import CPOptions, CPStats, check_shards, options_from
+from attngym.distributed.cp import CPOptions, CPStats, StepClock, check_shards, options_from
+from attngym.distributed.spec import TopologySpec
+from attngym.errors import ConfigError, choice_error
 from attngym.variants.base import Variant
 
 # The algorithm among hybrid attention's groups (ranks holding the same head slice).
 Across = Literal["ring", "allgather"]
 ACROSS = get_args(Across)
+# The layouts whose shards the all-to-all puts back in global order (exchange_order): a balanced
+# placement would need its variant's plan on every exchange.
+HEAD_PARALLEL_LAYOUTS = ("contiguous", "zigzag")
+
+
+def _check_layout(fn: str, layout: Any) -> None:
+    """ValueError naming `layout` unless the all-to-all takes it."""
+    if not isinstance(layout, str) or layout not in HEAD_PARALLEL_LAYOUTS:
+        raise ValueError(
+            f"layout: {fn} takes one of {', '.join(HEAD_PARALLEL_LAYOUTS)} (the all-to-all puts "
+            f"those shards back in global order), got {layout!r}"
+        )
 
 
 def check_ulysses_heads(heads: int, kv_heads: int | None, world_size: int) -> None:
@@ -204,7 +218,7 @@ def ulysses_attention(
             already on q's device to reuse its block mask across calls.
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (attngym.distributed.transport).
-        layout: contiguous | zigzag (attngym.distributed.layout).
+        layout: contiguous | zigzag (HEAD_PARALLEL_LAYOUTS; attngym.distributed.layout).
         options: kernel choices (CPOptions; default CPOptions()). block_size is that of the
             whole-sequence block mask; backward must stay auto: the gradient is autograd's
             through the one kernel call and the all-to-alls, with no pairs to choose for.
@@ -215,11 +229,12 @@ def ulysses_attention(
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
 
     Raises:
-        ValueError: P does not divide H (`heads`), a backward other than auto, or a bad option,
-            shape, layout or sequence length.
+        ValueError: a layout other than contiguous or zigzag (`layout`), P does not divide H
+            (`heads`), a backward other than auto, or a bad option, shape or sequence length.
     """
     import torch.distributed as dist
 
+    _check_layout("ulysses_attention", layout)
     opts = _ulysses_options(options, overrides)
     resolved = kernels.resolve_backend(opts.backend, q.device)
     block = opts.block_size
@@ -381,6 +396,7 @@ def hybrid_attention(
     from attngym.distributed.allgather import allgather_attention
     from attngym.distributed.ring import ring_attention
 
+    _check_layout("hybrid_attention", layout)
     opts = options_from(options, **overrides)
     if across not in ACROSS:
         raise ValueError(f"across: expected one of {', '.join(ACROSS)}, got {across!r}")
@@ -423,3 +439,110 @@ def hybrid_attention(
         # this rank's shard: like ulysses_attention, hybrid reports none.
         stats.lse = None
     return out
+
+
+def alltoall_transfer_ms(
+    transport, k_s: torch.Tensor, timeout_s: float, repeats: int
+) -> list[float]:
+    """Times of the Ulysses all-to-all of K and V alone (sequence shards to head slices; the step
+    clock of CPStats), K/V heads repeated up to a multiple of the ranks as ulysses_attention
+    does. Collective over the world."""
+    world_size = torch.distributed.get_world_size()
+    heads = k_s.shape[1]
+    kv = k_s.detach().repeat_interleave(math.lcm(heads, world_size) // heads, dim=1)
+    a2a = transport.alltoall(
+        tuple(kv.shape), 2, 1, 2, dtype=kv.dtype, device=kv.device, timeout_s=timeout_s
+    )
+    stats = CPStats()
+    clock = StepClock(stats, kv.device)
+    for _ in range(repeats):
+        clock.start()
+        a2a.exchange([kv, kv])
+        clock.stop("step_wait_ms")
+    return stats.step_wait_ms
+
+
+def _config_error(err: ValueError) -> ConfigError:
+    """A check's "key: message" ValueError as the ConfigError of its config key."""
+    key, _, message = str(err).partition(": ")
+    return ConfigError(f"topology.{key}" if key == "a2a_size" else f"shape.{key}", message)
+
+
+def _heads_split(*, heads: int, kv_heads: int | None, world_size: int | None, **_: Any) -> None:
+    """Ulysses: every rank takes H/P query heads (checked once P is known)."""
+    if world_size is None:
+        return
+    try:
+        check_ulysses_heads(heads, kv_heads, world_size)
+    except ValueError as err:
+        raise _config_error(err) from None
+
+
+def _hybrid_groups_split(
+    *, heads: int, kv_heads: int | None, world_size: int | None, options: dict, **_: Any
+) -> None:
+    """Hybrid: `across` is an algorithm among the groups; the all-to-all groups split the ranks
+    and the query heads evenly (K/V heads are repeated as Ulysses does). a2a_size None is judged
+    on the ranks, where the NVLink domains are known (hybrid_sequence_shards)."""
+    across = options.get("across", "ring")
+    if across not in ACROSS:
+        raise ConfigError("topology.across", choice_error("across", across, ACROSS))
+    a2a_size = options.get("a2a_size")
+    if a2a_size is None:
+        return
+    if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1:
+        raise ConfigError(
+            "topology.a2a_size",
+            f"must be a positive integer or null (one NVLink domain per group), got {a2a_size!r}",
+        )
+    if world_size is not None and world_size % a2a_size:
+        raise ConfigError(
+            "topology.a2a_size",
+            f"{a2a_size} does not divide topology.world_size={world_size}; use a divisor of "
+            f"{world_size} (or null: one NVLink domain per group)",
+        )
+    if heads % a2a_size:
+        raise ConfigError(
+            "topology.a2a_size",
+            f"{a2a_size} does not divide shape.heads={heads}; each group splits the heads over "
+            "its ranks, use a common divisor of the heads and the world size",
+        )
+    try:
+        check_ulysses_heads(heads, kv_heads, a2a_size)
+    except ValueError as err:
+        raise _config_error(err) from None
+
+
+def hybrid_sequence_shards(settings: Any) -> int:
+    """The groups of a hybrid run (collective: a2a_size None is resolved from the NVLink domains):
+    every member of a group attends the group's whole shard for its head slice. A group size the
+    domains or the heads refuse is a ConfigError on every rank alike (exit 2, as before launch)."""
+    import torch.distributed as dist
+
+    shape, topo = settings.shape, settings.topology
+    try:
+        a2a_group, across_group = hybrid_groups(topo.a2a_size)
+        check_ulysses_heads(shape.heads, shape.kv_heads, dist.get_world_size(a2a_group))
+    except ValueError as err:
+        raise _config_error(err) from None
+    return dist.get_world_size(across_group)
+
+
+ULYSSES = TopologySpec(
+    name="ulysses",
+    attention=ulysses_attention,
+    layouts=HEAD_PARALLEL_LAYOUTS,
+    rules=(_heads_split,),
+    timer=alltoall_transfer_ms,
+    shards=lambda settings: 1,
+)
+# Two levels of transfers (all-to-all in a group, ring or all-gather across): no one step to time
+# alone.
+HYBRID = TopologySpec(
+    name="hybrid",
+    attention=hybrid_attention,
+    layouts=HEAD_PARALLEL_LAYOUTS,
+    options=("a2a_size", "across"),
+    rules=(_hybrid_groups_split,),
+    shards=hybrid_sequence_shards,
+)

@@ -1,12 +1,14 @@
 """Context-parallel runs: spawn the ranks, then shard, validate, time, instrument, compare.
 
-One task per context-parallel algorithm (ring, allgather, ulysses, hybrid), registered from
-`KINDS`, the one table from a task kind to its library attention function, the topology keys it
-takes, its transfer-only timing and its own config check. Everything else is shared, so the
-algorithms report comparable numbers.
+One task per context-parallel topology (ring, allgather, ulysses, hybrid), registered from the
+topology table (attngym.distributed.topologies): each topology's TopologySpec gives its library
+attention function, its own topology keys, its config rules, its transfer-only timing and how
+many sequence shards its ranks attend apart. Everything else is shared, so the algorithms report
+comparable numbers; first call, timed passes and peak memory are attngym.tasks.phases, the ones
+the single-device task runs (what each timed metric means is written there).
 
-The settings arrive checked (ranks against GPUs, the variant, seq_len against the layout: see
-attngym.config); the parent process checks the transport against the device and raises
+The settings arrive checked (ranks against GPUs, the variant: see attngym.config); the parent
+process runs `check_hardware` (the topology's rules, the transport against the device) and raises
 ConfigError before any rank starts; then attngym.distributed.launch runs `_rank_run` on every
 rank. Every rank runs the same phases in order; each phase returns the metrics it measured:
 
@@ -33,8 +35,8 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    process group, timed like attngym: torch_cp_fwd_ms, torch_cp_fwd_bwd_ms,
    torch_cp_peak_mem_bytes, attngym_over_torch_cp_<pass> (torch_cp time / attngym time; above 1
    attngym is faster), torch_cp_status ("ok" or "skipped: <reason>") and torch_cp_bwd_status
-   ("ok", "not requested" or "not available: no CPU backward": flex has no CPU backward, the CPU
-   forward still runs). Its output is compared with attngym's on the validated rows
+   ("ok", "not requested" or phases.NO_CPU_BWD: flex has no CPU backward, the CPU forward still
+   runs). Its output is compared with attngym's on the validated rows
    (torch_cp_err_out_rel, torch_cp_err_out_max_abs); beyond the dtype's tolerance
    torch_cp_validation fails, and so does the run's `validation` verdict.
 7. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
@@ -58,214 +60,81 @@ Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R vali
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
-import math
 import statistics
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attngym import kernels, registry
-from attngym.config import Settings, Topology
+from attngym.config import Settings
 from attngym.device import sync
 from attngym.distributed.keepalive import rank0_work
-from attngym.errors import ConfigError, choice_error
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
+from attngym.tasks import phases
 from attngym.validation import RTOL, max_abs_error, rel_error, sample_rows, validate_rows
 from attngym.variants.base import Variant
+
+if TYPE_CHECKING:
+    from attngym.distributed.spec import TopologySpec
 
 log = logging.getLogger(__name__)
 
 # On CPU the one-device comparison is skipped above this many bytes of float64 B·H·S² scores.
 SINGLE_CPU_MAX_BYTES = 2 * 2**30
 TORCH_CP = "torch_cp"
-NO_CPU_BWD = "not available: no CPU backward"
 
 
-def _ring_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list:
-    """Times of one ring step's K/V push alone, following the channel's step protocol: step i
-    pushes what it holds (its own K/V at i = 0, else the slot received at step i) and receives
-    step i + 1 once; the slot of step i is released only after its onward push is queued."""
-    world_size = torch.distributed.get_world_size()
-    kv = torch.stack([k_s.detach(), k_s.detach()])
-    chan = transport.channel(
-        tuple(k_s.shape), 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
-    )
-    times = []
-    for _ in range(repeats):
-        cur = kv
-        for i in range(world_size - 1):
-            sync(k_s.device)
-            start = time.perf_counter()
-            chan.send(cur, i)
-            nxt = chan.recv(i + 1)
-            sync(k_s.device)
-            times.append((time.perf_counter() - start) * 1e3)
-            if i > 0:
-                chan.release(i)  # the onward push out of this slot is queued
-            cur = nxt
-        chan.release(world_size - 1)
-        chan.join()
-    return times
+def _spec(kind: str) -> TopologySpec:
+    """The topology's spec (attngym.distributed.topologies), from the registry."""
+    return registry.get("topology", kind)
 
 
-def _gather_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list:
-    """Times of one all-gather of every rank's K/V alone."""
-    kv = torch.stack([k_s.detach(), k_s.detach()])
-    ag = transport.allgather(
-        tuple(k_s.shape), 2, 2, dtype=k_s.dtype, device=k_s.device, timeout_s=timeout_s
-    )
-    times = []
-    for _ in range(repeats):
-        sync(k_s.device)
-        start = time.perf_counter()
-        ag.start(kv)
-        ag.wait(kv)
-        sync(k_s.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-def _alltoall_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: int) -> list:
-    """Times of the Ulysses all-to-all of K and V alone (sequence shards to head slices), K/V
-    heads repeated up to a multiple of the ranks as ulysses_attention does."""
-    world_size = torch.distributed.get_world_size()
-    heads = k_s.shape[1]
-    kv = k_s.detach().repeat_interleave(math.lcm(heads, world_size) // heads, dim=1)
-    a2a = transport.alltoall(
-        tuple(kv.shape), 2, 1, 2, dtype=kv.dtype, device=kv.device, timeout_s=timeout_s
-    )
-    times = []
-    for _ in range(repeats):
-        sync(kv.device)
-        start = time.perf_counter()
-        a2a.exchange([kv, kv])
-        sync(kv.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-def _check_ulysses(settings: Settings) -> None:
-    """Head-parallel attention splits the heads over the ranks, in a contiguous or zigzag layout."""
-    from attngym.distributed import check_ulysses_heads
-
-    shape, topo = settings.shape, settings.topology
-    try:
-        check_ulysses_heads(shape.heads, shape.kv_heads, topo.world_size)
-    except ValueError as err:
-        key, _, message = str(err).partition(": ")
-        raise ConfigError(f"shape.{key}", message) from None
-    _check_head_parallel_layout(settings)
-
-
-def _hybrid_groups(settings: Settings) -> int:
-    """Groups of a hybrid run (collective: a2a_size None is resolved from the NVLink domains);
-    every member of a group attends the group's whole shard for its head slice. A group size the
-    domains or the heads refuse is a ConfigError on every rank alike (exit 2, as before launch)."""
-    import torch.distributed as dist
-
-    from attngym.distributed import check_ulysses_heads
-    from attngym.distributed.ulysses import hybrid_groups
-
-    shape, topo = settings.shape, settings.topology
-    try:
-        a2a_group, across_group = hybrid_groups(topo.a2a_size)
-        check_ulysses_heads(shape.heads, shape.kv_heads, dist.get_world_size(a2a_group))
-    except ValueError as err:
-        key, _, message = str(err).partition(": ")
-        where = f"topology.{key}" if key == "a2a_size" else f"shape.{key}"
-        raise ConfigError(where, message) from None
-    return dist.get_world_size(across_group)
-
-
-def _check_head_parallel_layout(settings: Settings) -> None:
-    """The all-to-all puts contiguous or zigzag shards back in global order (exchange_order)."""
+def _options(settings: Settings) -> dict[str, Any]:
+    """topology.<key> of the topology's own options (its attention function's keywords)."""
     topo = settings.topology
-    if topo.layout not in ULYSSES_LAYOUTS:
-        raise ConfigError(
-            "topology.layout",
-            choice_error(f"layout for {topo.kind}", topo.layout, ULYSSES_LAYOUTS),
-        )
-
-
-ULYSSES_LAYOUTS = ("contiguous", "zigzag")
-
-
-@dataclasses.dataclass(frozen=True)
-class Kind:
-    """What differs between context-parallel algorithms: the call and what one step moves."""
-
-    attention: str  # name of the attention function in attngym.distributed
-    # (transport, k_s, timeout_s, repeats) -> step times in ms; None: step_transfer_ms not measured
-    transfer_ms: Callable[..., list] | None
-    check: Callable[[Settings], None] | None = None  # ConfigError before any rank starts
-    # (settings) -> how many shards of the sequence the ranks attend apart, on the ranks (may be
-    # collective); load_imbalance is judged among them. 1: every rank attends the whole
-    # sequence for H/P heads, balanced whatever the layout (load_imbalance 1.0).
-    sequence_shards: Callable[[Settings], int] = lambda s: s.topology.world_size
-    # The topology's own keyword arguments of the attention function (reported with the metrics).
-    options: Callable[[Topology], dict[str, Any]] = lambda topo: {}
-
-
-# Task kind -> its algorithm. A new algorithm is one row here: its function takes the shards, the
-# variant, ring_attention's keyword arguments and the row's options, and fills what it can of a
-# CPStats (the merged lse for validation; metrics it leaves empty are None).
-KINDS = {
-    "ring": Kind("ring_attention", _ring_transfer_ms),
-    "allgather": Kind("allgather_attention", _gather_transfer_ms),
-    "ulysses": Kind(
-        "ulysses_attention",
-        _alltoall_transfer_ms,
-        _check_ulysses,
-        sequence_shards=lambda s: 1,
-    ),
-    # Two levels of transfers (all-to-all in a group, ring or all-gather across): no one step to
-    # time alone.
-    "hybrid": Kind(
-        "hybrid_attention",
-        None,
-        _check_head_parallel_layout,
-        sequence_shards=_hybrid_groups,
-        options=lambda topo: {"a2a_size": topo.a2a_size, "across": topo.across},
-    ),
-}
+    return {key: getattr(topo, key) for key in _spec(topo.kind).options}
 
 
 def check_hardware(settings: Settings) -> None:
-    """ConfigError for a transport that cannot run here, before any tensor work (no collective
-    needed).
+    """ConfigError for what cannot run, before any tensor work (no collective needed): the
+    topology's own rules (TopologySpec.check: layout, heads, hybrid groups, seq_len) and the
+    transport against the device.
 
     transport=copy_engine on CPU (and any transport that cannot move this device's tensors) fails
-    on `topology.transport`. Ranks against GPUs and seq_len against the layout were checked with
-    the settings (attngym.config); ranks outside one NVLink domain with copy_engine are caught on
-    the ranks (resolve_transport).
+    on `topology.transport`; ranks outside one NVLink domain with copy_engine, and a hybrid group
+    size taken from the NVLink domains, are judged on the ranks.
     """
     from attngym.distributed.transport import check_transport
 
-    check_transport(settings.topology.transport, settings.device, key="topology.transport")
-    check = KINDS[settings.topology.kind].check if settings.topology.kind in KINDS else None
-    if check is not None:
-        check(settings)
+    shape, topo = settings.shape, settings.topology
+    _spec(topo.kind).check(
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        seq_len=shape.seq_len,
+        world_size=topo.world_size,
+        layout=topo.layout,
+        options=_options(settings),
+    )
+    check_transport(topo.transport, settings.device, key="topology.transport")
 
 
 def run_context_parallel(
     settings: Settings, run_dir: Path, kind: str, metrics: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Check, launch the ranks, and return rank 0's metrics (kind: a key of KINDS), filled into
-    `metrics` (the settings first: a run stopped part-way keeps what it ran)."""
+    """Check, launch the ranks, and return rank 0's metrics (kind: a registered topology),
+    filled into `metrics` (the settings first: a run stopped part-way keeps what it ran)."""
     from attngym.distributed.launch import launch
 
     check_hardware(settings)
     metrics = {} if metrics is None else metrics
     metrics.update(settings.describe())
-    metrics.update(KINDS[kind].options(settings.topology))
+    metrics.update(_options(settings))
     metrics.update(
         launch(
             _rank_run,
@@ -287,10 +156,12 @@ def _register(kind: str) -> None:
     ) -> dict[str, Any]:
         return run_context_parallel(settings, run_dir, kind, metrics)
 
-    run.__doc__ = f"{KINDS[kind].attention} over topology.world_size ranks (module docstring)."
+    run.__doc__ = (
+        f"{_spec(kind).attention.__name__} over topology.world_size ranks (module docstring)."
+    )
 
 
-for _kind in KINDS:
+for _kind in registry.names("topology"):
     _register(_kind)
 
 
@@ -317,7 +188,8 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
     )
     metrics: dict[str, Any] = {
         "transport": resolved.name,
-        "bwd_status": "ok" if job.do_bwd else "not requested",
+        # The CP call has a backward on CPU too (the reference chunk kernel's autograd).
+        "bwd_status": phases.bwd_status(job.do_bwd, job.do_bwd),
     }
     try:
         # torch_cp right after attngym's own timings (same conditions); one_device last, as only
@@ -356,18 +228,22 @@ def _gloo_group(timeout_s: float):
 
 class RankJob:
     """One rank's run: the settings, where it runs, and what the phases hand to the next ones
-    (the shards, rank 0's whole inputs, attngym's timings and block mask)."""
+    (the shards and the measured call on them, rank 0's whole inputs, attngym's timings and block
+    mask)."""
 
     def __init__(self, settings, kind, rank, world_size, device, transport, wait_group):
-        self.settings, self.kind = settings, kind
+        self.settings, self.kind, self.spec = settings, kind, _spec(kind)
         self.rank, self.world_size, self.device = rank, world_size, device
         self.transport, self.wait_group = transport, wait_group
         self.dtype = torch_dtype(settings.dtype)
         self.seq_len = settings.shape.seq_len
         self.do_bwd = "bwd" in settings.passes
+        # fwd is always timed: the one-device efficiency and the torch_cp ratios divide by it.
+        self.passes = ("fwd", *(phases.BACKWARD_PASSES if self.do_bwd else ()))
         self.variant_cpu: Variant = settings.variant
         self.variant = self.variant_cpu.to(device)
         self.shards: tuple[torch.Tensor, ...] = ()  # q, k, v, grad_out of this rank
+        self.measured: phases.Rank | None = None  # the CP call on the shards (from `shard`)
         self.whole: tuple[torch.Tensor, ...] | None = None  # rank 0: the whole inputs, run dtype
         self.timings: dict[str, Any] = {}
         self.block_mask = None  # rank 0: the whole problem's block mask
@@ -396,11 +272,8 @@ class RankJob:
 
     def attend(self, stats=None) -> torch.Tensor:
         """attngym's context-parallel call of this rank's shards."""
-        import attngym.distributed
-
         s = self.settings
-        fn = getattr(attngym.distributed, KINDS[self.kind].attention)
-        return fn(
+        return self.spec.attention(
             *self.qkv,
             self.variant,
             stats=stats,
@@ -411,15 +284,7 @@ class RankJob:
             timeout_s=s.topology.timeout_s,
             compile=s.compile,
             compile_mode=s.compile_mode,
-            **KINDS[self.kind].options(s.topology),
-        )
-
-    def timed(self, call, setup=None) -> Any:
-        from attngym import bench
-
-        b = self.settings.benchmark
-        return bench.time_fn(
-            call, warmup=b.warmup, repeats=b.repeats, device=self.device, setup=setup
+            **_options(s),
         )
 
     def max_over_ranks(self, value: int) -> int:
@@ -441,12 +306,21 @@ def shard(job: RankJob) -> dict[str, Any]:
 
     s = job.settings
     # First: hybrid resolves its groups here and refuses a bad group size before any tensor.
-    shards = KINDS[job.kind].sequence_shards(s)
+    shards = job.spec.sequence_shards(s)
     whole = make_inputs(s.shape, s.seed, "cpu", torch.float32)  # q, k, v, grad_out
     job.shards = tuple(job.mine(t).to(device=job.device, dtype=job.dtype) for t in whole)
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
     for t in job.qkv:
         t.requires_grad_(job.do_bwd)
+    job.measured = phases.Rank(
+        attend=job.attend,
+        leaves=job.qkv,
+        grad_out=job.shards[3],
+        device=job.device,
+        warmup=s.benchmark.warmup,
+        repeats=s.benchmark.repeats,
+        max_over_ranks=job.max_over_ranks,
+    )
     if shards == 1:
         return {"load_imbalance": 1.0}
     # The placement the CP call uses (balanced: planned at its default blocks), counted at the
@@ -456,18 +330,9 @@ def shard(job: RankJob) -> dict[str, Any]:
     return {"load_imbalance": imbalance}
 
 
-def _grads(job: RankJob, out: torch.Tensor, grad_out: torch.Tensor | None = None):
-    return torch.autograd.grad(out, job.qkv, job.shards[3] if grad_out is None else grad_out)
-
-
 def first_call(job: RankJob) -> dict[str, Any]:
-    """The first call (compilation on CUDA), timed apart: compile_s."""
-    start = time.perf_counter()
-    out = job.attend()
-    if job.do_bwd:
-        _grads(job, out)
-    sync(job.device)
-    return {"compile_s": time.perf_counter() - start}
+    """The first call (compilation on CUDA), timed apart: compile_s (attngym.tasks.phases)."""
+    return {"compile_s": phases.first_call(job.measured, backward=job.do_bwd)}
 
 
 def _row_mask(job: RankJob) -> torch.Tensor:
@@ -499,7 +364,7 @@ def validate(job: RankJob) -> dict[str, Any]:
         out_s = job.attend(stats)
         grads = None
         if job.do_bwd:
-            grads = tuple(job.gather(g) for g in _grads(job, out_s, g_masked_s))
+            grads = tuple(job.gather(g) for g in job.measured.grads(out_s, g_masked_s))
         lse = None if stats.lse is None else job.gather(stats.lse)  # ulysses keeps no lse
         result = job.gather(out_s), lse, grads
         rank0_alone.enter_context(rank0_work(s.topology.timeout_s))  # rank 0 compares
@@ -526,24 +391,9 @@ def validate(job: RankJob) -> dict[str, Any]:
     return metrics
 
 
-@contextlib.contextmanager
-def _peak_over_ranks(job: RankJob, into: dict[str, Any], key: str) -> Iterator[None]:
-    """into[key]: the largest over the ranks of what the block adds to the memory live when it
-    starts (the inputs, the L2-flush buffer, anything an earlier phase still holds)."""
-    from attngym import bench
-    from attngym import device as device_mod
-
-    if job.device.type == "cuda":
-        bench.l2_flush_buffer(job.device)
-    sync(job.device)
-    with device_mod.peak_memory(job.device) as peak:
-        yield
-        sync(job.device)
-    into[key] = job.max_over_ranks(peak["bytes"])
-
-
 def time_passes(job: RankJob) -> dict[str, Any]:
-    """fwd, bwd, fwd+bwd timed on every rank at once; sparsity, peak_mem_bytes."""
+    """fwd, bwd, fwd+bwd timed on every rank at once (attngym.tasks.phases); sparsity,
+    peak_mem_bytes (the largest rank's)."""
     from attngym import bench
 
     if job.rank == 0:
@@ -556,13 +406,8 @@ def time_passes(job: RankJob) -> dict[str, Any]:
         )
     sparsity = float(bench.block_sparsity(job.block_mask))
     metrics: dict[str, Any] = {"sparsity": sparsity}
-    with _peak_over_ranks(job, metrics, "peak_mem_bytes"):
-        with torch.no_grad():
-            job.timings["fwd"] = job.timed(job.attend)
-        if job.do_bwd:
-            # A fresh forward graph per timed backward, built outside the timed region.
-            job.timings["bwd"] = job.timed(lambda out: _grads(job, out), job.attend)
-            job.timings["fwd_bwd"] = job.timed(lambda: _grads(job, job.attend()))
+    with phases.peak_memory(job.measured, metrics, "peak_mem_bytes"):
+        phases.time_passes(job.measured, job.passes, into=job.timings)
     metrics.update(pass_metrics(job.timings, job.settings.shape, job.seq_len, sparsity))
     return metrics
 
@@ -584,23 +429,19 @@ def instrument(job: RankJob) -> dict[str, Any]:
         "pairs_computed": job.over_ranks(stats.pairs_computed, total),
         "pairs_skipped": job.over_ranks(stats.pairs_skipped, total),
         "bytes_moved": job.max_over_ranks(stats.bytes_sent),
-        "step_transfer_ms": _transfer_ms(
-            job.kind, job.transport, job.shards[1], job.settings.topology.timeout_s, repeats
-        ),
+        "step_transfer_ms": _step_transfer_ms(job, repeats),
     }
 
 
-def _transfer_ms(
-    kind: str, transport, k_s: torch.Tensor, timeout_s: float, repeats: int
-) -> float | None:
-    """Median time of one step's K/V transfer alone for `kind` (0.0 on one rank; None where the
-    kind has no single step to time)."""
-    if torch.distributed.get_world_size() == 1:
+def _step_transfer_ms(job: RankJob, repeats: int) -> float | None:
+    """Median time of one step's K/V transfer alone (TopologySpec.transfer_ms; 0.0 on one rank;
+    None where the topology has no single step to time)."""
+    if job.world_size == 1:
         return 0.0
-    transfer_ms = KINDS[kind].transfer_ms
-    if transfer_ms is None:
-        return None
-    return statistics.median(transfer_ms(transport, k_s, timeout_s, repeats))
+    times = job.spec.transfer_ms(
+        job.transport, job.shards[1], job.settings.topology.timeout_s, repeats
+    )
+    return None if times is None else statistics.median(times)
 
 
 def one_device(job: RankJob) -> dict[str, Any]:
@@ -660,7 +501,8 @@ def one_device(job: RankJob) -> dict[str, Any]:
 
 
 def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> None:
-    """Time the whole problem on rank 0's device into `into` (fwd, then fwd_bwd)."""
+    """Time the whole problem on rank 0's device into `into` (fwd, then fwd_bwd): the phases of
+    the CP call at world size 1, so efficiency compares like with like."""
     s = job.settings
     q, k, v = (t.to(job.device).requires_grad_(do_bwd) for t in job.whole[:3])
     grad_out = job.whole[3].to(job.device)
@@ -679,11 +521,16 @@ def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> Non
             compile_mode=s.compile_mode,
         )[0]
 
-    with torch.no_grad():
-        call()
-        into["fwd"] = job.timed(call)
-    if do_bwd:
-        into["fwd_bwd"] = job.timed(lambda: torch.autograd.grad(call(), (q, k, v), grad_out))
+    whole = phases.Rank(
+        attend=call,
+        leaves=(q, k, v),
+        grad_out=grad_out,
+        device=job.device,
+        warmup=s.benchmark.warmup,
+        repeats=s.benchmark.repeats,
+    )
+    phases.first_call(whole, backward=do_bwd)  # compiles on CUDA; not reported
+    phases.time_passes(whole, ("fwd", "fwd_bwd") if do_bwd else ("fwd",), into=into)
 
 
 def _out_of_memory(err: BaseException) -> str | None:
@@ -750,20 +597,15 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
     def call() -> torch.Tensor:
         return contender(*qkv)
 
-    with torch.no_grad():
-        call()  # compiles on CUDA
-    if do_bwd:
-        _grads(job, call())
+    phases.first_call(job.measured, call, backward=do_bwd)  # compiles on CUDA; not reported
     metrics: dict[str, Any] = {
         "torch_cp_status": "ok",
-        "torch_cp_bwd_status": "ok" if do_bwd else (NO_CPU_BWD if job.do_bwd else "not requested"),
+        "torch_cp_bwd_status": phases.bwd_status(job.do_bwd, do_bwd),
     }
     metrics.update(_torch_cp_agreement(job, call))
-    with _peak_over_ranks(job, metrics, "torch_cp_peak_mem_bytes"):
-        with torch.no_grad():
-            timings = {"fwd": job.timed(call)}
-        if do_bwd:
-            timings["fwd_bwd"] = job.timed(lambda: _grads(job, call()))  # same leaves as attngym
+    with phases.peak_memory(job.measured, metrics, "torch_cp_peak_mem_bytes"):
+        # The same leaves and output gradient as attngym's passes.
+        timings = phases.time_passes(job.measured, ("fwd", "fwd_bwd") if do_bwd else ("fwd",), call)
     for p, timing in timings.items():
         metrics[f"torch_cp_{p}_ms"] = timing.median_ms
         mine = job.timings.get(p)

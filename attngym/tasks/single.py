@@ -8,8 +8,11 @@ are not skewed by different data, allocator state or clocks. The order is fixed:
 3. validation on a bounded sample of query rows against the float64 dense reference, so memory
    stays O(rows x S) whatever S is; gradients too on CUDA, by feeding the output gradient only on
    the sampled rows (then dk and dv of both sides depend on those rows alone);
-4. timings (attngym.bench.time_fn) of fwd, and on CUDA bwd and fwd+bwd, with peak memory;
+4. timings of fwd, and on CUDA bwd and fwd+bwd, with peak memory;
 5. baselines that apply, timed the same way; those that do not are recorded with the reason.
+
+Steps 2 and 4 (and the timing in 5) are attngym.tasks.phases at world size 1, the phases the
+context-parallel task runs on every rank; what each timed metric means is written there.
 
 On CPU flex runs eagerly and forward only (FlexAttention has no CPU backward): `bwd_status` says
 so and the backward metrics are None.
@@ -19,9 +22,9 @@ Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R vali
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,11 +37,10 @@ from attngym.device import sync
 from attngym.fileio import atomic_write
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import baseline_metric, pass_flops, pass_metrics, speedup_metric
+from attngym.tasks import phases
 from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
-
-NO_CPU_BWD = "not available: FlexAttention has no CPU backward"
 
 
 @registry.register("task", "single")
@@ -54,33 +56,61 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     Returns:
         `metrics`: flat metrics named as in attngym.metrics (status is set by the caller).
     """
-    from attngym import bench
-    from attngym import device as device_mod
-
-    device = torch.device(settings.device)
-    dtype = torch_dtype(settings.dtype)
-    shape = settings.shape
-    seq_len = shape.seq_len
-    variant = settings.variant.to(device)
     metrics = {} if metrics is None else metrics
     metrics.update(settings.describe())
+    job = _prepare(settings, metrics)
+    metrics["compile_s"] = phases.first_call(job.rank, backward=job.do_bwd)
+    what = "compile + first call" if job.use_compile else "first eager call"
+    log.info("flex %s: %.2f s", what, metrics["compile_s"])
+    metrics.update(_validate(job))
+    flex = _time_flex(job, metrics)
+    if settings.profiler != "none":
+        metrics.update(_profile(settings, job.rank.attend, job.rank.device, run_dir))
+    _time_baselines(job, flex, metrics)
+    metrics.update(_best_sdpa(metrics, flex))
+    return metrics
 
-    can_bwd = device.type == "cuda"
+
+@dataclasses.dataclass(kw_only=True)
+class OneDevice:
+    """The run on one device: its settings, inputs and flex call (`rank.attend`), and the passes
+    it times (fwd if asked; bwd and fwd_bwd when a backward runs here)."""
+
+    settings: Settings
+    variant: Variant
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor
+    sparsity: float
+    do_bwd: bool
+    use_compile: bool
+    passes: tuple[str, ...]
+    rank: phases.Rank
+
+
+def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
+    """Seeded inputs, the variant and its block mask on the device, the flex call; reports
+    bwd_status and sparsity."""
+    from attngym import bench
+
+    device = torch.device(settings.device)
+    shape = settings.shape
+    variant = settings.variant.to(device)
     want_bwd = "bwd" in settings.passes
-    do_bwd = want_bwd and can_bwd
-    metrics["bwd_status"] = "ok" if do_bwd else (NO_CPU_BWD if want_bwd else "not requested")
+    do_bwd = want_bwd and device.type == "cuda"  # FlexAttention has no CPU backward
+    metrics["bwd_status"] = phases.bwd_status(want_bwd, do_bwd)
     q, k, v, grad_out = make_inputs(
-        settings.shape, settings.seed, device, dtype, requires_grad=do_bwd
+        shape, settings.seed, device, torch_dtype(settings.dtype), requires_grad=do_bwd
     )
-
     block_mask = kernels.make_block_mask(
-        variant, seq_len, seq_len, block_size=settings.block_size, device=device
+        variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
     )
     sparsity = float(bench.block_sparsity(block_mask)) if block_mask is not None else 0.0
     metrics["sparsity"] = sparsity
     use_compile = settings.compile and device.type == "cuda"
 
-    def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+    def flex() -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.attend_chunk(
             q,
             k,
@@ -93,72 +123,84 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
             compile_mode=settings.compile_mode,
         )
 
-    # 2. The first call, timed apart (compilation on CUDA; the first eager call on CPU).
-    start = time.perf_counter()
-    out, lse = fwd()
-    if do_bwd:
-        torch.autograd.grad(out, (q, k, v), grad_out)
-    sync(device)
-    metrics["compile_s"] = time.perf_counter() - start
-    what = "compile + first call" if use_compile else "first eager call"
-    log.info("flex %s: %.2f s", what, metrics["compile_s"])
+    rank = phases.Rank(
+        attend=flex,
+        leaves=(q, k, v),
+        grad_out=grad_out,
+        device=device,
+        warmup=settings.benchmark.warmup,
+        repeats=settings.benchmark.repeats,
+        label="flex",
+    )
+    passes = (("fwd",) if "fwd" in settings.passes else ()) + (
+        phases.BACKWARD_PASSES if do_bwd else ()
+    )
+    return OneDevice(
+        settings=settings,
+        variant=variant,
+        q=q,
+        k=k,
+        v=v,
+        grad_out=grad_out,
+        sparsity=sparsity,
+        do_bwd=do_bwd,
+        use_compile=use_compile,
+        passes=passes,
+        rank=rank,
+    )
 
-    del out, lse
 
-    # 3. Validation on sampled rows.
-    if settings.validate:
+def _validate(job: OneDevice) -> dict[str, Any]:
+    """Sampled rows against the float64 reference (validation.validate_rows)."""
+    s = job.settings
+    if not s.validate:
+        return {"validated_rows": 0, "validation": "not run (validate=false)"}
 
-        def attend(g_masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
-            out, lse = fwd()
-            grads = torch.autograd.grad(out, (q, k, v), g_masked) if g_masked is not None else None
-            return out, lse, grads
+    def attend(g_masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        out, lse = job.rank.attend()
+        grads = job.rank.grads(out, g_masked) if g_masked is not None else None
+        return out, lse, grads
 
-        metrics.update(
-            validation.validate_rows(
-                variant,
-                q,
-                k,
-                v,
-                grad_out,
-                attend,
-                do_bwd=do_bwd,
-                max_rows=settings.validate_rows,
-                seed=settings.seed,
-            )
-        )
-    else:
-        metrics["validated_rows"] = 0
-        metrics["validation"] = "not run (validate=false)"
+    return validation.validate_rows(
+        job.variant,
+        job.q,
+        job.k,
+        job.v,
+        job.grad_out,
+        attend,
+        do_bwd=job.do_bwd,
+        max_rows=s.validate_rows,
+        seed=s.seed,
+    )
 
-    # 4. Timings. peak_mem_bytes is what the flex calls add to what is live before them (the
-    # inputs, the L2-flush buffer, anything an earlier run in this process still holds).
-    if device.type == "cuda":
-        bench.l2_flush_buffer(device)
-    sync(device)
-    flops = pass_flops(shape, seq_len, sparsity)
-    with device_mod.peak_memory(device) as peak:
-        flex_ms = _time_passes("flex", fwd, q, k, v, grad_out, settings, device, do_bwd)
-    metrics["peak_mem_bytes"] = peak["bytes"]
-    metrics.update(pass_metrics(flex_ms, shape, seq_len, sparsity))
 
-    # Profile one call, in the run folder.
-    if settings.profiler != "none":
-        metrics.update(_profile(settings, fwd, device, run_dir))
+def _time_flex(job: OneDevice, metrics: dict[str, Any]) -> dict[str, Any]:
+    """flex's timed passes with peak_mem_bytes around them; their metrics. Returns the timings."""
+    with phases.peak_memory(job.rank, metrics, "peak_mem_bytes"):
+        flex = phases.time_passes(job.rank, job.passes)
+    metrics.update(pass_metrics(flex, job.settings.shape, job.settings.shape.seq_len, job.sparsity))
+    return flex
 
-    # 5. Baselines on the same inputs (the context-parallel ones belong to CP runs).
+
+def _time_baselines(job: OneDevice, flex: dict[str, Any], metrics: dict[str, Any]) -> None:
+    """The baselines that apply, on the same inputs and passes as flex (the context-parallel ones
+    belong to CP runs): <name>_status, <name>_<pass>_ms and _tflops, flex_over_<name>_<pass>."""
+    from attngym import bench
     from attngym.config import SINGLE_BASELINES
 
-    for name in (b for b in settings.baselines if b in SINGLE_BASELINES):
-        if name in settings.skipped_baselines:  # the memory estimate: it alone would not fit
-            fn, reason = None, settings.skipped_baselines[name]
+    s = job.settings
+    flops = pass_flops(s.shape, s.shape.seq_len, job.sparsity)
+    for name in (b for b in s.baselines if b in SINGLE_BASELINES):
+        if name in s.skipped_baselines:  # the memory estimate: it alone would not fit
+            fn, reason = None, s.skipped_baselines[name]
         else:
-            fn, reason = _baseline(name, variant, q, k, v, settings, device)
+            fn, reason = _baseline(name, job.variant, job.q, job.k, job.v, s, job.rank.device)
         metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
         if fn is None:
             log.info("baseline %s skipped: %s", name, reason)
             continue
         failures: dict[str, str] = {}
-        times = _time_passes(name, fn, q, k, v, grad_out, settings, device, do_bwd, failures)
+        times = phases.time_passes(job.rank, job.passes, fn, label=name, failures=failures)
         if failures:  # e.g. a forced SDPA backend with a forward but no backward for these inputs
             missing = ", ".join(failures)
             reason = next(iter(failures.values()))
@@ -167,11 +209,9 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
         for p, timing in times.items():
             metrics[baseline_metric(name, p, "ms")] = timing.median_ms
             metrics[baseline_metric(name, p, "tflops")] = bench.tflops(flops[p], timing.median_ms)
-            if flex_ms.get(p):
-                metrics[speedup_metric(name, p)] = timing.median_ms / flex_ms[p].median_ms
+            if flex.get(p):
+                metrics[speedup_metric(name, p)] = timing.median_ms / flex[p].median_ms
         del fn
-    metrics.update(_best_sdpa(metrics, flex_ms))
-    return metrics
 
 
 def _best_sdpa(metrics: dict[str, Any], flex_ms: dict[str, Any]) -> dict[str, Any]:
@@ -197,64 +237,6 @@ def _best_sdpa(metrics: dict[str, Any], flex_ms: dict[str, Any]) -> dict[str, An
         out[f"best_sdpa_{p}_ms"] = times[best]
         out[speedup_metric("best_sdpa", p)] = times[best] / timing.median_ms
     return out
-
-
-def _time_passes(
-    label: str,
-    fwd: Callable[[], Any],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    grad_out: torch.Tensor,
-    settings: Settings,
-    device: torch.device,
-    do_bwd: bool,
-    failures: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """Timings of the requested passes: {"fwd": Timing, "bwd": Timing, "fwd_bwd": Timing}.
-
-    With `failures` (a baseline), a pass whose call raises RuntimeError (a backend with no kernel
-    for it) is left out of the timings and its reason stored in `failures[pass]`; the other passes
-    are still timed. Without it (flex) the error propagates and fails the run.
-    """
-    from attngym import bench
-
-    def first(result: Any) -> torch.Tensor:
-        return result[0] if isinstance(result, tuple) else result
-
-    bench_cfg = settings.benchmark
-    timings: dict[str, Any] = {}
-
-    def timed(name: str, fn: Callable[..., Any], setup: Callable[[], Any] | None = None) -> None:
-        try:
-            timings[name] = bench.time_fn(
-                fn,
-                warmup=bench_cfg.warmup,
-                repeats=bench_cfg.repeats,
-                device=device,
-                progress=f"{label} {name}",
-                setup=setup,
-            )
-        except RuntimeError as exc:
-            if failures is None:
-                raise
-            failures[name] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-
-    if "fwd" in settings.passes:
-        if do_bwd:
-            timed("fwd", fwd)
-        else:
-            with torch.no_grad():
-                timed("fwd", fwd)
-    if do_bwd:
-        # A fresh forward graph per timed backward, built outside the timed region.
-        timed(
-            "bwd",
-            lambda out: torch.autograd.grad(out, (q, k, v), grad_out),
-            setup=lambda: first(fwd()),
-        )
-        timed("fwd_bwd", lambda: torch.autograd.grad(first(fwd()), (q, k, v), grad_out))
-    return timings
 
 
 def _baseline(

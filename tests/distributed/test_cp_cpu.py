@@ -8,6 +8,7 @@ above that yet far below any real bug (a wrong offset or weight gives errors of 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -179,10 +180,10 @@ def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
 def _transport_worker(rank, world_size, run_dir):
     import torch.distributed as dist
 
-    import attngym.distributed
     from attngym.distributed import launch as launch_mod
+    from attngym.distributed.topologies import TOPOLOGIES
     from attngym.distributed.transport import resolve_transport
-    from attngym.tasks.context_parallel import _rank_run, _transfer_ms
+    from attngym.tasks.context_parallel import _rank_run
 
     out = {}
     # Channel: many steps over two rounds; at step i a rank holds rank (r - i)'s data.
@@ -229,10 +230,13 @@ def _transport_worker(rank, world_size, run_dir):
     chan.release(1)
     chan.join()
     out["errors"] = errs
-    # The task's transfer-only timing follows the step protocol at three ranks (one recv a step).
+    # Each topology's transfer-only timing follows its step protocol at three ranks: the ring
+    # P - 1 steps a round, the all-gather and the all-to-all one exchange a round.
     gloo = resolve_transport("gloo", "cpu")
     k_s = torch.randn(1, 2, 4, 8)
-    out["transfer_ms"] = [_transfer_ms(kind, gloo, k_s, 30, 2) for kind in ("ring", "allgather")]
+    out["transfer_ms"] = {
+        name: spec.transfer_ms(gloo, k_s, 30, 2) for name, spec in TOPOLOGIES.items()
+    }
 
     # All-gather: offsets, reduce_scatter, differentiable wait.
     gen = torch.Generator().manual_seed(100 + rank)
@@ -281,13 +285,15 @@ def _transport_worker(rank, world_size, run_dir):
     # (The second run also skips the one-device comparison, as a CPU run too large for it would.)
     import attngym.tasks.context_parallel as ring_task
 
-    ring_attention, limit = attngym.distributed.ring_attention, ring_task.SINGLE_CPU_MAX_BYTES
-    attngym.distributed.ring_attention = lambda *a, **kw: 1.5 * ring_attention(*a, **kw)
+    spec_of, limit = ring_task._spec, ring_task.SINGLE_CPU_MAX_BYTES
+    ring = TOPOLOGIES["ring"]
+    wrong = dataclasses.replace(ring, attention=lambda *a, **kw: 1.5 * ring.attention(*a, **kw))
+    ring_task._spec = lambda kind: wrong
     ring_task.SINGLE_CPU_MAX_BYTES = 0
     try:
         out["task_wrong"] = _rank_run(rank, world_size, settings, "ring")
     finally:
-        attngym.distributed.ring_attention = ring_attention
+        ring_task._spec = spec_of
         ring_task.SINGLE_CPU_MAX_BYTES = limit
     # Under torchrun (the group exists already), ranks other than 0 log to rank<N>.log.
     name = "attngym.tests.torchrun"
@@ -409,7 +415,14 @@ def test_p2p_transports_and_three_rank_attention(tmp_path):
     assert messages[4].startswith("RuntimeError") and "steps start at 1" in messages[4]
     assert messages[5].startswith("RuntimeError: recv(1) twice")
     assert messages[6].startswith("RuntimeError") and "release(1) first" in messages[6]
-    assert all(t > 0 for t in out["transfer_ms"])
+    times = out["transfer_ms"]
+    assert {name: len(t) for name, t in times.items() if t is not None} == {
+        "ring": 2 * 2,  # 2 repeats of P - 1 = 2 steps
+        "allgather": 2,
+        "ulysses": 2,
+    }
+    assert times["hybrid"] is None  # two levels of transfers: no one step to time
+    assert all(t > 0 for name in ("ring", "allgather", "ulysses") for t in times[name])
     ok, wrong = out["task_ok"], out["task_wrong"]
     assert ok["validation"] == "ok" and ok["transport"] == "gloo"
     assert ok["err_out_rel"] < 1e-5 and ok["err_dk_rel"] < 1e-5  # float32 CP vs float64

@@ -17,12 +17,8 @@ import pytest
 import torch
 
 from attngym.config import Benchmark, Settings, Shape, Topology
-from attngym.tasks.context_parallel import (
-    KINDS,
-    NO_CPU_BWD,
-    _fold_torch_cp_verdict,
-    torch_cp_skip_reason,
-)
+from attngym.tasks.context_parallel import _fold_torch_cp_verdict, torch_cp_skip_reason
+from attngym.tasks.phases import NO_CPU_BWD
 
 
 @pytest.mark.parametrize(
@@ -194,13 +190,31 @@ def _settings(**topology):
     )
 
 
-def test_every_cp_kind_is_a_registered_task_calling_its_library_function():
-    import attngym.distributed
+def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     from attngym import registry
+    from attngym.distributed.topologies import TOPOLOGIES
 
-    for kind, entry in KINDS.items():
-        assert kind in registry.names("task")
-        assert callable(getattr(attngym.distributed, entry.attention))
+    assert (
+        registry.names("topology")
+        == sorted(TOPOLOGIES)
+        == [
+            "allgather",
+            "hybrid",
+            "ring",
+            "ulysses",
+        ]
+    )
+    for name, spec in TOPOLOGIES.items():
+        assert registry.get("topology", name) is spec and spec.name == name
+        assert name in registry.names("task")
+        # The spec's function is its algorithm module's public one.
+        module = sys.modules[spec.attention.__module__]
+        assert module.__name__.startswith("attngym.distributed.")
+        assert getattr(module, spec.attention.__name__) is spec.attention
+    assert registry.get("topology", "hybrid").options == ("a2a_size", "across")
+    assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag")
+    with pytest.raises(ValueError, match=r"unknown topology 'rnig'.*did you mean 'ring'"):
+        registry.get("topology", "rnig")
 
 
 @pytest.mark.parametrize(
@@ -335,12 +349,12 @@ def test_hybrid_group_size_from_the_domains_is_checked_as_config(tmp_path):
         registry.get("task", "hybrid")(settings, tmp_path)
 
 
-def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
+def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
     """The whole problem on one device is optional: out of memory there leaves the comparison
     empty (or the forward's alone) and a warning, not a failed run that loses its measurements."""
     from types import SimpleNamespace
 
-    from attngym import variants
+    from attngym import bench, variants
     from attngym.bench import Timing
     from attngym.tasks.context_parallel import one_device
 
@@ -348,10 +362,15 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
     shape = settings.shape
     whole = [torch.randn(1, shape.heads, shape.seq_len, shape.head_dim) for _ in range(4)]
     done = Timing.from_times([1.0])
+    job = SimpleNamespace(
+        rank=0, settings=settings, seq_len=shape.seq_len, device=torch.device("cpu"),
+        timings={"fwd": Timing.from_times([0.5]), "fwd_bwd": done},
+        whole=whole, variant=variants.get("causal"), block_mask=None, world_size=2, kind="ring",
+    )  # fmt: skip
     for fails_at, want in ((1, {}), (2, {"single_fwd_ms": 1.0, "efficiency": 1.0})):
         calls = []
 
-        def timed(fn, fails_at=fails_at, calls=calls):
+        def time_fn(fn, fails_at=fails_at, calls=calls, **kwargs):
             calls.append(fn)
             if len(calls) == fails_at:  # wrapped, as a compiler may raise it
                 try:
@@ -360,17 +379,76 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog):
                     raise RuntimeError("compiling failed") from oom
             return done
 
-        job = SimpleNamespace(
-            rank=0, settings=settings, seq_len=shape.seq_len, device=torch.device("cpu"),
-            timings={"fwd": Timing.from_times([0.5]), "fwd_bwd": done},
-            whole=whole, variant=variants.get("causal"), block_mask=None, timed=timed,
-            world_size=2, kind="ring",
-        )  # fmt: skip
+        monkeypatch.setattr(bench, "time_fn", time_fn)
         with caplog.at_level("WARNING"):
             metrics = one_device(job)
         assert {k: v for k, v in metrics.items() if v is not None} == want
         assert "does not fit on one device (CUDA out of memory." in caplog.text
     # Any other failure is the run's.
-    job.timed = lambda fn: 1 / 0
+    monkeypatch.setattr(bench, "time_fn", lambda fn, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         one_device(job)
+
+
+def _phases_recording_rank(rank, world_size, settings):
+    """The CP task's rank body with tasks.phases.time_passes recording what it is asked."""
+    import attngym.tasks.context_parallel as cp
+    from attngym.tasks import phases
+
+    real, seen = phases.time_passes, []
+
+    def recording(rank_ctx, passes, call=None, **kwargs):
+        seen.append((passes, call is None, rank_ctx.max_over_ranks is phases._same))
+        return real(rank_ctx, passes, call, **kwargs)
+
+    phases.time_passes = recording
+    metrics = cp._rank_run(rank, world_size, settings, "ring")
+    return {**metrics, "time_passes": seen}
+
+
+TIMING_KEYS = {
+    "compile_s",
+    "peak_mem_bytes",
+    "fwd_ms",
+    "fwd_ms_min",
+    "fwd_ms_max",
+    "bwd_ms",
+    "fwd_bwd_ms",
+    "fwd_tflops",
+    "bwd_tflops",
+    "fwd_bwd_tflops",
+}
+
+
+def test_single_and_cp_tasks_time_through_the_same_phases(tmp_path):
+    """Both tasks time their measured call with tasks.phases (the single device at world size
+    1), so compile_s, the pass timings and peak_mem_bytes are the same keys with one meaning."""
+    from attngym.distributed.launch import launch
+    from attngym.tasks import single
+
+    settings = _settings(seq_len=256)
+    settings.validate_rows = 16
+    cp_metrics = launch(_phases_recording_rank, 2, args=(settings,), timeout_s=120)
+    assert cp_metrics["validation"] == "ok"
+    # attngym's passes over the ranks (the CPU ranks have a backward), torch_cp's forward alone
+    # (flex has no CPU backward) over the ranks, the one-device run's at world size 1.
+    assert cp_metrics["time_passes"] == [
+        (("fwd", "bwd", "fwd_bwd"), True, False),
+        (("fwd",), False, False),
+        (("fwd", "fwd_bwd"), True, True),
+    ]
+    one = single.run(
+        Settings(
+            attention={"name": "causal"},
+            shape=settings.shape,
+            benchmark=settings.benchmark,
+            baselines=(),
+            validate_rows=16,
+        ),
+        tmp_path,
+    )
+    for metrics in (cp_metrics, one):
+        assert set(metrics) >= TIMING_KEYS
+        assert metrics["fwd_ms"] > 0 and metrics["compile_s"] > 0
+    assert cp_metrics["bwd_ms"] > 0 and one["bwd_ms"] is None  # flex has no CPU backward
+    assert one["bwd_status"] == NO_CPU_BWD and cp_metrics["bwd_status"] == "ok"

@@ -1,0 +1,25 @@
+"""The context-parallel topologies by name: the one table the run layer asks.
+
+Each entry is the TopologySpec its algorithm module exports, registered in attngym.registry
+under kind "topology" as the spec object itself (`registry.get("topology", "ring")` is RING; it is
+not a factory, so `registry.build` does not apply). The context-parallel task registers one task
+per name here, and the config checks a topology through its spec.
+
+A new topology: its module in attngym/distributed/ exporting its function and its spec, one line
+in TOPOLOGIES here, its conf/topology/<name>.yaml, and its tests.
+"""
+
+from __future__ import annotations
+
+from attngym import registry
+from attngym.distributed.allgather import ALLGATHER
+from attngym.distributed.ring import RING
+from attngym.distributed.spec import TopologySpec
+from attngym.distributed.ulysses import HYBRID, ULYSSES
+
+TOPOLOGIES: dict[str, TopologySpec] = {
+    spec.name: spec for spec in (RING, ALLGATHER, ULYSSES, HYBRID)
+}
+
+for _spec in TOPOLOGIES.values():
+    registry.register("topology", _spec.name)(_spec)

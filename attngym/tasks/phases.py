@@ -1,0 +1,186 @@
+"""The phases every task runs around the call it measures, written once.
+
+The single-device task is world size 1 of the same phases the context-parallel task runs on each
+rank: a `Rank` holds the measured call, its gradient leaves and output gradient, the benchmark
+settings and how a number is reduced over the ranks (the identity at one rank). Both tasks run,
+in order, `first_call`, their validation, then `time_passes` inside `peak_memory`, and time their
+contenders (SDPA baselines, PyTorch's own CP) with the same `time_passes` on the same Rank.
+
+What the timed metrics mean, in every task:
+
+    compile_s       the first call, timed apart with the host clock and the device synchronised:
+                    the forward, then the backward when the run times one; on CUDA mostly
+                    compilation, on CPU the first eager call.
+    fwd_ms          the forward call. With autograd recording when the run also times a backward
+                    (as training runs it: the graph compiled for it is the one fwd_bwd runs);
+                    under torch.no_grad when the run is forward only. Median over
+                    benchmark.repeats (fwd_ms_min, fwd_ms_max: the extremes).
+    bwd_ms          the backward alone: torch.autograd.grad of the output with the seeded output
+                    gradient, each timed call on a fresh forward graph built outside the timing.
+    fwd_bwd_ms      the forward and that backward in one timed call.
+    peak_mem_bytes  what the timed calls add to the memory live before them (the inputs, the
+                    L2-flush buffer, anything an earlier phase still holds): on CUDA the
+                    allocator's peak, on CPU the growth of the process's peak resident set; in a
+                    context-parallel run the largest over the ranks.
+
+Timings are bench.time_fn's (CUDA events, the L2 cache flushed before each call; the host clock
+on CPU). A contender's `<name>_<pass>_ms` has the same meaning as attngym's `<pass>_ms`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from attngym.device import sync
+
+# bwd_status (and a contender's) where the run wants a backward that FlexAttention cannot give.
+NO_CPU_BWD = "not available: FlexAttention has no CPU backward"
+BACKWARD_PASSES = ("bwd", "fwd_bwd")
+
+
+def bwd_status(wanted: bool, done: bool) -> str:
+    """ok | not requested | NO_CPU_BWD (wanted, but no backward runs here)."""
+    if done:
+        return "ok"
+    return NO_CPU_BWD if wanted else "not requested"
+
+
+def first(result: Any) -> torch.Tensor:
+    """The output of a call that returns it alone or as (out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _same(value: int) -> int:
+    return value
+
+
+@dataclasses.dataclass(kw_only=True)
+class Rank:
+    """One rank's measured call and what timing it needs; world size 1 unless `max_over_ranks`
+    reduces over the ranks (a collective: every rank calls it).
+
+    Attributes:
+        attend: the measured call, no arguments; returns out or (out, lse).
+        leaves: the tensors the gradients are of (q, k, v, or this rank's shards of them).
+        grad_out: the seeded output gradient, shaped as the output.
+        device: where the call runs.
+        warmup, repeats: benchmark.warmup and benchmark.repeats.
+        label: what progress bars call the measured call (None: no bar).
+        max_over_ranks: an int of every rank reduced to its largest.
+    """
+
+    attend: Callable[[], Any]
+    leaves: tuple[torch.Tensor, ...]
+    grad_out: torch.Tensor | None
+    device: torch.device
+    warmup: int
+    repeats: int
+    label: str | None = None
+    max_over_ranks: Callable[[int], int] = _same
+
+    def grads(self, out: Any, grad_out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The gradients of the leaves for output gradient `grad_out` (default: the seeded one)."""
+        gradient = self.grad_out if grad_out is None else grad_out
+        return torch.autograd.grad(first(out), self.leaves, gradient)
+
+    def timed(
+        self,
+        fn: Callable[..., Any],
+        setup: Callable[[], Any] | None = None,
+        label: str | None = None,
+    ) -> Any:
+        """bench.time_fn of `fn` with the run's warmup and repeats (a Timing)."""
+        from attngym import bench
+
+        return bench.time_fn(
+            fn,
+            warmup=self.warmup,
+            repeats=self.repeats,
+            device=self.device,
+            progress=label,
+            setup=setup,
+        )
+
+
+def first_call(rank: Rank, call: Callable[[], Any] | None = None, *, backward: bool) -> float:
+    """compile_s: the first call (and its backward when the run times one), timed apart.
+
+    Grad mode is the one the timed forward uses (see fwd_ms), so on CUDA the graph compiled here
+    is the one timed.
+    """
+    call = rank.attend if call is None else call
+    start = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        out = call()
+    if backward:
+        rank.grads(out)
+    sync(rank.device)
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def peak_memory(rank: Rank, into: dict[str, Any], key: str) -> Iterator[None]:
+    """into[key]: what the block adds to the memory live when it starts (peak_mem_bytes), the
+    largest over the ranks; the L2-flush buffer is allocated before, so it is not counted."""
+    from attngym import bench
+    from attngym import device as device_mod
+
+    if rank.device.type == "cuda":
+        bench.l2_flush_buffer(rank.device)
+    sync(rank.device)
+    with device_mod.peak_memory(rank.device) as peak:
+        yield
+        sync(rank.device)
+    into[key] = rank.max_over_ranks(peak["bytes"])
+
+
+def time_passes(
+    rank: Rank,
+    passes: tuple[str, ...],
+    call: Callable[[], Any] | None = None,
+    *,
+    label: str | None = None,
+    failures: dict[str, str] | None = None,
+    into: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Timings of `passes` (of fwd, bwd, fwd_bwd) of `call` (default: the measured call).
+
+    The forward records autograd when `passes` holds a backward (module docstring: fwd_ms).
+
+    Args:
+        passes: which to time, in order.
+        label: the progress bars' name for the call (None: the Rank's label).
+        failures: for a contender: a pass whose call raises RuntimeError (a backend with no
+            kernel for it) is left out, its reason stored under its name, and the other passes
+            are still timed. None: the error propagates and fails the run.
+        into: filled as each pass is timed (kept when a later pass raises); a new dict if None.
+
+    Returns:
+        `into`: {pass: Timing}.
+    """
+    call = rank.attend if call is None else call
+    label = rank.label if label is None else label
+    timings: dict[str, Any] = {} if into is None else into
+    records = any(p in BACKWARD_PASSES for p in passes)
+    runs: Mapping[str, tuple[Callable[..., Any], Callable[[], Any] | None]] = {
+        "fwd": (call, None),
+        # A fresh forward graph per timed backward, built outside the timed region.
+        "bwd": (rank.grads, lambda: first(call())),
+        "fwd_bwd": (lambda: rank.grads(call()), None),
+    }
+    for name in passes:
+        fn, setup = runs[name]
+        try:
+            with torch.set_grad_enabled(records):
+                timings[name] = rank.timed(fn, setup, None if label is None else f"{label} {name}")
+        except RuntimeError as exc:
+            if failures is None:
+                raise
+            failures[name] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+    return timings
