@@ -578,15 +578,7 @@ def _topology_specs() -> dict[str, Any]:
 def _topology_spec(kind: str) -> Any | None:
     """The spec of context-parallel topology `kind`, or None for a kind that runs on one
     device."""
-    # TEMPORARY, until attngym.distributed registers its table as registry kind "topology":
-    # delete this try/except and keep `return _topology_specs().get(kind)`.
-    try:
-        specs = _topology_specs()
-    except ValueError:
-        if kind == "single":
-            return None
-        raise
-    return specs.get(kind)
+    return _topology_specs().get(kind)
 
 
 # ---------------------------------------------------------------------------------------------
