@@ -264,19 +264,19 @@ def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key
 def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, caplog):
     import logging
 
-    from attngym.cli import PICTURE_MAX_PAIRS, _draw_pictures
     from attngym.config import Settings, Shape
+    from attngym.pictures import PICTURE_MAX_PAIRS, draw_pictures
 
     seq_len = 2 * int(PICTURE_MAX_PAIRS["cpu"] ** 0.5)  # 4x the pairs allowed on a CPU
     settings = Settings(attention={"name": "causal"}, shape=Shape(seq_len=seq_len))
     with caplog.at_level(logging.INFO, logger="attngym"):
-        assert _draw_pictures(settings, tmp_path) == {}
+        assert draw_pictures(settings, tmp_path) == {}
     assert list(tmp_path.iterdir()) == []
     assert sum("not drawn" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_cp_efficiency_on_a_cpu_is_labelled_as_not_scaling(tmp_path):
-    from attngym.cli import CPU_EFFICIENCY_NOTE, format_results
+    from attngym.results import CPU_EFFICIENCY_NOTE, format_results
 
     cp = {"status": "ok", "topology": "ring", "world_size": 2, "efficiency": 3.15}
     assert CPU_EFFICIENCY_NOTE in format_results({**cp, "device": "cpu"}, tmp_path)
