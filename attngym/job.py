@@ -225,9 +225,12 @@ def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
 def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None:
     """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it);
     `complete` says whether every other file of the run is written too."""
+    from attngym.metrics import unknown_keys
     from attngym.tracking import write_metrics
 
     metrics["overrides"] = job.overrides
+    if not complete and (unknown := unknown_keys(metrics)):
+        log.warning("metrics without a row in attngym.metrics.METRICS: %s", ", ".join(unknown))
     write_metrics(job.run_dir, {**metrics, "complete": complete})
 
 

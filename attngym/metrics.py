@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 # The timed passes and the attention passes each is made of.
@@ -354,6 +354,11 @@ def metric_of(key: str) -> Metric | None:
     if found is not None:
         return found
     return next((m for m in _FAMILIES if m.pattern.match(key)), None)
+
+
+def unknown_keys(keys: Iterable[str]) -> list[str]:
+    """The keys the table has no row for (a metric a task writes needs one: add it to METRICS)."""
+    return [k for k in keys if metric_of(k) is None]
 
 
 def label(key: str) -> str:
