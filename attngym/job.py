@@ -212,6 +212,14 @@ def _check_and_run(
     return settings, None
 
 
+def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
+    come (an interrupted run keeps what was measured)."""
+    from attngym import registry
+
+    return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
+
+
 def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
     """status and error of a run that ran: a failed validation fails it. The task returns every
     number; metrics.json keeps both the numbers and the verdict."""
@@ -232,14 +240,6 @@ def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None
     if not complete and (unknown := unknown_keys(metrics)):
         log.warning("metrics without a row in attngym.metrics.METRICS: %s", ", ".join(unknown))
     write_metrics(job.run_dir, {**metrics, "complete": complete})
-
-
-def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
-    come (an interrupted run keeps what was measured)."""
-    from attngym import registry
-
-    return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
 
 
 def _track(
