@@ -120,6 +120,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("world_size", "ranks", "", "ranks the sequence is split over (1: single)", shown="cp"),
     M("transport", "transport", "", "how shards move between ranks", shown="cp"),
+    M("layout", "layout", "", "where each rank's rows of the sequence live", shown="cp"),
     M("a2a_size", "all-to-all group", "", "hybrid: ranks of one all-to-all group", column=False),
     M("across", "across groups", "", "hybrid: the algorithm between groups", column=False),
     M("device", "device", "", "cpu or cuda", shown="run"),
@@ -200,7 +201,6 @@ METRICS: tuple[Metric, ...] = (
         shown="run",
     ),
     # Context parallelism (attngym.tasks.context_parallel).
-    M("layout", "layout", "", "where each rank's rows of the sequence live", shown="cp"),
     M(
         "load_imbalance",
         "load imbalance",

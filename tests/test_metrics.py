@@ -101,7 +101,9 @@ def test_columns_are_the_column_rows_in_table_order_error_last():
     columns = table_columns()
     assert columns[0] == "status" and columns[-1] == "error"
     assert (
-        columns.index("fwd_ms") < columns.index("layout") < columns.index("flex_over_best_sdpa_fwd")
+        columns.index("fwd_ms")
+        < columns.index("efficiency")
+        < columns.index("flex_over_best_sdpa_fwd")
     )
     assert "capability" not in columns and "overrides" not in columns  # column=False rows
     assert {f"flex_over_{b}_{p}" for b in HEADLINE_BASELINES for p in PASSES} <= set(columns)
