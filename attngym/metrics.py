@@ -1,91 +1,396 @@
-"""The metric schema: the names every task reports and the tables and trackers read.
+"""The metric table: every name a run reports, with its label, unit and meaning, in one place.
 
 A single-device run and a context-parallel run of one config must land in the same columns of a
-sweep summary, so the names are defined here once and both the tasks (which fill them) and
-attngym.tracking (which tabulates them) import them, with `format_value`, how a value reads in
-every table (results.md, summary.md, report.html). `import attngym.metrics` pulls in no torch:
-the sweep summary reads metric names in processes that never attend.
+sweep summary, so each metric is one `Metric` row of `METRICS` and everything that shows metrics
+reads it: the tasks (which fill them), metrics.json, the results table printed at the end of a run
+(attngym.results), summary.md and the printed sweep table (attngym.tracking.sweep), the columns
+of report.html and the W&B summary. `format_value` says how a value reads in every table, from
+the metric's unit. `import attngym.metrics` pulls in no torch: the sweep summary reads metric
+names in processes that never attend.
+
+A row's name is a key (`fwd_ms`) or a family of keys, a pattern with placeholders in angle
+brackets (`<baseline>_<pass>_ms`): see PLACEHOLDERS. Adding a metric is one row here (in the
+order tables show it) and the task that writes it; tests/test_metrics.py runs the real tasks and
+fails on any key without a row.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Mapping
-from typing import Any
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
-# Metric names every task reports (values may be None where a quantity does not apply).
-METRIC_NAMES = (
-    "status",
-    "error",
-    "variant",
-    "topology",
-    "world_size",
-    "transport",
-    "device",
-    "device_name",
-    "dtype",
-    "batch",
-    "heads",
-    "kv_heads",
-    "seq_len",
-    "head_dim",
-    "block_q",
-    "block_kv",
-    "sparsity",
-    "fwd_ms",
-    "fwd_ms_min",
-    "fwd_ms_max",
-    "bwd_ms",
-    "fwd_bwd_ms",
-    "fwd_tflops",
-    "bwd_tflops",
-    "fwd_bwd_tflops",
-    "compile_s",
-    "peak_mem_bytes",
-    "err_out_max_abs",
-    "err_out_rel",
-    "err_lse_max_abs",
-    "err_dq_rel",
-    "err_dk_rel",
-    "err_dv_rel",
-    "validated_rows",
-    "validation",
-    "bwd_status",
-)
+# The timed passes and the attention passes each is made of.
+PASS_PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd_bwd": ("fwd", "bwd")}
+PASSES = tuple(PASS_PARTS)
 
 # The flex_over_<baseline>_<pass> ratios worth a column in results tables (every other ratio is
 # in metrics.json): flex against the fastest SDPA, a dense-mask SDPA and flex untuned.
 HEADLINE_BASELINES = ("best_sdpa", "sdpa_dense_mask", "flex_default")
-HEADLINE_RATIOS = tuple(
-    f"flex_over_{b}_{p}" for b in HEADLINE_BASELINES for p in ("fwd", "bwd", "fwd_bwd")
-)
+
+# What a placeholder of a row's name stands for: a regular expression, and the values a table
+# column is made for (None: any name matching, no column of its own).
+PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "pass": ("fwd_bwd|fwd|bwd", PASSES),
+    "headline": ("|".join(HEADLINE_BASELINES), HEADLINE_BASELINES),
+    "baseline": ("[a-z][a-z0-9_]*?", None),  # a name of attngym.config.BASELINES
+    "NAME": ("[A-Za-z0-9_]+", None),  # a flex_attention kernel option
+}
+
+# Units format_value reads: "bytes" (MiB, GiB), "TFLOP/s" (one decimal); the others label.
+# Where a metric shows in the table printed at the end of a run: in every run's, in a
+# context-parallel run's, or not at all (metrics.json, summaries and W&B have every metric).
+Shown = Literal["run", "cp", ""]
 
 
-# What a context-parallel run adds to a results table: how it scaled, where the time went, and
-# how it compares with PyTorch's own flex context parallelism (torch_cp) in time and memory.
-CP_COLUMNS = (
-    "layout",
-    "load_imbalance",
-    "efficiency",
-    "efficiency_fwd_bwd",
-    "single_fwd_ms",
-    "single_fwd_bwd_ms",
-    "step_compute_ms",
-    "step_transfer_ms",
-    "torch_cp_fwd_ms",
-    "torch_cp_fwd_bwd_ms",
-    "attngym_over_torch_cp_fwd",
-    "attngym_over_torch_cp_fwd_bwd",
-    "torch_cp_peak_mem_bytes",
-    "torch_cp_status",
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One row of the metric table.
+
+    Attributes:
+        name: the metrics.json key, or a pattern of keys (`<baseline>_<pass>_ms`).
+        label: how a person-facing table names it; placeholders as in `name` (`{pass}` reads
+            fwd+bwd for fwd_bwd).
+        unit: what its numbers count ("" for text, names and plain counts).
+        meaning: what it measures, in a sentence (report.html shows it over the column).
+        shown: where the printed results table of a run shows it (see Shown).
+        column: whether summary.md and report.html give it a column (summary.csv has every key).
+    """
+
+    name: str
+    label: str
+    unit: str
+    meaning: str
+    shown: Shown = ""
+    column: bool = True
+
+    @functools.cached_property
+    def pattern(self) -> re.Pattern[str]:
+        """The keys this row names, as a regular expression."""
+        parts = re.split(r"<(\w+)>", self.name)
+        regex = "".join(
+            f"(?P<{p}>{PLACEHOLDERS[p][0]})" if i % 2 else re.escape(p) for i, p in enumerate(parts)
+        )
+        return re.compile(f"^{regex}$")
+
+    @property
+    def is_family(self) -> bool:
+        return "<" in self.name
+
+    def names(self) -> tuple[str, ...]:
+        """The keys of its columns: the name itself, or a family over its placeholders' column
+        values (none for a family with an open placeholder such as <baseline>)."""
+        if not self.is_family:
+            return (self.name,)
+        keys = [""]
+        for i, part in enumerate(re.split(r"<(\w+)>", self.name)):
+            values = (part,) if i % 2 == 0 else PLACEHOLDERS[part][1]
+            if values is None:
+                return ()
+            keys = [k + v for k in keys for v in values]
+        return tuple(keys)
+
+
+M = Metric
+# In the order tables show them; exact names are found before families (`bwd_status` is no
+# `<baseline>_status`). The error is always a table's last column (it is long).
+METRICS: tuple[Metric, ...] = (
+    # How the run ended (the run layer writes these around the task's metrics).
+    M("status", "status", "", "ok, failed or interrupted: how the run ended"),
+    M("error", "error", "", "why the run failed or stopped (empty when ok)"),
+    M("overrides", "overrides", "", "the run's command-line overrides, as typed", column=False),
+    M(
+        "complete",
+        "complete",
+        "",
+        "true once every file of the run is written: a resumed sweep runs a job again without it",
+        column=False,
+    ),
+    # What ran (Settings.describe).
+    M("variant", "variant", "", "the attention variant", shown="run"),
+    M(
+        "topology",
+        "topology",
+        "",
+        "single, or the context-parallel algorithm (ring, allgather, ulysses, hybrid)",
+        shown="cp",
+    ),
+    M("world_size", "ranks", "", "ranks the sequence is split over (1: single)", shown="cp"),
+    M("transport", "transport", "", "how shards move between ranks", shown="cp"),
+    M("layout", "layout", "", "where each rank's rows of the sequence live", shown="cp"),
+    M("a2a_size", "all-to-all group", "", "hybrid: ranks of one all-to-all group", column=False),
+    M("across", "across groups", "", "hybrid: the algorithm between groups", column=False),
+    M("device", "device", "", "cpu or cuda", shown="run"),
+    M("device_name", "device name", "", "the GPU's name, or the CPU model"),
+    M("capability", "capability", "", "the GPU's compute capability (none on a CPU)", column=False),
+    M("torch", "torch", "", "the PyTorch version", column=False),
+    M("dtype", "dtype", "", "the dtype of q, k, v", shown="run"),
+    M("batch", "batch", "", "B"),
+    M("heads", "heads", "", "H, query heads"),
+    M("kv_heads", "kv heads", "", "G, key/value heads (GQA: fewer than heads)"),
+    M("seq_len", "seq_len", "tokens", "S, the whole sequence (all ranks together)", shown="run"),
+    M("head_dim", "head dim", "", "D"),
+    M("block_q", "block q", "tokens", "the block mask's query block size"),
+    M("block_kv", "block kv", "tokens", "the block mask's key/value block size"),
+    M(
+        "kernel_options.<NAME>",
+        "kernel option {NAME}",
+        "",
+        "a flex_attention kernel option the run passed",
+        column=False,
+    ),
+    M(
+        "sparsity",
+        "block sparsity",
+        "fraction",
+        "fraction of (q block, kv block) pairs the block mask skips",
+        shown="run",
+    ),
+    # Timings of flex (attngym.bench.time_fn): warm-up calls, then the median of the repeats.
+    M("fwd_ms", "fwd (ms)", "ms", "forward time, median over benchmark.repeats", shown="run"),
+    M("fwd_ms_min", "fwd min (ms)", "ms", "the fastest forward of the repeats"),
+    M("fwd_ms_max", "fwd max (ms)", "ms", "the slowest forward of the repeats"),
+    M("bwd_ms", "bwd (ms)", "ms", "backward alone, median", shown="run"),
+    M("fwd_bwd_ms", "fwd+bwd (ms)", "ms", "forward and backward, median", shown="run"),
+    M(
+        "fwd_tflops",
+        "fwd TFLOP/s",
+        "TFLOP/s",
+        "achieved forward TFLOP/s: useful FLOPs (masked blocks excluded) over fwd_ms",
+        shown="run",
+    ),
+    M("bwd_tflops", "bwd TFLOP/s", "TFLOP/s", "achieved backward TFLOP/s"),
+    M("fwd_bwd_tflops", "fwd+bwd TFLOP/s", "TFLOP/s", "achieved fwd+bwd TFLOP/s", shown="run"),
+    M(
+        "compile_s",
+        "first call (s)",
+        "s",
+        "the first call (compilation on CUDA), timed apart",
+        shown="run",
+    ),
+    M(
+        "peak_mem_bytes",
+        "peak memory",
+        "bytes",
+        "peak memory the timed flex calls add (CUDA: the caching allocator's; CPU: the "
+        "process's resident set); context parallel: the largest rank's",
+    ),
+    # Validation against the float64 dense reference, on the validated rows.
+    M("err_out_max_abs", "max |out - ref|", "", "output vs the reference", shown="run"),
+    M("err_out_rel", "rel err out", "", "output vs the reference, relative"),
+    M("err_lse_max_abs", "max |lse - ref|", "", "log-sum-exp vs the reference", shown="run"),
+    M("err_dq_rel", "rel err dq", "", "dq vs the reference (when a backward ran)", shown="run"),
+    M("err_dk_rel", "rel err dk", "", "dk vs the reference"),
+    M("err_dv_rel", "rel err dv", "", "dv vs the reference"),
+    M("validated_rows", "validated rows", "rows", "query rows checked against the reference"),
+    M(
+        "validation",
+        "validation",
+        "",
+        "ok, failed: <the error over its tolerance>, or not run",
+        shown="run",
+    ),
+    M(
+        "bwd_status",
+        "bwd",
+        "",
+        "ok, not available: <reason> (flex has no CPU backward), or not requested",
+        shown="run",
+    ),
+    # Context parallelism (attngym.tasks.context_parallel).
+    M(
+        "load_imbalance",
+        "load imbalance",
+        "ratio",
+        "max over mean of the non-empty blocks each rank attends",
+        shown="cp",
+    ),
+    M(
+        "efficiency",
+        "efficiency",
+        "ratio",
+        "(single_fwd_ms / world_size) / fwd_ms: 1 is perfect scaling",
+        shown="cp",
+    ),
+    M(
+        "efficiency_fwd_bwd",
+        "efficiency fwd+bwd",
+        "ratio",
+        "efficiency of forward and backward",
+        shown="cp",
+    ),
+    M(
+        "single_fwd_ms",
+        "one device fwd (ms)",
+        "ms",
+        "the whole problem on one device, same kernel, same run",
+        shown="cp",
+    ),
+    M(
+        "single_fwd_bwd_ms",
+        "one device fwd+bwd (ms)",
+        "ms",
+        "fwd+bwd of the whole problem on one device",
+        shown="cp",
+    ),
+    M("step_compute_ms", "step compute (ms)", "ms", "rank 0's median step compute"),
+    M(
+        "step_transfer_ms",
+        "step transfer (ms)",
+        "ms",
+        "one step's K/V transfer alone (0 on one rank; none where no one step is timed)",
+    ),
+    M(
+        "bytes_moved",
+        "bytes moved",
+        "bytes",
+        "in one forward, the most any rank sends",
+        column=False,
+    ),
+    M(
+        "pairs_computed",
+        "pairs computed",
+        "pairs",
+        "chunk pairs attended, summed over ranks",
+        column=False,
+    ),
+    M(
+        "pairs_skipped",
+        "pairs skipped",
+        "pairs",
+        "chunk pairs the mask empties, summed over ranks",
+        column=False,
+    ),
+    # PyTorch's own flex context parallelism, the torch_cp baseline, on the same shards.
+    M("torch_cp_<pass>_ms", "torch_cp {pass} (ms)", "ms", "torch_cp's time, median"),
+    M(
+        "attngym_over_torch_cp_<pass>",
+        "attngym speed-up vs torch_cp {pass}",
+        "ratio",
+        "torch_cp time / attngym time (> 1: attngym is faster)",
+        shown="cp",
+    ),
+    M(
+        "torch_cp_peak_mem_bytes",
+        "torch_cp peak memory",
+        "bytes",
+        "as peak_mem_bytes, for torch_cp",
+    ),
+    M("torch_cp_status", "torch_cp", "", "ok or skipped: <reason>", shown="cp"),
+    M("torch_cp_bwd_status", "torch_cp bwd", "", "as bwd_status, for torch_cp", column=False),
+    M(
+        "torch_cp_err_out_rel",
+        "torch_cp rel err out",
+        "",
+        "torch_cp's output against attngym's on the validated rows",
+        column=False,
+    ),
+    M(
+        "torch_cp_err_out_max_abs",
+        "torch_cp max |out - attngym|",
+        "",
+        "as above, max abs",
+        column=False,
+    ),
+    M(
+        "torch_cp_validation",
+        "torch_cp validation",
+        "",
+        "ok, or failed beyond twice the dtype's tolerance (which fails the run)",
+        column=False,
+    ),
+    # Baselines: every contender in one process on the same inputs (the `baselines` key).
+    M(
+        "flex_over_<headline>_<pass>",
+        "flex speed-up vs {headline} {pass}",
+        "ratio",
+        "baseline time / flex time (> 1: flex is faster)",
+        shown="run",
+    ),
+    M(
+        "best_sdpa_<pass>",
+        "best SDPA {pass}",
+        "",
+        "the fastest SDPA contender that ran",
+        column=False,
+    ),
+    M("best_sdpa_<pass>_ms", "best SDPA {pass} (ms)", "ms", "its time, median", column=False),
+    M("<baseline>_status", "{baseline}", "", "ok or skipped: <reason>", column=False),
+    M(
+        "<baseline>_<pass>_ms",
+        "{baseline} {pass} (ms)",
+        "ms",
+        "the baseline's time, median",
+        column=False,
+    ),
+    M(
+        "<baseline>_<pass>_tflops",
+        "{baseline} {pass} TFLOP/s",
+        "TFLOP/s",
+        "its achieved TFLOP/s",
+        column=False,
+    ),
+    M(
+        "flex_over_<baseline>_<pass>",
+        "flex speed-up vs {baseline} {pass}",
+        "ratio",
+        "baseline time / flex time (> 1: flex is faster)",
+        column=False,
+    ),
 )
+del M
+
+_BY_NAME = {m.name: m for m in METRICS if not m.is_family}
+_FAMILIES = tuple(m for m in METRICS if m.is_family)
+
+
+def metric_of(key: str) -> Metric | None:
+    """The table's row of a metrics.json key (an exact name first, then the first family that
+    matches), or None for a key the table does not know."""
+    found = _BY_NAME.get(key)
+    if found is not None:
+        return found
+    return next((m for m in _FAMILIES if m.pattern.match(key)), None)
+
+
+def unknown_keys(keys: Iterable[str]) -> list[str]:
+    """The keys the table has no row for (a metric a task writes needs one: add it to METRICS)."""
+    return [k for k in keys if metric_of(k) is None]
+
+
+def label(key: str) -> str:
+    """How a person-facing table names `key` (`flex_over_sdpa_fwd_bwd`: "flex speed-up vs sdpa
+    fwd+bwd"); the key itself when the table does not know it."""
+    row = metric_of(key)
+    if row is None:
+        return key
+    if not row.is_family:
+        return row.label
+    parts = row.pattern.match(key).groupdict()  # type: ignore[union-attr]
+    if "pass" in parts:
+        parts["pass"] = parts["pass"].replace("fwd_bwd", "fwd+bwd")
+    return row.label.format(**parts)
+
+
+def describe(key: str) -> str:
+    """One line on `key` for a table's header tooltip: its label, unit and meaning."""
+    row = metric_of(key)
+    if row is None:
+        return key
+    unit = f" [{row.unit}]" if row.unit else ""
+    return f"{label(key)}{unit}: {row.meaning}"
 
 
 def table_columns() -> tuple[str, ...]:
-    """Columns of a results table (summary.md, report.html): every METRIC_NAMES entry, the
-    context-parallel columns, then the headline ratios, the error last. Tables show those present
-    in at least one row."""
-    return (*(n for n in METRIC_NAMES if n != "error"), *CP_COLUMNS, *HEADLINE_RATIOS, "error")
+    """Columns of a results table (summary.md, report.html): the table's column rows in order,
+    families over their placeholders' values, the error last. Tables show those present in at
+    least one row."""
+    names = [n for m in METRICS if m.column for n in m.names()]
+    names.remove("error")
+    return (*names, "error")
 
 
 def baseline_metric(baseline: str, pass_name: str, what: str) -> str:
@@ -96,10 +401,6 @@ def baseline_metric(baseline: str, pass_name: str, what: str) -> str:
 def speedup_metric(baseline: str, pass_name: str) -> str:
     """`flex_over_<baseline>_<pass>`: baseline time / flex time (> 1: flex is faster)."""
     return f"flex_over_{baseline}_{pass_name}"
-
-
-# The timed passes and the attention passes each is made of.
-PASS_PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd_bwd": ("fwd", "bwd")}
 
 
 def pass_flops(shape: Any, seq_len: int, sparsity: float) -> dict[str, float]:
@@ -151,18 +452,20 @@ def pass_metrics(
 
 
 def format_value(column: str, value: Any) -> str:
-    """A metric as a person reads it: bytes in MiB/GiB, times to 3 significant figures, TFLOP/s
-    to one decimal (from 0.1 up), other floats to 3 significant figures; None is empty.
-    summary.csv keeps the raw numbers."""
+    """A metric as a person reads it, by its unit in the table: bytes in MiB/GiB, TFLOP/s to one
+    decimal (from 0.1 up), other floats to 3 significant figures; None is empty. summary.csv
+    keeps the raw numbers."""
     if value is None:
         return ""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
-    if column.endswith("_bytes") or column == "bytes_moved":
+    row = metric_of(column)
+    unit = row.unit if row is not None else ""
+    if unit == "bytes":
         from attngym.estimate import format_bytes
 
         return format_bytes(value)
-    if column.endswith("_tflops") and abs(value) >= 0.1:
+    if unit == "TFLOP/s" and abs(value) >= 0.1:
         return f"{value:.1f}"  # below 0.1 (a CPU), 3 significant figures say more than 0.0
     if isinstance(value, float):
         if value == 0.0 or not math.isfinite(value):

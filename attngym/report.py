@@ -3,8 +3,10 @@
 A report has to travel (attached to an issue, opened on a laptop without the cluster's
 filesystem or any network), so everything is inline: the table as HTML, the sweep plot and every
 job's heatmap and block-mask picture as base64 PNGs (a click enlarges one: pure CSS), no
-scripts, no external styles. The table scrolls inside its frame under a sticky header. It reads
-only files (summary rows are rebuilt from each job's metrics.json), so it works for any launcher.
+scripts, no external styles. The table scrolls inside its frame under a sticky header, each
+column headed by its metric name, with its label, unit and meaning (attngym.metrics) on hover.
+It reads only files (summary rows are rebuilt from each job's metrics.json), so it works for any
+launcher.
 
     attngym report multirun/2025-01-01/12-00-00
     python -m attngym.report outputs/2025-01-01/12-00-00 --out my_report.html
@@ -104,7 +106,7 @@ def _failures(rows: list[dict[str, Any]]) -> str:
 
 def build_report(folder: str | Path) -> str:
     """The report's HTML for a sweep folder (job sub-folders) or a single run folder."""
-    from attngym.metrics import format_value
+    from attngym.metrics import describe, format_value
     from attngym.tracking.sweep import (
         md_columns,
         plot_metric,
@@ -147,7 +149,7 @@ def build_report(folder: str | Path) -> str:
         ),
         _failures(rows),
         "<div class='table-wrap'><table><thead><tr>"
-        + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        + "".join(f'<th title="{html.escape(describe(c))}">{html.escape(c)}</th>' for c in columns)
         + "</tr></thead><tbody>",
     ]
     for row in rows:

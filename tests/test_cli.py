@@ -264,20 +264,171 @@ def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key
 def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, caplog):
     import logging
 
-    from attngym.cli import PICTURE_MAX_PAIRS, _draw_pictures
     from attngym.config import Settings, Shape
+    from attngym.pictures import PICTURE_MAX_PAIRS, draw_pictures
 
     seq_len = 2 * int(PICTURE_MAX_PAIRS["cpu"] ** 0.5)  # 4x the pairs allowed on a CPU
     settings = Settings(attention={"name": "causal"}, device="cpu", shape=Shape(seq_len=seq_len))
     with caplog.at_level(logging.INFO, logger="attngym"):
-        assert _draw_pictures(settings, tmp_path) == {}
+        assert draw_pictures(settings, tmp_path) == {}
     assert list(tmp_path.iterdir()) == []
     assert sum("not drawn" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_cp_efficiency_on_a_cpu_is_labelled_as_not_scaling(tmp_path):
-    from attngym.cli import CPU_EFFICIENCY_NOTE, format_results
+    from attngym.results import CPU_EFFICIENCY_NOTE, format_results
 
     cp = {"status": "ok", "topology": "ring", "world_size": 2, "efficiency": 3.15}
     assert CPU_EFFICIENCY_NOTE in format_results({**cp, "device": "cpu"}, tmp_path)
     assert CPU_EFFICIENCY_NOTE not in format_results({**cp, "device": "cuda"}, tmp_path)
+
+
+# --- Hydra's own flags pass through, with their arguments ------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["-sc", "--shell-completion"])
+def test_shell_completion_install_prints_the_script(tmp_path, attngym_cli, flag):
+    proc = attngym_cli([flag, "install=bash"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hydra_bash_completion()" in proc.stdout and "complete -o nospace" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_shell_completion_query_completes_options(tmp_path, attngym_cli):
+    line = "attngym attention=sliding_w"
+    env = {"COMP_LINE": line, "COMP_POINT": str(len(line))}
+    proc = attngym_cli(["-sc", "query=bash"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "attention=sliding_window" in proc.stdout.split()
+
+
+def test_the_console_script_installs_completion_for_itself(tmp_path, attngym_cli):
+    script = Path(sys.executable).parent / "attngym"
+    if not script.is_file():
+        pytest.skip("the attngym console script is not installed beside this interpreter")
+    proc = attngym_cli(["-sc", "install=bash"], tmp_path, command=(str(script),))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("-F hydra_bash_completion attngym")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--info"], "Installed Hydra Plugins"),
+        (["-i", "defaults"], "Defaults List"),
+        (["--info", "searchpath", "attention=alibi"], "Config search path"),
+        (["--cfg", "hydra"], "sweep:"),
+        (["-c", "all", "attention=alibi"], "hydra:"),
+        (["--cfg=job", "attention=alibi"], "name: alibi"),
+        (["--cfg", "job", "--resolve", "attention=alibi", "shape.heads=8"], "num_heads: 8"),
+        (["--cfg", "job", "--package", "shape", "shape.heads=8"], "# @package shape"),
+        (["-p", "shape", "--cfg", "job"], "head_dim:"),
+        (["--hydra-help"], "== Flags =="),
+        (["--version"], "Hydra 1."),
+        (["-h"], "== Config groups =="),
+        (["-cn", "config", "--cfg", "job", "attention=alibi"], "name: alibi"),
+        (["--config-name=config", "--cfg", "job"], "shape:"),
+        (["-cp", "pkg://attngym.conf", "--cfg", "job", "attention=alibi"], "name: alibi"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_hydra_flags_pass_through_with_their_arguments(tmp_path, attngym_cli, args, expected):
+    proc = attngym_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert expected in proc.stdout, proc.stdout[-2000:]
+    assert "attngym: error" not in proc.stderr
+
+
+def test_a_config_dir_adds_its_options(tmp_path, attngym_cli):
+    """`-cd DIR`: DIR's group options are options (`attention=mine`); a typo is still one line."""
+    (tmp_path / "mine" / "attention").mkdir(parents=True)
+    (tmp_path / "mine" / "attention" / "mine.yaml").write_text(
+        "name: sliding_window\nwindow_size: 7\n"
+    )
+    proc = attngym_cli(["-cd", str(tmp_path / "mine"), "--cfg", "job", "attention=mine"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "window_size: 7" in proc.stdout
+    proc = attngym_cli(
+        [f"--config-dir={tmp_path / 'mine'}", "--cfg", "job", "attention=mien"], tmp_path
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("attngym: error: attention:") and "'mine'" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--run", "-r", "--multirun"])
+def test_run_and_multirun_flags_run(tmp_path, attngym_cli, flag):
+    folder = "hydra.sweep.dir" if flag == "--multirun" else "hydra.run.dir"
+    args = [flag, *SMALL, "baselines=[]", "logger=none", f"{folder}={tmp_path / 'out'}"]
+    proc = attngym_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "out" / ("0" if flag == "--multirun" else "")
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "ok"
+    assert (flag == "--multirun") == (tmp_path / "out" / "summary.md").is_file()
+
+
+def test_split_flags_keeps_flag_arguments_apart_from_overrides():
+    from attngym.overrides import split_flags
+
+    argv = ["--cfg", "job", "attention=alibi", "-cd", "d", "--info", "x=1", "-m", "--resolve"]
+    flags, overrides = split_flags(argv)
+    assert [a for _, a in flags] == ["--cfg", "job", "-cd", "d", "--info", "-m", "--resolve"]
+    assert [argv[i] for i in overrides] == ["attention=alibi", "x=1"]
+
+
+def test_prepare_overrides_leaves_flag_arguments_and_completion_alone():
+    assert prepare_overrides(["-sc", "install=bash"]) == ["-sc", "install=bash"]
+    argv = ["--cfg", "job", "-p", "shape", "block_size=64"]
+    assert prepare_overrides(argv) == ["--cfg", "job", "-p", "shape", "block_size='64'"]
+
+
+# --- what the user typed, not what Hydra received -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hydra_form", "typed"),
+    [
+        ("++attention.window_size=128", "attention.window_size=128"),
+        ("++kernel_options.BACKEND=FLASH", "kernel_options.BACKEND=FLASH"),
+        ("block_size='64'", "block_size=64"),
+        ("block_size='64',flash", "block_size=64,flash"),
+        ("++logger.tags=[a]", "++logger.tags=[a]"),  # typed so: not attngym's rewriting
+        ("+attention.extra=1", "+attention.extra=1"),
+        ("shape.seq_len=512", "shape.seq_len=512"),
+        ("+experiment=variant_gallery", "+experiment=variant_gallery"),
+    ],
+)
+def test_as_typed_undoes_what_prepare_overrides_did(hydra_form, typed):
+    from attngym.overrides import as_typed
+
+    assert as_typed(hydra_form) == typed
+    assert as_typed(typed) == typed  # idempotent: typed records compare equal
+    assert as_typed(prepare_overrides([typed])[0]) == typed
+
+
+def test_run_name_is_the_typed_overrides_as_hydra_joins_them():
+    from attngym.overrides import run_name
+
+    typed = ["attention=sliding_window", "attention.window_size=128", "logger=none", "seed=1"]
+    name = run_name(typed, exclude_keys=["logger", "seed"], item_sep=",", kv_sep="=")
+    assert name == "attention.window_size=128,attention=sliding_window"
+    assert run_name([], exclude_keys=[]) == "defaults"
+
+
+def test_run_records_the_overrides_as_typed(run):
+    """The run fixture typed `attention.window_size=32` and `block_size=64`; Hydra received
+    `++attention.window_size=32` and `block_size='64'`."""
+    _, run_dir = run
+    typed = json.loads((run_dir / "metrics.json").read_text())["overrides"]
+    assert "attention.window_size=32" in typed and "block_size=64" in typed
+    title = (run_dir / "results.md").read_text().splitlines()[0]  # the run's name, as W&B's
+    assert "attention.window_size=32,attention=sliding_window" in title
+    assert "++" not in title and "'" not in title and not any("++" in o for o in typed)
+
+
+def test_every_key_of_a_run_s_metrics_json_is_in_the_metric_table(run):
+    from attngym.metrics import unknown_keys
+
+    _, run_dir = run
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert {"status", "error", "overrides", "complete"} <= set(metrics)
+    assert unknown_keys(metrics) == []

@@ -1,15 +1,28 @@
-"""The metric schema: pass metrics from timings; the schema imports without torch."""
+"""The metric table: every key a task writes has a row, rows are complete, the README lists
+them; pass metrics from timings; the table imports without torch."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from attngym.config import Shape
-from attngym.metrics import pass_metrics
+from attngym.metrics import (
+    HEADLINE_BASELINES,
+    METRICS,
+    PASSES,
+    PLACEHOLDERS,
+    label,
+    metric_of,
+    pass_metrics,
+    table_columns,
+    unknown_keys,
+)
 
 
 def test_pass_metrics_from_timings():
@@ -27,3 +40,137 @@ def test_metric_schema_imports_without_torch():
     code = "import sys, json, attngym.metrics; print(json.dumps('torch' in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) is False
+
+
+# --- the metric table ------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+# Keys the run layer (attngym.job) adds to a task's metrics in metrics.json.
+RUN_LAYER_KEYS = ("status", "error", "overrides", "complete")
+
+
+def _unknown(keys):
+    return sorted(k for k in keys if metric_of(k) is None)
+
+
+def test_every_row_is_complete_and_names_one_thing():
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names)), "a metric has two rows"
+    for m in METRICS:
+        assert m.label and m.meaning and m.shown in ("run", "cp", ""), m
+        placeholders = set(re.findall(r"<(\w+)>", m.name))
+        assert placeholders <= set(PLACEHOLDERS), m.name
+        # the label names the family's placeholders, and only those
+        assert set(re.findall(r"{(\w+)}", m.label)) <= placeholders, m.label
+        if m.is_family:
+            assert m.pattern.match(m.name) is None  # `<` never matches a placeholder
+
+
+@pytest.mark.parametrize(
+    ("key", "row", "text"),
+    [
+        ("fwd_ms", "fwd_ms", "fwd (ms)"),
+        ("bwd_status", "bwd_status", "bwd"),  # a name before a family (<baseline>_status)
+        ("fwd_bwd_ms", "fwd_bwd_ms", "fwd+bwd (ms)"),  # not <baseline>_<pass>_ms
+        ("torch_cp_fwd_bwd_ms", "torch_cp_<pass>_ms", "torch_cp fwd+bwd (ms)"),
+        ("sdpa_dense_mask_fwd_bwd_ms", "<baseline>_<pass>_ms", "sdpa_dense_mask fwd+bwd (ms)"),
+        (
+            "flex_over_best_sdpa_fwd",
+            "flex_over_<headline>_<pass>",
+            "flex speed-up vs best_sdpa fwd",
+        ),
+        (
+            "flex_over_sdpa_flash_bwd",
+            "flex_over_<baseline>_<pass>",
+            "flex speed-up vs sdpa_flash bwd",
+        ),
+        ("kernel_options.BLOCK_M", "kernel_options.<NAME>", "kernel option BLOCK_M"),
+    ],
+)
+def test_keys_find_their_row_and_label(key, row, text):
+    assert metric_of(key).name == row
+    assert label(key) == text
+
+
+def test_unknown_keys_have_no_row():
+    assert metric_of("fwd_msec") is None and label("fwd_msec") == "fwd_msec"
+    assert unknown_keys(["fwd_ms", "fwd_msec"]) == ["fwd_msec"]
+
+
+def test_columns_are_the_column_rows_in_table_order_error_last():
+    columns = table_columns()
+    assert columns[0] == "status" and columns[-1] == "error"
+    assert (
+        columns.index("fwd_ms")
+        < columns.index("efficiency")
+        < columns.index("flex_over_best_sdpa_fwd")
+    )
+    assert "capability" not in columns and "overrides" not in columns  # column=False rows
+    assert {f"flex_over_{b}_{p}" for b in HEADLINE_BASELINES for p in PASSES} <= set(columns)
+    assert all(metric_of(c) is not None and metric_of(c).column for c in columns)
+
+
+def test_every_key_the_single_task_writes_is_in_the_table(tmp_path):
+    from attngym.config import Benchmark, Settings
+    from attngym.tasks import single
+
+    settings = Settings(
+        attention={"name": "causal"},
+        shape=Shape(batch=1, heads=2, kv_heads=1, seq_len=128, head_dim=16),
+        benchmark=Benchmark(warmup=0, repeats=1),
+        device="cpu",
+        dtype="float32",
+        block_size=(64, 64),
+        baselines=("sdpa", "sdpa_cudnn", "sdpa_dense_mask", "flex_default"),
+        validate_rows=16,
+    )
+    metrics = single.run(settings, tmp_path)
+    assert metrics["sdpa_status"] == "ok" and "flex_over_best_sdpa_fwd" in metrics  # families ran
+    assert _unknown([*metrics, *RUN_LAYER_KEYS]) == []
+
+
+def test_every_key_the_cp_task_writes_is_in_the_table(tmp_path):
+    """ring on 2 gloo ranks with the torch_cp baseline (the cheap settings of
+    tests/distributed/test_cp_task.py); hybrid's own keys from its row of KINDS."""
+    from attngym import registry
+    from attngym.config import Benchmark, Settings, Topology
+    from attngym.tasks.context_parallel import KINDS
+
+    settings = Settings(
+        attention={"name": "causal"},
+        shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
+        topology=Topology(kind="ring", world_size=2),
+        benchmark=Benchmark(warmup=0, repeats=1),
+        baselines=("torch_cp",),
+        validate_rows=32,
+    )
+    metrics = registry.get("task", "ring")(settings, tmp_path)
+    assert metrics["validation"] == "ok" and metrics["torch_cp_status"] == "ok"
+    assert _unknown(metrics) == []
+    for kind in KINDS:
+        assert _unknown(KINDS[kind].options(Topology(kind=kind, world_size=4, a2a_size=2))) == []
+
+
+def test_described_kernel_options_are_in_the_table():
+    from attngym.config import Settings
+
+    described = Settings(attention={"name": "causal"}, kernel_options={"BLOCK_M": 64}).describe()
+    assert "kernel_options.BLOCK_M" in described and _unknown(described) == []
+
+
+def _readme_metric_names() -> set[str]:
+    """The names the README's "## Metrics" list gives (its first paragraphs, up to the timing
+    method): every backquoted name but files (`metrics.json`) and `torch_cp`, the baseline's
+    name."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    listing = section.split("\nTiming method", 1)[0]
+    names = set(re.findall(r"`([A-Za-z_<][\w.<>]*)`", listing))
+    return {n for n in names if not n.endswith(".json")} - {"torch_cp"}
+
+
+@pytest.mark.xfail(strict=True, reason="README updated by the lead")
+def test_the_readme_lists_exactly_the_table():
+    readme = _readme_metric_names()
+    table = {m.name for m in METRICS}
+    assert (sorted(readme - table), sorted(table - readme)) == ([], [])

@@ -7,10 +7,12 @@ fixtures share them across tests.
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from attngym.tracking.sweep import collect
 
@@ -46,10 +48,20 @@ def grid(tmp_path_factory, attngym_cli):
 
 @pytest.fixture(scope="module")
 def failing(tmp_path_factory, attngym_cli):
-    """Two jobs, the second with a bad value; then the same sweep again into the same folder."""
+    """Two jobs, the second with a bad value; then the same sweep again into the same folder.
+    A variant parameter and a numeric block size: Hydra receives them rewritten
+    (`++attention.window_size=16`, `block_size='64'`), every record shows them as typed."""
     tmp = tmp_path_factory.mktemp("failing")
     sweep = tmp / "sweep"
-    args = ["-m", *TINY, "shape.seq_len=64", "shape.kv_heads=1,3", f"hydra.sweep.dir={sweep}"]
+    args = [
+        "-m",
+        *TINY,
+        "shape.seq_len=64",
+        "attention=sliding_window",
+        "attention.window_size=16",
+        "shape.kv_heads=1,3",
+        f"hydra.sweep.dir={sweep}",
+    ]
     first = attngym_cli(args, tmp)
     second = attngym_cli(args, tmp)
     return sweep, first, second
@@ -96,12 +108,56 @@ def test_resumed_sweep_skips_finished_jobs(failing):
     assert log0.count("validated") == 1  # job 0 computed once, in the first sweep only
 
 
+def test_a_sweep_records_and_shows_the_overrides_as_typed(failing):
+    sweep, first, _ = failing
+    rows = collect(sweep)
+    for row in rows:
+        assert "attention.window_size=16" in row["overrides"].split()
+        assert "block_size=64" in row["overrides"].split()
+    metrics = json.loads((sweep / "0" / "metrics.json").read_text())
+    assert "attention.window_size=16" in metrics["overrides"]
+    grid = json.loads((sweep / "grid.json").read_text())["overrides"]
+    assert "attention.window_size=16" in grid and "shape.kv_heads=1,3" in grid
+    # Hydra's own launch lines ("[HYDRA] #0 : ...") show what Hydra received; attngym's do not.
+    ours = [ln for ln in (first.stdout + first.stderr).splitlines() if "[HYDRA]" not in ln]
+    printed = "\n".join(ours) + (sweep / "summary.md").read_text()
+    printed += (sweep / "summary.csv").read_text()
+    assert "attention.window_size=16" in printed
+    assert "++" not in printed and "'64'" not in printed
+
+
+def test_a_sweep_folder_recorded_with_hydra_forms_resumes(tmp_path, attngym_cli):
+    """metrics.json and grid.json written before records held typed overrides (Hydra's forms,
+    `++attention.window_size=16`): the same command resumes the sweep, every job skipped."""
+    from attngym.overrides import prepare_overrides
+
+    sweep = tmp_path / "sweep"
+    typed = ["shape.seq_len=64", "attention=sliding_window", "attention.window_size=16,32"]
+    args = ["-m", *TINY, *typed, f"hydra.sweep.dir={sweep}"]
+    first = attngym_cli(args, tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    for job in ("0", "1"):
+        path = sweep / job / "metrics.json"
+        metrics = json.loads(path.read_text())
+        received = yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+        assert any(o.startswith("++attention.") for o in received)  # what Hydra got
+        path.write_text(json.dumps({**metrics, "overrides": received}))
+    grid = sorted(prepare_overrides([*TINY, *typed]))
+    (sweep / "grid.json").write_text(json.dumps({"overrides": grid}))
+    again = attngym_cli(args, tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    log = again.stdout + again.stderr
+    assert log.count("already ok") == 2 and "another grid" not in log
+    for job in ("0", "1"):
+        assert (sweep / job / "attngym.log").read_text().count("validated") == 1
+
+
 def test_summary_columns_follow_the_metric_names(tmp_path):
-    from attngym.metrics import HEADLINE_RATIOS, METRIC_NAMES
+    from attngym.metrics import table_columns
     from attngym.tracking.sweep import md_columns, write_markdown
 
     columns = md_columns()
-    assert set(METRIC_NAMES) | set(HEADLINE_RATIOS) <= set(columns) and columns[-1] == "error"
+    assert columns == ("job", "overrides", *table_columns()) and columns[-1] == "error"
     rows = [
         {"job": "0", "status": "failed", "validation": "failed: x", "flex_over_best_sdpa_fwd": 1.5},
         {"job": "1", "status": "ok", "validation": "ok", "sdpa_fwd_ms": 2.0},

@@ -61,6 +61,8 @@ def test_wandb_offline_run_holds_images(tmp_path, attngym_cli):
         "benchmark.repeats=1",
         "baselines=[]",
         "block_size=64",
+        "attention=sliding_window",
+        "attention.window_size=16",
         "logger=wandb",
         f"hydra.run.dir={run_dir}",
     ]
@@ -73,6 +75,10 @@ def test_wandb_offline_run_holds_images(tmp_path, attngym_cli):
     assert any(n.startswith("block_mask") for n in images), images
     records = list(runs[0].glob("run-*.wandb"))  # config, summary and history, for wandb sync
     assert len(records) == 1 and records[0].stat().st_size > 1000
+    # The run's name is the overrides as typed, not as Hydra received them (++, '64').
+    data = records[0].read_bytes()
+    assert b"attention.window_size=16,attention=sliding_window,baselines=[]" in data
+    assert b"++attention" not in data and b"block_size='64'" not in data
 
 
 class _StuckRun:

@@ -32,7 +32,7 @@ class RunRecord:
 
     Attributes:
         run_dir: the run's output folder.
-        metrics: flat metrics (names in attngym.tasks), status included.
+        metrics: flat metrics (names: the table of attngym.metrics), status included.
         config: the resolved config as plain data.
         images: picture name → PNG path (heatmap, block_mask) for pictures that exist.
         name: a readable run name (the overrides that make this run different).

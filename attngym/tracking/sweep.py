@@ -32,6 +32,7 @@ from typing import Any
 from attngym.errors import ConfigError
 from attngym.fileio import atomic_write, write_error
 from attngym.metrics import format_value, table_columns
+from attngym.overrides import as_typed
 from attngym.tracking.files import read_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
 
@@ -95,12 +96,13 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def job_overrides(job_dir: Path) -> list[str]:
-    """The job's task overrides, from its .hydra/overrides.yaml (empty when unreadable)."""
+    """The job's task overrides as the user typed them (attngym.overrides.as_typed), from its
+    .hydra/overrides.yaml, which holds what Hydra received (empty when unreadable)."""
     path = job_dir / ".hydra" / "overrides.yaml"
     try:
         import yaml
 
-        return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+        return [as_typed(str(o)) for o in (yaml.safe_load(path.read_text()) or [])]
     except (OSError, ValueError, ImportError):
         return []
 
@@ -299,13 +301,15 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def grid_overrides(config: Any) -> list[str]:
+def grid_overrides(config: Any, *, typed: bool = True) -> list[str]:
     """The overrides that define a sweep: the sweeper's params (an experiment's grid) merged
-    with the command line's task overrides (the command line wins), sorted by key."""
+    with the command line's task overrides (the command line wins), sorted by key; as the user
+    typed them (attngym.overrides.as_typed), or with `typed=False` as Hydra received them."""
     params = dict(config.hydra.sweeper.get("params") or {})
     merged = {str(k): f"{k}={v}" for k, v in params.items()}
     for o in config.hydra.overrides.task:
-        merged[str(o).split("=", 1)[0]] = str(o)
+        override = as_typed(str(o)) if typed else str(o)
+        merged[override.split("=", 1)[0]] = override
     return [merged[k] for k in sorted(merged)]
 
 
@@ -315,7 +319,8 @@ def count_jobs(config: Any) -> int | None:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         total = 1
-        for override in OverridesParser.create().parse_overrides(grid_overrides(config)):
+        grid = grid_overrides(config, typed=False)
+        for override in OverridesParser.create().parse_overrides(grid):
             if override.is_sweep_override():
                 total *= len(list(override.sweep_string_iterator()))
         return total
@@ -330,14 +335,16 @@ def record_grid(sweep_dir: str | Path, overrides: Sequence[str]) -> None:
     """Record the sweep's grid in sweep_dir/grid.json, or check it against the one recorded.
 
     A folder holds one sweep: re-running the same grid there resumes it, another grid would mix
-    (and overwrite) results of two sweeps, so it is refused.
+    (and overwrite) results of two sweeps, so it is refused. The grid is recorded and compared as
+    typed (attngym.overrides.as_typed): a grid.json written with Hydra's forms
+    (`++attention.window_size=64,128`) is the same grid.
 
     Raises:
         ConfigError: (hydra.sweep.dir) the folder records another grid.
         SymlinkRefused: grid.json or the folder is a symlink.
     """
     path = Path(sweep_dir) / GRID_FILE
-    grid = sorted(str(o) for o in overrides)
+    grid = sorted(as_typed(str(o)) for o in overrides)
     try:
         recorded = json.loads(path.read_text()).get("overrides")
     except FileNotFoundError:
@@ -349,9 +356,9 @@ def record_grid(sweep_dir: str | Path, overrides: Sequence[str]) -> None:
     if recorded is None:
         Path(sweep_dir).mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"overrides": grid}, indent=2) + "\n")
-    elif sorted(map(str, recorded)) != grid:
-        was = " ".join(sorted(set(map(str, recorded)) - set(grid))) or "nothing"
-        now = " ".join(sorted(set(grid) - set(map(str, recorded)))) or "nothing"
+    elif sorted(recorded := [as_typed(str(o)) for o in recorded]) != grid:
+        was = " ".join(sorted(set(recorded) - set(grid))) or "nothing"
+        now = " ".join(sorted(set(grid) - set(recorded))) or "nothing"
         raise ConfigError(
             "hydra.sweep.dir",
             f"{sweep_dir} holds a sweep of another grid (it had {was}, this one has {now}); "
@@ -399,7 +406,8 @@ class SweepSummary(_callback_base()):
         if self._bar is not None:
             # Hydra sets up the job's log handlers before this: route them above the bar now.
             self._redirect.enter_context(redirect_logging())
-            self._bar.running(" ".join(str(o) for o in config.hydra.overrides.task) or "job")
+            typed = (as_typed(str(o)) for o in config.hydra.overrides.task)
+            self._bar.running(" ".join(typed) or "job")
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
         from attngym.progress import on_terminal

@@ -14,10 +14,12 @@ process group (the child leads one, so wandb's service goes too) and logs a warn
 on, the local copy in the run folder can be uploaded with `wandb sync`. A W&B failure is a warning
 (metrics.json is already on disk: the caller writes it first). wandb is imported only in the child.
 
-Mapping: config = the resolved config; summary = the scalar metrics (same names as
-metrics.json), the numeric ones also as one history step (for report line plots); the PNGs as
-`wandb.Image`; group = the sweep (or run) folder name; job_type = the topology; name = the
-overrides that make the run different (hydra.job.override_dirname).
+Mapping: config = the resolved config; summary = the scalar metrics (the names of metrics.json,
+each a row of the table in attngym.metrics, which says its label, unit and meaning), the numeric
+ones also as one history step (for report line plots); the PNGs as `wandb.Image`; group = the
+sweep (or run) folder name; job_type = the topology; name = the overrides that make the run
+different, as the user typed them (attngym.overrides.run_name, joined as Hydra joins
+hydra.job.override_dirname).
 """
 
 from __future__ import annotations

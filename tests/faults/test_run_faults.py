@@ -1,7 +1,7 @@
 """A run under faults, through the command line: a folder another run holds, a failing rank,
 signals, a full disk, an interruption between metrics.json and the pictures.
 
-Faults inside the task are injected by FAULTY, which replaces attngym.cli._run_task (the one call
+Faults inside the task are injected by FAULTY, which replaces attngym.job._run_task (the one call
 from the run layer into a task) before the command line runs; everything else is the real run.
 """
 
@@ -27,11 +27,11 @@ pytestmark = pytest.mark.faults
 FAULTY = textwrap.dedent(
     """
     import os, signal, sys, time
-    from attngym import cli
+    from attngym import cli, job, pictures
     from attngym.errors import RankFailure
 
     fault, args = sys.argv[1], sys.argv[2:]
-    real = cli._run_task
+    real = job._run_task
 
     def faulty(settings, run_dir, metrics):
         if fault == "rank_failure":
@@ -57,10 +57,10 @@ FAULTY = textwrap.dedent(
     fsync = os.fsync
     if fault == "enospc_on_png":
         os.fsync = enospc_on_png
-    draw = cli._draw_pictures
-    cli._run_task = faulty
+    draw = pictures.draw_pictures
+    job._run_task = faulty
     if fault == "killed_before_pictures":
-        cli._draw_pictures = killed_before_pictures
+        pictures.draw_pictures = killed_before_pictures
     cli.entry(args)
     """
 )

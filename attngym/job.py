@@ -1,0 +1,404 @@
+"""One Hydra job, start to end: the run layer's fixed order, so every topology gets the same.
+
+    job facts (Hydra)  →  lock the run folder  →  resume decision (a sweep)  →  check + resolve
+    (attngym.config)  →  task from the registry (topology.kind)  →  verdict  →  metrics.json
+    (complete: false)  →  heatmap.png, block_mask.png (attngym.pictures)  →  tracker (logger
+    group)  →  metrics.json (complete: true)  →  the results table and the exit code
+
+metrics.json is written whatever happens (status ok, failed or interrupted, with the error),
+because sweep summaries, reports and resumed sweeps read it; a resumed sweep re-runs a job whose
+`complete` never became true. SIGINT and SIGTERM stop a run with what it measured so far (exit
+130 / 143); a file that cannot be written (a full disk) fails it with one line (exit 1), the
+results table still printed from memory. Tasks judge their own validation
+(attngym.validation.validate_rows sets `validation` to "ok" or "failed: ..."); a failed verdict
+makes the run's status failed with that error (exit code 1), so the timings of a wrong kernel are
+still on record but never pass as a good run. A bad value stops a single run with one line
+naming the key (exit code 2; HYDRA_FULL_ERROR=1 shows the traceback); inside a sweep it becomes a
+failed row and the other jobs still run, and the sweep exits 1 at the end.
+
+Under torchrun, rank 0 does all of the above; the other ranks run the same checks and task (the
+collectives need every rank) and log to <run_dir>/rank<N>.log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from attngym import pictures
+from attngym.config import Settings
+from attngym.errors import ConfigError, Interrupted, RankFailure
+from attngym.overrides import CONF_DIR, as_typed, attngym_preset, run_name, to_plain
+from attngym.results import format_results
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+# SIGINT (Ctrl-C) and SIGTERM (kill, a scheduler's stop) end a run alike: Interrupted.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+def catch_interrupts() -> None:
+    """Make SIGINT and SIGTERM raise errors.Interrupted (a job stops itself with what it measured:
+    _stop_interrupted)."""
+    for signum in INTERRUPTS:
+        signal.signal(signum, _raise_interrupted)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What Hydra says about the running job, read once."""
+
+    run_dir: Path
+    rank: int  # under torchrun; 0 otherwise
+    multirun: bool
+    overrides: list[str]  # the job's task overrides, as typed (overrides.as_typed)
+    num: int | None  # job number in a sweep
+    name: str  # the run's name for trackers: its typed overrides, or "defaults"
+    group: str  # the tracker group: the output folder's date_time
+    sweep_dir: str  # hydra.sweep.dir in a sweep
+    preset: str | None  # +experiment=NAME
+
+
+def _job() -> Job:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    folder = run_dir.parent if multirun else run_dir
+    overrides = [as_typed(str(o)) for o in hc.overrides.task]
+    naming = hc.job.config.override_dirname  # how Hydra names hydra.job.override_dirname
+    return Job(
+        run_dir=run_dir,
+        rank=int(os.environ.get("RANK", "0")),
+        multirun=multirun,
+        overrides=overrides,
+        num=hc.job.num if multirun else None,
+        name=run_name(
+            overrides,
+            exclude_keys=naming.exclude_keys,
+            item_sep=naming.item_sep,
+            kv_sep=naming.kv_sep,
+        ),
+        group=f"{folder.parent.name}_{folder.name}",
+        sweep_dir=str(hc.sweep.dir) if multirun else "",
+        preset=hc.runtime.choices.get("experiment"),
+    )
+
+
+def _why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
+    """Why a sweep job must run again: None when an earlier run of it finished ok with every file
+    written (status ok, `complete: true`, heatmap.png and block_mask.png not empty), "" when it
+    never wrote metrics.json, else what is wrong with what it left. `overrides` are as typed;
+    the recorded ones are compared as typed too (a folder whose metrics.json holds Hydra's
+    forms, `++attention.window_size=128`, resumes alike)."""
+    from attngym.tracking import read_metrics
+
+    previous = read_metrics(run_dir)
+    if previous is None:
+        return ""
+    recorded = previous.get("overrides")
+    if not isinstance(recorded, list) or [as_typed(str(o)) for o in recorded] != overrides:
+        return "its metrics.json is of other overrides"
+    if previous.get("status") != "ok":
+        return f"it ended {previous.get('status')}: {previous.get('error')}"
+    if previous.get("complete") is not True:
+        return "it stopped after metrics.json, before its pictures and tracker"
+    for name in pictures.PICTURES.values():
+        path = run_dir / name
+        if not path.is_file() or path.stat().st_size == 0:
+            return f"its {name} is missing or empty"
+    return None
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any] | None:
+    """One Hydra job: check, run the topology's task, judge, write files, draw, track, exit.
+
+    The run folder's lock (attngym.tracking.lock) is held throughout by the process that writes
+    there (rank 0 under torchrun): a second run pointed at the same folder stops with one line
+    naming the holder, exit code 1, before it reads or writes anything.
+    """
+    from attngym.tracking.lock import FolderLock, FolderLocked
+
+    job = _job()
+    if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
+        if job.multirun and _why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
+            return None
+        return _run_other_rank(cfg, job)
+    lock = FolderLock(job.run_dir)
+    try:
+        lock.acquire()
+    except FolderLocked as err:
+        print(f"attngym: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        return _run_locked(cfg, job)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
+    """run_job's body, run folder locked."""
+    if job.multirun:  # a resumed sweep: every rank decides alike from the same files
+        why = _why_rerun(job.run_dir, job.overrides)
+        what = f"job {job.num} ({' '.join(job.overrides)})"
+        if why is None:
+            log.info("%s: already ok in %s, skipping", what, job.run_dir)
+            return None
+        if why:
+            log.info("%s: running it again: %s", what, why)
+    metrics: dict[str, Any] = {"status": "failed", "error": None}
+    try:
+        settings, failure = _check_and_run(cfg, job, metrics)
+        try:
+            # metrics.json first (what was measured is safe), then `complete: true` once every
+            # file of the run is written: a resumed sweep re-runs a job whose last write never came.
+            _write_metrics(job, metrics, complete=False)
+            if settings is not None:  # it ran; a failed run draws nothing more
+                ok = metrics["status"] == "ok"
+                images = pictures.draw_pictures(settings, job.run_dir) if ok else {}
+                _track(cfg, job, settings, metrics, images)
+            _write_metrics(job, metrics, complete=True)
+        except OSError as err:  # a full disk, a symlink where a file goes
+            failure = _unwritten(job, metrics, err)
+    except Interrupted as stop:
+        _stop_interrupted(job, metrics, stop)
+    return _finish(job, metrics, failure)
+
+
+def _check_and_run(
+    cfg: DictConfig, job: Job, metrics: dict[str, Any]
+) -> tuple[Settings | None, BaseException | None]:
+    """Settings (None when the config is refused: every check that needs no tensors, the preset
+    against this machine included, runs here before the task) and the failure that stopped the
+    run (None for a run that ran, whatever its verdict); metrics and status go into `metrics`."""
+    from attngym.config import from_config
+    from attngym.presets import check_fits_machine
+
+    settings = None
+    try:
+        settings = from_config(to_plain(cfg))
+        preset = attngym_preset(job.preset)
+        check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
+        metrics.update(_run_task(settings, job.run_dir, metrics))
+    except Exception as err:
+        metrics["error"] = (
+            str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+        )
+        if not isinstance(err, ConfigError):
+            if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
+                log.error("run failed: %s", err)
+            else:
+                log.exception("run failed")
+            return settings, err
+        if job.multirun:  # a single run prints the one line of _finish instead
+            log.error("config error: %s", err)
+        return None, err  # refused: no picture, no tracker run
+    metrics.update(_verdict(metrics))
+    return settings, None
+
+
+def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
+    come (an interrupted run keeps what was measured)."""
+    from attngym import registry
+
+    return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
+
+
+def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
+    """status and error of a run that ran: a failed validation fails it. The task returns every
+    number; metrics.json keeps both the numbers and the verdict."""
+    verdict = metrics.get("validation")
+    if isinstance(verdict, str) and verdict.startswith("failed"):
+        log.error("validation %s", verdict)
+        return {"status": "failed", "error": f"validation {verdict}"}
+    return {"status": "ok"}
+
+
+def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None:
+    """metrics.json, written whatever happened (sweep summaries and resumed sweeps read it);
+    `complete` says whether every other file of the run is written too."""
+    from attngym.metrics import unknown_keys
+    from attngym.tracking import write_metrics
+
+    metrics["overrides"] = job.overrides
+    if not complete and (unknown := unknown_keys(metrics)):
+        log.warning("metrics without a row in attngym.metrics.METRICS: %s", ", ".join(unknown))
+    write_metrics(job.run_dir, {**metrics, "complete": complete})
+
+
+def _track(
+    cfg: DictConfig, job: Job, settings: Settings, metrics: dict[str, Any], images: dict[str, Path]
+) -> None:
+    """Hand the run to the configured tracker (the `logger` group)."""
+    from attngym import registry
+    from attngym.tracking import RunRecord
+
+    params = dict(settings.logger)
+    tracker = registry.build("tracker", params.pop("name"), **params)
+    tracker.log_run(
+        RunRecord(
+            run_dir=job.run_dir,
+            metrics=metrics,
+            config=_tracked_config(cfg),
+            images=images,
+            name=job.name,
+            group=job.group,
+            job_type=settings.topology.kind,
+        )
+    )
+
+
+def _tracked_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config a tracker records: resolved, or as written where a value cannot resolve."""
+    from omegaconf import OmegaConf
+
+    try:
+        return to_plain(cfg)
+    except ConfigError:
+        data = OmegaConf.to_container(cfg, resolve=False)
+        data.pop("hydra", None)  # type: ignore[union-attr]
+        return data  # type: ignore[return-value]
+
+
+def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) -> dict[str, Any]:
+    """The job's outcome as Hydra and the shell see it.
+
+    In a sweep: a log line, and the metrics (the sweep goes on) unless the failure leaves
+    torchrun ranks out of step. A single run: one line and exit code 2 for a ConfigError; else
+    the results table, then the failure raised, or exit code 1 for a failed validation.
+    """
+    if job.multirun:
+        log.info("job %s %s: %s", job.num, " ".join(job.overrides), metrics["status"])
+        if failure is not None and _stop_sweep_after(failure):
+            from attngym.tracking.sweep import summarize
+
+            summarize(job.sweep_dir)  # the jobs so far; on_multirun_end will not run
+            log.error(
+                "stopping the sweep: after this failure the ranks may be out of step; run the "
+                "same command again to resume (jobs already ok are skipped)"
+            )
+            raise SystemExit(1)  # Hydra would go on to the next job after an Exception
+        return metrics
+    if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    print(format_results(metrics, job.run_dir), flush=True)
+    if isinstance(failure, RankFailure | OSError):  # one line: a traceback would say no more
+        print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    if failure is not None:
+        raise failure
+    if metrics["status"] != "ok":  # a validation failure: the table above says which error
+        raise SystemExit(1)
+    return metrics
+
+
+def _one_line(failure: BaseException) -> str:
+    from attngym.fileio import write_error
+
+    return write_error(failure) if isinstance(failure, OSError) else str(failure)
+
+
+def _unwritten(job: Job, metrics: dict[str, Any], err: OSError) -> OSError:
+    """A write of the run failed: the run fails with `could not write <path>: ...`; metrics.json
+    says so if it can still be written, and the metrics stay in memory for the results table."""
+    from attngym.fileio import write_error
+
+    metrics.update(status="failed", error=write_error(err))
+    log.error("%s", metrics["error"])
+    with contextlib.suppress(OSError):
+        _write_metrics(job, metrics, complete=False)
+    return err
+
+
+def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> NoReturn:
+    """SIGINT/SIGTERM during a job: metrics.json with status `interrupted` and what was measured
+    so far, in a sweep the summary of the jobs so far, one line, exit code 128 + signal.
+    Further signals are ignored meanwhile, so that these writes are not cut short."""
+    from attngym.tracking.sweep import summarize
+
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+    metrics.update(status="interrupted", error=str(stop))
+    try:
+        _write_metrics(job, metrics, complete=False)
+        if job.multirun:
+            summarize(job.sweep_dir)
+    except OSError as err:
+        print(f"attngym: error: {_one_line(err)}", file=sys.stderr, flush=True)
+    where = job.sweep_dir if job.multirun else job.run_dir
+    print(f"attngym: {stop}; what was measured is in {where}", file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_code)
+
+
+def _run_other_rank(cfg: DictConfig, job: Job) -> None:
+    """A rank other than 0 under torchrun: the same checks and task (its collectives need every
+    rank), logged to <run_dir>/rank<N>.log; no metrics.json, pictures, tracker or table, which
+    are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
+    a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
+    before any collective (see _stop_sweep_after). It leaves the run's attngym.log to rank 0."""
+    from attngym.config import from_config
+
+    _leave_run_log()
+    handler = _rank_log(job.run_dir, job.rank)
+    try:
+        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
+        log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
+    except Exception as err:
+        log.exception("rank %d failed", job.rank)
+        if not job.multirun:
+            raise
+        if _stop_sweep_after(err):
+            raise SystemExit(1) from err  # Hydra would go on to the next job after an Exception
+    finally:
+        logging.getLogger("attngym").removeHandler(handler)
+        handler.close()
+
+
+def _stop_sweep_after(err: BaseException) -> bool:
+    """Whether a failed job must end a sweep run under torchrun (WORLD_SIZE > 1).
+
+    A ConfigError is raised alike on every rank before any collective, so the ranks stay in step
+    and the sweep goes on. Any other failure may leave the ranks at different collectives of the
+    job, which the next job's collectives would then pair with: the sweep stops (torchrun ends
+    every rank, rank 0 first writing the summary of the jobs so far); the job's metrics.json or
+    rank log records why, and running the same command again resumes, skipping the jobs already ok.
+    """
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(err, ConfigError)
+
+
+def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
+    """A file handler on the `attngym` logger: this process's records go to rank<N>.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    pkg = logging.getLogger("attngym")
+    pkg.addHandler(handler)
+    if pkg.getEffectiveLevel() > logging.INFO:
+        pkg.setLevel(logging.INFO)
+    return handler
+
+
+def _leave_run_log() -> None:
+    """Stop this process writing the run's attngym.log: Hydra gives every torchrun rank its file
+    handler, and ranks other than 0 would interleave their records with rank 0's there."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()

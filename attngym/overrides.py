@@ -1,0 +1,331 @@
+"""The command line before Hydra composes it, and the composed config after.
+
+Before composing, `prepare_overrides` checks config-group options, so a typo like
+`attention=sliding_windw` is one line with a suggestion instead of Hydra's multi-line error, and
+quotes numeric option names (`block_size=64`) that Hydra would otherwise parse as integers.
+Hydra's own flags (`--cfg job`, `-cd DIR`, `-sc install=bash`, ...) pass through untouched, with
+their arguments: Hydra's argument parser says which flags take one.
+
+What Hydra receives is not always what the user typed (`++attention.window_size=128`,
+`block_size='64'`); `as_typed` maps an override back, and everything a person reads (run names,
+W&B run names, the overrides column of every table) and every record a resumed sweep compares
+(metrics.json, grid.json) holds the typed form.
+
+After composing, the resolvers of the YAML files (`${div:...}`, `${split:...}`, `${pid:}`) and
+`to_plain`, the composed config as the plain dict attngym.config reads (nothing below this
+module sees OmegaConf). OmegaConf is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterable, Sequence
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from attngym.errors import ConfigError, choice_error
+
+# The repository's conf/, installed as this package (an editable install maps it to conf/ itself).
+# Hydra composes from it and the option checks below list it: one place for both.
+CONF_PACKAGE = "attngym.conf"
+CONF_DIR = Path(str(files(CONF_PACKAGE)))  # a regular package, so a real folder on disk
+
+# Keys whose sub-keys are open: a variant's parameters differ per variant, kernel options are
+# flex_attention's. Overrides of them are forced (`++`), so a misspelt key reaches attngym's own
+# check (one line with a suggestion) rather than Hydra's struct-mode error.
+OPEN_KEYS = ("attention", "kernel_options")
+_OPEN_ARG = re.compile(rf"^(?:{'|'.join(OPEN_KEYS)})\.[\w.]+=")
+_FORCED_OPEN_ARG = re.compile(rf"^\+\+(?=(?:{'|'.join(OPEN_KEYS)})\.[\w.]+=)")
+
+_GROUP_ARG = re.compile(
+    r"^(?P<prefix>[+~]{0,2})(?P<group>[A-Za-z_][\w/]*)(?P<pkg>@[\w.]*)?=(?P<value>.*)$"
+)
+_VALUE_ARG = re.compile(r"^(?P<prefix>\+{0,2})(?P<key>[A-Za-z_][\w.]*)=")
+_QUOTED_NUMBER = re.compile(r"(?<![^,])'(\d+)'(?![^,])")  # an item '64' of `a,'64',b`
+
+# Flags whose "overrides" are Hydra's completion commands (`install=bash`, `query=bash`).
+SHELL_COMPLETION = ("-sc", "--shell-completion")
+
+
+# --------------------------------------------------------------------------------------------
+# Resolvers and the composed config
+
+
+def register_resolvers() -> None:
+    """Register the OmegaConf resolvers the YAML files use (idempotent; call before composing).
+
+    - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
+    - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
+      `total` exactly (the last one takes the rounding), e.g. document lengths.
+    - `${pid:}`: this process's id, which makes default run folders unique even for runs started
+      in the same microsecond.
+    """
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("div"):
+        OmegaConf.register_new_resolver("div", _div)
+    if not OmegaConf.has_resolver("split"):
+        OmegaConf.register_new_resolver("split", _split)
+    if not OmegaConf.has_resolver("pid"):
+        OmegaConf.register_new_resolver("pid", os.getpid)
+
+
+def _div(a: Any, b: Any) -> int:
+    if not isinstance(a, int) or not isinstance(b, int) or b == 0:
+        raise ValueError(f"div needs two integers and a non-zero divisor, got {a!r}, {b!r}")
+    return a // b
+
+
+def _split(total: Any, fractions: Any) -> list[int]:
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"split needs a positive integer total, got {total!r}")
+    fractions = list(fractions)
+    if not fractions or any(not isinstance(f, int | float) or f <= 0 for f in fractions):
+        raise ValueError(f"split needs positive fractions, got {fractions!r}")
+    norm = sum(fractions)
+    lengths = [max(1, int(total * f / norm)) for f in fractions[:-1]]
+    return [*lengths, total - sum(lengths)]
+
+
+def to_plain(cfg: Any) -> dict[str, Any]:
+    """The composed config (a DictConfig) as a plain, resolved dict without the `hydra` node:
+    what attngym.config reads.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved; the key names where.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        raise ConfigError(str(key), str(err).split("\n")[0]) from None
+    data.pop("hydra", None)  # type: ignore[union-attr]
+    return data  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Config groups and their options
+
+
+def _group_dirs(conf_dirs: Iterable[Path] = (CONF_DIR,)) -> set[str]:
+    """Config groups a user picks options of: the config folders' folders, less hydra/ and
+    __pycache__/."""
+    return {
+        p.name
+        for conf_dir in conf_dirs
+        if conf_dir.is_dir()
+        for p in conf_dir.iterdir()
+        if p.is_dir() and p.name != "hydra" and not p.name.startswith(("_", "."))
+    }
+
+
+def _options(group: str, conf_dirs: Iterable[Path] = (CONF_DIR,)) -> list[str]:
+    return sorted({p.stem for d in conf_dirs for p in (d / group).glob("*.yaml")})
+
+
+# --------------------------------------------------------------------------------------------
+# Hydra's flags
+
+
+@functools.cache
+def hydra_flags() -> dict[str, tuple[Any, tuple[str, ...] | None]]:
+    """Hydra's command-line flags, from Hydra's own argument parser: {flag: (nargs, choices)}.
+
+    nargs 0: a switch (`--resolve`); None: one argument (`--cfg job`, `-cd DIR`); "?": an
+    optional one, taken when it is one of the choices (`--info defaults`).
+    """
+    from hydra._internal.utils import get_args_parser
+
+    return {
+        option: (action.nargs, tuple(action.choices) if action.choices else None)
+        for action in get_args_parser()._actions
+        for option in action.option_strings
+    }
+
+
+def split_flags(argv: Sequence[str]) -> tuple[list[tuple[int, str]], list[int]]:
+    """Which arguments are Hydra's flags (with their arguments) and which are overrides.
+
+    Returns:
+        ([(index, flag or flag argument)], [indices of the overrides]).
+    """
+    flags = hydra_flags()
+    flag_args: list[tuple[int, str]] = []
+    overrides: list[int] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            overrides.append(i)
+            i += 1
+            continue
+        flag_args.append((i, arg))
+        name, eq, _ = arg.partition("=")
+        nargs, choices = flags.get(name, (0, None))
+        takes_next = i + 1 < len(argv) and not eq
+        if takes_next and (nargs is None or (nargs == "?" and argv[i + 1] in (choices or ()))):
+            flag_args.append((i + 1, argv[i + 1]))
+            i += 1
+        i += 1
+    return flag_args, overrides
+
+
+def _flag_value(flag_args: list[tuple[int, str]], names: Sequence[str]) -> str | None:
+    """The argument of the last of `names` among the flags (`-cd DIR` or `--config-dir=DIR`)."""
+    value = None
+    for n, (_, arg) in enumerate(flag_args):
+        name, eq, attached = arg.partition("=")
+        if name in names:
+            value = attached if eq else (flag_args[n + 1][1] if n + 1 < len(flag_args) else None)
+    return value
+
+
+def _conf_dirs(flag_args: list[tuple[int, str]]) -> list[Path] | None:
+    """The folders Hydra reads config groups from: attngym's conf (or `-cp DIR`) and `-cd DIR`;
+    None when `-cp` names a folder this check cannot read (Hydra then checks the options)."""
+    primary = _flag_value(flag_args, ("-cp", "--config-path"))
+    dirs = [CONF_DIR]
+    if primary is not None:
+        if not Path(primary).is_absolute() or not Path(primary).is_dir():
+            return None
+        dirs = [Path(primary)]
+    extra = _flag_value(flag_args, ("-cd", "--config-dir"))
+    return [*dirs, Path(extra)] if extra else dirs
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides
+
+
+def prepare_overrides(argv: list[str]) -> list[str]:
+    """Check and normalise config-group overrides before Hydra sees them.
+
+    - `group=option` (and sweeps `group=a,b`) must name files in conf/<group>/ (or in the folder
+      of `-cd DIR`); an unknown option raises ConfigError listing the options with a suggestion;
+    - numeric option names are quoted (`block_size=64` → `block_size='64'`): Hydra would parse them
+      as integers and refuse them as group options;
+    - any other `key=value` (with or without `+`) must name a config key
+      (attngym.config.check_key): `seq_len=512` or `+shape.seqlen=512` raise ConfigError with
+      the key meant (`shape.seq_len`);
+    - `attention.<key>=v` and `kernel_options.<key>=v` become `++attention.<key>=v` (add or
+      override): these keys are checked by attngym (attngym.variants.spec.build_variant, the
+      kernel-option checks of attngym.config), which names a misspelt key with a suggestion.
+      `kernel_options` is null in conf/config.yaml so that sweeps can set whole mappings
+      (`kernel_options={...}`); `++kernel_options.X=v` creates the mapping from null.
+
+    Hydra's flags and their arguments pass through unchanged (`split_flags`); with `-sc` the whole
+    command line does, its words being completion commands. `as_typed` undoes the rewriting.
+    """
+    if any(arg.partition("=")[0] in SHELL_COMPLETION for arg in argv):
+        return list(argv)
+    flag_args, at = split_flags(argv)
+    conf_dirs = _conf_dirs(flag_args)
+    groups = _group_dirs(conf_dirs) if conf_dirs is not None else set()
+    out = list(argv)
+    for i in at:
+        out[i] = _prepare(argv[i], groups, conf_dirs or [])
+    _check_preset_on_this_machine([out[i] for i in at], conf_dirs or [])
+    return out
+
+
+def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
+    """One override as Hydra should receive it (see prepare_overrides)."""
+    if _OPEN_ARG.match(arg):
+        return f"++{arg}"
+    match = _GROUP_ARG.match(arg)
+    if not match or match["group"] not in groups:
+        _check_value_key(arg)
+        return arg
+    value = match["value"]
+    if match["prefix"].startswith("~") and not value:
+        return arg
+    if "(" in value or "[" in value or "$" in value:  # choice(...), range(...), globs: Hydra's
+        return arg
+    items = [v.strip().strip("'\"") for v in value.split(",")]
+    options = _options(match["group"], conf_dirs)
+    for item in items:
+        if item not in options and item != "null":
+            raise ConfigError(match["group"], choice_error("option", item, options))
+    quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
+    return f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}"
+
+
+def as_typed(override: str) -> str:
+    """An override as the user typed it, from what Hydra received (prepare_overrides, or a sweep
+    job's share of it): `++attention.window_size=128` → `attention.window_size=128`,
+    `block_size='64'` → `block_size=64`. Idempotent: a typed override maps to itself, so records
+    written before this mapping existed compare equal after it."""
+    override = _FORCED_OPEN_ARG.sub("", override)
+    match = _GROUP_ARG.match(override)
+    if match and match["group"] in _group_dirs():
+        key, _, value = override.partition("=")
+        return f"{key}={_QUOTED_NUMBER.sub(_unquote, value)}"
+    return override
+
+
+def _unquote(match: re.Match[str]) -> str:
+    return match[1]
+
+
+def run_name(
+    overrides: Iterable[str],
+    *,
+    exclude_keys: Iterable[str] = (),
+    item_sep: str = ",",
+    kv_sep: str = "=",
+) -> str:
+    """A run's readable name: its typed overrides, sorted, less `exclude_keys`, joined as Hydra
+    joins hydra.job.override_dirname (hydra.job.config.override_dirname says how); "defaults"
+    for none."""
+    excluded = set(exclude_keys)
+    lines = sorted(
+        o for o in overrides if o.partition("=")[0].lstrip("+~").split("@")[0] not in excluded
+    )
+    return item_sep.join(line.replace("=", kv_sep) for line in lines) or "defaults"
+
+
+def _check_preset_on_this_machine(overrides: list[str], conf_dirs: list[Path]) -> None:
+    """A GPU-sized preset on a CPU is refused once, before a sweep's first job (each job checks
+    it again with the device its config resolves to: attngym.presets)."""
+    presets = [
+        m["value"] for a in overrides if (m := _GROUP_ARG.match(a)) and m["group"] == "experiment"
+    ]
+    if len(presets) != 1 or "," in presets[0] or CONF_DIR not in conf_dirs:
+        return
+    if attngym_preset(presets[0]) is None:
+        return
+    from attngym.device import resolve_device
+    from attngym.presets import check_fits_machine
+
+    devices = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("device=")]
+    try:
+        device = resolve_device(devices[-1] if devices else "auto").type
+    except ValueError:
+        return  # the job's own check names the device
+    check_fits_machine(CONF_DIR, presets[0], device, overrides)
+
+
+def attngym_preset(name: str | None) -> str | None:
+    """`name` when it is one of attngym's presets (conf/experiment/, whose headers say the
+    machine each is sized for: attngym.presets), else None (a preset of the user's `-cd` folder
+    carries no such header)."""
+    if name is None or not (CONF_DIR / "experiment" / f"{name}.yaml").is_file():
+        return None
+    return name
+
+
+def _check_value_key(arg: str) -> None:
+    """A `key=value` override (also `+key=` and `++key=`) names a config key
+    (attngym.config.check_key): a misspelt or group-less key is one line with the key it most
+    likely means, never a key Hydra adds and nothing reads. Hydra's own keys pass."""
+    from attngym.config import check_key
+
+    match = _VALUE_ARG.match(arg)
+    if match and match["key"].split(".")[0] != "hydra":
+        check_key(match["key"])

@@ -1,0 +1,77 @@
+"""Which pictures a run draws, and when it draws none: the run layer's policy over attngym.viz.
+
+Every run, whatever its topology, gets heatmap.png (the variant's attention pattern: the whole
+sequence pooled and a zoom of HEATMAP_WINDOW tokens) and block_mask.png (the block mask at the
+run's block size). attngym.viz draws them; this module decides what to draw, where, and what
+to skip: a picture of a sequence too long to evaluate in seconds is skipped with the reason, one
+that fails to draw is a warning, and one that cannot be written fails the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from attngym.config import Settings
+
+log = logging.getLogger(__name__)
+
+# Picture name → its file in the run folder (a resumed sweep checks both: attngym.job).
+PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
+HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
+# Both pictures evaluate the mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K
+# on one CPU thread, growing with S^2. Above these many pairs on the device that draws (the
+# heatmap always on the CPU) a picture is skipped with the reason, so a long run is not followed
+# by minutes of drawing.
+PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
+
+
+def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
+    """heatmap.png and block_mask.png for any topology: {picture name: path} of those drawn.
+
+    Raises:
+        OSError: a picture could not be written (the run fails: attngym.job).
+    """
+    from attngym import viz
+
+    variant = settings.variant
+    seq_len = settings.shape.seq_len
+
+    def heatmap(path: Path) -> None:
+        window = min(HEATMAP_WINDOW, seq_len)
+        viz.save_heatmap(variant, path, seq_len=seq_len, window=window, seed=settings.seed)
+
+    def block_mask(path: Path) -> None:
+        viz.save_block_mask_picture(
+            variant.to(settings.device).mask_mod,
+            seq_len,
+            seq_len,
+            path,
+            block_size=settings.block_size,
+            title=f"{variant.name}: block mask at {settings.block_size}",
+            device=settings.device,
+        )
+
+    drawn = {}
+    # The heatmap evaluates the mask on the CPU, the block mask on the run's device.
+    for name, draw, device in (("heatmap", heatmap, "cpu"), ("block_mask", block_mask, None)):
+        device = device or settings.device
+        limit = PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"])
+        if seq_len * seq_len > limit:
+            log.info(
+                "%s not drawn: S x S = %.3g mask pairs to evaluate on %s, above %.3g",
+                PICTURES[name],
+                float(seq_len) ** 2,
+                device,
+                limit,
+            )
+            continue
+        path = run_dir / PICTURES[name]
+        try:
+            draw(path)
+            drawn[name] = path
+        except OSError:
+            raise  # a write error fails the run
+        except Exception as err:
+            log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
+    return drawn
