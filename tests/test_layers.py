@@ -38,6 +38,7 @@ RUN_LAYER = (
     "attngym.overrides",
     "attngym.job",
     "attngym.pictures",
+    "attngym.api",
     "attngym.config",
     "attngym.presets",
     "hydra",
