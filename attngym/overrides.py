@@ -199,6 +199,21 @@ def _conf_dirs(flag_args: list[tuple[int, str]]) -> list[Path] | None:
     return [*dirs, Path(extra)] if extra else dirs
 
 
+def _search_path(overrides: Sequence[str]) -> list[Path]:
+    """The folders of `hydra.searchpath=[file://DIR, ...]`: a config folder of your own, whose
+    `<group>/<name>.yaml` files are options too (Hydra reads them; this check lists them)."""
+    dirs: list[Path] = []
+    for arg in overrides:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key != "hydra.searchpath":
+            continue
+        for item in value.strip().strip("[]").split(","):
+            item = item.strip().strip("'\"")
+            if item.startswith("file://"):
+                dirs.append(Path(item.removeprefix("file://")))
+    return dirs
+
+
 # --------------------------------------------------------------------------------------------
 # Overrides
 
@@ -226,6 +241,8 @@ def prepare_overrides(argv: list[str]) -> list[str]:
         return list(argv)
     flag_args, at = split_flags(argv)
     conf_dirs = _conf_dirs(flag_args)
+    if conf_dirs is not None:
+        conf_dirs += _search_path([argv[i] for i in at])
     groups = _group_dirs(conf_dirs) if conf_dirs is not None else set()
     out = list(argv)
     for i in at:

@@ -251,3 +251,14 @@ def test_a_mistake_on_the_command_line_is_one_line_and_exit_2(mymasks):
         "attngym: error: attention.mask_mod: 'mymasks.checkerbord': mymasks has no "
         "'checkerbord'; did you mean 'checkerboard'?"
     ]
+
+
+def test_a_config_folder_of_your_own_makes_its_attention_files_options(tmp_path):
+    from attngym.overrides import prepare_overrides
+
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "board.yaml").write_text("name: custom\nmask_mod: m.board\n")
+    searchpath = f"hydra.searchpath=[file://{tmp_path}]"
+    assert prepare_overrides(["attention=board", searchpath])[0] == "attention=board"
+    with pytest.raises(ConfigError, match="unknown option 'board'"):
+        prepare_overrides(["attention=board"])
