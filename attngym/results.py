@@ -34,17 +34,63 @@ def result_rows(metrics: dict[str, Any]) -> list[str]:
 def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
     lines = [f"attngym: {metrics.get('status')}"]
-    rows = [(_label(key, metrics), format_value(key, metrics[key])) for key in result_rows(metrics)]
+    rows = [
+        (_label(key, metrics), format_value(key, metrics[key]))
+        for key in result_rows(metrics)
+        if not _said_already(key, metrics)
+    ]
     width = max((len(text) for text, _ in rows), default=0)
     for text, value in rows:
         lines.append(f"  {text:<{width}}  {value}")
+    if (spread := timing_spread(metrics)) is not None:
+        lines.append(f"  warning: {spread}")
     if metrics.get("error"):
         lines.append(f"  error: {metrics['error']}")
     lines.append(f"run folder: {run_dir}")
     return "\n".join(lines)
 
 
+# Above this max/min over the timed calls, the machine was busy with other work while timing.
+BUSY_SPREAD = 2.0
+
+
+def timing_spread(metrics: dict[str, Any]) -> str | None:
+    """A warning when the forward's timed calls spread more than BUSY_SPREAD (max / min), else
+    None: the median of such calls measures the machine's load as much as the kernel."""
+    low, high = metrics.get("fwd_ms_min"), metrics.get("fwd_ms_max")
+    if not low or not high or high / low <= BUSY_SPREAD:
+        return None
+    return (
+        f"the forward's timed calls spread {format_value('fwd_ms', low)}-"
+        f"{format_value('fwd_ms', high)} ms ({high / low:.1f}x): the machine was busy with "
+        "other work, so its times are rough"
+    )
+
+
+def _said_already(key: str, metrics: dict[str, Any]) -> bool:
+    """flex against the dense-mask SDPA when that is the best SDPA: the best-SDPA row says it."""
+    if not key.startswith("flex_over_"):
+        return False
+    rest = key.removeprefix("flex_over_")
+    pass_name = next(p for p in ("fwd_bwd", "fwd", "bwd") if rest.endswith(f"_{p}"))
+    baseline = rest.removesuffix(f"_{pass_name}")
+    return baseline != "best_sdpa" and metrics.get(f"best_sdpa_{pass_name}") == baseline
+
+
+# On a CPU, flex runs eagerly (FlexAttention compiles for CUDA) while SDPA runs its fused CPU
+# kernel: a ratio there compares an eager implementation with a fused one.
+CPU_SPEEDUP_NOTE = " (CPU: eager flex vs SDPA's fused kernel)"
+
+
 def _label(key: str, metrics: dict[str, Any]) -> str:
-    if key.startswith("efficiency") and metrics.get("device") == "cpu":
+    on_cpu = metrics.get("device") == "cpu"
+    if key.startswith("efficiency") and on_cpu:
         return label(key) + CPU_EFFICIENCY_NOTE
+    if key.startswith("flex_over_best_sdpa_"):
+        pass_name = key.removeprefix("flex_over_best_sdpa_")
+        best = metrics.get(f"best_sdpa_{pass_name}")
+        text = label(key).replace("best_sdpa", f"best SDPA ({best})" if best else "best SDPA")
+        return text + (CPU_SPEEDUP_NOTE if on_cpu else "")
+    if key.startswith("flex_over_sdpa") and on_cpu:
+        return label(key) + CPU_SPEEDUP_NOTE
     return label(key)

@@ -432,3 +432,34 @@ def test_every_key_of_a_run_s_metrics_json_is_in_the_metric_table(run):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert {"status", "error", "overrides", "complete"} <= set(metrics)
     assert unknown_keys(metrics) == []
+
+
+def test_the_results_table_says_what_a_cpu_speedup_compares(tmp_path):
+    from attngym.results import CPU_SPEEDUP_NOTE, format_results
+
+    run = {"status": "ok", "flex_over_best_sdpa_fwd": 0.5, "best_sdpa_fwd": "sdpa"}
+    assert CPU_SPEEDUP_NOTE in format_results({**run, "device": "cpu"}, tmp_path)
+    assert CPU_SPEEDUP_NOTE not in format_results({**run, "device": "cuda"}, tmp_path)
+
+
+def test_a_ratio_to_the_dense_mask_prints_once_when_it_is_the_best_sdpa(tmp_path):
+    from attngym.results import format_results
+
+    run = {"status": "ok", "device": "cuda", "best_sdpa_fwd": "sdpa_dense_mask"}
+    run |= {"flex_over_best_sdpa_fwd": 15.3, "flex_over_sdpa_dense_mask_fwd": 15.3}
+    table = format_results(run, tmp_path)
+    assert table.count("15.3") == 1 and "best SDPA (sdpa_dense_mask) fwd" in table
+    run |= {"best_sdpa_fwd": "sdpa_cudnn", "flex_over_best_sdpa_fwd": 0.7}
+    assert format_results(run, tmp_path).count("15.3") == 1  # another best: both rows shown
+    assert "0.700" in format_results(run, tmp_path)
+
+
+def test_timings_of_a_busy_machine_are_flagged(tmp_path):
+    from attngym.results import format_results
+
+    calm = {"status": "ok", "fwd_ms": 10.0, "fwd_ms_min": 9.5, "fwd_ms_max": 11.0}
+    assert "warning" not in format_results(calm, tmp_path)
+    busy = {**calm, "fwd_ms_max": 25.0}
+    assert "warning: the forward's timed calls spread 9.50-25.0 ms (2.6x)" in format_results(
+        busy, tmp_path
+    )

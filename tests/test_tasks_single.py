@@ -239,7 +239,30 @@ def test_peak_memory_is_reduced_over_the_ranks():
     assert into == {"peak": 12345} and len(asked) == 1 and asked[0] >= 0
     with phases.peak_memory(_recording_rank([]), into, "alone"):
         pass
-    assert into["alone"] >= 0  # world size 1: this process's own peak
+    assert into["alone"] is None or into["alone"] > 0  # world size 1: this process's own peak
+
+
+def test_a_cpu_block_that_does_not_grow_the_process_reports_no_peak(monkeypatch):
+    # A CPU process that already holds freed pages runs the block in them: its resident set
+    # does not grow, and 0 B would read as a measurement. It is None (empty) instead.
+    import contextlib
+
+    from attngym import device as device_mod
+
+    @contextlib.contextmanager
+    def grew_by(nbytes):
+        yield (result := {})
+        result["bytes"] = nbytes
+
+    into: dict = {}
+    monkeypatch.setattr(device_mod, "peak_memory", lambda device: grew_by(0))
+    with phases.peak_memory(_recording_rank([]), into, "peak"):
+        pass
+    assert into == {"peak": None}
+    monkeypatch.setattr(device_mod, "peak_memory", lambda device: grew_by(4096))
+    with phases.peak_memory(_recording_rank([]), into, "peak"):
+        pass
+    assert into == {"peak": 4096}
 
 
 @pytest.mark.parametrize(

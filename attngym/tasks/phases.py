@@ -127,7 +127,11 @@ def first_call(rank: Rank, call: Callable[[], Any] | None = None, *, backward: b
 @contextlib.contextmanager
 def peak_memory(rank: Rank, into: dict[str, Any], key: str) -> Iterator[None]:
     """into[key]: what the block adds to the memory live when it starts (peak_mem_bytes), the
-    largest over the ranks; the L2-flush buffer is allocated before, so it is not counted."""
+    largest over the ranks; the L2-flush buffer is allocated before, so it is not counted.
+
+    On a CPU the figure is the growth of the process's resident set: a process that already
+    holds freed pages (a sweep's later job, a contender after attngym) can run the block in
+    them without growing at all, and a 0 there is not a measurement: None (empty), not 0 B."""
     from attngym import bench
     from attngym import device as device_mod
 
@@ -137,7 +141,8 @@ def peak_memory(rank: Rank, into: dict[str, Any], key: str) -> Iterator[None]:
     with device_mod.peak_memory(rank.device) as peak:
         yield
         sync(rank.device)
-    into[key] = rank.max_over_ranks(peak["bytes"])
+    grown = rank.max_over_ranks(peak["bytes"])
+    into[key] = None if grown == 0 and rank.device.type == "cpu" else grown
 
 
 def time_passes(
