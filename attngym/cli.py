@@ -14,6 +14,7 @@ import sys
 
 import hydra
 
+from attngym import overrides
 from attngym.errors import ConfigError, Interrupted
 from attngym.job import _why_rerun, catch_interrupts, run_job  # noqa: F401
 from attngym.overrides import (  # noqa: F401  (the names other modules and scripts import)
@@ -41,6 +42,7 @@ def entry(argv: list[str] | None = None) -> None:
         from attngym import report
 
         raise SystemExit(report.main(argv[1:]))
+    overrides.typed_command_line[:] = argv
     try:
         argv = prepare_overrides(argv)
     except ConfigError as err:

@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from attngym import pictures
 from attngym.config import Settings
 from attngym.errors import ConfigError, Interrupted, RankFailure
-from attngym.overrides import CONF_DIR, as_typed, attngym_preset, run_name, to_plain
+from attngym.overrides import (
+    CONF_DIR,
+    as_typed,
+    attngym_preset,
+    resume_command,
+    run_name,
+    to_plain,
+)
 from attngym.results import format_results
 
 if TYPE_CHECKING:
@@ -290,8 +297,9 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
 
             summarize(job.sweep_dir)  # the jobs so far; on_multirun_end will not run
             log.error(
-                "stopping the sweep: after this failure the ranks may be out of step; run the "
-                "same command again to resume (jobs already ok are skipped)"
+                "stopping the sweep: after this failure the ranks may be out of step; resume "
+                "with (jobs already ok are skipped): %s",
+                resume_command(job.sweep_dir),
             )
             raise SystemExit(1)  # Hydra would go on to the next job after an Exception
         return metrics
@@ -344,6 +352,8 @@ def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> N
         print(f"attngym: error: {_one_line(err)}", file=sys.stderr, flush=True)
     where = job.sweep_dir if job.multirun else job.run_dir
     print(f"attngym: {stop}; what was measured is in {where}", file=sys.stderr, flush=True)
+    if job.multirun:
+        print(f"attngym: resume with: {resume_command(where)}", file=sys.stderr, flush=True)
     raise SystemExit(stop.exit_code)
 
 

@@ -214,6 +214,24 @@ def _search_path(overrides: Sequence[str]) -> list[Path]:
     return dirs
 
 
+# The command line as the user typed it (attngym.cli.entry sets it), for the resume command.
+typed_command_line: list[str] = []
+
+
+def resume_command(sweep_dir: str | Path) -> str:
+    """The command that resumes (or re-runs) a sweep into `sweep_dir`: the command line as
+    typed, with `hydra.sweep.dir` set to it (jobs already ok and complete are skipped)."""
+    import shlex
+    import sys
+
+    args = [a for a in typed_command_line if a.lstrip("+").partition("=")[0] != "hydra.sweep.dir"]
+    args.append(f"hydra.sweep.dir={sweep_dir}")
+    if "WORLD_SIZE" in os.environ:  # torchrun's own arguments are not ours to know
+        return f"the same torchrun command with these attngym arguments: {shlex.join(args)}"
+    program = ["attngym"] if Path(sys.argv[0]).name == "attngym" else ["python", "-m", "attngym"]
+    return shlex.join([*program, *args])
+
+
 # --------------------------------------------------------------------------------------------
 # Overrides
 

@@ -269,3 +269,20 @@ def test_one_length_sweep_draws_bars_and_many_lengths_draw_lines(tmp_path):
     bars = matplotlib.image.imread(str(tmp_path / "bars.png"))
     lines = matplotlib.image.imread(str(tmp_path / "lines.png"))
     assert bars.shape[0] > lines.shape[0]  # 20 bars stack taller than the line plot
+
+
+def test_a_failed_sweep_prints_the_command_that_resumes_it(tmp_path, attngym_cli):
+    import shlex
+
+    args = ["-m", "attention=sliding_window", "attention.window_size=8,-1"]
+    args += ["shape.seq_len=64", "logger=none", "benchmark.repeats=1", "validate_rows=16"]
+    first = attngym_cli(args, tmp_path)
+    assert first.returncode == 1
+    line = next(x for x in first.stderr.splitlines() if "run them again" in x)
+    command = line.split(" with: ", 1)[1]
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "attngym"] and words[3:-1] == args
+    assert words[-1].startswith("hydra.sweep.dir=multirun/")
+    again = attngym_cli(words[3:], tmp_path)  # the command as printed, pasted
+    assert again.returncode == 1
+    assert "already ok in" in again.stderr + again.stdout  # window_size=8 is not run again

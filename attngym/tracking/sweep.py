@@ -32,7 +32,7 @@ from typing import Any
 from attngym.errors import ConfigError
 from attngym.fileio import atomic_write, write_error
 from attngym.metrics import format_value, table_columns
-from attngym.overrides import as_typed
+from attngym.overrides import as_typed, resume_command
 from attngym.tracking.files import read_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
 
@@ -453,10 +453,13 @@ class SweepSummary(_callback_base()):
             len(failed),
             sweep_dir / "summary.md",
         )
+        again = resume_command(sweep_dir)
         if failed:  # the sweep's exit code tells: Hydra lets SystemExit through
             print(
-                f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md)",
+                f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md); "
+                f"run them again (the jobs already ok are skipped) with: {again}",
                 file=sys.stderr,
                 flush=True,
             )
             raise SystemExit(1)
+        log.info("the same command resumes or re-runs this sweep (ok jobs skipped): %s", again)

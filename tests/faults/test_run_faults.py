@@ -165,6 +165,8 @@ def test_sigterm_in_a_sweep_writes_the_summary_so_far_exit_143(tmp_path, attngym
     assert proc.returncode == 143, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert f"attngym: interrupted by SIGTERM; what was measured is in {folder}" in proc.stderr
+    resume = next(x for x in proc.stderr.splitlines() if x.startswith("attngym: resume with: "))
+    assert resume.endswith(f"hydra.sweep.dir={folder}") and "shape.seq_len=64,128,256" in resume
     rows = {row["job"]: row for row in sweep.collect(folder)}
     assert rows["0"]["status"] == "ok" and rows["1"]["status"] == "interrupted"
     assert rows["1"]["fwd_ms"] > 0 and "2" not in rows  # the sweep stopped at the signal
