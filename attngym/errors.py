@@ -10,10 +10,17 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
+# Words users type for a choice spelled otherwise: spelling alone would suggest gpu -> cpu.
+SYNONYMS = {"gpu": "cuda"}
+
 
 def closest(name: str, choices: Iterable[str]) -> str | None:
-    """The choice spelled most like `name`, or None when nothing is close."""
-    matches = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    """The choice `name` most likely means (a synonym, else the closest spelling), or None
+    when nothing is close."""
+    choices = list(choices)
+    if SYNONYMS.get(str(name).lower()) in choices:
+        return SYNONYMS[str(name).lower()]
+    matches = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.5)
     return matches[0] if matches else None
 
 

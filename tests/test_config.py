@@ -776,3 +776,12 @@ def test_every_topology_spec_fits_the_typed_topology():
     for kind, spec in specs.items():
         assert set(spec.options) <= set(fields), kind
         assert fields["layout"].default in spec.layouts, kind
+
+
+def test_device_gpu_suggests_cuda_not_cpu():
+    from attngym.overrides import prepare_overrides
+
+    with pytest.raises(ConfigError, match=r"did you mean 'cuda'\?"):
+        prepare_overrides(["device=gpu"])
+    with pytest.raises(ConfigError, match=r"did you mean 'cuda'\?"):
+        check_config({"attention": {"name": "causal"}, "device": {"name": "gpu"}})
