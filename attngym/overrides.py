@@ -71,6 +71,32 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("split", _split)
     if not OmegaConf.has_resolver("pid"):
         OmegaConf.register_new_resolver("pid", os.getpid)
+    if not OmegaConf.has_resolver("attention_options"):
+        OmegaConf.register_new_resolver("attention_options", attention_options)
+
+
+def attention_options() -> str:
+    """`--help`'s list of attention options, each with its parameters and their defaults as its
+    conf/attention/<name>.yaml states them (`${attention_options:}` in the help template)."""
+    import yaml
+
+    lines = []
+    for path in sorted((CONF_DIR / "attention").glob("*.yaml")):
+        entry = yaml.safe_load(path.read_text()) or {}
+        if "compose" in entry:
+            parts = [p.get("name", "?") for p in entry["compose"]]
+            params = f"{' + '.join(parts)}: " + "; ".join(
+                ", ".join(f"{k}={v}" for k, v in p.items() if k != "name") or p.get("name", "")
+                for p in entry["compose"]
+            )
+        else:
+            params = ", ".join(
+                f"{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"
+            )
+        lines.append(f"  {path.stem:<30} {params or '(no parameters)'}")
+    # Hydra fills the help template with string.Template: a default such as ${shape.seq_len}
+    # is shown as written, its `$` doubled.
+    return "\n".join(lines).replace("$", "$$")
 
 
 def _div(a: Any, b: Any) -> int:

@@ -7,6 +7,7 @@ the run is shared by the tests of this module (one Hydra subprocess costs severa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,10 @@ def test_help_lists_groups_and_cfg_prints_config(tmp_path, attngym_cli):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in ("== Config groups ==", "attention:", "gemma2", "topology:", "+experiment"):
         assert text in proc.stdout, text
+    # Every attention option with its parameters and their defaults, as its file states them.
+    assert re.search(r"^  sliding_window +window_size=256$", proc.stdout, re.M)
+    assert re.search(r"^  custom +mask_mod=null, mask_args=\{\}, score_mod=null", proc.stdout, re.M)
+    assert "prefix_length=${div:${shape.seq_len},4}" in proc.stdout
     proc = attngym_cli(["--cfg", "job", "attention=alibi", "shape.heads=8"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "num_heads: 8" in proc.stdout or "num_heads: ${shape.heads}" in proc.stdout
