@@ -33,6 +33,7 @@ from attngym.errors import ConfigError
 from attngym.fileio import atomic_write, write_error
 from attngym.metrics import format_value, table_columns
 from attngym.overrides import as_typed, resume_command
+from attngym.results import BUSY_SPREAD, timing_spread
 from attngym.tracking.files import read_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
 
@@ -174,6 +175,14 @@ def summary_text(rows: list[dict[str, Any]], *, max_width: int | None = None) ->
         settings = ", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items())
         lines += [f"Every job: {settings}", ""]
     lines.append(format_table(rows, columns, max_width=max_width))
+    busy = [str(row.get("job")) for row in rows if timing_spread(row) is not None]
+    if busy:
+        lines += [
+            "",
+            f"Warning: the forward's timed calls of job(s) {', '.join(busy)} spread more than "
+            f"{BUSY_SPREAD:g}x (max / min): the machine was busy with other work, so their "
+            "times are rough.",
+        ]
     return "\n".join(lines)
 
 
