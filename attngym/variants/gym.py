@@ -42,8 +42,9 @@ generate_tanh_softcap                          yes   gym_softcap
 generate_activation_score_mod                  yes   gym_activation: activation by import path
                                                      (the kernel's part; undo_softmax is after)
 generate_graphormer_spatial_bias               yes   gym_graphormer_spatial: a graph of
-                                                     seq_len nodes, a bias table
-generate_graphormer_edge_bias                  yes   gym_graphormer_edge: a graph, edge types
+                                                     seq_len nodes (packed rings), a bias table
+generate_graphormer_edge_bias                  yes   gym_graphormer_edge: the same graph with
+                                                     typed edges, a bias table
 generate_mla_rope_score_mod                    no    data-dependent: reads the RoPE parts of
                                                      each call's queries and keys (torch.dot,
                                                      which only FlexAttention's vmap runs)
@@ -176,13 +177,26 @@ def activation(
     return generate_activation_score_mod(fn, offset)
 
 
-def _ring_graph(num_nodes: int, device: Any) -> torch.Tensor:
-    """(1, N, N) adjacency of a ring: node i is joined to i - 1 and i + 1 (mod N)."""
-    nodes = torch.arange(num_nodes, device=device)
-    adjacency = torch.zeros(1, num_nodes, num_nodes, dtype=torch.bool, device=device)
-    adjacency[:, nodes, (nodes + 1) % num_nodes] = True
-    adjacency[:, (nodes + 1) % num_nodes, nodes] = True
-    return adjacency
+def _packed_rings(
+    num_nodes: int, graph_size: int, device: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One graph of num_nodes nodes made of rings of graph_size nodes (disconnected, as packed
+    molecules are): the (1, n, n) adjacency of one ring (node i joined to i +- 1 mod n), and the
+    (N, N) index grids that place a ring's (n, n) table on the diagonal blocks, with `same`, the
+    (N, N) pairs inside one ring. attention-gym's shortest paths then run on one small ring."""
+    if num_nodes % graph_size:
+        raise ValueError(
+            f"graph_size must divide num_nodes={num_nodes} (rings of graph_size nodes fill the "
+            f"sequence), got {graph_size!r}"
+        )
+    nodes = torch.arange(graph_size, device=device)
+    ring = torch.zeros(1, graph_size, graph_size, dtype=torch.bool, device=device)
+    ring[:, nodes, (nodes + 1) % graph_size] = True
+    ring[:, (nodes + 1) % graph_size, nodes] = True
+    pos = torch.arange(num_nodes, device=device)
+    same = (pos[:, None] // graph_size) == (pos[None, :] // graph_size)
+    local = pos % graph_size
+    return ring, same, (local[:, None], local[None, :])
 
 
 def _one_graph(score_mod: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -196,38 +210,47 @@ def _one_graph(score_mod: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
 
 
 def graphormer_spatial(
-    num_nodes: int, heads: int, max_distance: int = 4, device: Any = "cpu"
+    num_nodes: int, heads: int, graph_size: int = 32, max_distance: int = 4, device: Any = "cpu"
 ) -> Callable[..., torch.Tensor]:
-    """`generate_graphormer_spatial_bias(table, distances)` on a ring of num_nodes nodes (one
-    graph for every batch row), the bias of distance d at head h `-d * (h + 1) / heads` (a fixed
+    """`generate_graphormer_spatial_bias(table, distances)` on num_nodes nodes packed as rings
+    of graph_size nodes (nodes of different rings are unreachable: the last bucket), one graph
+    for every batch row; the bias of distance d at head h is `-d * (h + 1) / heads` (a fixed
     table where a model would learn one)."""
     from attn_gym.mods import generate_graphormer_spatial_bias, shortest_path_distances
 
-    distances = shortest_path_distances(_ring_graph(num_nodes, device), max_distance)
+    ring, same, (q_local, kv_local) = _packed_rings(num_nodes, graph_size, device)
+    ring_distances = shortest_path_distances(ring, max_distance)[0]  # (n, n)
+    distances = torch.where(same, ring_distances[q_local, kv_local], max_distance + 1)
     buckets = torch.arange(max_distance + 2, dtype=torch.float32, device=device)
     slopes = torch.arange(1, heads + 1, dtype=torch.float32, device=device) / heads
     table = -slopes[:, None] * buckets[None, :]  # (H, max_distance + 2)
-    return _one_graph(generate_graphormer_spatial_bias(table, distances))
+    return _one_graph(generate_graphormer_spatial_bias(table, distances.unsqueeze(0)))
 
 
 def graphormer_edge(
     num_nodes: int,
     heads: int,
+    graph_size: int = 32,
     max_path_len: int = 3,
     num_edge_types: int = 3,
     device: Any = "cpu",
 ) -> Callable[..., torch.Tensor]:
-    """`generate_graphormer_edge_bias(table, path_types, path_lengths)` on a ring of num_nodes
-    nodes whose edge (i, i + 1) has type i % num_edge_types (one graph for every batch row), the
+    """`generate_graphormer_edge_bias(table, path_types, path_lengths)` on num_nodes nodes
+    packed as rings of graph_size nodes whose edge (i, i + 1) has type i % num_edge_types
+    (nodes of different rings have no path: no edge bias), one graph for every batch row; the
     table seeded (a fixed table where a model would learn one)."""
     from attn_gym.mods import generate_graphormer_edge_bias, shortest_path_edge_types
 
-    adjacency = _ring_graph(num_nodes, device)
-    nodes = torch.arange(num_nodes, device=device)
+    ring, same, (q_local, kv_local) = _packed_rings(num_nodes, graph_size, device)
+    nodes = torch.arange(graph_size, device=device)
     edge_types = torch.minimum(nodes[:, None], nodes[None, :]) % num_edge_types
-    path_types, path_lengths = shortest_path_edge_types(
-        adjacency, edge_types.unsqueeze(0), max_path_len
-    )
+    ring_types, ring_lengths = shortest_path_edge_types(
+        ring, edge_types.unsqueeze(0), max_path_len
+    )  # (1, n, n, K), (1, n, n)
+    path_types = torch.where(same[..., None], ring_types[0][q_local, kv_local], 0)
+    path_lengths = torch.where(same, ring_lengths[0][q_local, kv_local], 0)
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(heads, max_path_len, num_edge_types, generator=gen).to(device)
-    return _one_graph(generate_graphormer_edge_bias(table, path_types, path_lengths))
+    return _one_graph(
+        generate_graphormer_edge_bias(table, path_types.unsqueeze(0), path_lengths.unsqueeze(0))
+    )
