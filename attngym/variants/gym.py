@@ -65,15 +65,16 @@ import torch
 CAUSAL = "attn_gym.masks.causal_mask"
 
 
-def _mask_mod(path: str, name: str) -> Callable[..., torch.Tensor]:
-    """The mask_mod an import path names (`package.module.name`), for a generator's inner mask."""
+def _function(path: str, name: str, what: str) -> Callable[..., torch.Tensor]:
+    """The function an import path (`package.module.name`) names: a generator's inner mask_mod
+    or activation; ValueError naming the argument otherwise."""
     module, _, attr = str(path).replace(":", ".").rpartition(".")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"{name} must be the import path of a mask_mod, got {path!r}") from None
+        raise ValueError(f"{name} must be the import path of {what}, got {path!r}") from None
     if not callable(fn):
-        raise ValueError(f"{name} must name a mask_mod, got {path!r} (a {type(fn).__name__})")
+        raise ValueError(f"{name} must name {what}, got {path!r} (a {type(fn).__name__})")
     return fn
 
 
@@ -92,7 +93,9 @@ def document(
     positions counted from the document's start."""
     from attn_gym.masks import generate_doc_mask_mod
 
-    return generate_doc_mask_mod(_mask_mod(inner, "inner"), _offsets(doc_lengths, device))
+    return generate_doc_mask_mod(
+        _function(inner, "inner", "a mask_mod"), _offsets(doc_lengths, device)
+    )
 
 
 def packed_document(doc_lengths: Sequence[int], device: Any = "cpu") -> Callable[..., torch.Tensor]:
@@ -125,7 +128,7 @@ def batchify(
     each at positions counted from the group's start."""
     from attn_gym.masks import batchify_mask_mod
 
-    return batchify_mask_mod(_mask_mod(inner, "inner"), batchify_size)
+    return batchify_mask_mod(_function(inner, "inner", "a mask_mod"), batchify_size)
 
 
 def global_sliding_window(
@@ -167,13 +170,7 @@ def activation(
     names (activation(s) + offset must stay positive)."""
     from attn_gym.mods import generate_activation_score_mod
 
-    module, _, attr = activation.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(
-            f"activation must be the import path of a function, got {activation!r}"
-        ) from None
+    fn = _function(activation, "activation", "a pointwise function")
     return generate_activation_score_mod(fn, offset)
 
 
