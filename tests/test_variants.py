@@ -55,6 +55,27 @@ def natten_keys(q: int, canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: i
     return {r * canvas_w + c for r in rows for c in cols}
 
 
+def shared_prefix_sees(q: int, kv: int, lengths: list[int], prefix_of: list[int]) -> bool:
+    """Causal inside q's own document; in a continuation, also every token of its prefix."""
+    docs = doc_of(lengths)
+    if docs[q] == docs[kv] and kv <= q:
+        return True
+    return prefix_of[docs[q]] != docs[q] and docs[kv] == prefix_of[docs[q]]
+
+
+def block_diffusion_sees(q: int, kv: int, clean: int, block: int) -> bool:
+    """BD3-LM: x_t = [0, clean), x_0 = [clean, 2 clean), blocks counted inside each half."""
+    q_noised, kv_noised = q < clean, kv < clean
+    q_block, kv_block = (q % clean) // block, (kv % clean) // block
+    if q_noised and kv_noised:
+        return q_block == kv_block  # its own noised block, both ways
+    if q_noised:
+        return kv_block < q_block  # clean tokens of earlier blocks only
+    if kv_noised:
+        return False  # clean tokens never see noised ones
+    return kv_block <= q_block  # block causal over x_0
+
+
 # name, params, definition in words as a predicate on (q, kv)
 MASK_CASES = [
     ("full", {}, lambda q, kv: True),
@@ -101,6 +122,26 @@ MASK_CASES = [
         {"canvas_w": 5, "canvas_h": 8, "kernel_w": 5, "kernel_h": 1},
         lambda q, kv: q // 5 == kv // 5,
     ),
+    (
+        "global_sliding_window",
+        {"window_size": 3, "global_tokens": [0, 21]},
+        lambda q, kv: abs(q - kv) <= 3 or q in (0, 21) or kv in (0, 21),
+    ),
+    (
+        "shared_prefix",
+        {"doc_lengths": [10, 4, 6, 8, 5, 7], "prefix_of": [0, 0, 0, 3, 3, 3]},
+        lambda q, kv: shared_prefix_sees(q, kv, [10, 4, 6, 8, 5, 7], [0, 0, 0, 3, 3, 3]),
+    ),
+    (
+        "shared_prefix",
+        {"doc_lengths": [15, 25], "prefix_of": [0, 1]},
+        lambda q, kv: doc_of([15, 25])[q] == doc_of([15, 25])[kv] and kv <= q,
+    ),
+    (
+        "block_diffusion",
+        {"clean_length": 20, "block_size": 6},
+        lambda q, kv: block_diffusion_sees(q, kv, 20, 6),
+    ),
 ]
 
 
@@ -126,6 +167,9 @@ def test_required_names_are_registered():
         "alibi",
         "softcap",
         "relative_position",
+        "global_sliding_window",
+        "shared_prefix",
+        "block_diffusion",
     }
     assert required <= set(names())
     assert names() == sorted(names())
@@ -336,6 +380,50 @@ def test_sdpa_flags():
     assert get("alibi", num_heads=2).sdpa is None
     assert compose(get("causal"), get("full")).sdpa == "causal"
     assert compose(get("causal"), get("softcap", soft_cap=5)).sdpa is None
+    assert get("shared_prefix", doc_lengths=[7], prefix_of=[0]).sdpa == "causal"
+    assert get("shared_prefix", doc_lengths=[3, 4], prefix_of=[0, 0]).sdpa is None
+    assert get("global_sliding_window", window_size=3, global_tokens=[0]).sdpa is None
+    assert get("block_diffusion", clean_length=8, block_size=4).sdpa is None
+
+
+def test_native_variants_know_their_length_and_move_their_buffers():
+    assert get("block_diffusion", clean_length=12, block_size=4).seq_len == 24
+    v = get("shared_prefix", doc_lengths=[3, 5, 2], prefix_of=[0, 0, 2])
+    assert v.seq_len == 10 and v.to("meta").device == torch.device("meta")
+    g = get("global_sliding_window", window_size=3, global_tokens=[0])
+    assert g.seq_len is None and g.to("meta").buffers["global_positions"].is_meta
+
+
+# attention-gym's generator of each native variant, called as attention-gym documents it.
+GYM_PARITY = [
+    (
+        "global_sliding_window",
+        {"window_size": 3, "global_tokens": [0, 21]},
+        lambda m, S: m.generate_global_sliding_window(
+            3, torch.isin(torch.arange(S), torch.tensor([0, 21]))
+        ),
+    ),
+    (
+        "shared_prefix",
+        {"doc_lengths": [10, 4, 6, 8, 5, 7], "prefix_of": [0, 0, 0, 3, 3, 3]},
+        lambda m, S: m.generate_shared_prefix_mask_mod(
+            torch.tensor([0, 10, 14, 20, 28, 33, 40]), torch.tensor([0, 0, 0, 3, 3, 3])
+        ),
+    ),
+    (
+        "block_diffusion",
+        {"clean_length": 20, "block_size": 6},
+        lambda m, S: m.generate_block_diffusion_mask(20, 6),
+    ),
+]
+
+
+@pytest.mark.parametrize("name, params, gym", GYM_PARITY, ids=[n for n, _, _ in GYM_PARITY])
+def test_native_variant_equals_attention_gyms_generator(name, params, gym):
+    masks = pytest.importorskip("attn_gym.masks", reason="attention-gym is not installed")
+    pos = torch.arange(S)
+    theirs = dense_mask(gym(masks, S), 1, 1, pos, pos)[0]
+    assert torch.equal(mask_of(get(name, **params)), theirs)
 
 
 def test_callback_names_encode_parameters():
@@ -390,6 +478,19 @@ REJECT = [
     ("softcap", {"soft_cap": float("inf")}, "soft_cap"),
     ("softcap", {"soft_cap": float("nan")}, "soft_cap"),
     ("softcap", {"soft_cap": "50"}, "soft_cap"),
+    ("global_sliding_window", {"window_size": 0, "global_tokens": [0]}, "window_size"),
+    ("global_sliding_window", {"window_size": 4, "global_tokens": []}, "global_tokens"),
+    ("global_sliding_window", {"window_size": 4, "global_tokens": [0, -3]}, r"global_tokens\[1\]"),
+    ("global_sliding_window", {"window_size": 4, "global_tokens": [2, 2]}, "distinct"),
+    ("global_sliding_window", {"window_size": 4, "global_tokens": 0}, "global_tokens"),
+    ("shared_prefix", {"doc_lengths": [4, 0], "prefix_of": [0, 0]}, r"doc_lengths\[1\]"),
+    ("shared_prefix", {"doc_lengths": [4, 4], "prefix_of": [0]}, "prefix_of"),
+    ("shared_prefix", {"doc_lengths": [4, 4], "prefix_of": [1, 1]}, r"prefix_of\[0\]"),
+    ("shared_prefix", {"doc_lengths": [4, 4, 4], "prefix_of": [0, 0, 1]}, r"prefix_of\[2\]"),
+    ("shared_prefix", {"doc_lengths": [4], "prefix_of": "0"}, "prefix_of"),
+    ("block_diffusion", {"clean_length": 0, "block_size": 1}, "clean_length"),
+    ("block_diffusion", {"clean_length": 8, "block_size": 0}, "block_size"),
+    ("block_diffusion", {"clean_length": 8, "block_size": 9}, "block_size"),
 ]
 
 ACCEPT = [
@@ -408,6 +509,12 @@ ACCEPT = [
     ("alibi", {"num_heads": 1}),
     ("softcap", {"soft_cap": 50}),
     ("softcap", {"soft_cap": 0.25}),
+    ("global_sliding_window", {"window_size": 1, "global_tokens": [0]}),
+    ("global_sliding_window", {"window_size": 4, "global_tokens": (7, 2)}),
+    ("shared_prefix", {"doc_lengths": [4], "prefix_of": [0]}),
+    ("shared_prefix", {"doc_lengths": [4, 4, 4], "prefix_of": [0, 0, 0]}),
+    ("block_diffusion", {"clean_length": 8, "block_size": 8}),
+    ("block_diffusion", {"clean_length": 1, "block_size": 1}),
 ]
 
 

@@ -6,12 +6,15 @@ so the catalogue never depends on which module a caller happened to import first
 
 from attngym.variants import (  # noqa: F401  (imported to register their factories)
     alibi,
+    block_diffusion,
     causal,
     chunked_causal,
     document,
+    global_sliding_window,
     natten,
     prefix_lm,
     relative_position,
+    shared_prefix,
     sinks,
     sliding_window,
     softcap,
