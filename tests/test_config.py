@@ -116,7 +116,10 @@ def test_every_experiment_composes(hydra_ctx, name):
         assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
         assert len(params) >= 1
     if name == "variant_gallery":
-        listed = [v.strip() for v in params.attention.split(",")]
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        pattern = OverridesParser.create().parse_override(f"attention={params.attention}")
+        listed = pattern.value().filter(options("attention"))
         # Every catalogue option; your own (custom) and attention-gym's have gym_gallery.
         catalogue = [o for o in options("attention") if o != "custom" and not o.startswith("gym_")]
         assert sorted(listed) == catalogue

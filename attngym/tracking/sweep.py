@@ -329,8 +329,14 @@ def count_jobs(config: Any) -> int | None:
 
         total = 1
         grid = grid_overrides(config, typed=False)
+        from hydra.core.override_parser.types import Glob
+
+        from attngym.overrides import _options
+
         for override in OverridesParser.create().parse_overrides(grid):
-            if override.is_sweep_override():
+            if isinstance(override.value(), Glob):  # group options by pattern (the gallery)
+                total *= len(override.value().filter(_options(override.key_or_group)))
+            elif override.is_sweep_override():
                 total *= len(list(override.sweep_string_iterator()))
         return total
     except Exception:  # counting is for the progress line only
