@@ -45,6 +45,12 @@ def catalogue_case(name: str, seq_len: int) -> Variant:
         "alibi": {"num_heads": H},
         "softcap": {"soft_cap": 0.8},
         "relative_position": {},
+        "global_sliding_window": {"window_size": 37, "global_tokens": [0, 101]},
+        "shared_prefix": {
+            "doc_lengths": [61, 23, seq_len - 140, 56],
+            "prefix_of": [0, 0, 0, 3],
+        },
+        "block_diffusion": {"clean_length": seq_len // 2, "block_size": 48},
     }
     if name not in params:
         raise KeyError(f"no GPU test case for variant {name!r}: add one to catalogue_case")
