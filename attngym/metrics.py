@@ -150,7 +150,14 @@ METRICS: tuple[Metric, ...] = (
         shown="run",
     ),
     # Timings of flex (attngym.bench.time_fn): warm-up calls, then the median of the repeats.
-    M("fwd_ms", "fwd (ms)", "ms", "forward time, median over benchmark.repeats", shown="run"),
+    M(
+        "fwd_ms",
+        "fwd (ms)",
+        "ms",
+        "forward time, median over benchmark.repeats; with autograd recording when the run "
+        "times a backward (as training runs it), under no_grad otherwise (tasks.phases)",
+        shown="run",
+    ),
     M("fwd_ms_min", "fwd min (ms)", "ms", "the fastest forward of the repeats"),
     M("fwd_ms_max", "fwd max (ms)", "ms", "the slowest forward of the repeats"),
     M("bwd_ms", "bwd (ms)", "ms", "backward alone, median", shown="run"),

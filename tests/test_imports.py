@@ -17,6 +17,7 @@ HEAVY = (
     "hydra",
     "omegaconf",
     "torch.distributed._symmetric_memory",
+    "attn_gym",  # named by path in a config (gym_* options), imported by the run that uses it
 )
 LIBRARY = (
     "attngym",
@@ -33,6 +34,7 @@ LIBRARY = (
     "attngym.progress",
     "attngym.validation",
     "attngym.metrics",
+    "attngym.results",
     "attngym.inputs",
     "attngym.estimate",
     "attngym.fileio",
