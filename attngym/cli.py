@@ -16,19 +16,8 @@ import hydra
 
 from attngym import overrides
 from attngym.errors import ConfigError, Interrupted
-from attngym.job import _why_rerun, catch_interrupts, run_job  # noqa: F401
-from attngym.overrides import (  # noqa: F401  (the names other modules and scripts import)
-    CONF_DIR,
-    CONF_PACKAGE,
-    _div,
-    _group_dirs,
-    _options,
-    _split,
-    prepare_overrides,
-    register_resolvers,
-    to_plain,
-)
-from attngym.results import CPU_EFFICIENCY_NOTE, format_results  # noqa: F401
+from attngym.job import catch_interrupts, run_job
+from attngym.overrides import CONF_PACKAGE, prepare_overrides, register_resolvers
 
 main = hydra.main(config_path=f"pkg://{CONF_PACKAGE}", config_name="config", version_base="1.3")(
     run_job

@@ -724,7 +724,7 @@ def check_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     filled in.
 
     Args:
-        cfg: the composed config as a nested mapping (attngym.cli.to_plain of Hydra's config).
+        cfg: the composed config as a nested mapping (attngym.overrides.to_plain of Hydra's config).
 
     Raises:
         ConfigError: the first bad value, named by its dotted key.
@@ -881,7 +881,7 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
     """Check the config, resolve `auto` values on this machine, return the run's Settings.
 
     Args:
-        cfg: the composed config as a nested mapping (attngym.cli.to_plain of Hydra's config).
+        cfg: the composed config as a nested mapping (attngym.overrides.to_plain of Hydra's config).
 
     Raises:
         ConfigError: a bad value (see check_config) or one this machine cannot run.

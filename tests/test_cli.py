@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from attngym.cli import prepare_overrides
 from attngym.errors import ConfigError
+from attngym.overrides import prepare_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -205,7 +205,7 @@ def test_prepare_overrides_forces_open_keys():
 def test_forced_kernel_option_composes_from_null_and_sweeps_keep_mappings():
     from hydra import compose, initialize_config_dir
 
-    from attngym.cli import CONF_DIR
+    from attngym.overrides import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=prepare_overrides(["kernel_options.BACKEND=FLASH"]))

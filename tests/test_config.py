@@ -15,9 +15,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from attngym import registry
-from attngym.cli import register_resolvers
 from attngym.config import check_config, from_config
 from attngym.errors import ConfigError
+from attngym.overrides import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("attention", "device", "block_size", "topology", "profiler", "logger")
@@ -347,7 +347,7 @@ def test_from_config_resolves_auto(hydra_ctx):
 
 
 def test_resolvers():
-    from attngym.cli import _div, _split
+    from attngym.overrides import _div, _split
 
     assert _split(1000, [0.4, 0.1, 0.3, 0.2]) == [400, 100, 300, 200]
     assert sum(_split(1021, [1, 1, 1])) == 1021

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from attngym import cli
+from attngym import overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,16 +33,16 @@ def test_pyproject_lists_every_package_under_attngym():
 def test_conf_is_installed_as_attngym_conf():
     table = _setuptools_table()
     assert table["package-dir"] == {"attngym.conf": "conf"}
-    installed = {p.relative_to(cli.CONF_DIR) for p in cli.CONF_DIR.rglob("*.yaml")}
+    installed = {p.relative_to(overrides.CONF_DIR) for p in overrides.CONF_DIR.rglob("*.yaml")}
     in_repo = {p.relative_to(ROOT / "conf") for p in (ROOT / "conf").rglob("*.yaml")}
     assert installed == in_repo and Path("attention/causal.yaml") in installed
 
 
 def test_group_listing_and_hydra_read_the_same_package():
-    groups = cli._group_dirs()
+    groups = overrides._group_dirs()
     assert {"attention", "topology", "logger"} <= groups
     assert not any(g.startswith("_") for g in groups)  # conf/__pycache__ is no group
-    with initialize_config_module(cli.CONF_PACKAGE, version_base="1.3"):
+    with initialize_config_module(overrides.CONF_PACKAGE, version_base="1.3"):
         cfg = compose("config", overrides=["attention=sliding_window"])
     assert cfg.attention.window_size > 0
-    assert "sliding_window" in cli._options("attention")
+    assert "sliding_window" in overrides._options("attention")

@@ -346,24 +346,16 @@ class _Recipe:
     key: str
 
     def build(self, device: Any) -> tuple[Any, Any]:
-        mask = score = None
-        if self.mask_mod is not None:
-            mask = callback(
-                self.mask_mod,
-                self.mask_args,
-                kind="mask_mod",
-                key=f"{self.key}.mask_mod",
-                device=device,
+        """(score_mod, mask_mod) built for `device` (None where the entry has none)."""
+        built = {
+            kind: callback(path, args, kind=kind, key=f"{self.key}.{kind}", device=device)
+            for kind, path, args in (
+                ("score_mod", self.score_mod, self.score_args),
+                ("mask_mod", self.mask_mod, self.mask_args),
             )
-        if self.score_mod is not None:
-            score = callback(
-                self.score_mod,
-                self.score_args,
-                kind="score_mod",
-                key=f"{self.key}.score_mod",
-                device=device,
-            )
-        return score, mask
+            if path is not None
+        }
+        return built.get("score_mod"), built.get("mask_mod")
 
 
 # Names a closure often has that say nothing of the variant: the factory's name says more.

@@ -65,8 +65,8 @@ def compose_entries(seq_len: int = S, heads: int = HEADS) -> dict[str, dict[str,
     32 tokens). Cached: composing costs about half a second an option on a 2-core CPU."""
     from hydra import compose, initialize_config_dir
 
-    from attngym.cli import register_resolvers
     from attngym.config import check_config
+    from attngym.overrides import register_resolvers
 
     register_resolvers()
     entries = {}

@@ -121,27 +121,27 @@ def test_a_job_killed_between_metrics_json_and_its_pictures_runs_again_on_resume
 
 
 def test_resume_reruns_a_job_with_a_bad_status_flag_or_picture(tmp_path):
-    from attngym import cli
+    from attngym import job
     from attngym.tracking import write_metrics
 
     overrides = ["shape.seq_len=64"]
     ok = {"status": "ok", "complete": True, "overrides": overrides}
     write_metrics(tmp_path, ok)
-    assert cli._why_rerun(tmp_path, overrides) == "its heatmap.png is missing or empty"
+    assert job._why_rerun(tmp_path, overrides) == "its heatmap.png is missing or empty"
     (tmp_path / "heatmap.png").write_bytes(b"png")
     (tmp_path / "block_mask.png").write_bytes(b"")
-    assert cli._why_rerun(tmp_path, overrides) == "its block_mask.png is missing or empty"
+    assert job._why_rerun(tmp_path, overrides) == "its block_mask.png is missing or empty"
     (tmp_path / "block_mask.png").write_bytes(b"png")
-    assert cli._why_rerun(tmp_path, overrides) is None
+    assert job._why_rerun(tmp_path, overrides) is None
     assert (
-        cli._why_rerun(tmp_path, ["shape.seq_len=128"]) == "its metrics.json is of other overrides"
+        job._why_rerun(tmp_path, ["shape.seq_len=128"]) == "its metrics.json is of other overrides"
     )
     write_metrics(tmp_path, {**ok, "complete": False})
-    assert "stopped after metrics.json" in cli._why_rerun(tmp_path, overrides)
+    assert "stopped after metrics.json" in job._why_rerun(tmp_path, overrides)
     write_metrics(tmp_path, {**ok, "status": "interrupted", "error": "SIGTERM"})
-    assert cli._why_rerun(tmp_path, overrides) == "it ended interrupted: SIGTERM"
+    assert job._why_rerun(tmp_path, overrides) == "it ended interrupted: SIGTERM"
     (tmp_path / "metrics.json").unlink()
-    assert cli._why_rerun(tmp_path, overrides) == ""
+    assert job._why_rerun(tmp_path, overrides) == ""
 
 
 def test_sigint_keeps_what_was_measured_one_line_exit_130(tmp_path, attngym_cli):
