@@ -62,9 +62,12 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
         assert metrics["pairs_skipped"] > 0  # causal: some (q chunk, kv chunk) pairs are empty
     assert metrics["efficiency"] > 0 and metrics["single_fwd_ms"] > 0
     assert metrics["efficiency_fwd_bwd"] > 0 and metrics["single_fwd_bwd_ms"] > 0
-    # CPU peak memory is what the timed region adds to the process's resident set: it can be 0
-    # when the allocator reuses freed pages, so only its presence is checked here (> 0 on GPUs).
-    assert metrics["peak_mem_bytes"] >= 0 and metrics["load_imbalance"] >= 1.0
+    # CPU peak memory is what the timed region adds to the process's resident set: none grows
+    # when the allocator reuses freed pages, and that is recorded as not measured (None), never
+    # as 0 B (> 0 on GPUs).
+    for key in ("peak_mem_bytes", "torch_cp_peak_mem_bytes"):
+        assert metrics[key] is None or metrics[key] > 0, key
+    assert metrics["load_imbalance"] >= 1.0
     # PyTorch's own CP ran on the same shards (the presets list it): its forward agrees with
     # attngym's on the validated rows (both float32 over the same blocks: ~1e-7 measured), its
     # backward is recorded as missing on CPU.
@@ -72,7 +75,7 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     assert metrics["torch_cp_err_out_rel"] < 1e-5
     assert metrics["torch_cp_bwd_status"] == NO_CPU_BWD
     assert metrics["torch_cp_fwd_ms"] > 0 and metrics["attngym_over_torch_cp_fwd"] > 0
-    assert metrics["torch_cp_peak_mem_bytes"] >= 0 and "torch_cp_fwd_bwd_ms" not in metrics
+    assert "torch_cp_fwd_bwd_ms" not in metrics
     for name in ("heatmap.png", "block_mask.png", "rank1.log"):
         assert (run_dir / name).stat().st_size > 0, name
     assert "efficiency" in proc.stdout and "transport" in proc.stdout
