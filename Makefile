@@ -36,7 +36,7 @@ format: setup
 	$(PY) -m ruff check --fix attngym tests scripts experiments
 
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 $(ARGS)
 
 # Build the wheel, install it into a fresh venv and run it from outside the repository (CI).
 wheel-check: setup

@@ -360,7 +360,7 @@ def test_a_config_dir_adds_its_options(tmp_path, attngym_cli):
     assert proc.stderr.startswith("attngym: error: attention:") and "'mine'" in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--run", "-r", "--multirun"])
+@pytest.mark.parametrize("flag", ["--run", "--multirun"])  # -r is --run's short form
 def test_run_and_multirun_flags_run(tmp_path, attngym_cli, flag):
     folder = "hydra.sweep.dir" if flag == "--multirun" else "hydra.run.dir"
     args = [flag, *SMALL, "baselines=[]", "logger=none", f"{folder}={tmp_path / 'out'}"]

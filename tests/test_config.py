@@ -89,15 +89,39 @@ def test_attention_params_follow_the_shape(hydra_ctx):
     assert cfg.attention.prefix_length == 512
 
 
-def test_gemma2_is_composed(hydra_ctx):
+def test_gemma2_is_a_catalogue_name_and_the_same_as_its_composition(hydra_ctx):
     cfg = make(["attention=gemma2"])
-    assert [c.name for c in cfg.attention.compose] == ["sliding_window", "softcap"]
-    assert cfg.attention.compose[1].soft_cap == 50.0
+    assert (cfg.attention.window_size, cfg.attention.soft_cap) == (256, 50.0)
     from attngym.variants.spec import build_variant
 
     variant = build_variant(OmegaConf.to_container(cfg.attention), seq_len=1024)
-    assert variant.name == "gemma2"
-    assert variant.mask_mod is not None and variant.score_mod is not None
+    composed = build_variant(
+        {
+            "name": "gemma2",
+            "compose": [
+                {"name": "sliding_window", "window_size": 256},
+                {"name": "softcap", "soft_cap": 50.0},
+            ],
+        }
+    )
+    assert variant.name == composed.name == "gemma2"
+    pos = torch.arange(512)
+    b = torch.zeros((), dtype=torch.int64)
+    q, k = pos.view(-1, 1), pos.view(1, -1)
+    assert torch.equal(variant.mask_mod(b, b, q, k), composed.mask_mod(b, b, q, k))
+    score = torch.linspace(-200, 200, 41)
+    torch.testing.assert_close(
+        variant.score_mod(score, b, b, b, b), composed.score_mod(score, b, b, b, b)
+    )
+
+
+def test_attention_options_and_names_are_one_list():
+    # Every catalogue name is an option (conf/attention/<name>.yaml) and every option that is
+    # not your own (custom) nor attention-gym's (gym_*) is a catalogue name.
+    from attngym.variants.spec import names
+
+    catalogue = [o for o in options("attention") if not o.startswith("gym_")]
+    assert catalogue == names()
 
 
 def test_block_sizes(hydra_ctx):
@@ -239,9 +263,9 @@ CASES = [
         ["attention=natten", "attention.canvas_w=16"],
     ),
     (
-        ["attention=gemma2", "attention.compose.1.soft_cap=-1.0"],
-        "attention.compose.1.soft_cap",
-        ["attention=gemma2", "attention.compose.1.soft_cap=30.0"],
+        ["attention=gemma2", "attention.soft_cap=-1.0"],
+        "attention.soft_cap",
+        ["attention=gemma2", "attention.soft_cap=30.0"],
     ),
     (
         ["attention=alibi", "shape.heads=8", "attention.num_heads=4"],

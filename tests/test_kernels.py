@@ -46,6 +46,7 @@ def catalogue_case(name: str, seq_len: int) -> Variant:
         "alibi": {"num_heads": H},
         "softcap": {"soft_cap": 0.8},
         "relative_position": {},
+        "gemma2": {"window_size": 13, "soft_cap": 0.8},
         "global_sliding_window": {"window_size": 13, "global_tokens": [0, 41]},
         "shared_prefix": {
             "doc_lengths": [23, 11, seq_len - 60, 26],

@@ -45,6 +45,7 @@ def catalogue_case(name: str, seq_len: int) -> Variant:
         "alibi": {"num_heads": H},
         "softcap": {"soft_cap": 0.8},
         "relative_position": {},
+        "gemma2": {"window_size": 37, "soft_cap": 0.8},
         "global_sliding_window": {"window_size": 37, "global_tokens": [0, 101]},
         "shared_prefix": {
             "doc_lengths": [61, 23, seq_len - 140, 56],

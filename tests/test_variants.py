@@ -170,6 +170,7 @@ def test_required_names_are_registered():
         "global_sliding_window",
         "shared_prefix",
         "block_diffusion",
+        "gemma2",
     }
     assert required <= set(names())
     assert names() == sorted(names())
@@ -267,6 +268,14 @@ def test_softcap_matches_formula(score):
     want = loop_scores(score, lambda s, h, q, kv: 3.0 * math.tanh(s / 3.0))
     torch.testing.assert_close(apply_score_mod(v, score), want, rtol=1e-14, atol=1e-14)
     assert apply_score_mod(v, score * 100).abs().max() <= 3.0
+
+
+def test_gemma2_is_a_window_with_capped_scores(score):
+    v = get("gemma2", window_size=5, soft_cap=3.0)
+    assert torch.equal(mask_of(v), loop_mask(lambda q, kv: 0 <= q - kv <= 5))
+    want = loop_scores(score, lambda s, h, q, kv: 3.0 * math.tanh(s / 3.0))
+    torch.testing.assert_close(apply_score_mod(v, score), want, rtol=1e-14, atol=1e-14)
+    assert v.params == {"window_size": 5, "soft_cap": 3.0}
 
 
 def test_relative_position_matches_formula(score):

@@ -486,6 +486,7 @@ ZOOM_PARAMS = {
     "dilated_sliding_window": {"window_size": 256, "dilation": 2},
     "document": {"doc_lengths": [400, 300, 324]},
     "full": {},
+    "gemma2": {"window_size": 128, "soft_cap": 50.0},
     "global_sliding_window": {"window_size": 64, "global_tokens": [0, 500]},
     "natten": {"canvas_w": 32, "canvas_h": 32, "kernel_w": 7, "kernel_h": 7},
     "prefix_lm": {"prefix_length": 300},

@@ -12,6 +12,7 @@ PARAMS = {
     "dilated_sliding_window": {"window_size": 8, "dilation": 2},
     "document": {"doc_lengths": [10, 14, 8]},
     "full": {},
+    "gemma2": {"window_size": 6, "soft_cap": 5.0},
     "global_sliding_window": {"window_size": 3, "global_tokens": [0, 17]},
     "natten": {"canvas_w": 8, "canvas_h": 4, "kernel_w": 3, "kernel_h": 3},
     "prefix_lm": {"prefix_length": 7},
