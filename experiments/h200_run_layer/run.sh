@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# One call: the refactored run layer and CP task on one H200, custom and attention-gym variants on
-# CUDA, and the wall time of the default run (first and second run in fresh processes).
+# The refactored run layer and CP task on one H200, custom and attention-gym variants on CUDA, and
+# the wall time of the default run (first and second run in fresh processes).
+#   bash experiments/h200_run_layer/run.sh [OUT_DIR]    (from the repository root)
+# On a machine without network, wheels of Hydra, OmegaConf, wandb and attn-gym go in .whl/ first.
 set -u
+OUT=${1:-${OUT:-/tmp/attngym_h200_run_layer}}
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD
-ln -sfn "$PWD/conf" attngym/conf  # what an install maps (package-dir): attngym.conf
+# Without an install of attngym, conf/ as the package attngym.conf (what pip's package-dir maps).
+python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
 mkdir -p /tmp/w && cp experiments/h200_run_layer/mymasks.py /tmp/w/
 AG="python3 -m attngym logger=none"
 t() { local name=$1; shift; local s=$(date +%s.%N); ( cd /tmp/w && timeout 240 $AG "$@" > $OUT/$name.log 2>&1 ); local rc=$?; echo "$name rc=$rc wall_s=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" | tee -a $OUT/summary.txt; grep -E "validation|fwd \(ms\)|fwd\+bwd \(ms\)|speed-up|efficiency|torch_cp  |error" $OUT/$name.log | head -12 >> $OUT/summary.txt; }
