@@ -35,8 +35,15 @@ format: setup
 	$(PY) -m ruff format attngym tests scripts experiments
 	$(PY) -m ruff check --fix attngym tests scripts experiments
 
+# The suite on two pytest-xdist workers, then the fault-injection tests (tests/faults: stopped
+# and killed ranks, timeouts of a few seconds) alone, so no other work delays their clocks.
 test: lint
-	$(PY) -m pytest -q -n 2 $(ARGS)
+ifeq ($(strip $(ARGS)),)
+	$(PY) -m pytest -q -n 2 --ignore=tests/faults
+	$(PY) -m pytest -q tests/faults
+else
+	$(PY) -m pytest -q $(ARGS)
+endif
 
 # Build the wheel, install it into a fresh venv and run it from outside the repository (CI).
 wheel-check: setup
