@@ -12,9 +12,9 @@ returns the run's metrics.json as a dict, so a notebook needs no Hydra of its ow
 Callables given as objects reach the run by an import path: a function defined at the top of an
 importable module by its own (`mymasks:checkerboard`), anything else (a lambda, a closure a
 factory returned, a function of a notebook cell) through a module this process keeps,
-`attngym.api.objects`. Context-parallel ranks start as new processes and rebuild the variant by
-its import path, so there only the first kind can travel: the others are refused, naming the key
-and what to do instead.
+`attngym.variants.custom.objects`. Context-parallel ranks start as new processes and rebuild the
+variant by its import path, so there only the first kind can travel: the CP task refuses the
+others before it starts a rank, naming the key and what to do instead.
 """
 
 from __future__ import annotations
@@ -25,16 +25,15 @@ import importlib
 import os
 import signal
 import sys
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from attngym.errors import ConfigError
+from attngym.variants import custom
 
 # The module through which in-process objects are found by path (attngym.variants.custom).
-objects = types.ModuleType("attngym.api.objects", "callables handed to attngym.run")
-sys.modules[objects.__name__] = objects
+objects = custom.objects
 
 
 def _own_path(fn: Any) -> str | None:
@@ -54,7 +53,7 @@ def _own_path(fn: Any) -> str | None:
     return None
 
 
-def _path_of(fn: Any, kind: str, spawned: bool) -> str:
+def _path_of(fn: Any, kind: str) -> str:
     """The import path the config gets for `fn` (a path string passes as it is)."""
     if isinstance(fn, str):
         return fn
@@ -65,15 +64,6 @@ def _path_of(fn: Any, kind: str, spawned: bool) -> str:
     own = _own_path(fn)
     if own is not None:
         return own
-    if spawned:
-        raise ConfigError(
-            f"attention.{kind}",
-            f"{getattr(fn, '__qualname__', fn)!r} lives only in this process, and "
-            "context-parallel ranks start as new processes that import the variant by path: "
-            "define it at the top of a module (mymasks.py) and pass its path "
-            f"({kind}='mymasks.NAME'), or pass its factory's path and {kind.replace('_mod', '')}"
-            "_args",
-        )
     name = f"{kind}_{len(vars(objects))}"
     setattr(objects, name, fn)
     return f"{objects.__name__}:{name}"
@@ -92,14 +82,6 @@ def _value(value: Any) -> str:
     if isinstance(value, Sequence):
         return "[" + ",".join(_value(v) for v in value) + "]"
     return repr(value)
-
-
-def _spawns_ranks(overrides: Sequence[str]) -> bool:
-    """Whether the overrides pick a context-parallel topology (its ranks are new processes)."""
-    kinds = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("topology=")]
-    kinds += [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("topology.kind=")]
-    preset = any(o.lstrip("+").startswith("experiment=") for o in overrides)
-    return preset or any(k.strip("'\"") != "single" for k in kinds)
 
 
 @contextlib.contextmanager
@@ -153,7 +135,6 @@ def run(
     overrides = [str(o) for o in overrides]
     if any(o in ("-m", "--multirun") for o in overrides):
         raise ConfigError("overrides", "attngym.run runs one experiment; sweep with attngym -m")
-    spawned = _spawns_ranks(overrides)
     extra: list[str] = []
     if variant is not None:
         if mask_mod is not None or score_mod is not None:
@@ -167,7 +148,7 @@ def run(
         extra.insert(0, "attention=custom")
         for kind, fn, args in (("mask", mask_mod, mask_args), ("score", score_mod, score_args)):
             if fn is not None:
-                extra.append(f"attention.{kind}_mod={_value(_path_of(fn, f'{kind}_mod', spawned))}")
+                extra.append(f"attention.{kind}_mod={_value(_path_of(fn, f'{kind}_mod'))}")
             for key, value in (args or {}).items():
                 extra.append(f"attention.{kind}_args.{key}={_value(value)}")
     if run_dir is None:

@@ -74,6 +74,7 @@ from attngym import kernels, registry
 from attngym.config import Settings
 from attngym.device import sync
 from attngym.distributed.keepalive import rank0_work
+from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
 from attngym.tasks import phases
@@ -111,7 +112,16 @@ def check_hardware(settings: Settings) -> None:
     size taken from the NVLink domains, are judged on the ranks.
     """
     from attngym.distributed.transport import check_transport
+    from attngym.variants import custom
 
+    in_process = custom.in_this_process_only(settings.attention)
+    if in_process is not None:  # the ranks rebuild the variant by import path
+        raise ConfigError(
+            in_process,
+            "the callable lives only in this process, and context-parallel ranks start as new "
+            "processes that import the variant by path: define it at the top of a module "
+            "(mymasks.py) and pass its path (mymasks.NAME), or pass its factory's path and args",
+        )
     shape, topo = settings.shape, settings.topology
     _spec(topo.kind).check(
         heads=shape.heads,

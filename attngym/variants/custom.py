@@ -48,6 +48,10 @@ from attngym.errors import ConfigError, closest
 from attngym.variants.base import Variant
 
 NAME = "custom"
+# Callables handed over as objects in this process (attngym.run: a lambda, a closure, a function
+# of a notebook cell) are found by path in this module; no other process has them.
+objects = types.ModuleType(f"{__name__}.objects", "callables handed over in this process")
+sys.modules[objects.__name__] = objects
 # The callbacks' positional arguments, in FlexAttention's order.
 ARGUMENTS = {
     "mask_mod": ("b", "h", "q_idx", "kv_idx"),
@@ -131,6 +135,23 @@ def resolve(path: Any, *, key: str) -> Any:
             raise ConfigError(key, f"{path!r}: {where} has no {attr!r}{suffix}")
         obj = getattr(obj, attr)
     return obj
+
+
+def in_this_process_only(entry: Any, key: str = "attention") -> str | None:
+    """The dotted key of the first callback path of an attention entry (compose entries too)
+    that names an object of `objects`, which a new process (a context-parallel rank) cannot
+    import; None when every path can be imported anywhere."""
+    if not isinstance(entry, Mapping):
+        return None
+    for kind in ("mask_mod", "score_mod"):
+        path = entry.get(kind)
+        if isinstance(path, str) and path.startswith(objects.__name__):
+            return f"{key}.{kind}"
+    for i, part in enumerate(entry.get("compose") or ()):
+        found = in_this_process_only(part, f"{key}.compose.{i}")
+        if found:
+            return found
+    return None
 
 
 def _positional(fn: Callable[..., Any]) -> tuple[int, int] | None:
