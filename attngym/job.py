@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from attngym import pictures
+from attngym import pictures, timeline
 from attngym.config import Settings
 from attngym.errors import ConfigError, Interrupted, RankFailure
 from attngym.overrides import (
@@ -141,6 +141,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     """
     from attngym.tracking.lock import FolderLock, FolderLocked
 
+    timeline.begin(_job_start())
     job = _job()
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
         if job.multirun and _why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
@@ -156,6 +157,20 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         return _run_locked(cfg, job)
     finally:
         lock.release()
+        timeline.end()
+
+
+_process_started = False
+
+
+def _job_start() -> float | None:
+    """Where a job's wall time starts: the process's start for the first job of a process (its
+    imports and Hydra's composition count, as the user waits for them), now for later ones."""
+    global _process_started
+    if _process_started:
+        return None
+    _process_started = True
+    return timeline.process_start()
 
 
 def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
@@ -177,8 +192,12 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             _write_metrics(job, metrics, complete=False)
             if settings is not None:  # it ran; a failed run draws nothing more
                 ok = metrics["status"] == "ok"
-                images = pictures.draw_pictures(settings, job.run_dir) if ok else {}
-                _track(cfg, job, settings, metrics, images)
+                with timeline.phase("pictures"):
+                    images = pictures.draw_pictures(settings, job.run_dir) if ok else {}
+                metrics.update(_run_time())  # the tracker's summary has them, less its own time
+                with timeline.phase("tracker"):
+                    _track(cfg, job, settings, metrics, images)
+            metrics.update(_run_time())
             _write_metrics(job, metrics, complete=True)
         except OSError as err:  # a full disk, a symlink where a file goes
             failure = _unwritten(job, metrics, err)
@@ -198,9 +217,10 @@ def _check_and_run(
 
     settings = None
     try:
-        settings = from_config(to_plain(cfg))
-        preset = attngym_preset(job.preset)
-        check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
+        with timeline.phase("config"):
+            settings = from_config(to_plain(cfg))
+            preset = attngym_preset(job.preset)
+            check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
         metrics.update(_run_task(settings, job.run_dir, metrics))
     except Exception as err:
         metrics["error"] = (
@@ -227,6 +247,12 @@ def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dic
     return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
 
 
+def _run_time() -> dict[str, Any]:
+    """wall_s, the phases' seconds and the compile counts so far (attngym.timeline)."""
+    current = timeline.current()
+    return {} if current is None else current.metrics()
+
+
 def _verdict(metrics: dict[str, Any]) -> dict[str, Any]:
     """status and error of a run that ran: a failed validation fails it. The task returns every
     number; metrics.json keeps both the numbers and the verdict."""
@@ -246,7 +272,8 @@ def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None
     metrics["overrides"] = job.overrides
     if not complete and (unknown := unknown_keys(metrics)):
         log.warning("metrics without a row in attngym.metrics.METRICS: %s", ", ".join(unknown))
-    write_metrics(job.run_dir, {**metrics, "complete": complete})
+    with timeline.phase("files"):
+        write_metrics(job.run_dir, {**metrics, "complete": complete})
 
 
 def _track(
@@ -291,7 +318,13 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
     the results table, then the failure raised, or exit code 1 for a failed validation.
     """
     if job.multirun:
-        log.info("job %s %s: %s", job.num, " ".join(job.overrides), metrics["status"])
+        log.info(
+            "job %s %s: %s (%s)",
+            job.num,
+            " ".join(job.overrides),
+            metrics["status"],
+            timeline.largest(metrics),
+        )
         if failure is not None and _stop_sweep_after(failure):
             from attngym.tracking.sweep import summarize
 
@@ -344,6 +377,7 @@ def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> N
     for signum in INTERRUPTS:
         signal.signal(signum, signal.SIG_IGN)
     metrics.update(status="interrupted", error=str(stop))
+    metrics.update(_run_time())
     try:
         _write_metrics(job, metrics, complete=False)
         if job.multirun:

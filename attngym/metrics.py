@@ -38,6 +38,7 @@ PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "headline": ("|".join(HEADLINE_BASELINES), HEADLINE_BASELINES),
     "baseline": ("[a-z][a-z0-9_]*?", None),  # a name of attngym.config.BASELINES
     "NAME": ("[A-Za-z0-9_]+", None),  # a flex_attention kernel option
+    "phase": ("[a-z][a-z0-9_]*", None),  # a phase of attngym.timeline.PHASES, or baseline_<name>
 }
 
 # Units format_value reads: "bytes" (MiB, GiB), "TFLOP/s" (one decimal); the others label.
@@ -177,6 +178,48 @@ METRICS: tuple[Metric, ...] = (
         "s",
         "the first call (compilation on CUDA), timed apart",
         shown="run",
+    ),
+    # Where the run's wall time went (attngym.timeline).
+    M(
+        "wall_s",
+        "wall time (s)",
+        "s",
+        "the job from its start (the first job of a process: the process's start) to its last file",
+    ),
+    M(
+        "phase_<phase>_s",
+        "{phase} (s)",
+        "s",
+        "seconds of one phase of the run (attngym.timeline.PHASES; other: what no phase covers)",
+        column=False,
+    ),
+    M(
+        "compile_total_s",
+        "torch.compile (s)",
+        "s",
+        "seconds torch.compile spent in the run, in whatever phase (a lazy backward's too)",
+        column=False,
+    ),
+    M("compiles", "compiles", "graphs", "graphs torch.compile built, recompiles included"),
+    M(
+        "recompiles",
+        "recompiles",
+        "graphs",
+        "graphs built again for a function compiled before in this process (reasons in the log)",
+    ),
+    M(
+        "compile_cache_hits",
+        "compile cache hits",
+        "",
+        "Inductor FX-graph and AOTAutograd cache hits (attngym.compile_cache)",
+        column=False,
+    ),
+    M(
+        "compile_cache_misses",
+        "compile cache misses",
+        "",
+        "Inductor FX-graph and AOTAutograd cache misses",
+        column=False,
     ),
     M(
         "peak_mem_bytes",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from attngym.metrics import METRICS, format_value, label
+from attngym.timeline import largest
 
 # On a CPU the one-device comparison attends densely (every masked entry computed, then
 # dropped) while the ranks skip masked blocks, so efficiency there compares unequal work.
@@ -46,6 +47,8 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
         lines.append(f"  warning: {spread}")
     if metrics.get("error"):
         lines.append(f"  error: {metrics['error']}")
+    if where := largest(metrics):
+        lines.append(f"  {where}")
     lines.append(f"run folder: {run_dir}")
     return "\n".join(lines)
 

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attngym import kernels, registry
+from attngym import kernels, registry, timeline
 from attngym.config import Settings
 from attngym.device import sync
 from attngym.distributed.keepalive import rank0_work
@@ -145,17 +145,21 @@ def run_context_parallel(
     metrics = {} if metrics is None else metrics
     metrics.update(settings.describe())
     metrics.update(_options(settings))
-    metrics.update(
-        launch(
-            _rank_run,
-            settings.topology.world_size,
-            args=(settings, kind),
-            device=settings.device,
-            timeout_s=settings.topology.timeout_s,
-            run_dir=run_dir,
-            progress=metrics,  # rank 0 reports after each phase
+    with timeline.phase("ranks_start"):  # what rank 0's own phases do not cover
+        metrics.update(
+            launch(
+                _rank_run,
+                settings.topology.world_size,
+                args=(settings, kind),
+                device=settings.device,
+                timeout_s=settings.topology.timeout_s,
+                run_dir=run_dir,
+                progress=metrics,  # rank 0 reports after each phase
+            )
         )
-    )
+        rank_time = metrics.pop(RANK_TIME, None)
+        if rank_time is not None and (current := timeline.current()) is not None:
+            current.add(rank_time)
     return metrics
 
 
@@ -196,6 +200,9 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         resolved,
         _gloo_group(topo.timeout_s),
     )
+    spawned = timeline.current() is None  # under torchrun the job's own timeline runs here
+    if spawned:
+        timeline.begin()
     metrics: dict[str, Any] = {
         "transport": resolved.name,
         # The CP call has a backward on CPU too (the reference chunk kernel's autograd).
@@ -205,18 +212,30 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         # torch_cp right after attngym's own timings (same conditions); one_device last, as only
         # rank 0 works there while the others wait for it.
         for phase in (shard, first_call, validate, time_passes, instrument, torch_cp):
-            metrics.update(phase(job))
+            with timeline.phase(PHASE_NAMES.get(phase.__name__, phase.__name__)):
+                metrics.update(phase(job))
             report(metrics)
-        with rank0_work(topo.timeout_s):
+        with rank0_work(topo.timeout_s), timeline.phase("one_device"):
             metrics.update(one_device(job))
         _fold_torch_cp_verdict(metrics)
         job.whole = None
+        if spawned:  # the caller's timeline takes these in (run_context_parallel)
+            metrics[RANK_TIME] = timeline.current().metrics()  # type: ignore[union-attr]
         return metrics
     finally:
         # Free this job's channels and symmetric memory: the next job of a torchrun sweep may use
         # other shapes, and every rank is past the job's last transfer and rank0_work here.
         sync(device)
         clear_cache()
+        if spawned:
+            timeline.end()
+
+
+# The timeline's names of the rank phases whose function names differ.
+PHASE_NAMES = {"validate": "validation", "time_passes": "timed"}
+# Where a spawned rank 0 returns its own timeline's metrics (attngym.timeline), taken out of the
+# run's metrics by run_context_parallel.
+RANK_TIME = "rank_timeline"
 
 
 # Default group -> {timeout: a gloo group of every rank, for gathers to rank 0}.

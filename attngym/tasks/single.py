@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from attngym import kernels, reference, registry, validation
+from attngym import kernels, reference, registry, timeline, validation
 from attngym.config import Settings
 from attngym.device import sync
 from attngym.fileio import atomic_write
@@ -59,13 +59,17 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     metrics = {} if metrics is None else metrics
     metrics.update(settings.describe())
     job = _prepare(settings, metrics)
-    metrics["compile_s"] = phases.first_call(job.rank, backward=job.do_bwd)
+    with timeline.phase("first_call"):
+        metrics["compile_s"] = phases.first_call(job.rank, backward=job.do_bwd)
     what = "compile + first call" if job.use_compile else "first eager call"
     log.info("flex %s: %.2f s", what, metrics["compile_s"])
-    metrics.update(_validate(job))
-    flex = _time_flex(job, metrics)
+    with timeline.phase("validation"):
+        metrics.update(_validate(job))
+    with timeline.phase("timed"):
+        flex = _time_flex(job, metrics)
     if settings.profiler != "none":
-        metrics.update(_profile(settings, job.rank.attend, job.rank.device, run_dir))
+        with timeline.phase("profile"):
+            metrics.update(_profile(settings, job.rank.attend, job.rank.device, run_dir))
     _time_baselines(job, flex, metrics)
     metrics.update(_best_sdpa(metrics, flex))
     return metrics
@@ -100,12 +104,14 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
     want_bwd = "bwd" in settings.passes
     do_bwd = want_bwd and device.type == "cuda"  # FlexAttention has no CPU backward
     metrics["bwd_status"] = phases.bwd_status(want_bwd, do_bwd)
-    q, k, v, grad_out = make_inputs(
-        shape, settings.seed, device, torch_dtype(settings.dtype), requires_grad=do_bwd
-    )
-    block_mask = kernels.make_block_mask(
-        variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
-    )
+    with timeline.phase("inputs"):
+        q, k, v, grad_out = make_inputs(
+            shape, settings.seed, device, torch_dtype(settings.dtype), requires_grad=do_bwd
+        )
+    with timeline.phase("block_mask"):
+        block_mask = kernels.make_block_mask(
+            variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
+        )
     sparsity = float(bench.block_sparsity(block_mask)) if block_mask is not None else 0.0
     metrics["sparsity"] = sparsity
     use_compile = settings.compile and device.type == "cuda"
@@ -185,33 +191,43 @@ def _time_flex(job: OneDevice, metrics: dict[str, Any]) -> dict[str, Any]:
 def _time_baselines(job: OneDevice, flex: dict[str, Any], metrics: dict[str, Any]) -> None:
     """The baselines that apply, on the same inputs and passes as flex (the context-parallel ones
     belong to CP runs): <name>_status, <name>_<pass>_ms and _tflops, flex_over_<name>_<pass>."""
-    from attngym import bench
     from attngym.config import SINGLE_BASELINES
 
     s = job.settings
     flops = pass_flops(s.shape, s.shape.seq_len, job.sparsity)
     for name in (b for b in s.baselines if b in SINGLE_BASELINES):
-        if name in s.skipped_baselines:  # the memory estimate: it alone would not fit
-            fn, reason = None, s.skipped_baselines[name]
-        else:
-            fn, reason = _baseline(name, job.variant, job.q, job.k, job.v, s, job.rank.device)
-        metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
-        if fn is None:
-            log.info("baseline %s skipped: %s", name, reason)
-            continue
-        failures: dict[str, str] = {}
-        times = phases.time_passes(job.rank, job.passes, fn, label=name, failures=failures)
-        if failures:  # e.g. a forced SDPA backend with a forward but no backward for these inputs
-            missing = ", ".join(failures)
-            reason = next(iter(failures.values()))
-            metrics[f"{name}_status"] = f"skipped: {missing}: {reason}"
-            log.info("baseline %s %s skipped: %s", name, missing, reason)
-        for p, timing in times.items():
-            metrics[baseline_metric(name, p, "ms")] = timing.median_ms
-            metrics[baseline_metric(name, p, "tflops")] = bench.tflops(flops[p], timing.median_ms)
-            if flex.get(p):
-                metrics[speedup_metric(name, p)] = timing.median_ms / flex[p].median_ms
-        del fn
+        with timeline.phase(f"baseline_{name}"):
+            _time_baseline(name, job, flex, flops, metrics)
+
+
+def _time_baseline(
+    name: str, job: OneDevice, flex: dict[str, Any], flops: dict[str, float], metrics: dict
+) -> None:
+    """One baseline, timed as flex is, or recorded as skipped with the reason."""
+    from attngym import bench
+
+    s = job.settings
+    if name in s.skipped_baselines:  # the memory estimate: it alone would not fit
+        fn, reason = None, s.skipped_baselines[name]
+    else:
+        fn, reason = _baseline(name, job.variant, job.q, job.k, job.v, s, job.rank.device)
+    metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
+    if fn is None:
+        log.info("baseline %s skipped: %s", name, reason)
+        return
+    failures: dict[str, str] = {}
+    times = phases.time_passes(job.rank, job.passes, fn, label=name, failures=failures)
+    if failures:  # e.g. a forced SDPA backend with a forward but no backward for these inputs
+        missing = ", ".join(failures)
+        reason = next(iter(failures.values()))
+        metrics[f"{name}_status"] = f"skipped: {missing}: {reason}"
+        log.info("baseline %s %s skipped: %s", name, missing, reason)
+    for p, timing in times.items():
+        metrics[baseline_metric(name, p, "ms")] = timing.median_ms
+        metrics[baseline_metric(name, p, "tflops")] = bench.tflops(flops[p], timing.median_ms)
+        if flex.get(p):
+            metrics[speedup_metric(name, p)] = timing.median_ms / flex[p].median_ms
+    del fn
 
 
 def _best_sdpa(metrics: dict[str, Any], flex_ms: dict[str, Any]) -> dict[str, Any]:
