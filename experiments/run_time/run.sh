@@ -18,7 +18,7 @@ python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
 mkdir -p /tmp/w
 t() {  # t NAME ARGS...: one run in a fresh process, its wall time and its metrics.json
   local name=$1; shift; local s=$(date +%s.%N)
-  ( cd /tmp/w && timeout 300 python3 -m attngym hydra.run.dir=$OUT/runs/$name "$@" > $OUT/$name.log 2>&1 )
+  ( cd /tmp/w && timeout 200 python3 -m attngym hydra.run.dir=$OUT/runs/$name "$@" > $OUT/$name.log 2>&1 )
   local rc=$?
   echo "$name rc=$rc wall_s=$(python3 -c "print(round($(date +%s.%N)-$s,1))") $(grep -E '^  wall ' $OUT/$name.log)" | tee -a $OUT/summary.txt
   rm -rf $OUT/runs/$name/wandb
@@ -33,7 +33,7 @@ if [ "$WHAT" != masks ]; then
   t cp1 $CP
   t cp2 $CP
   s=$(date +%s.%N)
-  ( cd /tmp/w && timeout 400 python3 -m attngym -m hydra.sweep.dir=$OUT/sweep logger=none shape.seq_len=8192 shape.heads=16 shape.head_dim=128 \
+  ( cd /tmp/w && timeout 280 python3 -m attngym -m hydra.sweep.dir=$OUT/sweep logger=none shape.seq_len=8192 shape.heads=16 shape.head_dim=128 \
       attention=full,causal,sliding_window,document,prefix_lm,alibi,softcap,gemma2,chunked_causal,dilated_sliding_window > $OUT/sweep.log 2>&1 )
   echo "sweep rc=$? wall_s=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" | tee -a $OUT/summary.txt
   rm -rf $OUT/sweep/*/wandb
