@@ -135,6 +135,13 @@ def _registered(kind: str, *extra: str) -> Callable[[], list[str]]:
     return names
 
 
+def _compile_threads(key: str, value: Any) -> int | None:
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    if not ok:
+        raise ConfigError(key, f"must be a positive integer or null, got {value!r}")
+    return value
+
+
 def _compile_modes() -> Sequence[str]:
     """attngym.kernels' tuple, imported when first needed (`import attngym.config` pulls no
     torch)."""
@@ -264,6 +271,16 @@ class Settings:
     """torch.compile flex_attention on CUDA (always eager on CPU)."""
     compile_mode: str = setting("default", choices=_compile_modes)
     """A torch.compile mode (attngym.kernels.COMPILE_MODES)."""
+    compile_cache: str | None = "auto"
+    """Where compiled kernels are kept for later runs and processes (attngym.compile_cache):
+    auto = $XDG_CACHE_HOME/attngym/compile (~/.cache/...), or a folder; null leaves PyTorch's
+    own place (TORCHINDUCTOR_CACHE_DIR, else a folder in /tmp)."""
+    compile_threads: int | None = setting(1, check=_compile_threads)
+    """Inductor's compile workers: 1 compiles in the run's process (flex needs a few kernels,
+    and a pool of workers costs seconds to start and stop); null: Inductor's own choice."""
+    profile_run: bool = False
+    """Profile the run's own Python (cProfile, config to last file): run_profile.txt and
+    run_profile.prof in the run folder."""
     passes: tuple[Pass, ...] = setting(("fwd", "bwd"), what="pass", non_empty=True)
     """What to time; bwd also times fwd+bwd."""
     baselines: tuple[Baseline, ...] = setting(

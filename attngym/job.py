@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -154,10 +155,45 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         print(f"attngym: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     try:
-        return _run_locked(cfg, job)
+        with _profiled(job.run_dir, bool(cfg.get("profile_run", False))):
+            return _run_locked(cfg, job)
     finally:
         lock.release()
         timeline.end()
+        _free_job_memory()
+
+
+@contextlib.contextmanager
+def _profiled(run_dir: Path, on: bool) -> Iterator[None]:
+    """profile_run=true: cProfile over the job; run_profile.prof (pstats, snakeviz) and the
+    functions by cumulative time in run_profile.txt."""
+    if not on:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        with contextlib.suppress(OSError):
+            profile.dump_stats(run_dir / "run_profile.prof")
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+            (run_dir / "run_profile.txt").write_text(text.getvalue())
+            log.info("run profile: %s", run_dir / "run_profile.txt")
+
+
+def _free_job_memory() -> None:
+    """The block masks kept for the job (attngym.kernels) go: the next job of a sweep builds its
+    own, and a mask at long sequences holds GiBs."""
+    kernels = sys.modules.get("attngym.kernels")  # not imported: nothing was kept
+    if kernels is not None:
+        kernels.clear_block_masks()
 
 
 _process_started = False
@@ -242,8 +278,9 @@ def _check_and_run(
 def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
     """The topology's task, from the registry: its flat metrics, filled into `metrics` as they
     come (an interrupted run keeps what was measured)."""
-    from attngym import registry
+    from attngym import compile_cache, registry
 
+    metrics.update(compile_cache.use(settings.compile_cache, settings.compile_threads))
     return registry.get("task", settings.topology.kind)(settings, run_dir, metrics) or {}
 
 

@@ -218,32 +218,80 @@ def make_block_mask(
     device: torch.device | str = "cpu",
     full_when_unmasked: bool = False,
 ):
-    """The BlockMask of the variant's mask on this chunk pair.
+    """The BlockMask of the variant's mask on this chunk pair, built once per job.
 
     A variant without a mask gives None, or with `full_when_unmasked` a BlockMask keeping every
-    block (flex's backward op takes a block mask in every case).
+    block (flex's backward op takes a block mask in every case). The last BLOCK_MASKS_KEPT masks
+    are kept (keyed by the variant's mask_mod, lengths, integer offsets, block size and device),
+    so the validation, the contenders, the pictures and context parallelism reuse the run's mask
+    instead of building it again; the run layer frees them after each job (clear_block_masks).
     """
-    from torch.nn.attention.flex_attention import create_block_mask, noop_mask
-
     if variant.device is not None and variant.device != torch.device(device):
         variant = variant.to(device)  # its lookup tables where the mask is evaluated
+    key = None
+    if not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor):
+        key = (
+            variant.mask_mod,
+            seq_q,
+            seq_kv,
+            q_offset,
+            kv_offset,
+            tuple(block_size),
+            str(torch.device(device)),
+            full_when_unmasked,
+        )
+        for kept_key, mask in _BLOCK_MASKS:
+            if _same_key(kept_key, key):
+                return mask
+    mask = _create_block_mask(
+        variant, seq_q, seq_kv, q_offset, kv_offset, block_size, device, full_when_unmasked
+    )
+    if key is not None and variant.mask_mod is not None:
+        _BLOCK_MASKS.insert(0, (key, mask))
+        del _BLOCK_MASKS[BLOCK_MASKS_KEPT:]
+    return mask
+
+
+# The block masks make_block_mask keeps, newest first: (key, BlockMask). A mask at 1M tokens
+# holds ~1 GiB of block indices, so only a few are kept, and only until the job ends.
+BLOCK_MASKS_KEPT = 8
+_BLOCK_MASKS: list[tuple[tuple, Any]] = []
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return a[0] is b[0] and a[1:] == b[1:]
+
+
+def clear_block_masks() -> None:
+    """Forget the kept block masks (their memory goes back to the allocator)."""
+    _BLOCK_MASKS.clear()
+
+
+def _create_block_mask(
+    variant, seq_q, seq_kv, q_offset, kv_offset, block_size, device, full_when_unmasked
+):
+    from torch.nn.attention.flex_attention import create_block_mask, noop_mask
+
     _, mask_mod = shifted_mods(variant, q_offset, kv_offset, device)
     if mask_mod is None:
         if not full_when_unmasked:
             return None
         mask_mod = noop_mask
-    return create_block_mask(
-        mask_mod,
-        None,
-        None,
-        seq_q,
-        seq_kv,
-        device=device,
-        BLOCK_SIZE=tuple(block_size),
-        # Eager creation materialises seq_q x seq_kv mask values (128 GiB at 128K x 128K);
-        # compiled, it works block by block. Small masks stay eager (no compile time).
-        _compile=torch.device(device).type == "cuda" and seq_q * seq_kv > COMPILED_MASK_ENTRIES,
-    )
+    # no_grad whatever the caller's grad mode: a compiled creation is then compiled once, not
+    # once per grad mode (the validation and the timed passes differ).
+    with torch.no_grad():
+        return create_block_mask(
+            mask_mod,
+            None,
+            None,
+            seq_q,
+            seq_kv,
+            device=device,
+            BLOCK_SIZE=tuple(block_size),
+            # Eager creation materialises seq_q x seq_kv mask values (128 GiB at 128K x 128K);
+            # compiled, it works block by block. Small masks stay eager (no compile time).
+            _compile=torch.device(device).type == "cuda" and seq_q * seq_kv > COMPILED_MASK_ENTRIES,
+        )
 
 
 def block_mask_is_empty(block_mask) -> bool:

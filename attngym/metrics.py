@@ -208,6 +208,13 @@ METRICS: tuple[Metric, ...] = (
         "graphs built again for a function compiled before in this process (reasons in the log)",
     ),
     M(
+        "compile_cache",
+        "compile cache",
+        "",
+        "the folder torch.compile's caches are kept in (attngym.compile_cache)",
+        column=False,
+    ),
+    M(
         "compile_cache_hits",
         "compile cache hits",
         "",

@@ -19,15 +19,19 @@ log = logging.getLogger(__name__)
 # Picture name → its file in the run folder (a resumed sweep checks both: attngym.job).
 PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
 HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
-# Both pictures evaluate the mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K
-# on one CPU thread, growing with S^2. Above these many pairs on the device that draws (the
-# heatmap always on the CPU) a picture is skipped with the reason, so a long run is not followed
-# by minutes of drawing.
+# Without a block mask (a CPU run past kernels.COMPILED_MASK_ENTRIES) the pictures evaluate the
+# mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K on one CPU thread, growing
+# with S^2. Above these many pairs on the run's device the pictures are skipped with the reason,
+# so a long run is not followed by minutes of drawing.
 PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
 
 
 def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
     """heatmap.png and block_mask.png for any topology: {picture name: path} of those drawn.
+
+    Both start from the run's BlockMask on its device (attngym.kernels.make_block_mask keeps the
+    one the task attended with): the block picture draws its classes, the heatmap evaluates the
+    mask only in its partial blocks, so a long sequence costs what its mask's edges need.
 
     Raises:
         OSError: a picture could not be written (the run fails: attngym.job).
@@ -36,36 +40,44 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
 
     variant = settings.variant
     seq_len = settings.shape.seq_len
+    device = settings.device
+    if seq_len * seq_len > PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]):
+        log.info(
+            "pictures not drawn: S x S = %.3g mask pairs to classify on %s, above %.3g",
+            float(seq_len) ** 2,
+            device,
+            PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]),
+        )
+        return {}
+    classes = _block_classes(settings)
 
     def heatmap(path: Path) -> None:
         window = min(HEATMAP_WINDOW, seq_len)
-        viz.save_heatmap(variant, path, seq_len=seq_len, window=window, seed=settings.seed)
+        viz.save_heatmap(
+            variant,
+            path,
+            seq_len=seq_len,
+            window=window,
+            seed=settings.seed,
+            classes=classes,
+            block_size=settings.block_size,
+            device=device,
+        )
 
     def block_mask(path: Path) -> None:
         viz.save_block_mask_picture(
-            variant.to(settings.device).mask_mod,
+            variant.to(device).mask_mod,
             seq_len,
             seq_len,
             path,
             block_size=settings.block_size,
             title=f"{variant.name}: block mask at {settings.block_size}",
-            device=settings.device,
+            device=device,
+            classes=classes,
         )
 
     drawn = {}
-    # The heatmap evaluates the mask on the CPU, the block mask on the run's device.
-    for name, draw, device in (("heatmap", heatmap, "cpu"), ("block_mask", block_mask, None)):
-        device = device or settings.device
-        limit = PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"])
-        if seq_len * seq_len > limit:
-            log.info(
-                "%s not drawn: S x S = %.3g mask pairs to evaluate on %s, above %.3g",
-                PICTURES[name],
-                float(seq_len) ** 2,
-                device,
-                limit,
-            )
-            continue
+    for name, draw in (("heatmap", heatmap), ("block_mask", block_mask)):
         path = run_dir / PICTURES[name]
         try:
             draw(path)
@@ -75,3 +87,17 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
         except Exception as err:
             log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
     return drawn
+
+
+def _block_classes(settings: Settings):
+    """The block classes of the run's BlockMask (None without a mask, or where building one
+    would materialise S x S on a CPU: then the pictures evaluate the mask tile by tile)."""
+    from attngym import kernels, viz
+
+    seq_len, device = settings.shape.seq_len, settings.device
+    if device != "cuda" and seq_len * seq_len > kernels.COMPILED_MASK_ENTRIES:
+        return None
+    block_mask = kernels.make_block_mask(
+        settings.variant, seq_len, seq_len, block_size=settings.block_size, device=device
+    )
+    return None if block_mask is None else viz.block_classes(block_mask)

@@ -367,6 +367,9 @@ def save_heatmap(
     window: int = 128,
     head_dim: int = 16,
     seed: int = 0,
+    classes: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    device: str | torch.device = "cpu",
 ) -> pathlib.Path:
     """Draw what a variant does over the whole sequence, beside a zoom where it is most telling.
 
@@ -391,6 +394,9 @@ def save_heatmap(
         window: side of the zoom in tokens (at most seq_len).
         head_dim: D of the random q, k.
         seed: seed of the random q, k.
+        classes, block_size, device: the mask's block classes at `block_size` (block_classes
+            of the run's BlockMask), so the overview evaluates only partial blocks, on `device`
+            (pooled_keep); None: every entry, on the CPU.
 
     Returns:
         The path written.
@@ -402,9 +408,19 @@ def save_heatmap(
     from matplotlib.figure import Figure
 
     variant.check_seq_len(seq_len)
-    variant = variant.to("cpu")
     cell = math.ceil(seq_len / OVERVIEW_CELLS)
-    kept = pooled_keep(variant.mask_mod, seq_len, cell)
+    blocks = math.lcm(*block_size)
+    if classes is not None and cell >= blocks:  # whole blocks: only partial ones are evaluated
+        cell = blocks * math.ceil(cell / blocks)
+    kept = pooled_keep(
+        variant.to(device).mask_mod,
+        seq_len,
+        cell,
+        classes=classes,
+        block_size=block_size,
+        device=device,
+    )
+    variant = variant.to("cpu")
     n = min(window, seq_len)
     q0, k0 = zoom_origin(kept, cell, n, seq_len)
     gen = torch.Generator().manual_seed(seed)
@@ -441,21 +457,89 @@ def save_heatmap(
 OVERVIEW_CELLS = 256  # the overview's resolution: at most this many cells a side
 
 
-def pooled_keep(mask_mod: MaskMod | None, seq_len: int, cell: int) -> torch.Tensor:
+def pooled_keep(
+    mask_mod: MaskMod | None,
+    seq_len: int,
+    cell: int,
+    *,
+    classes: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
     """The share of each `cell` x `cell` square that the mask keeps, without an S x S tensor.
 
+    With the mask's block classes (block_classes of the run's BlockMask, at `block_size`) and a
+    cell a whole number of blocks, only the partial blocks are evaluated, on `device`: a window
+    or a causal mask at 64K costs a few million evaluations instead of S x S.
+
     Returns:
-        (ceil(S / cell), ceil(S / cell)) float32 in [0, 1]; positions past the end count as
-        masked, so a cell cut by the end of the sequence reads lower than it is.
+        (ceil(S / cell), ceil(S / cell)) float32 in [0, 1] on the CPU; positions past the end
+        count as masked, so a cell cut by the end of the sequence reads lower than it is.
     """
     cells = math.ceil(seq_len / cell)
-    kept = torch.ones((cells, cells))
-    if mask_mod is not None:
-        b = torch.zeros((), dtype=torch.int32)
-        cols = max(1, _TILE_ELEMENTS // (cell * cell)) * cell
-        with _one_cpu_thread(torch.device("cpu")):
-            _walk_tiles(mask_mod, kept, b, b, seq_len, seq_len, cell, cell, cols, _tile_share)
-    return kept
+    if mask_mod is None:
+        return torch.ones((cells, cells))
+    bq, bkv = block_size
+    if classes is not None and cell % bq == 0 and cell % bkv == 0:
+        share = _block_share(mask_mod, classes, bq, bkv, seq_len, resolve_device(device))
+        rows, cols = cells * (cell // bq), cells * (cell // bkv)
+        share = torch.nn.functional.pad(share, (0, cols - share.shape[1], 0, rows - share.shape[0]))
+        return share.view(cells, cell // bq, cells, cell // bkv).mean(dim=(1, 3))
+    dev = resolve_device(device)
+    kept = torch.ones((cells, cells), device=dev)
+    b = torch.zeros((), dtype=torch.int32, device=dev)
+    cols = max(1, _TILE_ELEMENTS // (cell * cell)) * cell
+    with _one_cpu_thread(dev):
+        _walk_tiles(mask_mod, kept, b, b, seq_len, seq_len, cell, cell, cols, _tile_share)
+    return kept.cpu()
+
+
+def _block_share(mask_mod, classes, bq, bkv, seq_len, dev) -> torch.Tensor:
+    """(nq, nkv) float32 on the CPU: the share of each block the mask keeps, 1 for full blocks,
+    0 for empty ones, the partial ones evaluated on `dev` a batch of blocks at a time."""
+    share = (classes == FULL).to(torch.float32)
+    partial = (classes == PARTIAL).nonzero().to(dev)
+    if partial.numel() == 0:
+        return share
+    b = torch.zeros((), dtype=torch.int32, device=dev)
+    rows = torch.arange(bq, dtype=torch.int32, device=dev).view(1, -1, 1)
+    cols = torch.arange(bkv, dtype=torch.int32, device=dev).view(1, 1, -1)
+    batch = max(1, _TILE_ELEMENTS * 16 // (bq * bkv))
+    values = []
+    for start in range(0, partial.shape[0], batch):
+        ij = partial[start : start + batch].to(torch.int32)
+        q_idx = ij[:, 0].view(-1, 1, 1) * bq + rows
+        kv_idx = ij[:, 1].view(-1, 1, 1) * bkv + cols
+        # Positions past the end are masked; clamped, a table the mask reads is never overrun.
+        last = seq_len - 1
+        keep = torch.as_tensor(
+            mask_mod(b, b, q_idx.clamp(max=last), kv_idx.clamp(max=last)), device=dev
+        )
+        keep = keep & (q_idx <= last) & (kv_idx <= last)
+        values.append(keep.to(torch.float32).mean(dim=(1, 2)))
+    share[tuple(partial.cpu().T)] = torch.cat(values).cpu()
+    return share
+
+
+def block_classes(block_mask: Any) -> torch.Tensor:
+    """(nq, nkv) uint8 on the CPU of a FlexAttention BlockMask at batch 0, head 0: 0 empty,
+    1 partial, 2 full, as block_mask_classes computes them from the mask_mod (create_block_mask
+    counts a block full only when every entry in it is kept)."""
+
+    def dense(num_blocks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        num_blocks, indices = num_blocks[0, 0], indices[0, 0]
+        listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[:, None]
+        out = torch.zeros(indices.shape, dtype=torch.uint8, device=indices.device)
+        return out.scatter_reduce_(1, indices.long(), listed.to(torch.uint8), "amax")
+
+    partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
+    classes = partial.clone()
+    if block_mask.full_kv_num_blocks is not None:
+        classes += 2 * dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    nq, nkv = (
+        math.ceil(n / b) for n, b in zip(block_mask.seq_lengths, block_mask.BLOCK_SIZE, strict=True)
+    )
+    return classes[:nq, :nkv].cpu()
 
 
 def _tile_share(keep: torch.Tensor, bq: int, bkv: int) -> torch.Tensor:
@@ -735,6 +819,7 @@ def save_block_mask_picture(
     block_size: tuple[int, int] = (128, 128),
     title: str | None = None,
     device: str | torch.device = "cpu",
+    classes: torch.Tensor | None = None,
 ) -> pathlib.Path:
     """Draw the block classes of a mask at full length and save them as a PNG.
 
@@ -746,6 +831,8 @@ def save_block_mask_picture(
         block_size: (q block, kv block) sizes.
         title: first line of the title; default the mask_mod's name.
         device: where to evaluate the mask.
+        classes: the block classes already known (block_classes of the run's BlockMask at
+            `block_size`): nothing is evaluated.
 
     Returns:
         The path written.
@@ -756,7 +843,8 @@ def save_block_mask_picture(
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
-    classes = block_mask_classes(mask_mod, seq_q, seq_kv, block_size, device)
+    if classes is None:
+        classes = block_mask_classes(mask_mod, seq_q, seq_kv, block_size, device)
     bq, bkv = _check_block_size(block_size)
     counts = [int((classes == c).sum()) for c in (EMPTY, PARTIAL, FULL)]
     total = classes.numel()

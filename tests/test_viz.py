@@ -407,6 +407,39 @@ def test_block_classes_equal_the_dense_construction(mask_mod, seq_q, seq_kv, blo
     assert 0 < (classes == 1).sum() < classes.numel()  # these masks all have partial blocks
 
 
+@pytest.mark.parametrize(
+    "mask_mod, seq_q, seq_kv, block",
+    [
+        (documents([100, 500, 300, 124]), 1024, 1024, (128, 128)),
+        (causal, 1000, 1000, (128, 128)),  # a block cut by the end of the sequence
+        (sliding_window(50), 640, 1000, (64, 128)),
+    ],
+)
+def test_block_classes_of_a_block_mask_equal_the_mask_mods(mask_mod, seq_q, seq_kv, block):
+    """The pictures read the run's BlockMask instead of evaluating the mask_mod again."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(mask_mod, None, None, seq_q, seq_kv, device="cpu", BLOCK_SIZE=block)
+    expected = dense_classes(mask_mod, seq_q, seq_kv, *block)
+    assert torch.equal(viz.block_classes(bm), expected)
+
+
+@pytest.mark.parametrize("seq_len", [1024, 1000])
+def test_pooled_keep_from_block_classes_evaluates_only_partial_blocks(seq_len, monkeypatch):
+    mask = documents([100, 300, 376, seq_len - 776])
+    expected = viz.pooled_keep(mask, seq_len, 128)
+    classes = dense_classes(mask, seq_len, seq_len, 64, 64)
+    evaluated = []
+
+    def counting(b, h, q_idx, kv_idx):
+        evaluated.append(torch.broadcast_shapes(q_idx.shape, kv_idx.shape).numel())
+        return mask(b, h, q_idx, kv_idx)
+
+    kept = viz.pooled_keep(counting, seq_len, 128, classes=classes, block_size=(64, 64))
+    torch.testing.assert_close(kept, expected, rtol=0, atol=1e-6)
+    assert sum(evaluated) == int((classes == 1).sum()) * 64 * 64
+
+
 def test_block_classes_tile_across_many_columns(monkeypatch):
     monkeypatch.setattr(viz, "_TILE_ELEMENTS", 128 * 128 * 3)  # 3 kv blocks per tile, ragged end
     mask = documents([100, 500, 300, 100])

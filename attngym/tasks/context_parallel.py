@@ -227,6 +227,7 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         # other shapes, and every rank is past the job's last transfer and rank0_work here.
         sync(device)
         clear_cache()
+        kernels.clear_block_masks()
         if spawned:
             timeline.end()
 

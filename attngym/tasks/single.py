@@ -163,7 +163,8 @@ def _validate(job: OneDevice) -> dict[str, Any]:
         return {"validated_rows": 0, "validation": "not run (validate=false)"}
 
     def attend(g_masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        out, lse = job.rank.attend()
+        with torch.set_grad_enabled(job.do_bwd):  # the grad mode compiled for: no recompile
+            out, lse = job.rank.attend()
         grads = job.rank.grads(out, g_masked) if g_masked is not None else None
         return out, lse, grads
 

@@ -56,6 +56,15 @@ class Variant:
                 f"variant {self.name!r} has buffers {sorted(self.buffers)} but no bind: "
                 "`.to(device)` could not rebuild its callbacks"
             )
+        # device -> this variant moved there: the same callbacks each time, so what is built from
+        # them (block masks, compiled kernels) is found again (attngym.kernels.make_block_mask).
+        object.__setattr__(self, "_moved", {})
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_moved"}  # never its copies
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _moved={})
 
     @property
     def device(self) -> torch.device | None:
@@ -68,9 +77,16 @@ class Variant:
         """The same variant with its buffers on `device` (self when there is nothing to move)."""
         if not self.buffers:
             return self
-        buffers = {k: t.to(device) for k, t in self.buffers.items()}
-        score_mod, mask_mod = self.bind(buffers)
-        return dataclasses.replace(self, buffers=buffers, score_mod=score_mod, mask_mod=mask_mod)
+        where = torch.device(device)
+        if where == self.device:
+            return self
+        if where not in self._moved:
+            buffers = {k: t.to(where) for k, t in self.buffers.items()}
+            score_mod, mask_mod = self.bind(buffers)
+            self._moved[where] = dataclasses.replace(
+                self, buffers=buffers, score_mod=score_mod, mask_mod=mask_mod
+            )
+        return self._moved[where]
 
     def check_seq_len(self, seq_len: int) -> None:
         """Raise ValueError when the variant is not defined at `seq_len`."""
