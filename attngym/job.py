@@ -221,7 +221,7 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             log.info("%s: running it again: %s", what, why)
     metrics: dict[str, Any] = {"status": "failed", "error": None}
     try:
-        settings, failure = _check_and_run(cfg, job, metrics)
+        settings, failure, tracker = _check_and_run(cfg, job, metrics)
         try:
             # metrics.json first (what was measured is safe), then `complete: true` once every
             # file of the run is written: a resumed sweep re-runs a job whose last write never came.
@@ -232,7 +232,7 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
                     images = pictures.draw_pictures(settings, job.run_dir) if ok else {}
                 metrics.update(_run_time())  # the tracker's summary has them, less its own time
                 with timeline.phase("tracker"):
-                    _track(cfg, job, settings, metrics, images)
+                    _track(cfg, job, settings, tracker, metrics, images)
             metrics.update(_run_time())
             _write_metrics(job, metrics, complete=True)
         except OSError as err:  # a full disk, a symlink where a file goes
@@ -244,19 +244,21 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
 
 def _check_and_run(
     cfg: DictConfig, job: Job, metrics: dict[str, Any]
-) -> tuple[Settings | None, BaseException | None]:
+) -> tuple[Settings | None, BaseException | None, Any]:
     """Settings (None when the config is refused: every check that needs no tensors, the preset
-    against this machine included, runs here before the task) and the failure that stopped the
-    run (None for a run that ran, whatever its verdict); metrics and status go into `metrics`."""
+    against this machine included, runs here before the task), the failure that stopped the
+    run (None for a run that ran, whatever its verdict) and the run's tracker (None with no
+    settings); metrics and status go into `metrics`."""
     from attngym.config import from_config
     from attngym.presets import check_fits_machine
 
-    settings = None
+    settings = tracker = None
     try:
         with timeline.phase("config"):
             settings = from_config(to_plain(cfg))
             preset = attngym_preset(job.preset)
             check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
+        tracker = _tracker(settings)  # started now when it has work to do before the results
         metrics.update(_run_task(settings, job.run_dir, metrics))
     except Exception as err:
         metrics["error"] = (
@@ -267,12 +269,12 @@ def _check_and_run(
                 log.error("run failed: %s", err)
             else:
                 log.exception("run failed")
-            return settings, err
+            return settings, err, tracker
         if job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
-        return None, err  # refused: no picture, no tracker run
+        return None, err, None  # refused: no picture, no tracker run
     metrics.update(_verdict(metrics))
-    return settings, None
+    return settings, None, tracker
 
 
 def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -314,14 +316,16 @@ def _write_metrics(job: Job, metrics: dict[str, Any], *, complete: bool) -> None
 
 
 def _track(
-    cfg: DictConfig, job: Job, settings: Settings, metrics: dict[str, Any], images: dict[str, Path]
+    cfg: DictConfig,
+    job: Job,
+    settings: Settings,
+    tracker: Any,
+    metrics: dict[str, Any],
+    images: dict[str, Path],
 ) -> None:
-    """Hand the run to the configured tracker (the `logger` group)."""
-    from attngym import registry
+    """Hand the run to its tracker (the `logger` group)."""
     from attngym.tracking import RunRecord
 
-    params = dict(settings.logger)
-    tracker = registry.build("tracker", params.pop("name"), **params)
     tracker.log_run(
         RunRecord(
             run_dir=job.run_dir,
@@ -333,6 +337,18 @@ def _track(
             job_type=settings.topology.kind,
         )
     )
+
+
+def _tracker(settings: Settings) -> Any:
+    """The run's tracker (the `logger` group), started at once when it has a `start` (W&B starts
+    its child process, which imports wandb while the run works)."""
+    from attngym import registry
+
+    params = dict(settings.logger)
+    tracker = registry.build("tracker", params.pop("name"), **params)
+    if hasattr(tracker, "start"):
+        tracker.start()
+    return tracker
 
 
 def _tracked_config(cfg: DictConfig) -> dict[str, Any]:

@@ -73,18 +73,31 @@ class WandbTracker:
         self.tags = list(tags)
         self.init_timeout_s = float(init_timeout_s)
         self.finish_timeout_s = float(finish_timeout_s)
+        self._child: subprocess.Popen | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_child": None}  # the child gets the settings, not itself
+
+    def start(self) -> None:
+        """Start the child while the run works: its interpreter and `import wandb` (seconds)
+        are then done by the time log_run hands it the run. A child never handed a run exits
+        when this process does (its stdin closes)."""
+        if self._child is None:
+            code = "from attngym.tracking.wandb_logger import child_main; child_main()"
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # its own process group: wandb's service dies with it
+            )
 
     def log_run(self, record: RunRecord) -> None:
         """One W&B run in a child process, bounded (see the module docstring); never raises."""
         deadline_s = self.init_timeout_s + self.finish_timeout_s + CHILD_START_S
-        code = "from attngym.tracking.wandb_logger import child_main; child_main()"
-        child = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: wandb's service dies with it
-        )
+        self.start()
+        child, self._child = self._child, None
+        assert child is not None
         try:
             out, err = child.communicate(pickle.dumps((self, record)), timeout=deadline_s)
         except subprocess.TimeoutExpired:
@@ -217,7 +230,12 @@ def child_main() -> None:
     collect = _Collect()
     log.addHandler(collect)
     log.propagate = False
-    tracker, record = pickle.loads(sys.stdin.buffer.read())
+    import wandb  # noqa: F401  (while the caller's run still works: WandbTracker.start)
+
+    data = sys.stdin.buffer.read()
+    if not data:  # the caller ended without a run to log
+        os._exit(0)
+    tracker, record = pickle.loads(data)
     where = tracker._log_here(record)
     print(json.dumps({"where": where, "warnings": collect.messages}), flush=True)
     os._exit(0)
