@@ -43,7 +43,8 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
     device = settings.device
     if seq_len * seq_len > PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]):
         log.info(
-            "pictures not drawn: S x S = %.3g mask pairs to classify on %s, above %.3g",
+            "%s not drawn: S x S = %.3g mask pairs to classify on %s, above %.3g",
+            " and ".join(PICTURES.values()),
             float(seq_len) ** 2,
             device,
             PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]),
