@@ -1,10 +1,12 @@
 """What a block mask costs at long sequences, against the attention it serves.
 
 For each variant and sequence length: the seconds attngym.kernels.make_block_mask takes (the first
-call, which may compile the mask's creation, and the median of the next ones) and the compiled
-flex forward+backward on one device with that mask (bench.time_fn: CUDA events, L2 flushed), and
-the mask's share of it. A context-parallel rank builds masks for its rows only (S/P of them), so
-the whole-sequence mask here is the worst case.
+call and the median of the next ones; the variant's block rule where it has one), the same for
+create_block_mask evaluating the mask_mod on every pair (compiled above
+kernels.COMPILED_MASK_ENTRIES; its first call may compile), whether both give the same blocks,
+the compiled flex forward+backward on one device with the mask (bench.time_fn: CUDA events, L2
+flushed) and each mask's share of it. A context-parallel rank builds masks for its rows only
+(S/P of them), so the whole-sequence mask here is the worst case.
 
 Usage (one GPU):
     python scripts/block_mask_cost.py --seq-lens 131072 262144 524288 1048576 --out cost.json
@@ -13,6 +15,7 @@ Usage (one GPU):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -39,8 +42,10 @@ def _variant(name: str, seq_len: int):
 
 
 def _mask_seconds(variant, seq_len: int, repeats: int, device) -> tuple[float, float, object]:
+    """(first, median of the next `repeats`) seconds of a fresh make_block_mask, and the mask."""
     times = []
     for _ in range(repeats + 1):
+        kernels.clear_block_masks()  # build it, do not find the kept one
         sync(device)
         start = time.perf_counter()
         mask = kernels.make_block_mask(variant, seq_len, seq_len, device=device)
@@ -52,28 +57,40 @@ def _mask_seconds(variant, seq_len: int, repeats: int, device) -> tuple[float, f
 def measure(name: str, seq_len: int, args, device) -> dict:
     variant = _variant(name, seq_len).to(device)
     first_s, median_s, mask = _mask_seconds(variant, seq_len, args.mask_repeats, device)
-    shape = (1, args.heads, seq_len, args.head_dim)
-    q, k, v = (
-        torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
+    generic = dataclasses.replace(variant, block_rule=None)  # create_block_mask on every pair
+    generic_first_s, generic_s, generic_mask = _mask_seconds(generic, seq_len, 1, device)
+    same = torch.equal(mask.kv_num_blocks, generic_mask.kv_num_blocks) and torch.equal(
+        mask.full_kv_num_blocks, generic_mask.full_kv_num_blocks
     )
-    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
-
-    def fwd_bwd():
-        out, _ = kernels.attend_chunk(q, k, v, variant, backend="flex", block_mask=mask)
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    fwd_bwd()  # compile
-    timing = bench.time_fn(fwd_bwd, warmup=1, repeats=args.repeats, device=device)
+    del generic_mask
     row = {
         "variant": name,
         "seq_len": seq_len,
         "mask_first_s": round(first_s, 4),
         "mask_s": round(median_s, 4),
-        "fwd_bwd_ms": round(timing.median_ms, 3),
-        "mask_share": round(median_s * 1e3 / timing.median_ms, 4),
+        "create_block_mask_first_s": round(generic_first_s, 4),
+        "create_block_mask_s": round(generic_s, 4),
+        "same_blocks": same,
         "sparsity": round(float(bench.block_sparsity(mask)), 4),
     }
+    pairs = (1.0 - row["sparsity"]) * seq_len**2
+    if pairs <= args.max_attention_pairs:
+        shape = (1, args.heads, seq_len, args.head_dim)
+        q, k, v = (
+            torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
+        grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+
+        def fwd_bwd():
+            out, _ = kernels.attend_chunk(q, k, v, variant, backend="flex", block_mask=mask)
+            torch.autograd.grad(out, (q, k, v), grad)
+
+        fwd_bwd()  # compile
+        timing = bench.time_fn(fwd_bwd, warmup=1, repeats=args.repeats, device=device)
+        row["fwd_bwd_ms"] = round(timing.median_ms, 3)
+        row["mask_share"] = round(median_s * 1e3 / timing.median_ms, 5)
+        row["create_block_mask_share"] = round(generic_s * 1e3 / timing.median_ms, 5)
     print(json.dumps(row), flush=True)
     return row
 
@@ -86,6 +103,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mask-repeats", type=int, default=3)
+    parser.add_argument(
+        "--max-attention-pairs",
+        type=float,
+        default=2e11,
+        help="time the attention only where it attends at most this many pairs (causal 1M: 5e11)",
+    )
     parser.add_argument("--out", default="block_mask_cost.json")
     args = parser.parse_args()
     device = torch.device("cuda")

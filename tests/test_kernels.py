@@ -282,3 +282,46 @@ def test_this_pytorch_is_recognised(monkeypatch):
 
     monkeypatch.setattr(inspect, "getsource", no_source)
     assert flash_lse_scaled_by_ln2.__wrapped__() == (version == (2, 11))
+
+
+def _random_rule_cases(count: int, seed: int = 0):
+    """Variants with a block rule on random lengths, chunks, offsets and block sizes."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        seq = rng.choice([256, 300, 1000, 1537, 2048])
+        kind = rng.choice(["causal", "sliding_window", "document", "bidirectional_document"])
+        if kind == "causal":
+            variant = get("causal")
+        elif kind == "sliding_window":
+            variant = get("sliding_window", window_size=rng.choice([1, 50, 127, 128, 300]))
+        else:
+            lengths: list[int] = []
+            while sum(lengths) < seq:
+                lengths.append(min(rng.randrange(1, 400), seq - sum(lengths)))
+            variant = get("document", doc_lengths=lengths, causal=kind == "document")
+        seq_q, seq_kv = rng.choice([seq, seq // 2, seq // 3]), rng.choice([seq, seq // 2])
+        offsets = rng.randrange(0, seq - seq_q + 1), rng.randrange(0, seq - seq_kv + 1)
+        block = rng.choice([(128, 128), (64, 128), (16, 16), (128, 64)])
+        yield pytest.param(variant, seq_q, seq_kv, offsets, block, id=f"{kind}-{seq}-{block}")
+
+
+@pytest.mark.parametrize("variant, seq_q, seq_kv, offsets, block", _random_rule_cases(24))
+def test_block_rule_builds_the_block_mask_create_block_mask_builds(
+    variant, seq_q, seq_kv, offsets, block
+):
+    """A variant's closed-form block classes (Variant.block_rule) give create_block_mask's
+    BlockMask: the same partial and full blocks, in both directions, for any chunk pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attngym import kernels
+
+    _, mask_mod = kernels.shifted_mods(variant, *offsets, "cpu")
+    want = create_block_mask(mask_mod, None, None, seq_q, seq_kv, device="cpu", BLOCK_SIZE=block)
+    got = make_block_mask(
+        variant, seq_q, seq_kv, q_offset=offsets[0], kv_offset=offsets[1], block_size=block
+    )
+    for field in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert torch.equal(got.to_dense(), want.to_dense())

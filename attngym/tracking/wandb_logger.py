@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,7 +129,14 @@ class WandbTracker:
         for message in report["warnings"]:
             log.warning("%s", message)
         if report.get("where") is not None:
-            log.info("wandb (%s): %s", self.mode, report["where"])
+            seconds = report.get("seconds", {})
+            log.info(
+                "wandb (%s): %s (import wandb %.1f s while the run worked, then %.1f s)",
+                self.mode,
+                report["where"],
+                seconds.get("import", 0.0),
+                seconds.get("log", 0.0),
+            )
 
     def _log_here(self, record: RunRecord) -> str | None:
         """In the child: the W&B run; where it went (run folder or URL); never raises."""
@@ -230,12 +238,18 @@ def child_main() -> None:
     collect = _Collect()
     log.addHandler(collect)
     log.propagate = False
+    started = time.perf_counter()
     import wandb  # noqa: F401  (while the caller's run still works: WandbTracker.start)
 
+    imported = time.perf_counter()
     data = sys.stdin.buffer.read()
     if not data:  # the caller ended without a run to log
         os._exit(0)
+    handed = time.perf_counter()
     tracker, record = pickle.loads(data)
     where = tracker._log_here(record)
-    print(json.dumps({"where": where, "warnings": collect.messages}), flush=True)
+    seconds = {"import": imported - started, "log": time.perf_counter() - handed}
+    print(
+        json.dumps({"where": where, "warnings": collect.messages, "seconds": seconds}), flush=True
+    )
     os._exit(0)

@@ -24,6 +24,8 @@ from attngym import registry
 ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
 MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
 Bind = Callable[[Mapping[str, torch.Tensor]], "tuple[ScoreMod | None, MaskMod | None]"]
+# (q_lo, q_hi, kv_lo, kv_hi) -> (nq, nkv) uint8 block classes: 0 empty, 1 partial, 2 full.
+BlockRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -39,6 +41,12 @@ class Variant:
         bind: rebuilds `(score_mod, mask_mod)` from moved buffers; required when buffers exist.
         seq_len: the only sequence length the variant is defined for, or None for any.
         sdpa: "full" or "causal" when SDPA computes the same thing (is_causal), else None.
+        block_rule: the mask's block classes in closed form, so a block mask at long sequences
+            needs no evaluation of every (query, key) pair (attngym.kernels.make_block_mask);
+            None: create_block_mask evaluates the mask_mod. Called with each q block's and each
+            kv block's first and last global position (int64, shapes (nq, 1) and (1, nkv)), it
+            returns (nq, nkv) uint8: 0 no pair kept, 2 every pair kept, 1 otherwise. Only for a
+            mask that does not depend on b or h.
     """
 
     name: str
@@ -49,6 +57,7 @@ class Variant:
     bind: Bind | None = None
     seq_len: int | None = None
     sdpa: str | None = None
+    block_rule: BlockRule | None = None
 
     def __post_init__(self):
         if self.buffers and self.bind is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from attngym.variants.base import Variant, register
 
 
@@ -22,4 +24,14 @@ def causal() -> Variant:
     Note:
         A query attends to its own position and every earlier one: `q_idx >= kv_idx`.
     """
-    return Variant(name="causal", mask_mod=_causal_mask, sdpa="causal")
+    return Variant(name="causal", mask_mod=_causal_mask, sdpa="causal", block_rule=causal_blocks)
+
+
+def causal_blocks(q_lo, q_hi, kv_lo, kv_hi):
+    """Block classes of q_idx >= kv_idx (Variant.block_rule)."""
+    return classes(q_hi >= kv_lo, kv_hi <= q_lo)
+
+
+def classes(any_kept, all_kept):
+    """Block classes (uint8: 0 empty, 1 partial, 2 full) from whether any / every pair is kept."""
+    return any_kept.to(torch.uint8) + (any_kept & all_kept).to(torch.uint8)

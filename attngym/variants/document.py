@@ -10,11 +10,14 @@ the variant is defined for exactly `sum(doc_lengths)` tokens and `.to(device)` m
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from attngym.variants.base import Variant, positive_int, register
+from attngym.variants.causal import classes
 
 
 def _document_mods(doc_ids: torch.Tensor, causal: bool, tag: str):
@@ -57,6 +60,8 @@ def document(doc_lengths: Sequence[int], causal: bool = True) -> Variant:
         return None, _document_mods(buffers["doc_ids"], causal, tag)
 
     _, mask_mod = bind({"doc_ids": doc_ids})
+    starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1])
+    ends = starts + torch.tensor(lengths) - 1  # each document's last position
     sdpa = None
     if len(lengths) == 1:  # one document: the mask is plain causal / full
         sdpa = "causal" if causal else "full"
@@ -68,4 +73,30 @@ def document(doc_lengths: Sequence[int], causal: bool = True) -> Variant:
         bind=bind,
         seq_len=sum(lengths),
         sdpa=sdpa,
+        block_rule=functools.partial(_document_blocks, doc_ids, starts, ends, causal),
     )
+
+
+def _document_blocks(doc_ids, starts, ends, causal, q_lo, q_hi, kv_lo, kv_hi):
+    """Block classes of the document mask (Variant.block_rule), from the documents of each
+    block's first and last position: ids are increasing, so a block pair shares the documents
+    from max(first ids) to min(last ids)."""
+    dev = q_lo.device
+    doc_ids, starts, ends = doc_ids.to(dev), starts.to(dev), ends.to(dev)
+    q_first, q_last, kv_first, kv_last = (doc_ids[x] for x in (q_lo, q_hi, kv_lo, kv_hi))
+    lo, hi = torch.maximum(q_first, kv_first), torch.minimum(q_last, kv_last)
+    shared = lo <= hi
+    one_doc = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
+    if not causal:
+        return classes(shared, one_doc)
+
+    # Causal: a shared document d keeps a pair when the block's last query in d is at or after
+    # its first key in d. A document strictly inside the query block always does; the lowest and
+    # highest shared ones are checked.
+    def keeps(d):
+        d = d.clamp(min=0, max=starts.numel() - 1)
+        return torch.minimum(q_hi, ends[d]) >= torch.maximum(kv_lo, starts[d])
+
+    inner = hi - lo >= 2
+    any_kept = shared & (keeps(lo) | keeps(hi) | inner)
+    return classes(any_kept, one_doc & (kv_hi <= q_lo))

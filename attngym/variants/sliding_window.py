@@ -9,6 +9,7 @@ the same cost; the bidirectional band is Longformer's encoder-side local attenti
 from __future__ import annotations
 
 from attngym.variants.base import Variant, positive_int, register
+from attngym.variants.causal import classes
 
 
 @register("sliding_window")
@@ -27,8 +28,18 @@ def sliding_window(window_size: int) -> Variant:
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= window_size)
 
+    def block_rule(q_lo, q_hi, kv_lo, kv_hi):
+        # q - kv over a block pair spans [q_lo - kv_hi, q_hi - kv_lo]; kept where in [0, w].
+        low, high = q_lo - kv_hi, q_hi - kv_lo
+        return classes((high >= 0) & (low <= window_size), (low >= 0) & (high <= window_size))
+
     mask_mod.__name__ = f"sliding_window_{window_size}"
-    return Variant(name="sliding_window", params={"window_size": window_size}, mask_mod=mask_mod)
+    return Variant(
+        name="sliding_window",
+        params={"window_size": window_size},
+        mask_mod=mask_mod,
+        block_rule=block_rule,
+    )
 
 
 @register("bidirectional_sliding_window")
