@@ -219,7 +219,10 @@ def _on_compile_start(args: Any = None) -> None:
     _compile_started.append(time.perf_counter())
     compile_id = str(getattr(args, "compile_id", ""))
     frame_compile = compile_id.rsplit("/", 1)[-1]
-    if _current is not None and frame_compile.isdigit() and int(frame_compile) > 0:
+    # Dynamo compiling a frame again is a recompile; a backward compiled lazily at its first
+    # call (another trigger, the same compile id) is part of that frame's compile.
+    by_dynamo = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") == "DYNAMO"
+    if _current is not None and by_dynamo and frame_compile.isdigit() and int(frame_compile) > 0:
         reason = _new_guard_failure() or "no reason recorded"
         _current.recompiles.append(reason)
         log.info("torch.compile recompiles (%s): %s", compile_id, reason)
