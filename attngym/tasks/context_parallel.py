@@ -141,8 +141,12 @@ def run_context_parallel(
     filled into `metrics` (the settings first: a run stopped part-way keeps what it ran)."""
     from attngym.distributed.launch import launch
 
-    check_hardware(settings)
     metrics = {} if metrics is None else metrics
+    if settings.topology.simulate:  # one process, every rank's compute in turn, predicted
+        from attngym.tasks.cp_simulate import run_simulated
+
+        return run_simulated(settings, run_dir, kind, metrics)
+    check_hardware(settings)
     metrics.update(settings.describe())
     metrics.update(_options(settings))
     metrics.update(
