@@ -223,6 +223,12 @@ _PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[bool, Any]]] = (
 )
 
 
+# Variant -> where its chunk-pair plans may come from before they are built one by one: a callable
+# taking _pair_plan's key and returning (skip, block_mask), or None to build it. The simulated
+# ranks (attngym.distributed.simulate) cut them from one whole-sequence block mask.
+PLAN_SOURCES: weakref.WeakKeyDictionary[Variant, Any] = weakref.WeakKeyDictionary()
+
+
 def _pair_plan(
     variant: Variant,
     batch: int,
@@ -243,9 +249,11 @@ def _pair_plan(
     plans = _PLANS.setdefault(variant, {})
     key = (batch, heads, q_chunk, kv_chunk, block_size, backend, device)
     if key not in plans:
-        plans[key] = _build_pair_plan(
+        source = PLAN_SOURCES.get(variant)
+        plan = None if source is None else source(*key)
+        plans[key] = plan if plan is not None else _build_pair_plan(
             variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device
-        )
+        )  # fmt: skip
     return plans[key]
 
 

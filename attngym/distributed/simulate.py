@@ -160,6 +160,73 @@ def mask_key(block_mask) -> tuple | None:
     return key
 
 
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_blocks, indices) of a (rows, cols) bool block grid, kept columns first in order, as
+    create_block_mask orders them; shaped (1, 1, ...) for BlockMask.from_kv_blocks."""
+    num = dense.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    return num[None, None], idx.to(torch.int32)[None, None]
+
+
+class GridPlans:
+    """Chunk-pair plans cut from one whole-sequence block mask, for cp.PLAN_SOURCES.
+
+    A pair whose chunks start and end on block boundaries has exactly the blocks of the whole
+    mask's sub-grid (full blocks full, partial ones partial), so its BlockMask is built from them
+    (BlockMask.from_kv_blocks with the variant's mask at the pair's offsets) instead of
+    evaluating the mask again: the O(P²) pair plans of ring and all-gather cost tensor slicing,
+    not mask evaluation. Other pairs (unaligned chunks) return None and are built as usual. The
+    skip decision (no kept block) is the flex block mask's, for the reference backend too: like
+    every block mask here it is evaluated at batch 0 and head 0.
+    """
+
+    def __init__(self, variant: Variant, seq_len: int, block_size, device):
+        self.variant, self.block, self.device = variant, tuple(block_size), device
+        whole = kernels.make_block_mask(
+            variant, seq_len, seq_len, block_size=self.block, device=device
+        )
+        self.usable = whole is not None
+        if not self.usable:  # no mask: every pair full, built as usual
+            return
+        n_kv = -(-seq_len // self.block[1])
+        self.partial = _dense(whole.kv_num_blocks, whole.kv_indices, n_kv)
+        self.full = (
+            torch.zeros_like(self.partial)
+            if whole.full_kv_num_blocks is None
+            else _dense(whole.full_kv_num_blocks, whole.full_kv_indices, n_kv)
+        )
+
+    def __call__(self, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bq, bk = self.block
+        aligned = all(x % bq == 0 for x in q_chunk) and all(x % bk == 0 for x in kv_chunk)
+        if not (self.usable and aligned and tuple(block_size) == self.block):
+            return None
+        rows = slice(q_chunk[0] // bq, (q_chunk[0] + q_chunk[1]) // bq)
+        cols = slice(kv_chunk[0] // bk, (kv_chunk[0] + kv_chunk[1]) // bk)
+        partial, full = self.partial[rows, cols], self.full[rows, cols]
+        if not bool((partial | full).any()):
+            return True, None
+        if backend == "reference":
+            return False, None
+        _, mask_mod = kernels.shifted_mods(self.variant, q_chunk[0], kv_chunk[0], device)
+        block_mask = BlockMask.from_kv_blocks(
+            *_ordered(partial), *_ordered(full), BLOCK_SIZE=self.block, mask_mod=mask_mod,
+            seq_lengths=(q_chunk[1], kv_chunk[1]),
+        )  # fmt: skip
+        return False, block_mask
+
+
+def _dense(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """(rows, n_kv) bool: the blocks a (1, 1, rows) count and (1, 1, rows, K) index table keep."""
+    num, idx = num[0, 0].long(), idx[0, 0].long()
+    valid = torch.arange(idx.shape[-1], device=idx.device)[None, :] < num[:, None]
+    out = torch.zeros((idx.shape[0], n_kv + 1), dtype=torch.bool, device=idx.device)
+    out.scatter_(1, torch.where(valid, idx, n_kv), True)
+    return out[:, :n_kv]
+
+
 def _call(variant, layout, options, backend, backward, rank, world_size, seq_len, stats=None):
     """A CPCall for rank `rank` with no process group and no transport (nothing moves)."""
     return CPCall(
@@ -239,6 +306,10 @@ def _sequence(scheme, q, k, v, grad_out, variant, P, layout, opts, clock) -> Sim
     backward = _resolve_backward(opts.backward)
     variant = variant.to(q.device) if variant.device not in (None, q.device) else variant
     plan = layouts.resolve(layout, P, seq_len, variant, q.device)
+    from attngym.distributed.cp import PLAN_SOURCES
+
+    if variant not in PLAN_SOURCES:
+        PLAN_SOURCES[variant] = GridPlans(variant, seq_len, opts.block_size, q.device)
     positions = [plan.positions(r, q.device) for r in range(P)]
     qs = [q.index_select(2, p) for p in positions]
     ks = [k.index_select(2, p) for p in positions]
