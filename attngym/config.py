@@ -255,6 +255,10 @@ class Topology:
     """fabric=custom: GB/s (1e9 bytes/s) one rank receives."""
     fabric_latency_us: float | None = setting(None, check=_number_or_none)
     """fabric=custom: microseconds each transfer costs beside its bytes."""
+    compare_one_device: bool = True
+    """simulate: time the whole problem on this device too (single_<pass>_ms) for
+    predicted_efficiency; false skips it (a long sequence's one-device run can outlast the
+    simulation, and it does not depend on world_size)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -153,7 +153,9 @@ def run_simulated(settings: Settings, run_dir: Path, kind: str, metrics: dict[st
         prediction.bottleneck,
         fab.name,
     )
-    metrics.update(_one_device(s, kind, (q, k, v, grad_out), variant, device, do_bwd, prediction))
+    if topo.compare_one_device:
+        whole = (q, k, v, grad_out)
+        metrics.update(_one_device(s, kind, whole, variant, device, do_bwd, prediction))
     return metrics
 
 
