@@ -701,7 +701,8 @@ def _simulation(data: dict[str, Any]) -> None:
     if topo["kind"] == "hybrid" and topo["a2a_size"] is None:
         raise ConfigError(
             "topology.a2a_size",
-            "simulated hybrid needs the group size (there are no NVLink domains to take it from)",
+            "topology.simulate=true with topology=hybrid needs the group size, got null (there "
+            "are no NVLink domains to take it from)",
         )
 
 
