@@ -101,7 +101,9 @@ def check(args: argparse.Namespace) -> int:
                 "predicted_fwd_ms": metrics.get("predicted_fwd_ms"),
                 "predicted_fwd_bwd_ms": predicted,
                 "error_pct": (
-                    None if not (measured and predicted) else 100 * (predicted - measured) / measured
+                    None
+                    if not (measured and predicted)
+                    else 100 * (predicted - measured) / measured
                 ),
                 "bottleneck": metrics.get("bottleneck"),
                 "sim_s": metrics.get("sim_s"),
@@ -158,7 +160,11 @@ def _check_md(table, cases) -> str:
             errors[len(errors) // 2 - 1 : len(errors) // 2 + 1]
         ) / 2  # fmt: skip
         lines.append(f"\nmedian |error| {median:.1f} %, largest {errors[-1]:.1f} %")
-    lines += ["", "| case | measured best | model's pick | margin | verdict |", "|---|---|---|--:|---|"]
+    lines += [
+        "",
+        "| case | measured best | model's pick | margin | verdict |",
+        "|---|---|---|--:|---|",
+    ]
     for c in cases:
         lines.append(
             f"| {c['case']} | {c['measured_best']} | {c['predicted_best']} | "
@@ -217,9 +223,7 @@ def scaling(args: argparse.Namespace) -> int:
                 if metrics.get("single_fwd_bwd_ms"):
                     single = {"fwd_bwd": metrics["single_fwd_bwd_ms"]}
                 predicted = metrics.get("predicted_fwd_bwd_ms")
-                efficiency = (
-                    single["fwd_bwd"] / P / predicted if single and predicted else None
-                )
+                efficiency = single["fwd_bwd"] / P / predicted if single and predicted else None
                 table.append(
                     {"case": name, "topology": topology, "layout": layout, "world_size": P,
                      "predicted_fwd_bwd_ms": predicted, "efficiency_fwd_bwd": efficiency,

@@ -346,9 +346,19 @@ CASES = [
         ],
     ),
     (
-        ["topology=hybrid", "topology.world_size=8", "topology.simulate=true", "topology.a2a_size=null"],
+        [
+            "topology=hybrid",
+            "topology.world_size=8",
+            "topology.simulate=true",
+            "topology.a2a_size=null",
+        ],
         "topology.a2a_size",  # no NVLink domains to take the group size from
-        ["topology=hybrid", "topology.world_size=8", "topology.a2a_size=2", "topology.simulate=true"],
+        [
+            "topology=hybrid",
+            "topology.world_size=8",
+            "topology.a2a_size=2",
+            "topology.simulate=true",
+        ],
     ),
     (["+logger.projct=demo"], "logger.projct", ["logger.project=demo"]),  # the tracker's keys
     (["topology.layout=[zigzag]"], "topology.layout", ["topology.layout=zigzag"]),  # a string

@@ -371,7 +371,7 @@ def _ring_rank(call, counted, r, qs, ks, vs, saved, clock, sim) -> RankWork:
             onward = kv_bytes[i + 1] if i + 1 < plan.steps else 0
             bwd_moving.append(onward + (dkv_bytes if i > 0 else 0))
         fwd_in.append(kv_bytes[i] if i > 0 else 0)
-    sent = sum(kv_bytes[1:plan.steps])
+    sent = sum(kv_bytes[1 : plan.steps])
     sim.bytes_moved = max(sim.bytes_moved, sent)
     slots = 2 * kv_bytes[1] if plan.steps > 1 else 0
     sim.peak_mem_bytes = max(sim.peak_mem_bytes, slots + (2 * dkv_bytes if saved else 0))

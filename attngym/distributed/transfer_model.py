@@ -159,9 +159,7 @@ def fabric(
                 f"fabric_gbps, fabric_latency_us: custom needs a bandwidth > 0 GB/s and a "
                 f"latency >= 0 us, got {gbps!r} and {latency_us!r}"
             )
-        return linear_fabric(
-            "custom", f"given: {gbps:g} GB/s, {latency_us:g} us", gbps, latency_us
-        )
+        return linear_fabric("custom", f"given: {gbps:g} GB/s, {latency_us:g} us", gbps, latency_us)
     raise ValueError(f"fabric: expected one of {', '.join(FABRIC_NAMES)}, got {name!r}")
 
 

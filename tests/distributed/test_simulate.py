@@ -73,8 +73,18 @@ def test_identical_work_is_timed_once():
     q, k, v, g = make_inputs(Shape(batch=1, heads=1, seq_len=4096, head_dim=8), 0, "cpu",
                              torch.float32)  # fmt: skip
     calls: list = []
-    sim = simulate("ring", q, k, v, g, variants.get("causal"), world_size=16, layout="zigzag",
-                   options=CPOptions(block_size=(128, 128)), timer=_counting_timer(calls))  # fmt: skip
+    sim = simulate(
+        "ring",
+        q,
+        k,
+        v,
+        g,
+        variants.get("causal"),
+        world_size=16,
+        layout="zigzag",
+        options=CPOptions(block_size=(128, 128)),
+        timer=_counting_timer(calls),
+    )
     assert sim.items == 2 * 16 * 16  # fwd and bwd of every step of every rank
     assert sim.timed == len(calls) == len(set(calls)) and sim.timed <= 8
     assert len(sim.ranks) == 16 and all(len(w.fwd_ms) == 16 for w in sim.ranks)
@@ -202,8 +212,15 @@ def test_check_script_on_a_tiny_csv(tmp_path):
     (folder / "study_tiny.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "check"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/check_cp_model.py"), str(folder), "--out", str(out),
-         "--override", "device=cpu"],  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts/check_cp_model.py"),
+            str(folder),
+            "--out",
+            str(out),
+            "--override",
+            "device=cpu",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=300,
