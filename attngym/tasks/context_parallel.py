@@ -145,7 +145,7 @@ def run_context_parallel(
     if settings.topology.simulate:  # one process, every rank's compute in turn, predicted
         from attngym.tasks.cp_simulate import run_simulated
 
-        return run_simulated(settings, run_dir, kind, metrics)
+        return run_simulated(settings, kind, metrics, one_device=whole_problem_ms)
     check_hardware(settings)
     metrics.update(settings.describe())
     metrics.update(_options(settings))
@@ -512,6 +512,28 @@ def one_device(job: RankJob) -> dict[str, Any]:
             efficiency,
         )
     return metrics
+
+
+def whole_problem_ms(settings: Settings, kind: str, whole, device, do_bwd: bool) -> dict:
+    """{pass: median ms} of the whole problem on `device` (`whole`: q, k, v, grad_out there), as
+    the one_device phase times it; {} where the dense CPU reference would exceed
+    SINGLE_CPU_MAX_BYTES. For the simulated ranks (attngym.tasks.cp_simulate)."""
+    shape = settings.shape
+    if device.type == "cpu" and shape.batch * shape.heads * shape.seq_len**2 * 8 > (
+        SINGLE_CPU_MAX_BYTES
+    ):
+        log.info("one-device comparison skipped: the dense CPU reference is too large")
+        return {}
+    job = RankJob(settings, kind, 0, settings.topology.world_size, device, None, None)
+    job.whole = whole
+    if device.type == "cuda":
+        job.block_mask = kernels.make_block_mask(
+            job.variant, shape.seq_len, shape.seq_len, block_size=settings.block_size,
+            device=device,
+        )  # fmt: skip
+    single: dict[str, Any] = {}
+    _time_whole_problem(job, do_bwd, single)
+    return {name: timing.median_ms for name, timing in single.items()}
 
 
 def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ predictions test the machinery, not a GPU's times.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +43,14 @@ def fabric_of(settings: Settings):
     return fabric(topo.fabric, transport, topo.fabric_gbps, topo.fabric_latency_us)
 
 
-def run_simulated(settings: Settings, run_dir: Path, kind: str, metrics: dict[str, Any]):
-    """Simulate `kind` over topology.world_size ranks on this device; fill and return metrics."""
+def run_simulated(
+    settings: Settings, kind: str, metrics: dict[str, Any], one_device: Callable[..., dict]
+) -> dict[str, Any]:
+    """Simulate `kind` over topology.world_size ranks on this device; fill and return metrics.
+
+    one_device: (settings, kind, (q, k, v, grad_out), device, do_bwd) -> {pass: median ms} of
+    the whole problem on this device (the CP task's one-device phase), {} when skipped.
+    """
     from attngym import registry
     from attngym.distributed import CPOptions, load_imbalance
     from attngym.distributed import layout as layouts
@@ -154,8 +160,8 @@ def run_simulated(settings: Settings, run_dir: Path, kind: str, metrics: dict[st
         fab.name,
     )
     if topo.compare_one_device:
-        whole = (q, k, v, grad_out)
-        metrics.update(_one_device(s, kind, whole, variant, device, do_bwd, prediction))
+        single = one_device(s, kind, (q, k, v, grad_out), device, do_bwd)
+        metrics.update(_efficiency(single, P, prediction))
     return metrics
 
 
@@ -167,35 +173,17 @@ def _whole_shard_bytes(s: Settings, dtype: torch.dtype) -> float:
     return 2 * shape.batch * kv_heads * (shape.seq_len // P) * shape.head_dim * itemsize * (P - 1)
 
 
-def _one_device(s, kind, whole, variant, device, do_bwd, prediction) -> dict[str, Any]:
-    """single_<pass>_ms of the whole problem (the CP task's one-device phase) and the predicted
-    efficiency: (one-device time / P) / predicted time."""
-    from attngym import kernels
-    from attngym.tasks import context_parallel as cp_task
-
+def _efficiency(single: dict[str, float], world_size: int, prediction) -> dict[str, Any]:
+    """single_<pass>_ms and predicted_efficiency<_pass>: (one-device time / P) / predicted time
+    (None where the one-device run was skipped)."""
     metrics: dict[str, Any] = dict.fromkeys(
         ("single_fwd_ms", "predicted_efficiency", "single_fwd_bwd_ms",
          "predicted_efficiency_fwd_bwd")
     )  # fmt: skip
-    shape = s.shape
-    if device.type == "cpu" and shape.batch * shape.heads * shape.seq_len**2 * 8 > (
-        cp_task.SINGLE_CPU_MAX_BYTES
-    ):
-        log.info("one-device comparison skipped: the dense CPU reference is too large")
-        return metrics
-    job = cp_task.RankJob(s, kind, 0, s.topology.world_size, device, None, None)
-    job.whole = whole
-    if device.type == "cuda":
-        job.block_mask = kernels.make_block_mask(
-            variant, shape.seq_len, shape.seq_len, block_size=s.block_size, device=device
-        )
-    single: dict[str, Any] = {}
-    cp_task._time_whole_problem(job, do_bwd, single)
-    P = s.topology.world_size
     predicted = {"fwd": prediction.fwd_ms, "fwd_bwd": prediction.fwd_bwd_ms}
-    for name, result in single.items():
+    for name, ms in single.items():
         suffix = "" if name == "fwd" else f"_{name}"
-        metrics[f"single_{name}_ms"] = result.median_ms
+        metrics[f"single_{name}_ms"] = ms
         if predicted.get(name):
-            metrics[f"predicted_efficiency{suffix}"] = (result.median_ms / P) / predicted[name]
+            metrics[f"predicted_efficiency{suffix}"] = (ms / world_size) / predicted[name]
     return metrics
