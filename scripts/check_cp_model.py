@@ -202,9 +202,13 @@ def _scaling_cases() -> list[tuple[str, list[str], list[tuple[str, str, list[str
 def scaling(args: argparse.Namespace) -> int:
     table = []
     for name, overrides, topologies in _scaling_cases():
+        if args.cases and not any(c in name for c in args.cases):
+            continue
         single: dict[str, Any] = {}
         for P in args.world_sizes:
             for topology, layout, extra in topologies:
+                if args.topologies and topology not in args.topologies:
+                    continue
                 if topology == "ulysses" and P > 8:
                     continue  # 8 heads split over at most 8 ranks; hybrid takes over
                 if topology == "hybrid" and P <= 8:
@@ -215,7 +219,7 @@ def scaling(args: argparse.Namespace) -> int:
                     f"topology.world_size={P}", f"topology.fabric={args.fabric}", *SIMULATE,
                     "benchmark.warmup=1", "benchmark.repeats=5",
                     # the one-device run does not depend on P: timed once per case
-                    f"topology.compare_one_device={'false' if single else 'true'}",
+                    f"topology.compare_one_device={str(not (single or args.no_single)).lower()}",
                     *args.override,
                 ]  # fmt: skip
                 tag = f"scaling_{name.replace(' ', '_')}_{topology}_{P}"
@@ -267,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scaling", action="store_true", help="the predicted scaling tables")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
     parser.add_argument("--fabric", default="h200_nvlink", help="scaling: topology.fabric")
+    parser.add_argument("--cases", nargs="+", default=[], help="scaling: cases containing these")
+    parser.add_argument("--topologies", nargs="+", default=[], help="scaling: only these")
+    parser.add_argument(
+        "--no-single", action="store_true", help="scaling: no one-device run (no efficiency)"
+    )
     args = parser.parse_args(argv)
     return scaling(args) if args.scaling else check(args)
 
