@@ -183,8 +183,9 @@ class GridPlans:
     """
 
     def __init__(self, variant: Variant, seq_len: int, block_size, device):
-        self.variant, self.block, self.device = variant, tuple(block_size), device
-        whole = kernels.make_block_mask(
+        self.variant, self.block, self.device = variant, tuple(block_size), torch.device(device)
+        self.seq_len = seq_len
+        whole = self.whole = kernels.make_block_mask(
             variant, seq_len, seq_len, block_size=self.block, device=device
         )
         self.usable = whole is not None
@@ -198,12 +199,19 @@ class GridPlans:
             else _dense(whole.full_kv_num_blocks, whole.full_kv_indices, n_kv)
         )
 
+    def covers(self, seq_len: int, block_size, device) -> bool:
+        """Whether this grid is the one of a call of this length, block size and device."""
+        same = (seq_len, tuple(block_size), torch.device(device))
+        return (self.seq_len, self.block, self.device) == same
+
     def __call__(self, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
         from torch.nn.attention.flex_attention import BlockMask
 
         bq, bk = self.block
         aligned = all(x % bq == 0 for x in q_chunk) and all(x % bk == 0 for x in kv_chunk)
-        if not (self.usable and aligned and tuple(block_size) == self.block):
+        inside = max(sum(q_chunk), sum(kv_chunk)) <= self.seq_len
+        same = tuple(block_size) == self.block and torch.device(device) == self.device
+        if not (self.usable and aligned and inside and same):
             return None
         rows = slice(q_chunk[0] // bq, (q_chunk[0] + q_chunk[1]) // bq)
         cols = slice(kv_chunk[0] // bk, (kv_chunk[0] + kv_chunk[1]) // bk)
@@ -310,8 +318,9 @@ def _sequence(scheme, q, k, v, grad_out, variant, P, layout, opts, clock) -> Sim
     plan = layouts.resolve(layout, P, seq_len, variant, q.device)
     from attngym.distributed.cp import PLAN_SOURCES
 
-    if variant not in PLAN_SOURCES:
-        PLAN_SOURCES[variant] = GridPlans(variant, seq_len, opts.block_size, q.device)
+    grid = PLAN_SOURCES.get(variant)
+    if grid is None or not grid.covers(seq_len, opts.block_size, q.device):
+        grid = PLAN_SOURCES[variant] = GridPlans(variant, seq_len, opts.block_size, q.device)
     positions = [plan.positions(r, q.device) for r in range(P)]
     qs = [q.index_select(2, p) for p in positions]
     ks = [k.index_select(2, p) for p in positions]
@@ -320,6 +329,7 @@ def _sequence(scheme, q, k, v, grad_out, variant, P, layout, opts, clock) -> Sim
     if grad_out is not None:
         out, lse = kernels.attend_chunk(
             q, k, v, variant, backend=backend, block_size=opts.block_size,
+            block_mask=grid.whole if backend == "flex" else None,
             kernel_options=opts.kernel_options, scale=opts.scale, compile=opts.compile,
             compile_mode=opts.compile_mode,
         )  # fmt: skip
@@ -413,6 +423,8 @@ def _ring_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
 
         def bwd():
             with torch.no_grad():
+                if i > 0:  # each step's dK/dV buffer is a fresh zero-filled one, as the ring's
+                    part.zero_()
                 backward_pairs(call, saved, k_h, v_h, s, dq, part, window=window,
                                dkv_offset=offset)  # fmt: skip
 
