@@ -54,6 +54,10 @@ and efficiency None) when they exceed SINGLE_CPU_MAX_BYTES.
 
 Rank 0's metrics come back to the caller (layout from Settings.describe, the transport as
 resolved); the other ranks log to rank<N>.log in the run folder.
+
+With topology.simulate=true no rank starts: attngym.tasks.cp_simulate runs every rank's compute
+in turn on this one device and predicts the call (its one-device comparison is
+`whole_problem_ms`, the one_device phase's timing).
 Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R validated rows.
 """
 

@@ -58,6 +58,9 @@ def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, a
     assert simulated["predicted_efficiency"] > 0 and simulated["single_fwd_ms"] > 0
     assert simulated["bottleneck"] in ("compute", "transfer", "imbalance")
     assert simulated["sim_timed"] <= simulated["sim_items"]
+    from attngym.metrics import metric_of
+
+    assert [key for key in simulated if metric_of(key) is None] == []  # every key has a row
 
 
 def _counting_timer(calls: list):
