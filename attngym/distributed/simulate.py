@@ -177,14 +177,19 @@ class GridPlans:
     mask's sub-grid (full blocks full, partial ones partial), so its BlockMask is built from them
     (BlockMask.from_kv_blocks with the variant's mask at the pair's offsets) instead of
     evaluating the mask again: the O(P²) pair plans of ring and all-gather cost tensor slicing,
-    not mask evaluation. Other pairs (unaligned chunks) return None and are built as usual. The
-    skip decision (no kept block) is the flex block mask's, for the reference backend too: like
-    every block mask here it is evaluated at batch 0 and head 0.
+    not mask evaluation; pairs whose blocks are all full share one BlockMask per shape. Other
+    pairs (unaligned chunks) return None and are built as usual. The skip decision (no kept
+    block) is the flex block mask's, for the reference backend too: like every block mask here
+    it is evaluated at batch 0 and head 0.
     """
 
     def __init__(self, variant: Variant, seq_len: int, block_size, device):
         self.variant, self.block, self.device = variant, tuple(block_size), torch.device(device)
         self.seq_len = seq_len
+        # (rows, cols) -> the BlockMask of a pair whose blocks are all full: one object for every
+        # such pair, as flex never evaluates the mask on a full block (its mask_mod, at the first
+        # such pair's offsets, is never called).
+        self.all_full: dict[tuple, Any] = {}
         whole = self.whole = kernels.make_block_mask(
             variant, seq_len, seq_len, block_size=self.block, device=device
         )
@@ -220,11 +225,16 @@ class GridPlans:
             return True, None
         if backend == "reference":
             return False, None
+        whole_full = not bool(partial.any()) and bool(full.all())
+        if whole_full and partial.shape in self.all_full:
+            return False, self.all_full[partial.shape]
         _, mask_mod = kernels.shifted_mods(self.variant, q_chunk[0], kv_chunk[0], device)
         block_mask = BlockMask.from_kv_blocks(
             *_ordered(partial), *_ordered(full), BLOCK_SIZE=self.block, mask_mod=mask_mod,
             seq_lengths=(q_chunk[1], kv_chunk[1]),
         )  # fmt: skip
+        if whole_full:
+            self.all_full[partial.shape] = block_mask
         return False, block_mask
 
 
