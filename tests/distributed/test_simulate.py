@@ -237,3 +237,21 @@ def test_check_script_on_a_tiny_csv(tmp_path):
     assert case["measured_best"] == "allgather/zigzag"
     assert case["predicted_best"] in ("ring/zigzag", "allgather/zigzag")
     assert "| measured" in (out / "check_cp_model.md").read_text()
+
+
+def test_hybrid_is_the_across_scheme_over_the_groups_plus_the_in_group_exchange():
+    """4 ranks in groups of 2: the ring across the 2 groups on half the heads, and the Ulysses
+    exchange inside a group (q, k, v in and the output back, each rank keeping its half)."""
+    q, k, v, g = make_inputs(Shape(batch=1, heads=4, seq_len=1024, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    calls: list = []
+    sim = simulate("hybrid", q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
+                   options=CPOptions(block_size=(128, 128)), a2a_size=2,
+                   timer=_counting_timer(calls))  # fmt: skip
+    assert sim.scheme == "ring" and len(sim.ranks) == 2 and sim.world_size == 4
+    shard = 1 * 4 * (1024 // 4) * 8 * 4  # one rank's q (or k, v, out) bytes, float32
+    assert sim.exchange.fwd_bytes == (3 * shard / 2,)
+    assert sim.exchange.tail_fwd_bytes == shard / 2
+    with pytest.raises(ValueError, match="a2a_size"):
+        simulate("hybrid", q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
+                 timer=_counting_timer([]))  # fmt: skip
