@@ -67,6 +67,11 @@ SingleBaseline = Literal[
 # runs the baselines of its own kind, so one default list serves both.
 CPBaseline = Literal["torch_cp"]
 Baseline = Literal[SingleBaseline, CPBaseline]
+# topology.fabric: the links a simulated run's transfers are priced on
+# (attngym.distributed.transfer_model.FABRIC_NAMES, held equal by tests/test_config.py).
+Fabric = Literal["h200_nvlink", "nvl72", "infiniband", "custom"]
+# topology.simulate: the most ranks one simulation takes.
+MAX_SIMULATED_RANKS = 512
 
 DTYPES = (AUTO, *get_args(Dtype))
 DEVICES = (AUTO, *get_args(Device))
@@ -156,6 +161,15 @@ def _seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+def _number_or_none(key: str, value: Any) -> float | None:
+    """null, or a finite number >= 0 (a custom fabric's bandwidth or latency)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(key, f"must be a number >= 0 or null, got {value!r}")
+    return float(value)
+
+
 def _block(key: str, value: Any) -> int | str:
     """A block size: a positive multiple of 16, or a name resolved when the run starts."""
     named = sorted([*BLOCK_SIZE_RESOLVERS, TUNED])
@@ -236,6 +250,22 @@ class Topology:
     allgather, as hybrid's spec checks."""
     timeout_s: float = setting(120.0, check=_seconds)
     """A rank that waits longer than this fails the run."""
+    simulate: bool = False
+    """Simulated ranks: every rank's compute run one after another on this one device, the call
+    over world_size ranks (2 to MAX_SIMULATED_RANKS, whatever the GPUs present) predicted from
+    those times and the fabric's transfers (attngym.tasks.cp_simulate)."""
+    fabric: Fabric = "h200_nvlink"
+    """simulate: the links transfers are priced on. h200_nvlink: measured on two H200s for
+    topology.transport (auto: copy_engine); nvl72, infiniband: stated assumptions; custom:
+    fabric_gbps and fabric_latency_us (attngym.distributed.transfer_model)."""
+    fabric_gbps: float | None = setting(None, check=_number_or_none)
+    """fabric=custom: GB/s (1e9 bytes/s) one rank receives."""
+    fabric_latency_us: float | None = setting(None, check=_number_or_none)
+    """fabric=custom: microseconds each transfer costs beside its bytes."""
+    compare_one_device: bool = True
+    """simulate: time the whole problem on this device too (single_<pass>_ms) for
+    predicted_efficiency; false skips it (a long sequence's one-device run can outlast the
+    simulation, and it does not depend on world_size)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -648,6 +678,51 @@ def _topology_rules(data: dict[str, Any]) -> None:
             raise ConfigError("topology.layout", choice_error("layout", layout, layouts))
 
 
+def _simulation(data: dict[str, Any]) -> None:
+    """topology.simulate: a context-parallel topology, an explicit number of ranks, a fabric
+    with its numbers (custom) or a measured transport (h200_nvlink), hybrid's group size."""
+    topo = data["topology"]
+    custom = topo["fabric"] == "custom"
+    for key in ("fabric_gbps", "fabric_latency_us"):
+        if not custom and topo[key] is not None:
+            raise ConfigError(
+                f"topology.{key}", f"is read only with topology.fabric=custom, got {topo[key]!r}"
+            )
+    if not topo["simulate"]:
+        return
+    if _topology_spec(topo["kind"]) is None:
+        raise ConfigError(
+            "topology.simulate",
+            f"simulates the ranks of a context-parallel topology, not topology={topo['kind']}",
+        )
+    size = topo["world_size"]
+    if size == AUTO or not 2 <= size <= MAX_SIMULATED_RANKS:
+        raise ConfigError(
+            "topology.world_size",
+            f"topology.simulate=true takes the ranks to simulate, 2 to {MAX_SIMULATED_RANKS}, "
+            f"got {size!r}",
+        )
+    if custom and (not topo["fabric_gbps"] or topo["fabric_latency_us"] is None):
+        raise ConfigError(
+            "topology.fabric_gbps",
+            "topology.fabric=custom needs topology.fabric_gbps > 0 and "
+            f"topology.fabric_latency_us, got {topo['fabric_gbps']!r} and "
+            f"{topo['fabric_latency_us']!r}",
+        )
+    if topo["fabric"] == "h200_nvlink" and topo["transport"] not in (AUTO, "copy_engine", "nccl"):
+        raise ConfigError(
+            "topology.transport",
+            f"fabric=h200_nvlink is measured for copy_engine and nccl (auto: copy_engine), got "
+            f"{topo['transport']!r}",
+        )
+    if topo["kind"] == "hybrid" and topo["a2a_size"] is None:
+        raise ConfigError(
+            "topology.a2a_size",
+            "topology.simulate=true with topology=hybrid needs the group size, got null (there "
+            "are no NVLink domains to take it from)",
+        )
+
+
 def _flash_needs_16_bit(data: dict[str, Any]) -> None:
     """BACKEND=FLASH needs a 16-bit dtype."""
     dtype = data["dtype"]
@@ -710,6 +785,7 @@ def _flash_on_this_device(data: dict[str, Any]) -> None:
 VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _kv_heads_divide_heads,
     _topology_rules,
+    _simulation,
     _flash_needs_16_bit,
     _flash_needs_compile,
     _flash_has_no_lse_gradient,
@@ -847,7 +923,8 @@ def _resolve(data: dict[str, Any]) -> None:
     if data["dtype"] == AUTO:
         data["dtype"] = _auto_dtype(device)
     topo = data["topology"]
-    topo["world_size"] = _resolve_world_size(topo["kind"], topo["world_size"], device)
+    if not topo["simulate"]:  # simulated ranks: any number, whatever the GPUs
+        topo["world_size"] = _resolve_world_size(topo["kind"], topo["world_size"], device)
     (q, kv), kernel_options = _resolve_blocks(data, device, data["dtype"], data["kernel_options"])
     data["block_size"] = {"q": q, "kv": kv}
     data["kernel_options"] = kernel_options
@@ -909,7 +986,8 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
     for rule in RESOLVED_RULES:
         rule(data)
     blocks = (data["block_size"]["q"], data["block_size"]["kv"])
-    skipped = _check_fits(
-        data, data["device"]["name"], data["dtype"], data["topology"]["world_size"], blocks
-    )
+    topo = data["topology"]
+    # Simulated ranks hold the whole problem on this one device, as the one-device run does.
+    ranks = 1 if topo["simulate"] else topo["world_size"]
+    skipped = _check_fits(data, data["device"]["name"], data["dtype"], ranks, blocks)
     return _build(Settings, data, variant=variant, skipped_baselines=skipped)

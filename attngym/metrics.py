@@ -321,6 +321,62 @@ METRICS: tuple[Metric, ...] = (
         "chunk pairs the mask empties, summed over ranks",
         column=False,
     ),
+    # Simulated ranks (topology.simulate=true, attngym.tasks.cp_simulate): a prediction.
+    M("simulate", "simulated", "", "true: the ranks were simulated on one device", shown="cp"),
+    M("fabric", "fabric", "", "simulate: the links transfers are priced on", shown="cp"),
+    M(
+        "predicted_<pass>_ms",
+        "predicted {pass} (ms)",
+        "ms",
+        "simulate: the slowest rank's compute and transfers on the fabric, overlapped as the "
+        "topology does",
+        shown="cp",
+    ),
+    M(
+        "predicted_efficiency",
+        "predicted efficiency",
+        "ratio",
+        "simulate: (single_fwd_ms / world_size) / predicted_fwd_ms",
+        shown="cp",
+    ),
+    M(
+        "predicted_efficiency_fwd_bwd",
+        "predicted efficiency fwd+bwd",
+        "ratio",
+        "simulate: as predicted_efficiency, forward and backward",
+        shown="cp",
+    ),
+    M(
+        "bottleneck",
+        "bottleneck",
+        "",
+        "simulate: compute, transfer or imbalance, whichever keeps the call above balanced compute",
+        shown="cp",
+    ),
+    M(
+        "time_imbalance",
+        "time imbalance",
+        "ratio",
+        "simulate: max over mean of the ranks' compute time (fwd+bwd with a backward)",
+        shown="cp",
+    ),
+    M("rank_compute_ms_min", "least rank compute (ms)", "ms", "simulate: the lightest rank"),
+    M("rank_compute_ms_max", "most rank compute (ms)", "ms", "simulate: the heaviest rank"),
+    M(
+        "predicted_peak_mem_bytes",
+        "predicted peak memory",
+        "bytes",
+        "simulate: a rank's timed compute peak plus its transfer buffers, the largest rank",
+    ),
+    M(
+        "predicted_torch_cp_<pass>_ms",
+        "predicted torch_cp {pass} (ms)",
+        "ms",
+        "simulate, allgather: PyTorch's scheme (whole K/V shards gathered, the same call)",
+    ),
+    M("sim_s", "simulation (s)", "s", "simulate: wall time of the simulated ranks"),
+    M("sim_items", "items", "", "simulate: items of work over ranks and passes", column=False),
+    M("sim_timed", "items timed", "", "simulate: distinct items timed", column=False),
     # PyTorch's own flex context parallelism, the torch_cp baseline, on the same shards.
     M("torch_cp_<pass>_ms", "torch_cp {pass} (ms)", "ms", "torch_cp's time, median"),
     M(

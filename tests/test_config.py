@@ -307,6 +307,59 @@ CASES = [
             "shape.seq_len=1032",
         ],
     ),
+    (
+        ["topology=ring", "topology.simulate=true", "topology.world_size=auto"],
+        "topology.world_size",  # simulated ranks are counted, not found
+        ["topology=ring", "topology.simulate=true", "topology.world_size=64"],
+    ),
+    (
+        ["topology=ring", "topology.simulate=true", "topology.world_size=1024"],
+        "topology.world_size",
+        ["topology=ring", "topology.simulate=true", "topology.world_size=512"],
+    ),
+    (
+        ["topology=ring", "topology.fabric=warp"],
+        "topology.fabric",
+        ["topology=ring", "topology.fabric=nvl72"],
+    ),
+    (
+        ["topology=ring", "topology.fabric_gbps=100"],
+        "topology.fabric_gbps",  # read only with fabric=custom
+        ["topology=ring", "topology.fabric=custom", "topology.fabric_gbps=100"],
+    ),
+    (
+        [
+            "topology=ring",
+            "topology.simulate=true",
+            "topology.world_size=8",
+            "topology.fabric=custom",
+            "topology.fabric_latency_us=5",
+        ],
+        "topology.fabric_gbps",  # custom needs both numbers
+        [
+            "topology=ring",
+            "topology.simulate=true",
+            "topology.world_size=8",
+            "topology.fabric=custom",
+            "topology.fabric_latency_us=5",
+            "topology.fabric_gbps=100",
+        ],
+    ),
+    (
+        [
+            "topology=hybrid",
+            "topology.world_size=8",
+            "topology.simulate=true",
+            "topology.a2a_size=null",
+        ],
+        "topology.a2a_size",  # no NVLink domains to take the group size from
+        [
+            "topology=hybrid",
+            "topology.world_size=8",
+            "topology.a2a_size=2",
+            "topology.simulate=true",
+        ],
+    ),
     (["+logger.projct=demo"], "logger.projct", ["logger.project=demo"]),  # the tracker's keys
     (["topology.layout=[zigzag]"], "topology.layout", ["topology.layout=zigzag"]),  # a string
     (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),

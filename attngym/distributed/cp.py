@@ -223,6 +223,12 @@ _PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[bool, Any]]] = (
 )
 
 
+# Variant -> where its chunk-pair plans may come from before they are built one by one: a callable
+# taking _pair_plan's key and returning (skip, block_mask), or None to build it. The simulated
+# ranks (attngym.distributed.simulate) cut them from one whole-sequence block mask.
+PLAN_SOURCES: weakref.WeakKeyDictionary[Variant, Any] = weakref.WeakKeyDictionary()
+
+
 def _pair_plan(
     variant: Variant,
     batch: int,
@@ -243,9 +249,11 @@ def _pair_plan(
     plans = _PLANS.setdefault(variant, {})
     key = (batch, heads, q_chunk, kv_chunk, block_size, backend, device)
     if key not in plans:
-        plans[key] = _build_pair_plan(
+        source = PLAN_SOURCES.get(variant)
+        plan = None if source is None else source(*key)
+        plans[key] = plan if plan is not None else _build_pair_plan(
             variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device
-        )
+        )  # fmt: skip
     return plans[key]
 
 
@@ -326,13 +334,30 @@ def rows_read(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> tuple
             skip, block_mask = _call_plan(call, q, qc, kc, "flex")
             if skip:
                 continue
-            used = block_mask.to_dense().flatten(0, -2).ne(0).any(0).nonzero().flatten()
+            first, last = _kv_blocks_used(block_mask)
             block = block_mask.BLOCK_SIZE[1]
-            a = kv_start + int(used[0]) * block
-            b = kv_start + min((int(used[-1]) + 1) * block, kc[1])
+            a = kv_start + first * block
+            b = kv_start + min((last + 1) * block, kc[1])
             lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
         kv_start += kc[1]
     return None if lo is None else (lo, hi)
+
+
+def _kv_blocks_used(block_mask) -> tuple[int, int]:
+    """The first and last kv block some query block keeps (partial or full), read from the
+    block indices (no dense copy: the simulated ranks ask this of O(P²) pairs)."""
+    firsts, lasts = [], []
+    for num, idx in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
+        if num is None:
+            continue
+        kept = idx[torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)]
+        if kept.numel():
+            firsts.append(kept.min())
+            lasts.append(kept.max())
+    return int(torch.stack(firsts).min()), int(torch.stack(lasts).max())
 
 
 def _call_plan(call: CPCall, q: torch.Tensor, qc, kc, backend: str):

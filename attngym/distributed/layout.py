@@ -7,13 +7,14 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 causal mask every rank then does the same amount of work (the early chunk is cheap,
                 the late one expensive).
     balanced    placed from the variant's block mask: S is cut into n = 2P·m equal pieces
-                (m = 1, 2 or 4, whichever balances best), each piece costs the non-empty blocks of
-                its query rows, and a greedy placement (largest piece first, to the least loaded
-                rank that still has room) gives every rank n/P pieces of about equal cost. Pieces
-                adjacent on a rank merge into one chunk. For causal it finds zigzag; for packed
-                documents it spreads each document's expensive tail (the designs PyTorch's
-                per-document head-tail and PTRR load balancers follow, computed here from the
-                mask rather than per variant).
+                (m = 1, 2 or 4, whichever balances best), each piece costs the predicted time of
+                its query rows (BLOCK_COSTS: a full block, and a partial one, which evaluates the
+                mask per entry, in units of a full block's time), and a greedy placement (largest
+                piece first, to the least loaded rank that still has room) gives every rank n/P
+                pieces of about equal time. Pieces adjacent on a rank merge into one chunk. For
+                causal it finds zigzag; for packed documents it spreads each document's expensive
+                tail (the designs PyTorch's per-document head-tail and PTRR load balancers
+                follow; those count blocks, this weighs them by what they cost).
 
 A rank's shard is the concatenation of its chunks in that order; `chunks` gives them as
 (global offset, length) pairs, which is what the context-parallel kernels pass as q/kv offsets.
@@ -37,6 +38,12 @@ LAYOUTS = ("contiguous", "zigzag", "balanced")
 BALANCE_SPLITS = (1, 2, 4)
 # A placement this close to perfect (max/mean) stops the search for more pieces.
 GOOD_ENOUGH = 1.02
+# (full, partial) block time, in units of a full block's: fitted to the one-GPU fwd+bwd times of
+# experiments/multi_gpu_cp (H200, bf16, B=1, H=8, D=128, blocks of 128): causal 128K, 523776
+# full + 1024 partial blocks in 305.1 ms (study_causal.csv), and sliding_window(1024) 128K, 7168
+# full + 2048 partial in 6.32 ms (study_window.csv), give 0.580 us a full block and 1.054 us a
+# partial one. (1.0, 1.0) counts blocks (the placement before time was weighed).
+BLOCK_COSTS = (1.0, 1.82)
 
 
 def _check(layout: str, world_size: int) -> None:
@@ -107,7 +114,31 @@ def row_block_costs(
     return dense[0, 0].ne(0).sum(-1).cpu()
 
 
-def _greedy(costs: list[int], world_size: int) -> list[list[int]]:
+def row_time_costs(
+    variant,
+    seq_len: int,
+    block: int,
+    device: torch.device | str = "cpu",
+    block_costs: tuple[float, float] = BLOCK_COSTS,
+) -> torch.Tensor:
+    """(S/block,) float64: each query block row's predicted time, full blocks at block_costs[0]
+    and partial ones at block_costs[1] (a block mask without full blocks counts every kept block
+    as partial)."""
+    from attngym import kernels
+
+    full_cost, partial_cost = block_costs
+    block_mask = kernels.make_block_mask(
+        variant, seq_len, seq_len, block_size=(block, block), device=device
+    )
+    if block_mask is None:  # no mask: every block is kept, and full
+        return torch.full((seq_len // block,), full_cost * (seq_len // block), dtype=torch.float64)
+    partial = block_mask.kv_num_blocks[0, 0].to("cpu", torch.float64)
+    full = block_mask.full_kv_num_blocks
+    full = torch.zeros_like(partial) if full is None else full[0, 0].to("cpu", torch.float64)
+    return full * full_cost + partial * partial_cost
+
+
+def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
     """Pieces per rank: largest first, to the least loaded rank with room (ties: lower index)."""
     per_rank = len(costs) // world_size
     load = [0] * world_size
@@ -130,7 +161,14 @@ def _merged(indices: list[int], size: int) -> tuple[tuple[int, int], ...]:
     return tuple((o, n) for o, n in out)
 
 
-def _balanced(world_size: int, seq_len: int, variant, block_size: Sequence[int], device) -> Layout:
+def _balanced(
+    world_size: int,
+    seq_len: int,
+    variant,
+    block_size: Sequence[int],
+    device,
+    block_costs: tuple[float, float] = BLOCK_COSTS,
+) -> Layout:
     if variant is None:
         raise ValueError(
             "layout='balanced' is placed from the variant's block mask: pass variant= (or a "
@@ -146,7 +184,8 @@ def _balanced(world_size: int, seq_len: int, variant, block_size: Sequence[int],
         block = min(int(block_size[0]), size)
         if size % block:
             block = size
-        rows = row_block_costs(variant, seq_len, block, device).view(n, size // block).sum(-1)
+        rows = row_time_costs(variant, seq_len, block, device, block_costs)
+        rows = rows.view(n, size // block).sum(-1)
         owned = _greedy(rows.tolist(), world_size)
         loads = [sum(rows[i].item() for i in o) for o in owned]
         imbalance = max(loads) / max(sum(loads) / world_size, 1e-9)
@@ -164,6 +203,7 @@ def plan(
     variant=None,
     block_size: Sequence[int] = (128, 128),
     device: torch.device | str = "cpu",
+    block_costs: tuple[float, float] = BLOCK_COSTS,
 ) -> Layout:
     """Every rank's chunks for `layout` (a name, or a Layout checked against P and S).
 
@@ -173,6 +213,7 @@ def plan(
         variant: the attention variant; `balanced` needs it (its block mask decides).
         block_size: (q, kv) block size whose non-empty blocks `balanced` evens out.
         device: where `balanced` builds the block mask (large S: CUDA, see kernels.make_block_mask).
+        block_costs: `balanced`'s (full, partial) block time (BLOCK_COSTS; (1, 1) counts blocks).
     """
     if isinstance(layout, Layout):
         if (layout.world_size, layout.seq_len) != (world_size, seq_len):
@@ -183,7 +224,7 @@ def plan(
         return layout
     _check(layout, world_size)
     if layout == "balanced":
-        return _balanced(world_size, seq_len, variant, block_size, device)
+        return _balanced(world_size, seq_len, variant, block_size, device, block_costs)
     return _fixed(layout, world_size, seq_len)
 
 

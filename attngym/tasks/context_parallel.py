@@ -54,6 +54,10 @@ and efficiency None) when they exceed SINGLE_CPU_MAX_BYTES.
 
 Rank 0's metrics come back to the caller (layout from Settings.describe, the transport as
 resolved); the other ranks log to rank<N>.log in the run folder.
+
+With topology.simulate=true no rank starts: attngym.tasks.cp_simulate runs every rank's compute
+in turn on this one device and predicts the call (its one-device comparison is
+`whole_problem_ms`, the one_device phase's timing).
 Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R validated rows.
 """
 
@@ -141,8 +145,12 @@ def run_context_parallel(
     filled into `metrics` (the settings first: a run stopped part-way keeps what it ran)."""
     from attngym.distributed.launch import launch
 
-    check_hardware(settings)
     metrics = {} if metrics is None else metrics
+    if settings.topology.simulate:  # one process, every rank's compute in turn, predicted
+        from attngym.tasks.cp_simulate import run_simulated
+
+        return run_simulated(settings, kind, metrics, one_device=whole_problem_ms)
+    check_hardware(settings)
     metrics.update(settings.describe())
     metrics.update(_options(settings))
     with timeline.phase("ranks_start"):  # what rank 0's own phases do not cover
@@ -528,6 +536,28 @@ def one_device(job: RankJob) -> dict[str, Any]:
             efficiency,
         )
     return metrics
+
+
+def whole_problem_ms(settings: Settings, kind: str, whole, device, do_bwd: bool) -> dict:
+    """{pass: median ms} of the whole problem on `device` (`whole`: q, k, v, grad_out there), as
+    the one_device phase times it; {} where the dense CPU reference would exceed
+    SINGLE_CPU_MAX_BYTES. For the simulated ranks (attngym.tasks.cp_simulate)."""
+    shape = settings.shape
+    if device.type == "cpu" and shape.batch * shape.heads * shape.seq_len**2 * 8 > (
+        SINGLE_CPU_MAX_BYTES
+    ):
+        log.info("one-device comparison skipped: the dense CPU reference is too large")
+        return {}
+    job = RankJob(settings, kind, 0, settings.topology.world_size, device, None, None)
+    job.whole = whole
+    if device.type == "cuda":
+        job.block_mask = kernels.make_block_mask(
+            job.variant, shape.seq_len, shape.seq_len, block_size=settings.block_size,
+            device=device,
+        )  # fmt: skip
+    single: dict[str, Any] = {}
+    _time_whole_problem(job, do_bwd, single)
+    return {name: timing.median_ms for name, timing in single.items()}
 
 
 def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> None:

@@ -1,0 +1,311 @@
+"""How long a context-parallel call takes on P ranks, from per-rank compute and a transfer model.
+
+The simulated ranks (attngym.distributed.simulate) time each rank's compute on one device; this
+module adds the transfers and each topology's overlap, and names what limits the call:
+
+    ring       per step, the slower of the step's compute and the transfer of the next step's K/V
+               (backward: that K/V and the dK/dV push), summed; then the last dK/dV push home.
+    allgather  the gather, then the one call (backward: the call's backward, then the
+               reduce-scatter of dK/dV).
+    ulysses    the all-to-all of q, k, v, the call, the all-to-all of the output (backward: the
+               same exchanges in reverse around the call's backward).
+    hybrid     the in-group all-to-alls around the across algorithm (ring or allgather) of the
+               groups.
+    torch_cp   PyTorch's scheme: every rank's whole K/V shard all-gathered, one call per rank.
+
+The call ends when its slowest rank ends: the prediction is the largest rank time. Ranks are
+modelled independently (a rank never waits for a slower neighbour), which is exact for the
+gather-then-compute schemes and optimistic for a ring whose ranks are unevenly loaded.
+
+A `Fabric` turns bytes into milliseconds per transfer pattern (channel: one ring step,
+point to point; allgather; alltoall), indexed by the bytes one rank receives. `FABRICS` holds the
+measured one (two H200s, per transport) and named assumptions; `custom_fabric` a user's numbers.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+Pattern = Literal["channel", "allgather", "alltoall"]
+PATTERNS: tuple[Pattern, ...] = ("channel", "allgather", "alltoall")
+Bottleneck = Literal["compute", "transfer", "imbalance"]
+# Below this share of the call, neither the exposed transfer nor the imbalance is the bottleneck.
+BOTTLENECK_SHARE = 0.05
+MIB = 2**20
+
+# experiments/multi_gpu_cp/transfer_bandwidth_alltoall.json (scripts/transfer_bandwidth.py
+# --sizes-mib 1 16 64 256 1024 --iters 10 --repeats 3, two H200s, NV18, torch 2.11, 2026-11-30):
+# (MiB a rank sends, ms) per pattern and transport, the slower rank's median. "channel" is one
+# ring step (CopyEngineChannel / P2PChannel), "allgather" the K/V all-gather, "alltoall" the
+# all-to-all of a (P, n) tensor (CopyEngineAllToAll.exchange / all_to_all_single).
+# tests/distributed/test_simulate.py holds these numbers to that file.
+H200_MEASURED: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {
+    "copy_engine": {
+        "channel": ((1, 0.1967), (16, 0.2318), (64, 0.2417), (256, 0.8188), (1024, 2.9347)),
+        "allgather": ((1, 0.2715), (16, 0.2749), (64, 0.2957), (256, 0.9071), (1024, 3.4232)),
+        "alltoall": ((1, 0.2948), (16, 0.3221), (64, 0.2610), (256, 0.6241), (1024, 2.0854)),
+    },
+    "nccl": {
+        "channel": ((1, 0.1191), (16, 0.1384), (64, 0.2784), (256, 0.9951), (1024, 3.1207)),
+        "allgather": ((1, 0.0409), (16, 0.1005), (64, 0.3687), (256, 1.0986), (1024, 3.9243)),
+        "alltoall": ((1, 0.0604), (16, 0.0642), (64, 0.2246), (256, 0.5255), (1024, 1.6615)),
+    },
+}
+H200_SOURCE = (
+    "experiments/multi_gpu_cp/transfer_bandwidth_alltoall.json (two H200s, NV18, 2026-11-30)"
+)
+# What one rank receives when it sends `x` at P=2 in the measurement: the whole of it, except the
+# all-to-all, which keeps its own half.
+_RECEIVED_AT_2 = {"channel": 1.0, "allgather": 1.0, "alltoall": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fabric:
+    """Milliseconds of one transfer of a pattern, by the bytes one rank receives in it.
+
+    Attributes:
+        name: how metrics and tables name it.
+        source: where the numbers come from (a file and measurement, or a stated assumption).
+        curves: per pattern, (bytes received, ms) points, increasing; linear between them, the
+            first point's time below it, the last segment's slope above it. A fabric given by
+            latency and bandwidth has two points on that line.
+    """
+
+    name: str
+    source: str
+    curves: Mapping[str, tuple[tuple[float, float], ...]]
+
+    def ms(self, pattern: Pattern, received_bytes: float) -> float:
+        """The time of one transfer in which one rank receives `received_bytes` (0: none, 0 ms)."""
+        if received_bytes <= 0:
+            return 0.0
+        points = self.curves[pattern]
+        xs = [x for x, _ in points]
+        i = bisect.bisect_left(xs, received_bytes)
+        if i == 0:
+            return points[0][1]
+        (x0, y0), (x1, y1) = points[min(i, len(points) - 1) - 1], points[min(i, len(points) - 1)]
+        return y0 + (y1 - y0) * (received_bytes - x0) / (x1 - x0)
+
+
+def linear_fabric(name: str, source: str, gbps: float, latency_us: float) -> Fabric:
+    """A fabric of one latency and one bandwidth (GB/s = 1e9 bytes/s received per rank) for
+    every pattern."""
+    line = ((0.0, latency_us / 1e3), (1e9, latency_us / 1e3 + 1e3 / gbps))
+    return Fabric(name, source, dict.fromkeys(PATTERNS, line))
+
+
+def measured_fabric(transport: str) -> Fabric:
+    """The two-H200 measurement for `transport` (copy_engine | nccl), indexed by bytes received."""
+    table = H200_MEASURED[transport]
+    curves = {
+        pattern: tuple((mib * MIB * _RECEIVED_AT_2[pattern], ms) for mib, ms in table[pattern])
+        for pattern in PATTERNS
+    }
+    return Fabric(f"h200_nvlink/{transport}", f"{H200_SOURCE}, {transport}", curves)
+
+
+# The named fabrics besides the measured one: stated assumptions, not measurements.
+NAMED_FABRICS: dict[str, tuple[float, float, str]] = {
+    # GB/s received per GPU, latency in us, and why.
+    "nvl72": (
+        730.0,
+        20.0,
+        "assumed: GB200 NVL72, NVLink 5 at 900 GB/s each way per GPU (NVIDIA's datasheet) at "
+        "the 81 % the two-H200 copy-engine channel reached of NVLink 4's 450 GB/s (366 GB/s at "
+        "1 GiB); 20 us per transfer",
+    ),
+    "infiniband": (
+        45.0,
+        25.0,
+        "assumed: one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s each way) at 90 %; 25 us "
+        "per transfer (NCCL over IB)",
+    ),
+}
+FABRIC_NAMES = ("h200_nvlink", *NAMED_FABRICS, "custom")
+MEASURED_TRANSPORTS = tuple(H200_MEASURED)
+
+
+def fabric(
+    name: str,
+    transport: str = "copy_engine",
+    gbps: float | None = None,
+    latency_us: float | None = None,
+) -> Fabric:
+    """The Fabric `name` (FABRIC_NAMES): h200_nvlink is measured per `transport`; custom takes
+    `gbps` and `latency_us`.
+
+    Raises:
+        ValueError: an unknown name, a transport with no measurement, or custom without both
+            numbers (the message names the parameter).
+    """
+    if name == "h200_nvlink":
+        if transport not in H200_MEASURED:
+            raise ValueError(
+                f"transport: h200_nvlink is measured for {', '.join(H200_MEASURED)}, got "
+                f"{transport!r}"
+            )
+        return measured_fabric(transport)
+    if name in NAMED_FABRICS:
+        bw, lat, why = NAMED_FABRICS[name]
+        return linear_fabric(name, why, bw, lat)
+    if name == "custom":
+        if gbps is None or latency_us is None or gbps <= 0 or latency_us < 0:
+            raise ValueError(
+                f"fabric_gbps, fabric_latency_us: custom needs a bandwidth > 0 GB/s and a "
+                f"latency >= 0 us, got {gbps!r} and {latency_us!r}"
+            )
+        return linear_fabric("custom", f"given: {gbps:g} GB/s, {latency_us:g} us", gbps, latency_us)
+    raise ValueError(f"fabric: expected one of {', '.join(FABRIC_NAMES)}, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a rank does, and the arithmetic of the overlap.
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWork:
+    """One rank's measured compute and the bytes its transfers move.
+
+    Attributes:
+        fwd_ms, bwd_ms: compute per step (ring: one per ring step; the one-call schemes: one).
+        fwd_bytes: bytes this rank receives before each forward step (ring: step i's K/V, 0 at
+            step 0; allgather: the gather; ulysses: the q/k/v exchange, then `out_bytes`).
+        bwd_bytes: bytes of each backward step's transfers (ring: the K/V of step i + 1 and the
+            dK/dV push of step i; allgather: the reduce-scatter; ulysses: the exchanges back).
+        tail_bytes: bytes moved after the last step (ring: the dK/dV push home; ulysses: the
+            output's exchange back, forward).
+    """
+
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...] = ()
+    fwd_bytes: tuple[float, ...] = ()
+    bwd_bytes: tuple[float, ...] = ()
+    tail_fwd_bytes: float = 0.0
+    tail_bwd_bytes: float = 0.0
+
+    @property
+    def compute_fwd_ms(self) -> float:
+        return sum(self.fwd_ms)
+
+    @property
+    def compute_fwd_bwd_ms(self) -> float:
+        return sum(self.fwd_ms) + sum(self.bwd_ms)
+
+
+def ring_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+    """Per step, max(compute of step i, transfer of step i + 1's data), summed (module docstring).
+
+    fwd_bytes[i] is what arrives for step i (fwd_bytes[0] = 0: the own shard); bwd_bytes[i] what
+    moves during backward step i.
+    """
+    steps = len(work.fwd_ms)
+    total = 0.0
+    for i in range(steps):
+        nxt = work.fwd_bytes[i + 1] if i + 1 < steps else 0.0
+        total += max(work.fwd_ms[i], fab.ms("channel", nxt))
+    if backward:
+        for i, compute in enumerate(work.bwd_ms):
+            total += max(compute, fab.ms("channel", work.bwd_bytes[i]) if work.bwd_bytes else 0)
+        total += fab.ms("channel", work.tail_bwd_bytes)
+    return total
+
+
+def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+    """allgather and torch_cp: the gather, then the call; backward: the call's, then the
+    reduce-scatter (as long as the gather)."""
+    gather = fab.ms("allgather", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
+    total = gather + work.compute_fwd_ms
+    if backward:
+        total += sum(work.bwd_ms) + gather
+    return total
+
+
+def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+    """ulysses: q/k/v exchange, call, output exchange; backward: the output gradient's exchange,
+    the call's backward, the q/k/v gradients' exchange."""
+    into = fab.ms("alltoall", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
+    back = fab.ms("alltoall", work.tail_fwd_bytes)
+    total = into + work.compute_fwd_ms + back
+    if backward:
+        total += back + sum(work.bwd_ms) + into
+    return total
+
+
+RANK_TIME = {"ring": ring_rank_ms, "allgather": gather_rank_ms, "torch_cp": gather_rank_ms,
+             "ulysses": alltoall_rank_ms}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The predicted call: the slowest rank, its parts, and what limits it.
+
+    Attributes:
+        fwd_ms, fwd_bwd_ms: the slowest rank's forward and forward+backward (fwd_bwd None
+            without a backward).
+        rank_ms: every rank's predicted fwd+bwd (fwd when forward only).
+        rank_compute_ms: every rank's compute alone, same passes.
+        bottleneck: compute (balanced compute within BOTTLENECK_SHARE of the call), transfer
+            (the exposed transfer is the larger loss) or imbalance (the slowest rank's extra
+            compute over the mean is).
+    """
+
+    fwd_ms: float
+    fwd_bwd_ms: float | None
+    rank_ms: tuple[float, ...]
+    rank_compute_ms: tuple[float, ...]
+    bottleneck: Bottleneck
+
+    @property
+    def time_imbalance(self) -> float:
+        """max over mean of the ranks' compute (1.0: even)."""
+        mean = sum(self.rank_compute_ms) / len(self.rank_compute_ms)
+        return max(self.rank_compute_ms) / mean if mean > 0 else 1.0
+
+
+def bottleneck(total_ms: float, compute_ms: Sequence[float]) -> Bottleneck:
+    """What keeps `total_ms` above the mean compute: the imbalance (max - mean compute) or the
+    exposed transfer (total - max compute); compute when both are under BOTTLENECK_SHARE."""
+    worst, mean = max(compute_ms), sum(compute_ms) / len(compute_ms)
+    imbalance, exposed = worst - mean, max(total_ms - worst, 0.0)
+    if max(imbalance, exposed) < BOTTLENECK_SHARE * total_ms:
+        return "compute"
+    return "transfer" if exposed >= imbalance else "imbalance"
+
+
+def predict(scheme: str, ranks: Sequence[RankWork], fab: Fabric, backward: bool) -> Prediction:
+    """The call of `ranks` under `scheme` (ring | allgather | ulysses | torch_cp) on `fab`."""
+    rank_time = RANK_TIME[scheme]
+    fwd = [rank_time(w, fab, False) for w in ranks]
+    both = [rank_time(w, fab, True) for w in ranks] if backward else None
+    compute = [w.compute_fwd_bwd_ms if backward else w.compute_fwd_ms for w in ranks]
+    totals = both if both is not None else fwd
+    return Prediction(
+        fwd_ms=max(fwd),
+        fwd_bwd_ms=None if both is None else max(both),
+        rank_ms=tuple(totals),
+        rank_compute_ms=tuple(compute),
+        bottleneck=bottleneck(max(totals), compute),
+    )
+
+
+def compose_hybrid(
+    across: Prediction, exchange: RankWork, fab: Fabric, backward: bool
+) -> Prediction:
+    """hybrid: the in-group all-to-alls (`exchange`: their bytes, no compute) around the across
+    algorithm's call (`across`, predicted over the groups with the group's head slice)."""
+    extra_fwd = alltoall_rank_ms(exchange, fab, False)
+    extra_both = alltoall_rank_ms(exchange, fab, True)
+    add = extra_both if backward else extra_fwd
+    totals = tuple(t + add for t in across.rank_ms)
+    return Prediction(
+        fwd_ms=across.fwd_ms + extra_fwd,
+        fwd_bwd_ms=None if across.fwd_bwd_ms is None else across.fwd_bwd_ms + extra_both,
+        rank_ms=totals,
+        rank_compute_ms=across.rank_compute_ms,
+        bottleneck=bottleneck(max(totals), across.rank_compute_ms),
+    )

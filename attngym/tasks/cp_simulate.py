@@ -1,0 +1,189 @@
+"""Simulated ranks (`topology.simulate=true`): a context-parallel run on one device, predicted.
+
+One process, one device, no process group. For topology.world_size = P ranks (2 to
+config.MAX_SIMULATED_RANKS, whatever the GPUs present), attngym.distributed.simulate runs every
+rank's exact compute one after another (the same plans, pair block masks and kernels as the real
+call, identical work timed once), and attngym.distributed.transfer_model adds the transfers on
+`topology.fabric` and each topology's overlap. The prediction is the slowest rank.
+
+Metrics (attngym.metrics.METRICS): predicted_fwd_ms, predicted_fwd_bwd_ms (and predicted_bwd_ms,
+their difference), predicted_efficiency / predicted_efficiency_fwd_bwd against the one-device call
+timed in the same job (single_fwd_ms, single_fwd_bwd_ms, as the CP task times them),
+rank_compute_ms_min / _max and time_imbalance (each rank's compute alone, fwd+bwd where the run
+has a backward), predicted_peak_mem_bytes, bottleneck, fabric; bytes_moved, pairs_computed,
+pairs_skipped and load_imbalance mean what they mean in a real run; predicted_torch_cp_<pass>_ms
+for allgather (PyTorch's scheme: the same one call per rank, whole K/V shards gathered);
+sim_s (the simulation's wall time), sim_items and sim_timed (items of work, and how many distinct
+ones were timed).
+
+On CPU the chunk kernel is the dense reference (FlexAttention runs forward only there), so CPU
+predictions test the machinery, not a GPU's times.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attngym.config import AUTO, Settings
+from attngym.inputs import make_inputs, torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+def fabric_of(settings: Settings):
+    """The run's Fabric (attngym.distributed.transfer_model.fabric), named by topology.fabric."""
+    from attngym.distributed.transfer_model import fabric
+
+    topo = settings.topology
+    transport = "copy_engine" if topo.transport in (AUTO, "gloo") else topo.transport
+    return fabric(topo.fabric, transport, topo.fabric_gbps, topo.fabric_latency_us)
+
+
+def run_simulated(
+    settings: Settings, kind: str, metrics: dict[str, Any], one_device: Callable[..., dict]
+) -> dict[str, Any]:
+    """Simulate `kind` over topology.world_size ranks on this device; fill and return metrics.
+
+    one_device: (settings, kind, (q, k, v, grad_out), device, do_bwd) -> {pass: median ms} of
+    the whole problem on this device (the CP task's one-device phase), {} when skipped.
+    """
+    from attngym import registry
+    from attngym.distributed import CPOptions, load_imbalance
+    from attngym.distributed import layout as layouts
+    from attngym.distributed.simulate import bench_timer, simulate
+    from attngym.distributed.transfer_model import compose_hybrid, predict
+
+    s, topo = settings, settings.topology
+    spec = registry.get("topology", kind)
+    options = {key: getattr(topo, key) for key in spec.options}
+    spec.check(
+        heads=s.shape.heads,
+        kv_heads=s.shape.kv_heads,
+        seq_len=s.shape.seq_len,
+        world_size=topo.world_size,
+        layout=topo.layout,
+        options=options,
+    )
+    fab = fabric_of(s)
+    metrics.update(s.describe())
+    metrics.update(options)
+    metrics.update({"simulate": True, "fabric": fab.name})
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if s.device == "cuda"
+        else torch.device("cpu")
+    )
+    dtype = torch_dtype(s.dtype)
+    do_bwd = "bwd" in s.passes
+    q, k, v, grad_out = (
+        t.to(device=device, dtype=dtype) for t in make_inputs(s.shape, s.seed, "cpu", torch.float32)
+    )
+    variant = s.variant.to(device)
+    P = topo.world_size
+    seq_shards = {"ulysses": 1, "hybrid": P // (topo.a2a_size or P)}.get(kind, P)
+    if seq_shards > 1 and kind != "hybrid":
+        used = layouts.resolve(topo.layout, P, s.shape.seq_len, variant, device)
+        metrics["load_imbalance"] = load_imbalance(
+            used, variant, P, s.shape.seq_len, s.block_size, device
+        )
+    else:
+        metrics["load_imbalance"] = 1.0
+    cp_options = CPOptions(
+        block_size=tuple(s.block_size),
+        kernel_options=s.kernel_options or None,
+        timeout_s=topo.timeout_s,
+        compile=s.compile,
+        compile_mode=s.compile_mode,
+    )
+    sim = simulate(
+        kind,
+        q,
+        k,
+        v,
+        grad_out if do_bwd else None,
+        variant,
+        world_size=P,
+        layout=topo.layout,
+        options=cp_options,
+        a2a_size=topo.a2a_size,
+        across=topo.across,
+        timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats),
+    )
+    scheme = sim.scheme
+    prediction = predict(scheme, sim.ranks, fab, do_bwd)
+    if kind == "hybrid" and sim.exchange is not None:
+        prediction = compose_hybrid(prediction, sim.exchange, fab, do_bwd)
+    metrics.update(
+        {
+            "pairs_computed": sim.pairs_computed,
+            "pairs_skipped": sim.pairs_skipped,
+            "bytes_moved": sim.bytes_moved,
+            "predicted_fwd_ms": prediction.fwd_ms,
+            "predicted_bwd_ms": (
+                None if prediction.fwd_bwd_ms is None else prediction.fwd_bwd_ms - prediction.fwd_ms
+            ),
+            "predicted_fwd_bwd_ms": prediction.fwd_bwd_ms,
+            "rank_compute_ms_min": min(prediction.rank_compute_ms),
+            "rank_compute_ms_max": max(prediction.rank_compute_ms),
+            "time_imbalance": prediction.time_imbalance,
+            "bottleneck": prediction.bottleneck,
+            "predicted_peak_mem_bytes": sim.peak_mem_bytes,
+            "sim_items": sim.items,
+            "sim_timed": sim.timed,
+            "sim_s": sim.wall_s,
+        }
+    )
+    if kind == "allgather":
+        whole = _whole_shard_bytes(s, dtype)
+        ranks = [
+            type(w)(fwd_ms=w.fwd_ms, bwd_ms=w.bwd_ms, fwd_bytes=(whole,), bwd_bytes=(whole,))
+            for w in sim.ranks
+        ]
+        theirs = predict("torch_cp", ranks, fab, do_bwd)
+        metrics["predicted_torch_cp_fwd_ms"] = theirs.fwd_ms
+        metrics["predicted_torch_cp_fwd_bwd_ms"] = theirs.fwd_bwd_ms
+    log.info(
+        "simulated %s over %d ranks: %d items, %d timed, %.1f s; predicted fwd %.3f ms, "
+        "fwd+bwd %s ms (%s-bound) on %s",
+        kind,
+        P,
+        sim.items,
+        sim.timed,
+        sim.wall_s,
+        prediction.fwd_ms,
+        "-" if prediction.fwd_bwd_ms is None else f"{prediction.fwd_bwd_ms:.3f}",
+        prediction.bottleneck,
+        fab.name,
+    )
+    if topo.compare_one_device:
+        single = one_device(s, kind, (q, k, v, grad_out), device, do_bwd)
+        metrics.update(_efficiency(single, P, prediction))
+    return metrics
+
+
+def _whole_shard_bytes(s: Settings, dtype: torch.dtype) -> float:
+    """What one rank receives when every rank's whole K/V shard is gathered (torch_cp)."""
+    shape, P = s.shape, s.topology.world_size
+    kv_heads = shape.kv_heads or shape.heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.batch * kv_heads * (shape.seq_len // P) * shape.head_dim * itemsize * (P - 1)
+
+
+def _efficiency(single: dict[str, float], world_size: int, prediction) -> dict[str, Any]:
+    """single_<pass>_ms and predicted_efficiency<_pass>: (one-device time / P) / predicted time
+    (None where the one-device run was skipped)."""
+    metrics: dict[str, Any] = dict.fromkeys(
+        ("single_fwd_ms", "predicted_efficiency", "single_fwd_bwd_ms",
+         "predicted_efficiency_fwd_bwd")
+    )  # fmt: skip
+    predicted = {"fwd": prediction.fwd_ms, "fwd_bwd": prediction.fwd_bwd_ms}
+    for name, ms in single.items():
+        suffix = "" if name == "fwd" else f"_{name}"
+        metrics[f"single_{name}_ms"] = ms
+        if predicted.get(name):
+            metrics[f"predicted_efficiency{suffix}"] = (ms / world_size) / predicted[name]
+    return metrics

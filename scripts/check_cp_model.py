@@ -1,0 +1,284 @@
+"""The CP model against measurements, and its predicted scaling tables.
+
+Check (default): every row of the measured CSVs in FOLDER (default glob study_*.csv: the sweep
+summaries of experiments/multi_gpu_cp/study.sh) is rebuilt from its `overrides` column and
+simulated at its world_size (topology.simulate=true, fabric h200_nvlink for its transport), and
+the table gives measured and predicted fwd+bwd ms, the error, and per case (the row's overrides
+without topology and layout) the measured-fastest topology/layout against the model's pick
+(agree, or "within 5 %" where the measured ones differ by less). Writes check_cp_model.md and
+.json to --out; rerun it when new CSVs arrive.
+
+Scaling (--scaling): predicted tables for P = 2, 8, 64 on causal 128K .. 1M and documents, each
+row with its bottleneck (scaling.md, scaling.json).
+
+    python scripts/check_cp_model.py experiments/multi_gpu_cp --out experiments/cp_model
+    python scripts/check_cp_model.py experiments/multi_gpu_cp --dry-run        # the commands
+    python scripts/check_cp_model.py --scaling --out experiments/cp_model
+
+Each simulation is one attngym run (attngym.run, in this process), its run folder under
+--out/runs. --override adds overrides to every run (device=cpu for a CPU check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Dropped from a measured row's overrides: the simulation sets its own.
+DROPPED = ("topology.world_size=", "validate_rows=", "hydra.")
+SIMULATE = ["topology.simulate=true", "validate=false", "baselines=[]", "logger=none"]
+CLOSE = 0.05  # measured topologies this close are a tie: the model's pick is not judged
+WORLD_SIZES = (2, 8, 64)
+SCALING_SHAPE = ["shape.batch=1", "shape.heads=8", "shape.head_dim=128"]
+CAUSAL_LENGTHS = (131072, 262144, 524288, 1048576)
+# The study's 8 unequal documents (experiments/multi_gpu_cp/study.sh), scaled to the length.
+STUDY_DOCS = (28835, 5242, 23592, 10485, 20971, 7864, 26214, 7869)
+
+
+def _rows(folder: Path, pattern: str) -> list[dict[str, str]]:
+    rows = []
+    for path in sorted(folder.glob(pattern)):
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("status", "ok") == "ok" and row.get("overrides"):
+                    rows.append({**row, "source": path.name})
+    return rows
+
+
+def _case(overrides: list[str]) -> str:
+    """The row's case: its overrides without the topology and layout."""
+    return " ".join(
+        o for o in overrides if not o.startswith(("topology=", "topology.layout=", "+experiment"))
+    )
+
+
+def _simulated(overrides: list[str], out: Path, name: str, dry_run: bool) -> dict[str, Any]:
+    if dry_run:
+        print("python -m attngym " + " ".join(shlex.quote(o) for o in overrides))
+        return {}
+    import attngym
+
+    return attngym.run(overrides=overrides, run_dir=out / "runs" / name)
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def check(args: argparse.Namespace) -> int:
+    rows = _rows(args.folder, args.glob)
+    if not rows:
+        print(f"no measured rows in {args.folder}/{args.glob}", file=sys.stderr)
+        return 1
+    table = []
+    for i, row in enumerate(rows):
+        given = [o for o in shlex.split(row["overrides"]) if not o.startswith(DROPPED)]
+        overrides = [*given, f"topology.world_size={row['world_size']}", *SIMULATE,
+                     *args.override]  # fmt: skip
+        start = time.perf_counter()
+        metrics = _simulated(overrides, args.out, f"check_{i:03d}", args.dry_run)
+        measured = _number(row.get("fwd_bwd_ms"))
+        predicted = metrics.get("predicted_fwd_bwd_ms")
+        table.append(
+            {
+                "source": row["source"],
+                "case": _case(given),
+                "topology": row["topology"],
+                "layout": row["layout"],
+                "transport": row.get("transport"),
+                "world_size": int(row["world_size"]),
+                "measured_fwd_ms": _number(row.get("fwd_ms")),
+                "measured_fwd_bwd_ms": measured,
+                "predicted_fwd_ms": metrics.get("predicted_fwd_ms"),
+                "predicted_fwd_bwd_ms": predicted,
+                "error_pct": (
+                    None
+                    if not (measured and predicted)
+                    else 100 * (predicted - measured) / measured
+                ),
+                "bottleneck": metrics.get("bottleneck"),
+                "sim_s": metrics.get("sim_s"),
+                "wall_s": time.perf_counter() - start,
+            }
+        )
+    if args.dry_run:
+        return 0
+    cases = _cases(table)
+    _write(args.out, "check_cp_model", {"rows": table, "cases": cases}, _check_md(table, cases))
+    print(_check_md(table, cases))
+    return 0
+
+
+def _cases(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case: the measured-fastest and the predicted-fastest topology/layout."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in table):
+        rows = [r for r in table if r["case"] == case and r["measured_fwd_bwd_ms"]]
+        if len(rows) < 2:
+            continue
+        ranked = sorted(rows, key=lambda r: r["measured_fwd_bwd_ms"])
+        best, second = ranked[0], ranked[1]
+        pick = min(rows, key=lambda r: r["predicted_fwd_bwd_ms"] or float("inf"))
+        margin = second["measured_fwd_bwd_ms"] / best["measured_fwd_bwd_ms"] - 1
+        name = f"{best['topology']}/{best['layout']}"
+        picked = f"{pick['topology']}/{pick['layout']}"
+        verdict = "agree" if picked == name else ("within 5 %" if margin <= CLOSE else "differs")
+        out.append({"case": case, "measured_best": name, "predicted_best": picked,
+                    "margin": margin, "verdict": verdict})  # fmt: skip
+    return out
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return ""
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _check_md(table, cases) -> str:
+    lines = [
+        "| case | topology | layout | P | measured fwd+bwd ms | predicted | error % | bottleneck |",
+        "|---|---|---|--:|--:|--:|--:|---|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['case']} | {r['topology']} | {r['layout']} | {r['world_size']} | "
+            f"{_fmt(r['measured_fwd_bwd_ms'])} | {_fmt(r['predicted_fwd_bwd_ms'])} | "
+            f"{_fmt(r['error_pct'], 1)} | {r['bottleneck'] or ''} |"
+        )
+    errors = sorted(abs(r["error_pct"]) for r in table if r["error_pct"] is not None)
+    if errors:
+        median = errors[len(errors) // 2] if len(errors) % 2 else sum(
+            errors[len(errors) // 2 - 1 : len(errors) // 2 + 1]
+        ) / 2  # fmt: skip
+        lines.append(f"\nmedian |error| {median:.1f} %, largest {errors[-1]:.1f} %")
+    lines += [
+        "",
+        "| case | measured best | model's pick | margin | verdict |",
+        "|---|---|---|--:|---|",
+    ]
+    for c in cases:
+        lines.append(
+            f"| {c['case']} | {c['measured_best']} | {c['predicted_best']} | "
+            f"{100 * c['margin']:.1f} % | {c['verdict']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _scaling_cases() -> list[tuple[str, list[str], list[tuple[str, str, list[str]]]]]:
+    """(case, overrides, [(topology, layout, extra overrides)]) of the scaling tables."""
+    seq_cases = [
+        (f"causal {s // 1024}K", ["attention=causal", f"shape.seq_len={s}"]) for s in CAUSAL_LENGTHS
+    ]
+    for s in (131072, 1048576):
+        scale = s / sum(STUDY_DOCS)
+        docs = [round(d * scale) for d in STUDY_DOCS]
+        docs[-1] += s - sum(docs)
+        seq_cases.append(
+            (f"documents {s // 1024}K", ["attention=document", f"shape.seq_len={s}",
+                                         f"++attention.doc_lengths=[{','.join(map(str, docs))}]"])
+        )  # fmt: skip
+    out = []
+    for name, overrides in seq_cases:
+        layout = "balanced" if name.startswith("documents") else "zigzag"
+        topologies = [
+            ("ring", layout, []),
+            ("allgather", layout, []),
+            ("ulysses", "zigzag", []),
+            ("hybrid", "zigzag", ["topology.a2a_size=8"]),
+        ]
+        out.append((name, overrides, topologies))
+    return out
+
+
+def scaling(args: argparse.Namespace) -> int:
+    table = []
+    for name, overrides, topologies in _scaling_cases():
+        if args.cases and not any(c in name for c in args.cases):
+            continue
+        single: dict[str, Any] = {}
+        for P in args.world_sizes:
+            for topology, layout, extra in topologies:
+                if args.topologies and topology not in args.topologies:
+                    continue
+                if topology == "ulysses" and P > 8:
+                    continue  # 8 heads split over at most 8 ranks; hybrid takes over
+                if topology == "hybrid" and P <= 8:
+                    continue
+                runs = [
+                    "+experiment=ring_attention", *SCALING_SHAPE, *overrides,
+                    f"topology={topology}", f"topology.layout={layout}", *extra,
+                    f"topology.world_size={P}", f"topology.fabric={args.fabric}", *SIMULATE,
+                    "benchmark.warmup=1", "benchmark.repeats=5",
+                    # the one-device run does not depend on P: timed once per case
+                    f"topology.compare_one_device={str(not (single or args.no_single)).lower()}",
+                    *args.override,
+                ]  # fmt: skip
+                tag = f"scaling_{name.replace(' ', '_')}_{topology}_{P}"
+                metrics = _simulated(runs, args.out, tag, args.dry_run)
+                if metrics.get("single_fwd_bwd_ms"):
+                    single = {"fwd_bwd": metrics["single_fwd_bwd_ms"]}
+                predicted = metrics.get("predicted_fwd_bwd_ms")
+                efficiency = single["fwd_bwd"] / P / predicted if single and predicted else None
+                table.append(
+                    {"case": name, "topology": topology, "layout": layout, "world_size": P,
+                     "predicted_fwd_bwd_ms": predicted, "efficiency_fwd_bwd": efficiency,
+                     "bottleneck": metrics.get("bottleneck"),
+                     "time_imbalance": metrics.get("time_imbalance"),
+                     "bytes_moved": metrics.get("bytes_moved"), "sim_s": metrics.get("sim_s"),
+                     "fabric": metrics.get("fabric")}
+                )  # fmt: skip
+    if args.dry_run:
+        return 0
+    lines = [
+        "| case | topology | layout | P | predicted fwd+bwd ms | efficiency | bottleneck | "
+        "time imbalance | simulation s |",
+        "|---|---|---|--:|--:|--:|---|--:|--:|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['case']} | {r['topology']} | {r['layout']} | {r['world_size']} | "
+            f"{_fmt(r['predicted_fwd_bwd_ms'])} | {_fmt(r['efficiency_fwd_bwd'])} | "
+            f"{r['bottleneck'] or ''} | {_fmt(r['time_imbalance'], 3)} | {_fmt(r['sim_s'], 1)} |"
+        )
+    text = "\n".join(lines) + "\n"
+    _write(args.out, "scaling", {"rows": table}, text)
+    print(text)
+    return 0
+
+
+def _write(out: Path, stem: str, data: dict[str, Any], text: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, nargs="?", default=Path("experiments/multi_gpu_cp"))
+    parser.add_argument("--glob", default="study_*.csv", help="measured CSVs in FOLDER")
+    parser.add_argument("--out", type=Path, default=Path("outputs/check_cp_model"))
+    parser.add_argument("--override", action="append", default=[], help="added to every run")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
+    parser.add_argument("--scaling", action="store_true", help="the predicted scaling tables")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
+    parser.add_argument("--fabric", default="h200_nvlink", help="scaling: topology.fabric")
+    parser.add_argument("--cases", nargs="+", default=[], help="scaling: cases containing these")
+    parser.add_argument("--topologies", nargs="+", default=[], help="scaling: only these")
+    parser.add_argument(
+        "--no-single", action="store_true", help="scaling: no one-device run (no efficiency)"
+    )
+    args = parser.parse_args(argv)
+    return scaling(args) if args.scaling else check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Simulated ranks (attngym.distributed.simulate, topology.simulate=true) and the transfer model.
+
+The simulation at P=2 must do the real 2-rank run's work (same pairs computed and skipped, same
+bytes moved: the real run's metrics, on gloo ranks); the model's arithmetic is checked on
+hand-made numbers; identical work is timed once; layout=balanced evens predicted time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attngym import registry, variants
+from attngym.config import Benchmark, Settings, Shape, Topology
+from attngym.distributed import CPOptions
+from attngym.distributed import layout as layouts
+from attngym.distributed import transfer_model as tm
+from attngym.distributed.simulate import simulate
+from attngym.inputs import make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _settings(simulate: bool, kind: str, layout: str, attention: dict) -> Settings:
+    return Settings(
+        attention=attention,
+        device="cpu",
+        shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
+        topology=Topology(kind=kind, world_size=2, layout=layout, simulate=simulate),
+        benchmark=Benchmark(warmup=0, repeats=1),
+        baselines=(),
+        validate=False,
+        passes=("fwd",),  # the work counted (pairs, bytes) is the forward's
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout", "attention"),
+    [
+        ("ring", "zigzag", {"name": "causal"}),
+        ("allgather", "contiguous", {"name": "sliding_window", "window_size": 64}),  # a halo
+        ("ulysses", "zigzag", {"name": "causal"}),
+    ],
+)
+def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, attention):
+    task = registry.get("task", kind)
+    for name in ("real", "sim"):
+        (tmp_path / name).mkdir()
+    real = task(_settings(False, kind, layout, attention), tmp_path / "real")
+    simulated = task(_settings(True, kind, layout, attention), tmp_path / "sim")
+    for key in ("pairs_computed", "pairs_skipped", "bytes_moved", "load_imbalance"):
+        assert simulated[key] == real[key], key
+    assert simulated["simulate"] is True and simulated["fabric"] == "h200_nvlink/copy_engine"
+    assert simulated["predicted_fwd_ms"] > 0 and simulated["predicted_fwd_bwd_ms"] is None
+    assert simulated["predicted_efficiency"] > 0 and simulated["single_fwd_ms"] > 0
+    assert simulated["bottleneck"] in ("compute", "transfer", "imbalance")
+    assert simulated["sim_timed"] <= simulated["sim_items"]
+    from attngym.metrics import metric_of
+
+    assert [key for key in simulated if metric_of(key) is None] == []  # every key has a row
+
+
+def _counting_timer(calls: list):
+    def timer(item, which):
+        calls.append((which, item.key))
+        return 1.0, 0
+
+    return timer
+
+
+def test_identical_work_is_timed_once():
+    """Causal zigzag at P=16: 16 ranks x 16 steps of pairs, a handful of distinct structures."""
+    q, k, v, g = make_inputs(Shape(batch=1, heads=1, seq_len=4096, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    calls: list = []
+    sim = simulate(
+        "ring",
+        q,
+        k,
+        v,
+        g,
+        variants.get("causal"),
+        world_size=16,
+        layout="zigzag",
+        options=CPOptions(block_size=(128, 128)),
+        timer=_counting_timer(calls),
+    )
+    assert sim.items == 2 * 16 * 16  # fwd and bwd of every step of every rank
+    assert sim.timed == len(calls) == len(set(calls)) and sim.timed <= 8
+    assert len(sim.ranks) == 16 and all(len(w.fwd_ms) == 16 for w in sim.ranks)
+
+
+def test_ring_arithmetic_on_hand_made_numbers():
+    fab = tm.linear_fabric("toy", "test", gbps=1.0, latency_us=0.0)  # 1 MB takes 1 ms
+    work = tm.RankWork(
+        fwd_ms=(2.0, 3.0, 1.0),
+        bwd_ms=(4.0, 1.0, 1.0),
+        fwd_bytes=(0, 2e6, 5e6),  # step 1's K/V takes 2 ms, step 2's 5 ms
+        bwd_bytes=(1e6, 3e6, 0),
+        tail_bwd_bytes=0.5e6,
+    )
+    # fwd: max(2, 2) + max(3, 5) + max(1, 0) = 8; bwd: max(4, 1) + max(1, 3) + max(1, 0) + 0.5.
+    assert tm.ring_rank_ms(work, fab, False) == pytest.approx(8.0)
+    assert tm.ring_rank_ms(work, fab, True) == pytest.approx(8.0 + 8.5)
+    other = tm.RankWork(fwd_ms=(1.0, 1.0, 1.0), fwd_bytes=(0, 0, 0))
+    pred = tm.predict("ring", [work, other], fab, backward=False)
+    assert pred.fwd_ms == pytest.approx(8.0)  # the slowest rank
+    assert pred.time_imbalance == pytest.approx(6.0 / 4.5)
+    assert pred.bottleneck == "transfer"  # 8 - 6 exposed against 6 - 4.5 of imbalance
+
+
+def test_gather_and_alltoall_arithmetic_and_the_bottleneck():
+    fab = tm.linear_fabric("toy", "test", gbps=1.0, latency_us=100.0)  # 0.1 ms + 1 ms per MB
+    work = tm.RankWork(fwd_ms=(10.0,), bwd_ms=(20.0,), fwd_bytes=(4e6,), tail_fwd_bytes=1e6)
+    assert tm.gather_rank_ms(work, fab, False) == pytest.approx(4.1 + 10)
+    assert tm.gather_rank_ms(work, fab, True) == pytest.approx(4.1 + 10 + 20 + 4.1)
+    assert tm.alltoall_rank_ms(work, fab, False) == pytest.approx(4.1 + 10 + 1.1)
+    assert tm.alltoall_rank_ms(work, fab, True) == pytest.approx(2 * (4.1 + 1.1) + 30)
+    assert tm.bottleneck(10.2, [10.0, 10.0]) == "compute"
+    assert tm.bottleneck(15.0, [10.0, 10.0]) == "transfer"
+    assert tm.bottleneck(10.0, [10.0, 6.0]) == "imbalance"
+    hybrid = tm.compose_hybrid(
+        tm.predict("allgather", [work], fab, True), tm.RankWork((), fwd_bytes=(1e6,)), fab, True
+    )
+    assert hybrid.fwd_bwd_ms == pytest.approx(38.2 + 2 * 1.1)  # the all-to-all in, twice
+
+
+def test_measured_fabric_is_the_stored_measurement_and_interpolates():
+    data = json.loads(
+        (ROOT / "experiments/multi_gpu_cp/transfer_bandwidth_alltoall.json").read_text()
+    )
+    for row in data["rows"]:
+        table = tm.H200_MEASURED[row["transport"]].get(row["pattern"])
+        if table is None:
+            continue  # the ulysses q exchange: the model prices the all-to-all
+        assert (row["bytes_per_rank"] // tm.MIB, round(row["ms"], 4)) in table
+    fab = tm.fabric("h200_nvlink", "copy_engine")
+    assert fab.ms("channel", 64 * tm.MIB) == pytest.approx(0.2417)
+    between = fab.ms("channel", 160 * tm.MIB)
+    assert 0.2417 < between < 0.8188
+    beyond = fab.ms("channel", 2048 * tm.MIB)  # the last segment's slope
+    assert beyond == pytest.approx(2.9347 + (2.9347 - 0.8188) * (1024 / 768))
+    assert fab.ms("alltoall", 32 * tm.MIB) == pytest.approx(0.2610)  # received = half of 64 MiB
+    assert fab.ms("channel", 0) == 0.0
+
+
+def test_fabric_names_agree_with_the_config_and_bad_ones_are_refused():
+    from typing import get_args
+
+    from attngym.config import Fabric
+
+    assert get_args(Fabric) == tm.FABRIC_NAMES
+    assert tm.fabric("custom", gbps=100, latency_us=5).ms("allgather", 1e8) == pytest.approx(1.005)
+    assert tm.fabric("nvl72").source.startswith("assumed")
+    with pytest.raises(ValueError, match="fabric_gbps, fabric_latency_us"):
+        tm.fabric("custom", gbps=None, latency_us=5)
+    with pytest.raises(ValueError, match="transport: h200_nvlink is measured"):
+        tm.fabric("h200_nvlink", "gloo")
+    with pytest.raises(ValueError, match="fabric: expected one of"):
+        tm.fabric("ethernet")
+
+
+def _priced(item, which):
+    """A rank's predicted time from its block masks, at layout.BLOCK_COSTS."""
+    full_cost, partial_cost = layouts.BLOCK_COSTS
+    total = 0.0
+    for bm in item.block_masks:
+        if bm is not None:
+            full = 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
+            total += full * full_cost + int(bm.kv_num_blocks.sum()) * partial_cost
+    return total, 0
+
+
+def test_balanced_layout_evens_time_on_unequal_documents_at_eight_ranks():
+    """Documents of unequal length, P=8: the placement weighed by time has a lower time
+    imbalance (each rank's pairs priced from their block masks) than the one that counts blocks,
+    and far lower than zigzag."""
+    S, P = 8192, 8
+    docs = variants.get("document", doc_lengths=[3000, 500, 1800, 700, 1200, 992])
+    q, k, v, _ = make_inputs(Shape(batch=1, heads=1, seq_len=S, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    imbalance = {}
+    for name, layout in (
+        ("time", layouts.plan("balanced", P, S, docs)),
+        ("blocks", layouts.plan("balanced", P, S, docs, block_costs=(1.0, 1.0))),
+        ("zigzag", "zigzag"),
+    ):
+        sim = simulate("ring", q, k, v, None, docs, world_size=P, layout=layout,
+                       options=CPOptions(block_size=(128, 128)), timer=_priced)  # fmt: skip
+        imbalance[name] = tm.predict("ring", sim.ranks, tm.fabric("h200_nvlink"), False)
+        imbalance[name] = imbalance[name].time_imbalance
+    assert imbalance["time"] < 1.03, imbalance
+    assert imbalance["time"] < imbalance["blocks"] - 0.1 < imbalance["zigzag"], imbalance
+
+
+def test_check_script_on_a_tiny_csv(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "measured"
+    folder.mkdir()
+    base = (
+        "+experiment=ring_attention shape.batch=1 shape.heads=2 shape.head_dim=8 "
+        "benchmark.warmup=0 benchmark.repeats=1 logger=none attention=causal shape.seq_len=512"
+    )
+    rows = [
+        "job,overrides,status,topology,world_size,transport,layout,fwd_ms,fwd_bwd_ms",
+        f'0,"{base} topology=ring topology.layout=zigzag",ok,ring,2,copy_engine,zigzag,1.0,3.0',
+        f'1,"{base} topology=allgather topology.layout=zigzag",ok,allgather,2,copy_engine,'
+        "zigzag,1.0,2.0",
+    ]
+    (folder / "study_tiny.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "check"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/check_cp_model.py"),
+            str(folder),
+            "--out",
+            str(out),
+            "--override",
+            "device=cpu",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = json.loads((out / "check_cp_model.json").read_text())
+    assert [r["topology"] for r in table["rows"]] == ["ring", "allgather"]
+    for row in table["rows"]:
+        assert row["predicted_fwd_bwd_ms"] > 0 and row["error_pct"] is not None
+    (case,) = table["cases"]
+    assert case["measured_best"] == "allgather/zigzag"
+    assert case["predicted_best"] in ("ring/zigzag", "allgather/zigzag")
+    assert "| measured" in (out / "check_cp_model.md").read_text()
+
+
+def test_hybrid_is_the_across_scheme_over_the_groups_plus_the_in_group_exchange():
+    """4 ranks in groups of 2: the ring across the 2 groups on half the heads, and the Ulysses
+    exchange inside a group (q, k, v in and the output back, each rank keeping its half)."""
+    q, k, v, g = make_inputs(Shape(batch=1, heads=4, seq_len=1024, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    calls: list = []
+    sim = simulate("hybrid", q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
+                   options=CPOptions(block_size=(128, 128)), a2a_size=2,
+                   timer=_counting_timer(calls))  # fmt: skip
+    assert sim.scheme == "ring" and len(sim.ranks) == 2 and sim.world_size == 4
+    shard = 1 * 4 * (1024 // 4) * 8 * 4  # one rank's q (or k, v, out) bytes, float32
+    assert sim.exchange.fwd_bytes == (3 * shard / 2,)
+    assert sim.exchange.tail_fwd_bytes == shard / 2
+    with pytest.raises(ValueError, match="a2a_size"):
+        simulate("hybrid", q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
+                 timer=_counting_timer([]))  # fmt: skip
