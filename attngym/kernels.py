@@ -320,9 +320,14 @@ def _block_mask_from_rule(rule, mask_mod, seq_q, seq_kv, q_offset, kv_offset, bl
     classes = torch.where(cut & (classes == 2), 1, classes)
 
     def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's kept blocks first, in column order (what create_block_mask's stable sort
+        gives; the kernels read the first `num` entries), by a prefix sum, not a sort."""
         num = dense.sum(dim=-1, dtype=torch.int32)
-        indices = torch.argsort(dense.to(torch.uint8), dim=-1, descending=True, stable=True)
-        return num[None, None], indices.to(torch.int32)[None, None]
+        slot = torch.where(dense, dense.cumsum(dim=-1) - 1, dense.shape[-1])  # the rest: a spare
+        columns = torch.arange(dense.shape[-1], device=dev, dtype=torch.int32).expand_as(dense)
+        indices = torch.zeros(dense.shape[0], dense.shape[1] + 1, dtype=torch.int32, device=dev)
+        indices.scatter_(1, slot, columns)
+        return num[None, None], indices[:, :-1][None, None]
 
     kv_num, kv_indices = ordered(classes == 1)
     full_num, full_indices = ordered(classes == 2)

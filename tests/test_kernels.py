@@ -322,6 +322,10 @@ def test_block_rule_builds_the_block_mask_create_block_mask_builds(
     got = make_block_mask(
         variant, seq_q, seq_kv, q_offset=offsets[0], kv_offset=offsets[1], block_size=block
     )
-    for field in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
-        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    for side in ("kv", "full_kv", "q", "full_q"):  # the listed blocks, in order, both ways
+        num, want_num = getattr(got, f"{side}_num_blocks"), getattr(want, f"{side}_num_blocks")
+        assert torch.equal(num, want_num), side
+        listed, want_listed = getattr(got, f"{side}_indices"), getattr(want, f"{side}_indices")
+        for row, n in enumerate(num[0, 0].tolist()):
+            assert torch.equal(listed[0, 0, row, :n], want_listed[0, 0, row, :n]), (side, row)
     assert torch.equal(got.to_dense(), want.to_dense())
