@@ -40,7 +40,6 @@ import json
 import time
 import traceback
 import warnings
-
 from typing import Any
 
 import torch
@@ -235,7 +234,9 @@ class CallCost(TorchDispatchMode):
         if self._inside or (node is not None and id(node) in self._nodes) or func.is_view:
             return out
         self.ops[str(func.overloadpacket).removeprefix("aten.")] += 1
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        writes = any(
+            a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
+        )
         if not writes:
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):

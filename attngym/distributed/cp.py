@@ -367,35 +367,49 @@ def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None)
 class Accumulator:
     """Running merge of the partials (out, lse) of this rank's q chunks, one entry per chunk.
 
-    A chunk's first partial is kept as the kernel returned it: nothing is allocated, filled or
-    merged for a chunk that meets a single K/V pair (every chunk at world size 1, a local mask's
-    far chunks), and `result` hands that partial back unchanged. A second partial makes the
-    chunk a float32 (float64) accumulator, the first partial cast once, into which the rest are
-    folded (`merge_into`; the compiled, fused merge when `fused`, CUDA). Merging the first
-    partial into zeros with lse -inf would give it back exactly, so the result is the same.
+    A chunk that meets a single K/V pair (every chunk at world size 1, a local mask's far
+    chunks) keeps its partial as the kernel returned it: nothing is allocated, filled or merged,
+    and `result` hands that partial back unchanged. A chunk that meets several (`expected`, from
+    the call's pairs) becomes a float32 (float64) accumulator at its first partial, cast once,
+    into which the rest are folded (`merge_into`; the compiled, fused merge when `fused`, CUDA),
+    so no partial is held beside it. Merging the first partial into zeros with lse -inf would
+    give it back exactly, so the result is the same as that of a zero-filled accumulator.
     """
 
-    def __init__(self, q: torch.Tensor, dv: int, *, fused: bool = False):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        dv: int,
+        *,
+        fused: bool = False,
+        expected: Mapping[tuple[int, int], int] | None = None,
+    ):
+        """expected: partials per chunk (start, stop) of rows; a chunk left out expects one."""
         self.dtype, self.device = q.dtype, q.device
         self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.shape = (*q.shape[:3], dv)
         self._merge = compiled_merge_into() if fused else merge_into
+        self._expected = expected or {}
         self._chunks: dict[tuple[int, int], list] = {}  # (start, stop) -> [out, lse, merged]
 
     @classmethod
-    def of(cls, call: CPCall, q: torch.Tensor, dv: int) -> Accumulator:
+    def of(cls, call: CPCall, q: torch.Tensor, dv: int, expected=None) -> Accumulator:
         """The accumulator of a call: fused where the call compiles its kernels on CUDA."""
-        return cls(q, dv, fused=call.options.compile and q.device.type == "cuda")
+        fused = call.options.compile and q.device.type == "cuda"
+        return cls(q, dv, fused=fused, expected=expected)
 
     def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
         """Fold one pair's partial over q rows `rows` (a chunk of the shard) in; out_i and lse_i
         are the kernel's own new tensors (kept, and written into once merged)."""
-        held = self._chunks.get((rows.start, rows.stop))
+        key = (rows.start, rows.stop)
+        held = self._chunks.get(key)
         if held is None:
-            self._chunks[rows.start, rows.stop] = [out_i, lse_i, False]
+            if self._expected.get(key, 1) > 1:
+                out_i, lse_i = out_i.to(self.acc_dtype), lse_i.to(self.acc_dtype)
+            self._chunks[key] = [out_i, lse_i, self._expected.get(key, 1) > 1]
             return
         out, lse, merged = held
-        if not merged:
+        if not merged:  # more partials than expected: the first one is cast now
             out, lse = out.to(self.acc_dtype), lse.to(self.acc_dtype)
             held[:] = [out, lse, True]
         self._merge(out, lse, out_i, lse_i)
@@ -457,15 +471,31 @@ class GradSum:
 
     Pieces marked fresh are a kernel's own new outputs, which the sum may keep and write into;
     others (a channel's receive slot, valid until released) are read at once and never kept.
+    `expected` (pieces per row range, where known) makes the first piece of a range that
+    expects more a sum at once, so it is not held beside its sum_dtype copy when the next comes.
     """
 
-    def __init__(self, shape, sum_dtype: torch.dtype, device):
+    def __init__(
+        self,
+        shape,
+        sum_dtype: torch.dtype,
+        device,
+        expected: Mapping[tuple[int, int], int] | None = None,
+    ):
         self.shape = tuple(shape)
         self.sum_dtype, self.device = sum_dtype, device
+        self._expected = expected or {}
         self._ranges: list[_Rows] = []  # disjoint, by start
 
-    def add(self, start: int, piece: torch.Tensor, *, fresh: bool = True) -> None:
-        """Add `piece` (..., m, D) into rows [start, start + m)."""
+    def add(
+        self, start: int, piece: torch.Tensor, *, fresh: bool = True, last: bool = False
+    ) -> None:
+        """Add `piece` (..., m, D) into rows [start, start + m).
+
+        last: no piece follows over these rows, and `total` will be asked for in the dtype of
+            the kernel outputs kept there: those take the sum rounded to their dtype at once
+            (what total would write), with no sum_dtype copy of the rows held.
+        """
         stop = start + piece.shape[-2]
         assert 0 <= start <= stop <= self.shape[-2], (start, stop, self.shape)
         self._split(start)
@@ -476,7 +506,7 @@ class GradSum:
                 continue
             if r.start > pos:
                 kept.append(self._new(pos, r.start, piece, start, fresh))
-            self._plus(r, piece.narrow(-2, r.start - start, r.stop - r.start))
+            self._plus(r, piece.narrow(-2, r.start - start, r.stop - r.start), last)
             pos = r.stop
         if pos < stop:
             kept.append(self._new(pos, stop, piece, start, fresh))
@@ -490,15 +520,21 @@ class GradSum:
                 return
 
     def _new(self, a: int, b: int, piece: torch.Tensor, start: int, fresh: bool) -> _Rows:
-        value = piece.narrow(-2, a - start, b - a)
+        value = piece if b - a == piece.shape[-2] else piece.narrow(-2, a - start, b - a)
         if not fresh:  # not ours to keep: a copy, in the sum dtype
             return _Rows(a, b, value.to(self.sum_dtype, copy=True), True, None, 0)
+        if self._expected.get((a, b), 1) > 1:  # more to come: the sum starts now
+            return _Rows(a, b, value.to(self.sum_dtype), True, None, 0)
         whole = start == 0 and tuple(piece.shape) == self.shape
         return _Rows(a, b, value, piece.dtype == self.sum_dtype, piece if whole else None, 0)
 
-    def _plus(self, r: _Rows, piece: torch.Tensor) -> None:
+    def _plus(self, r: _Rows, piece: torch.Tensor, last: bool) -> None:
         if r.owned:
             r.value.add_(piece)
+            return
+        if last:  # a kernel's output, ours to write: the exact sum, rounded once, in place
+            exact = r.value.to(self.sum_dtype) if piece.dtype != self.sum_dtype else r.value
+            r.value.copy_(piece + exact)
             return
         if piece.dtype == self.sum_dtype:  # float32 + bfloat16 promotes: one exact add
             r.value = piece + r.value

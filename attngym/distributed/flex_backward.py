@@ -237,7 +237,19 @@ def kernel_lse(lse: torch.Tensor, kernel_options, dtype: torch.dtype) -> torch.T
 
 
 def op_args(
-    q, k, v, out, lse, dout, variant, *, q_offset, kv_offset, block_mask, scale, kernel_options,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    variant,
+    *,
+    q_offset,
+    kv_offset,
+    block_mask,
+    scale,
+    kernel_options,
     lse2=None,
 ) -> tuple[_Graphs, tuple]:
     """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""

@@ -49,6 +49,7 @@ from attngym.distributed.cp import (
     StepClock,
     backward_pairs,
     forward_pairs,
+    pairs,
     rows_read,
     run,
 )
@@ -131,6 +132,27 @@ def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
     return RingPlan(steps, tuple(widths), tuple(starts))
 
 
+# Variant -> {(layout, rank, B, H, block size, backend, device): {q chunk rows: partials}}.
+_PARTIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _partials(call: CPCall, q: torch.Tensor, plan: RingPlan) -> dict[tuple[int, int], int]:
+    """How many pairs each of this rank's q chunks meets over the ring's steps (memoised): the
+    partials of its output, and the pieces of its dq."""
+    key = (call.layout, call.rank, *q.shape[:2], call.options.block_size, call.backend, q.device)
+    per = _PARTIALS.setdefault(call.variant, {})
+    if key not in per:
+        counts: dict[tuple[int, int], int] = {}
+        for i in range(plan.steps):
+            s = (call.rank - i) % call.world_size
+            window = (plan.starts[s][i], plan.widths[i])
+            # block_masks given: the same pairs, not counted in call.stats
+            for q_rows, *_ in pairs(call, q, s, block_masks=call.backend, window=window):
+                counts[q_rows.start, q_rows.stop] = counts.get((q_rows.start, q_rows.stop), 0) + 1
+        per[key] = counts
+    return per[key]
+
+
 def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan):
     """For each hop i = 1 .. steps - 1: (channel, its local step). Hops of one width share a
     channel (widths only shrink, so they are consecutive); each channel counts its steps from 1."""
@@ -149,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
         P, r = cfg.world_size, cfg.rank
         plan = ring_plan(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
-        acc = Accumulator.of(cfg, q, v.shape[-1])
+        acc = Accumulator.of(cfg, q, v.shape[-1], expected=_partials(cfg, q, plan))
         kv = (k, v)  # the own shard as is (no stacked copy); a received slot is (2, B, G, rows, D)
         hops = _hops(cfg, k, k.dtype, "kv", plan)
         for i in range(plan.steps):
@@ -189,7 +211,7 @@ class _RingAttention(torch.autograd.Function):
         if cfg.backward == "flex":
             lse2 = flex_backward.kernel_lse(lse, cfg.options.kernel_options, q.dtype)
         saved = Saved(q, out, lse, dout, lse2)
-        dq = GradSum(q.shape, sum_dtype, q.device)
+        dq = GradSum(q.shape, sum_dtype, q.device, expected=_partials(cfg, q, plan))
         dk_own, dv_own = (GradSum(t.shape, sum_dtype, q.device) for t in (k, v))
         kv = (k, v)
         backward_pairs(cfg, saved, k, v, r, dq, dk_own, dv_own)  # step 0: this rank's own shard
@@ -231,13 +253,14 @@ class _RingAttention(torch.autograd.Function):
                 home.send(part, 0)
             if stats is not None:
                 stats.bytes_sent += sum(t.numel() * t.element_size() for t in part)
+            del part, dk_part, dv_part  # the channel holds what it still reads
             _release(hops, i, steps)
             if i > 1:
                 chain.release(i - 1)
         last = steps - 1 if home is chain else 1
         back = home.recv(last)
-        dk_own.add(plan.starts[r][1], back[0], fresh=False)
-        dv_own.add(plan.starts[r][1], back[1], fresh=False)
+        dk_own.add(plan.starts[r][1], back[0], fresh=False, last=True)
+        dv_own.add(plan.starts[r][1], back[1], fresh=False, last=True)
         home.release(last)
         for chan in _distinct([*(c for c, _ in hops.values()), chain, home]):
             chan.join()
