@@ -81,9 +81,10 @@ def test_ring_allocates_no_more_than_the_allgather_at_one_and_two_ranks(monkeypa
     """Peak bytes a call adds, the largest rank's, for a local mask (the ring moves a halo) and
     causal (whole shards): the ring's float32 sums exist only where pieces meet.
 
-    Slack: one (B, H, S/P) float32, the base-2 lse the ring's backward hands flex's op. The
-    all-gather's compiled backward on CUDA holds as much (a zero lse gradient) and saves the lse
-    as the ring does, which this count does not see inside the reference kernel.
+    Slack in the backward: two (B, H, S/P) float32, the lse the ring saves and its base-2 copy
+    for flex's op. On CUDA the all-gather's compiled flex holds as much (it saves its lse, and
+    its backward allocates a zero lse gradient), which this count cannot see: both lie inside
+    the reference kernel here.
     """
     for world_size in (1, 2):
         lse_bytes = 4 * 2 * S // world_size
@@ -95,7 +96,7 @@ def test_ring_allocates_no_more_than_the_allgather_at_one_and_two_ranks(monkeypa
                     max(r["peak_bytes"] for r in got[kind, variant][name])
                     for kind in ("ring", "allgather")
                 )
-                slack = lse_bytes if name == "fwd_bwd" else 0
+                slack = 2 * lse_bytes if name == "fwd_bwd" else 0
                 assert ring <= gather + slack, (world_size, variant, name, ring, gather)
 
 
