@@ -10,9 +10,10 @@ how K/V travel; what they share lives here:
     CPCall       a resolved call: options plus rank, world size, transport, layout, variant
     pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
                  held), masked ones skipped; rows_read: which rows of a shard a rank reads
-    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA), allocated
-                 with a chunk's second partial: a chunk with one partial costs nothing
-    GradSum      the sum of a gradient's pieces, allocated with them (the same idea backward)
+    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA); a q chunk
+                 that meets one pair keeps the kernel's partial as is (nothing filled or merged)
+    GradSum      the sum of a gradient's pieces, allocated with them: a single piece is handed
+                 back as is, float32 only where two pieces meet
     forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
     StepClock    per-step host timings for CPStats
 
@@ -579,15 +580,16 @@ class Saved:
     """What a rank's backward needs of its forward: its q shard and the merged results.
 
     q, out, dout: (B, H, S/P, D) in the input dtype; lse: (B, H, S/P) merged, natural base, in the
-    accumulator dtype (float32, float64 for float64 inputs); lse2: the same in the base flex's
-    backward op reads (flex_backward.kernel_lse), converted once per backward, not per pair.
+    accumulator dtype (float32, float64 for float64 inputs); lse2: per q chunk (start, stop) of
+    rows, the same in the base flex's backward op reads (flex_backward.kernel_lse), converted
+    once per backward, not per pair (None: each pair converts its own).
     """
 
     q: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
     dout: torch.Tensor
-    lse2: torch.Tensor | None = None
+    lse2: Mapping[tuple[int, int], torch.Tensor] | None = None
 
 
 def backward_pairs(

@@ -307,7 +307,7 @@ def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | Non
             kernel_options=opts.kernel_options,
             compile=opts.compile,
             compile_mode=opts.compile_mode,
-            lse2=None if saved.lse2 is None else saved.lse2[:, :, q_rows],
+            lse2=None if saved.lse2 is None else saved.lse2.get((q_rows.start, q_rows.stop)),
         )
     except Exception as exc:  # noqa: BLE001  (auto only: any failure of the op means recompute)
         if opts.backward != "auto":

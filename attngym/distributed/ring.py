@@ -207,9 +207,15 @@ class _RingAttention(torch.autograd.Function):
         plan: RingPlan = ctx.plan
         P, r, steps = cfg.world_size, cfg.rank, plan.steps
         sum_dtype = lse.dtype
-        lse2 = None
-        if cfg.backward == "flex":
-            lse2 = flex_backward.kernel_lse(lse, cfg.options.kernel_options, q.dtype)
+        lse2, start = None, 0
+        if cfg.backward == "flex":  # per q chunk, contiguous as the op's kernels read it
+            lse2 = {}
+            for _, length in cfg.chunks(r):
+                rows = lse[:, :, start : start + length]
+                lse2[start, start + length] = flex_backward.kernel_lse(
+                    rows, cfg.options.kernel_options, q.dtype
+                )
+                start += length
         saved = Saved(q, out, lse, dout, lse2)
         dq = GradSum(q.shape, sum_dtype, q.device, expected=_partials(cfg, q, plan))
         dk_own, dv_own = (GradSum(t.shape, sum_dtype, q.device) for t in (k, v))

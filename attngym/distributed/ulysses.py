@@ -310,7 +310,8 @@ def _subgroups(group_key: tuple[int, ...], a2a_size: int):
 
 
 def hybrid_groups(a2a_size: int | None, group=None):
-    """The (a2a group, across group) of this rank for hybrid attention; collective.
+    """The (a2a group, across group) of this rank for hybrid attention; collective on the first
+    call for a group and a2a_size (every rank makes it), remembered after.
 
     Groups are consecutive ranks of `group` (rank r's shard must be shard r of the layout, and
     consecutive shards are what compose, see hybrid_attention), checked against the NVLink domain
