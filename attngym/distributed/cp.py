@@ -417,19 +417,22 @@ class Accumulator:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse in the accumulator dtype) over the whole shard; rows no pair
-        reached are out = 0, lse = -inf."""
+        reached are out = 0, lse = -inf. Consumes the accumulator."""
         n = self.shape[2]
-        if list(self._chunks) == [(0, n)]:
-            out, lse, _ = self._chunks[0, n]
+        chunks, self._chunks = self._chunks, {}  # consumed: each chunk let go once written
+        if list(chunks) == [(0, n)]:
+            out, lse, _ = chunks.pop((0, n))
             return out.to(self.dtype), lse.to(self.acc_dtype)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.shape[:3], dtype=self.acc_dtype, device=self.device)
         covered = 0
-        for (start, stop), (out_c, lse_c, _) in sorted(self._chunks.items()):
+        for start, stop in sorted(chunks):
+            out_c, lse_c, _ = chunks.pop((start, stop))
             if start > covered:
                 _no_key(out, lse, covered, start)
             out[:, :, start:stop].copy_(out_c)
             lse[:, :, start:stop].copy_(lse_c)
+            del out_c, lse_c
             covered = stop
         if covered < n:
             _no_key(out, lse, covered, n)
@@ -547,20 +550,24 @@ class GradSum:
         r.owned, r.root = True, None
 
     def total(self, dtype: torch.dtype) -> torch.Tensor:
-        """The sum over every row in `dtype` (0 on rows no piece reached)."""
+        """The sum over every row in `dtype` (0 on rows no piece reached). It consumes the sum:
+        each range is let go once written, so its sum_dtype copy does not outlive it."""
         n = self.shape[-2]
-        ranges = self._ranges
+        ranges, self._ranges = self._ranges, []
         if len(ranges) == 1 and tuple(ranges[0].value.shape) == self.shape:
             return ranges[0].value.to(dtype)
         roots = [r.root for r in ranges if r.root is not None and r.root.dtype == dtype]
         out = roots[0] if roots else torch.empty(self.shape, dtype=dtype, device=self.device)
+        del roots
         covered = 0
-        for r in ranges:
+        while ranges:
+            r = ranges.pop(0)
             if r.start > covered:
                 out.narrow(-2, covered, r.start - covered).zero_()
             if r.root is not out:  # a view of `out` at its own rows is already in place
                 out.narrow(-2, r.start, r.stop - r.start).copy_(r.value)
             covered = r.stop
+            del r
         if covered < n:
             out.narrow(-2, covered, n - covered).zero_()
         return out

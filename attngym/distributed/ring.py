@@ -132,15 +132,15 @@ def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
     return RingPlan(steps, tuple(widths), tuple(starts))
 
 
-# Variant -> {(layout, rank, B, H, block size, backend, device): {q chunk rows: partials}}.
-_PARTIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Variant -> {(layout, rank, B, H, block size, backend, device): {q chunk rows: pairs}}.
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _partials(call: CPCall, q: torch.Tensor, plan: RingPlan) -> dict[tuple[int, int], int]:
-    """How many pairs each of this rank's q chunks meets over the ring's steps (memoised): the
-    partials of its output, and the pieces of its dq."""
+def _pieces(call: CPCall, q: torch.Tensor, plan: RingPlan) -> dict[tuple[int, int], int]:
+    """How many pairs meet each of this rank's q chunks over the ring's steps, by (start, stop)
+    of local rows: the partials of its output and the pieces of its dq (memoised)."""
     key = (call.layout, call.rank, *q.shape[:2], call.options.block_size, call.backend, q.device)
-    per = _PARTIALS.setdefault(call.variant, {})
+    per = _PIECES.setdefault(call.variant, {})
     if key not in per:
         counts: dict[tuple[int, int], int] = {}
         for i in range(plan.steps):
@@ -171,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
         P, r = cfg.world_size, cfg.rank
         plan = ring_plan(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
-        acc = Accumulator.of(cfg, q, v.shape[-1], expected=_partials(cfg, q, plan))
+        acc = Accumulator.of(cfg, q, v.shape[-1], expected=_pieces(cfg, q, plan))
         kv = (k, v)  # the own shard as is (no stacked copy); a received slot is (2, B, G, rows, D)
         hops = _hops(cfg, k, k.dtype, "kv", plan)
         for i in range(plan.steps):
@@ -217,7 +217,9 @@ class _RingAttention(torch.autograd.Function):
                 )
                 start += length
         saved = Saved(q, out, lse, dout, lse2)
-        dq = GradSum(q.shape, sum_dtype, q.device, expected=_partials(cfg, q, plan))
+        # dq: a q chunk that meets several pairs sums from its first piece on. dK/dV keep their
+        # first piece (the own shard's, often the only one but for what comes home).
+        dq = GradSum(q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan))
         dk_own, dv_own = (GradSum(t.shape, sum_dtype, q.device) for t in (k, v))
         kv = (k, v)
         backward_pairs(cfg, saved, k, v, r, dq, dk_own, dv_own)  # step 0: this rank's own shard
