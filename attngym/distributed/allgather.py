@@ -130,13 +130,19 @@ def mapped_variant(
 
     Query row i is global position q_map(i), key j is kv_map(j) (key j is at kv_positions[j]);
     each map is an offset (a 0-d tensor) or a position table, so the callbacks stay tensor-only
-    and one compiled kernel serves every rank.
+    and one compiled kernel serves every rank. A map that is the identity (offset 0) is left
+    out, so at world size 1 the callbacks are the variant's own and the kernel is the one-device
+    call's (an added 0 still costs a load and an add per score).
     """
-    q_map = _index_map(layout.positions(rank, device))
-    kv_map = _index_map(kv_positions)
-    q_at = _mapper(q_map, device, "q")
-    kv_at = _mapper(kv_map, device, "kv")
-    score_mod = mask_mod = None
+    q_at = _mapper(_index_map(layout.positions(rank, device)), device, "q")
+    kv_at = _mapper(_index_map(kv_positions), device, "kv")
+    score_mod, mask_mod = variant.score_mod, variant.mask_mod
+    if q_at is None and kv_at is None:
+        # The variant's own callbacks and buffers; a copy, so that the memo below (weak keys)
+        # holds no reference to its key.
+        return dataclasses.replace(variant, name=f"{variant.name}@{layout.name}.rank{rank}")
+    q_at = q_at or _identity
+    kv_at = kv_at or _identity
     if variant.score_mod is not None:
         inner_score = variant.score_mod
 
@@ -160,13 +166,20 @@ def mapped_variant(
     )
 
 
+def _identity(idx):
+    return idx
+
+
 def _mapper(index_map, device, role: str):
+    """A local index's global position: a table lookup, an added offset, or None (offset 0)."""
     if isinstance(index_map, torch.Tensor):
         table = index_map
 
         def at(idx):
             return table[idx]
 
+    elif index_map == 0:
+        return None
     else:
         offset = kernels.position(index_map, torch.device(device), role)
 

@@ -10,7 +10,10 @@ how K/V travel; what they share lives here:
     CPCall       a resolved call: options plus rank, world size, transport, layout, variant
     pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
                  held), masked ones skipped; rows_read: which rows of a shard a rank reads
-    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA)
+    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA); a q chunk
+                 that meets one pair keeps the kernel's partial as is (nothing filled or merged)
+    GradSum      the sum of a gradient's pieces, allocated with them: a single piece is handed
+                 back as is, float32 only where two pieces meet
     forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
     StepClock    per-step host timings for CPStats
 
@@ -388,25 +391,211 @@ def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None)
 
 
 class Accumulator:
-    """Running merge of partial (out, lse) per q row of this rank's shard, in the lse dtype.
+    """Running merge of the partials (out, lse) of this rank's q chunks, one entry per chunk.
 
-    `fused`: fold each pair in with the compiled merge (one or two kernels a pair, CUDA).
+    A chunk that meets a single K/V pair (every chunk at world size 1, a local mask's far
+    chunks) keeps its partial as the kernel returned it: nothing is allocated, filled or merged,
+    and `result` hands that partial back unchanged. A chunk that meets several (`expected`, from
+    the call's pairs) becomes a float32 (float64) accumulator at its first partial, cast once,
+    into which the rest are folded (`merge_into`; the compiled, fused merge when `fused`, CUDA),
+    so no partial is held beside it. Merging the first partial into zeros with lse -inf would
+    give it back exactly, so the result is the same as that of a zero-filled accumulator.
     """
 
-    def __init__(self, q: torch.Tensor, dv: int, *, fused: bool = False):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        dv: int,
+        *,
+        fused: bool = False,
+        expected: Mapping[tuple[int, int], int] | None = None,
+    ):
+        """expected: partials per chunk (start, stop) of rows; a chunk left out expects one."""
+        self.dtype, self.device = q.dtype, q.device
         self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        b, h, s, _ = q.shape
-        self.out = torch.zeros((b, h, s, dv), dtype=self.acc_dtype, device=q.device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=self.acc_dtype, device=q.device)
+        self.shape = (*q.shape[:3], dv)
         self._merge = compiled_merge_into() if fused else merge_into
+        self._expected = expected or {}
+        self._chunks: dict[tuple[int, int], list] = {}  # (start, stop) -> [out, lse, merged]
 
     @classmethod
-    def of(cls, call: CPCall, q: torch.Tensor, dv: int) -> Accumulator:
+    def of(cls, call: CPCall, q: torch.Tensor, dv: int, expected=None) -> Accumulator:
         """The accumulator of a call: fused where the call compiles its kernels on CUDA."""
-        return cls(q, dv, fused=call.options.compile and q.device.type == "cuda")
+        fused = call.options.compile and q.device.type == "cuda"
+        return cls(q, dv, fused=fused, expected=expected)
 
     def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
-        self._merge(self.out[:, :, rows], self.lse[:, :, rows], out_i, lse_i)
+        """Fold one pair's partial over q rows `rows` (a chunk of the shard) in; out_i and lse_i
+        are the kernel's own new tensors (kept, and written into once merged)."""
+        key = (rows.start, rows.stop)
+        held = self._chunks.get(key)
+        if held is None:
+            if self._expected.get(key, 1) > 1:
+                out_i, lse_i = out_i.to(self.acc_dtype), lse_i.to(self.acc_dtype)
+            self._chunks[key] = [out_i, lse_i, self._expected.get(key, 1) > 1]
+            return
+        out, lse, merged = held
+        if not merged:  # more partials than expected: the first one is cast now
+            out, lse = out.to(self.acc_dtype), lse.to(self.acc_dtype)
+            held[:] = [out, lse, True]
+        self._merge(out, lse, out_i, lse_i)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in q's dtype, lse in the accumulator dtype) over the whole shard; rows no pair
+        reached are out = 0, lse = -inf. Consumes the accumulator."""
+        n = self.shape[2]
+        chunks, self._chunks = self._chunks, {}  # consumed: each chunk let go once written
+        if list(chunks) == [(0, n)]:
+            out, lse, _ = chunks.pop((0, n))
+            return out.to(self.dtype), lse.to(self.acc_dtype)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.shape[:3], dtype=self.acc_dtype, device=self.device)
+        covered = 0
+        for start, stop in sorted(chunks):
+            out_c, lse_c, _ = chunks.pop((start, stop))
+            if start > covered:
+                _no_key(out, lse, covered, start)
+            out[:, :, start:stop].copy_(out_c)
+            lse[:, :, start:stop].copy_(lse_c)
+            del out_c, lse_c
+            covered = stop
+        if covered < n:
+            _no_key(out, lse, covered, n)
+        return out, lse
+
+
+def _no_key(out: torch.Tensor, lse: torch.Tensor, start: int, stop: int) -> None:
+    out[:, :, start:stop].zero_()
+    lse[:, :, start:stop].fill_(float("-inf"))
+
+
+@dataclasses.dataclass
+class _Rows:
+    """One row range of a GradSum: its value, and whether the sum may write into it."""
+
+    start: int
+    stop: int
+    value: torch.Tensor  # (..., stop - start, D)
+    owned: bool  # a sum_dtype tensor of this GradSum's (or a kernel's new one): add in place
+    root: torch.Tensor | None  # the kernel output `value` is rows start.. of (root_start = 0)
+    root_start: int
+
+    def narrow(self, start: int, stop: int) -> _Rows:
+        value = self.value.narrow(-2, start - self.start, stop - start)
+        return _Rows(start, stop, value, self.owned, self.root, self.root_start)
+
+
+class GradSum:
+    """The sum of gradient pieces over the rows of one (..., n, D) tensor, built as they come.
+
+    A rank's dq, and each shard's dK/dV, get one piece per chunk pair: often a single one (every
+    piece at world size 1), often over a band of the rows (a halo). A zero-filled float32
+    accumulator of full size, added into and cast back, costs about as much as the kernel on a
+    thin band, so instead each row range keeps its first piece as the kernel returned it (its
+    exact value); a second piece over the same rows makes that range a sum in `sum_dtype`
+    (float32, float64 for float64 inputs), as the accumulator was, so the totals are the same.
+    Ranges never overlap: a piece that cuts a range splits it (views, no copy). `total` writes
+    each range once into the result: in place into a kernel output that covers every row when
+    there is one, and hands a single whole piece back unchanged.
+
+    Pieces marked fresh are a kernel's own new outputs, which the sum may keep and write into;
+    others (a channel's receive slot, valid until released) are read at once and never kept.
+    `expected` (pieces per row range, where known) makes the first piece of a range that
+    expects more a sum at once, so it is not held beside its sum_dtype copy when the next comes.
+    """
+
+    def __init__(
+        self,
+        shape,
+        sum_dtype: torch.dtype,
+        device,
+        expected: Mapping[tuple[int, int], int] | None = None,
+    ):
+        self.shape = tuple(shape)
+        self.sum_dtype, self.device = sum_dtype, device
+        self._expected = expected or {}
+        self._ranges: list[_Rows] = []  # disjoint, by start
+
+    def add(
+        self, start: int, piece: torch.Tensor, *, fresh: bool = True, last: bool = False
+    ) -> None:
+        """Add `piece` (..., m, D) into rows [start, start + m).
+
+        last: no piece follows over these rows, and `total` will be asked for in the dtype of
+            the kernel outputs kept there: those take the sum rounded to their dtype at once
+            (what total would write), with no sum_dtype copy of the rows held.
+        """
+        stop = start + piece.shape[-2]
+        assert 0 <= start <= stop <= self.shape[-2], (start, stop, self.shape)
+        self._split(start)
+        self._split(stop)
+        kept, pos = [], start
+        for r in self._ranges:
+            if r.stop <= start or r.start >= stop:
+                continue
+            if r.start > pos:
+                kept.append(self._new(pos, r.start, piece, start, fresh))
+            self._plus(r, piece.narrow(-2, r.start - start, r.stop - r.start), last)
+            pos = r.stop
+        if pos < stop:
+            kept.append(self._new(pos, stop, piece, start, fresh))
+        if kept:
+            self._ranges = sorted(self._ranges + kept, key=lambda r: r.start)
+
+    def _split(self, at: int) -> None:
+        for j, r in enumerate(self._ranges):
+            if r.start < at < r.stop:
+                self._ranges[j : j + 1] = [r.narrow(r.start, at), r.narrow(at, r.stop)]
+                return
+
+    def _new(self, a: int, b: int, piece: torch.Tensor, start: int, fresh: bool) -> _Rows:
+        value = piece if b - a == piece.shape[-2] else piece.narrow(-2, a - start, b - a)
+        if not fresh:  # not ours to keep: a copy, in the sum dtype
+            return _Rows(a, b, value.to(self.sum_dtype, copy=True), True, None, 0)
+        if self._expected.get((a, b), 1) > 1:  # more to come: the sum starts now
+            return _Rows(a, b, value.to(self.sum_dtype), True, None, 0)
+        whole = start == 0 and tuple(piece.shape) == self.shape
+        return _Rows(a, b, value, piece.dtype == self.sum_dtype, piece if whole else None, 0)
+
+    def _plus(self, r: _Rows, piece: torch.Tensor, last: bool) -> None:
+        if r.owned:
+            r.value.add_(piece)
+            return
+        if last:  # a kernel's output, ours to write: the exact sum, rounded once, in place
+            exact = r.value.to(self.sum_dtype) if piece.dtype != self.sum_dtype else r.value
+            r.value.copy_(piece + exact)
+            return
+        if piece.dtype == self.sum_dtype:  # float32 + bfloat16 promotes: one exact add
+            r.value = piece + r.value
+        elif r.value.dtype == self.sum_dtype:
+            r.value = r.value + piece
+        else:
+            r.value = r.value.to(self.sum_dtype)
+            r.value.add_(piece)
+        r.owned, r.root = True, None
+
+    def total(self, dtype: torch.dtype) -> torch.Tensor:
+        """The sum over every row in `dtype` (0 on rows no piece reached). It consumes the sum:
+        each range is let go once written, so its sum_dtype copy does not outlive it."""
+        n = self.shape[-2]
+        ranges, self._ranges = self._ranges, []
+        if len(ranges) == 1 and tuple(ranges[0].value.shape) == self.shape:
+            return ranges[0].value.to(dtype)
+        roots = [r.root for r in ranges if r.root is not None and r.root.dtype == dtype]
+        out = roots[0] if roots else torch.empty(self.shape, dtype=dtype, device=self.device)
+        del roots
+        covered = 0
+        while ranges:
+            r = ranges.pop(0)
+            if r.start > covered:
+                out.narrow(-2, covered, r.start - covered).zero_()
+            if r.root is not out:  # a view of `out` at its own rows is already in place
+                out.narrow(-2, r.start, r.stop - r.start).copy_(r.value)
+            covered = r.stop
+            del r
+        if covered < n:
+            out.narrow(-2, covered, n - covered).zero_()
+        return out
 
 
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
@@ -423,13 +612,16 @@ class Saved:
     """What a rank's backward needs of its forward: its q shard and the merged results.
 
     q, out, dout: (B, H, S/P, D) in the input dtype; lse: (B, H, S/P) merged, natural base, in the
-    accumulator dtype (float32, float64 for float64 inputs).
+    accumulator dtype (float32, float64 for float64 inputs); lse2: per q chunk (start, stop) of
+    rows, the same in the base flex's backward op reads (flex_backward.kernel_lse), converted
+    once per backward, not per pair (None: each pair converts its own).
     """
 
     q: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
     dout: torch.Tensor
+    lse2: Mapping[tuple[int, int], torch.Tensor] | None = None
 
 
 def backward_pairs(
@@ -438,20 +630,21 @@ def backward_pairs(
     k,
     v,
     kv_rank: int,
-    dq_acc: torch.Tensor,
-    dkv_acc: torch.Tensor,
+    dq: GradSum,
+    dk: GradSum,
+    dv: GradSum,
     *,
     window: tuple[int, int] | None = None,
     dkv_offset: int = 0,
 ) -> None:
-    """Add the gradients of the pairs against kv_rank's shard: dq into dq_acc, dK/dV into dkv_acc.
+    """Add the gradients of the pairs against kv_rank's shard: dq into `dq`, dK/dV into `dk`, `dv`.
 
     Args:
         saved: this rank's forward (Saved).
-        k, v: kv_rank's shard (B, G, S/P, D).
-        dq_acc: (B, H, S/P, D) float accumulator of this rank's dq.
-        dkv_acc: (2, B, G, rows, D) float accumulator of kv_rank's dK, dV: kv row j of the
-            held K/V lands at row j + dkv_offset.
+        k, v: kv_rank's shard (B, G, S/P, D), or the `window` of it held.
+        dq: the GradSum of this rank's dq, (B, H, S/P, D).
+        dk, dv: the GradSums of kv_rank's dK, dV, (B, G, rows, D): kv row j of the held K/V
+            lands at row j + dkv_offset.
         window: the rows of kv_rank's shard held (see `pairs`).
     """
     from attngym.distributed import flex_backward
@@ -466,11 +659,10 @@ def backward_pairs(
             grads = flex_backward.pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
         if grads is None:  # recompute, or flex failed under backward=auto (logged)
             grads = _recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
-        dq, dk, dv = grads
-        dq_acc[:, :, q_rows] += dq
-        rows = slice(kv_rows.start + dkv_offset, kv_rows.stop + dkv_offset)
-        dkv_acc[0, :, :, rows] += dk
-        dkv_acc[1, :, :, rows] += dv
+        dq_i, dk_i, dv_i = grads
+        dq.add(q_rows.start, dq_i)
+        dk.add(kv_rows.start + dkv_offset, dk_i)
+        dv.add(kv_rows.start + dkv_offset, dv_i)
 
 
 def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask):

@@ -202,6 +202,7 @@ def attend_backward(
     kernel_options=None,
     compile: bool = True,
     compile_mode: str = "default",
+    lse2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (q chunk, kv chunk) pair given the merged statistics of its q rows.
 
@@ -212,13 +213,15 @@ def attend_backward(
         variant: evaluated at global positions; its buffers on q's device.
         block_mask: the pair's BlockMask (attngym.kernels.make_block_mask, full when unmasked).
         compile: compile the op on CUDA (False, or CPU: the op's dense eager implementation).
+        lse2: `kernel_lse(lse, kernel_options, q.dtype)` when the caller has it already (one
+            conversion for every pair of a backward); computed from lse when None.
 
     Returns:
         dq (B, H, Sq, D), dk, dv (B, G, Skv, D), in q's dtype: this pair's share of the gradient.
     """
     graphs, args = op_args(
         q, k, v, out, lse, dout, variant, q_offset=q_offset, kv_offset=kv_offset,
-        block_mask=block_mask, scale=scale, kernel_options=kernel_options,
+        block_mask=block_mask, scale=scale, kernel_options=kernel_options, lse2=lse2,
     )  # fmt: skip
     if compile and q.device.type == "cuda":
         graphs.ready_for_dynamo()
@@ -226,8 +229,28 @@ def attend_backward(
     return _call_op(*args)
 
 
+def kernel_lse(lse: torch.Tensor, kernel_options, dtype: torch.dtype) -> torch.Tensor:
+    """The merged natural-base lse in the base and dtype the op reads for inputs of `dtype`:
+    base 2 for flex's Triton kernels, as is for FLASH (module docstring)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return lse.to(work) if kernels.is_flash(kernel_options) else lse.to(work) * (1 / math.log(2))
+
+
 def op_args(
-    q, k, v, out, lse, dout, variant, *, q_offset, kv_offset, block_mask, scale, kernel_options
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    variant,
+    *,
+    q_offset,
+    kv_offset,
+    block_mask,
+    scale,
+    kernel_options,
+    lse2=None,
 ) -> tuple[_Graphs, tuple]:
     """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
@@ -235,8 +258,8 @@ def op_args(
     graphs = _graphs(variant, q.dtype, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     options = _apply_kernel_options(q, k, v, True, dict(kernel_options) if kernel_options else None)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse2 = lse.to(work) if kernels.is_flash(kernel_options) else lse.to(work) * (1 / math.log(2))
+    if lse2 is None:
+        lse2 = kernel_lse(lse, kernel_options, q.dtype)
     buffers = (
         kernels.position(q_offset, q.device),
         kernels.position(kv_offset, q.device, "kv"),
@@ -284,6 +307,7 @@ def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | Non
             kernel_options=opts.kernel_options,
             compile=opts.compile,
             compile_mode=opts.compile_mode,
+            lse2=None if saved.lse2 is None else saved.lse2.get((q_rows.start, q_rows.stop)),
         )
     except Exception as exc:  # noqa: BLE001  (auto only: any failure of the op means recompute)
         if opts.backward != "auto":

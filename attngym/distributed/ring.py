@@ -11,12 +11,15 @@ Contract (P ranks, this rank r, channels from `transport`):
       computes its q chunks against what it holds, so the transfer for step i + 1 overlaps the
       compute of step i. After the compute the slot is released: the onward push out of it is
       queued (joined first where it went out on the next, narrower channel), so the slot may be
-      overwritten. Partials are folded in with merge.merge_into.
+      overwritten. Partials are folded in with merge.merge_into (cp.Accumulator: a q chunk that
+      meets one K/V pair keeps the kernel's output as it is; so at world size 1 the call is one
+      kernel forward and one backward).
     * Backward computes each (q chunk, kv chunk) pair's gradient from the merged out and lse
       (CPOptions.backward: flex's backward op, or the pair's forward re-run; see cp.py). K/V
       travel again as in the forward. The other ranks' dK/dV of a shard (rows held at step 1)
       travel one push behind them: a rank adds its contribution and pushes the sum on; the last
-      push goes home (the next ring hop after P steps, else straight back).
+      push goes home (the next ring hop after P steps, else straight back). Gradient pieces are
+      summed as they come (cp.GradSum): in float32 only where two pieces meet, nothing filled.
     * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
       BlockMask live as long as the Variant object).
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.
@@ -35,15 +38,18 @@ from typing import Any
 
 import torch
 
+from attngym.distributed import flex_backward
 from attngym.distributed.cp import (
     Accumulator,
     CPCall,
     CPOptions,
     CPStats,
+    GradSum,
     Saved,
     StepClock,
     backward_pairs,
     forward_pairs,
+    pairs,
     rows_read,
     run,
 )
@@ -126,6 +132,27 @@ def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
     return RingPlan(steps, tuple(widths), tuple(starts))
 
 
+# Variant -> {(layout, rank, B, H, block size, backend, device): {q chunk rows: pairs}}.
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _pieces(call: CPCall, q: torch.Tensor, plan: RingPlan) -> dict[tuple[int, int], int]:
+    """How many pairs meet each of this rank's q chunks over the ring's steps, by (start, stop)
+    of local rows: the partials of its output and the pieces of its dq (memoised)."""
+    key = (call.layout, call.rank, *q.shape[:2], call.options.block_size, call.backend, q.device)
+    per = _PIECES.setdefault(call.variant, {})
+    if key not in per:
+        counts: dict[tuple[int, int], int] = {}
+        for i in range(plan.steps):
+            s = (call.rank - i) % call.world_size
+            window = (plan.starts[s][i], plan.widths[i])
+            # block_masks given: the same pairs, not counted in call.stats
+            for q_rows, *_ in pairs(call, q, s, block_masks=call.backend, window=window):
+                counts[q_rows.start, q_rows.stop] = counts.get((q_rows.start, q_rows.stop), 0) + 1
+        per[key] = counts
+    return per[key]
+
+
 def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan):
     """For each hop i = 1 .. steps - 1: (channel, its local step). Hops of one width share a
     channel (widths only shrink, so they are consecutive); each channel counts its steps from 1."""
@@ -144,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
         P, r = cfg.world_size, cfg.rank
         plan = ring_plan(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
-        acc = Accumulator.of(cfg, q, v.shape[-1])
+        acc = Accumulator.of(cfg, q, v.shape[-1], expected=_pieces(cfg, q, plan))
         kv = (k, v)  # the own shard as is (no stacked copy); a received slot is (2, B, G, rows, D)
         hops = _hops(cfg, k, k.dtype, "kv", plan)
         for i in range(plan.steps):
@@ -166,10 +193,10 @@ class _RingAttention(torch.autograd.Function):
                 _release(hops, i, plan.steps)
         for chan in _distinct(c for c, _ in hops.values()):
             chan.join()
-        out = acc.out.to(q.dtype)
+        out, lse = acc.result()
         if stats is not None:
-            stats.lse = acc.lse
-        ctx.save_for_backward(q, k, v, out, acc.lse)
+            stats.lse = lse
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg, ctx.plan = cfg, plan
         return out
 
@@ -179,23 +206,34 @@ class _RingAttention(torch.autograd.Function):
         cfg: CPCall = ctx.cfg
         plan: RingPlan = ctx.plan
         P, r, steps = cfg.world_size, cfg.rank, plan.steps
-        acc_dtype = lse.dtype
-        saved = Saved(q, out, lse, dout)
-        dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        sum_dtype = lse.dtype
+        lse2, start = None, 0
+        if cfg.backward == "flex":  # per q chunk, contiguous as the op's kernels read it
+            lse2 = {}
+            for _, length in cfg.chunks(r):
+                rows = lse[:, :, start : start + length]
+                lse2[start, start + length] = flex_backward.kernel_lse(
+                    rows, cfg.options.kernel_options, q.dtype
+                )
+                start += length
+        saved = Saved(q, out, lse, dout, lse2)
+        # dq: a q chunk that meets several pairs sums from its first piece on. dK/dV keep their
+        # first piece (the own shard's, often the only one but for what comes home).
+        dq = GradSum(q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan))
+        dk_own, dv_own = (GradSum(t.shape, sum_dtype, q.device) for t in (k, v))
         kv = (k, v)
-        dkv_own = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
-        backward_pairs(cfg, saved, k, v, r, dq_acc, dkv_own)  # step 0: this rank's own shard
+        backward_pairs(cfg, saved, k, v, r, dq, dk_own, dv_own)  # step 0: this rank's own shard
         if steps == 1:  # no shard leaves its rank
-            return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None
+            return dq.total(q.dtype), dk_own.total(k.dtype), dv_own.total(v.dtype), None
         # Contributions of the other ranks to shard s lie in the rows held at step 1; they
         # accumulate along the ring in a buffer of that width, then go home: one more ring hop
         # after all P steps, else straight back over the steps - 1 hops travelled.
         hops = _hops(cfg, k, k.dtype, "kv", plan)
         hops[1][0].send(_slice(kv, plan, r, 1), hops[1][1] - 1)  # K/V travel again, as forward
-        wide = (2, *k.shape[:2], plan.widths[1], k.shape[3])
-        chain = _channel(cfg, wide[1:], q.device, acc_dtype, "dkv")
+        wide = (*k.shape[:2], plan.widths[1], k.shape[3])
+        chain = _channel(cfg, wide, q.device, sum_dtype, "dkv")
         home = chain if steps == P else _channel(
-            cfg, wide[1:], q.device, acc_dtype, "dkv_home", hops=steps - 1
+            cfg, wide, q.device, sum_dtype, "dkv_home", hops=steps - 1
         )  # fmt: skip
         stats = cfg.stats
         for i in range(1, steps):
@@ -206,30 +244,35 @@ class _RingAttention(torch.autograd.Function):
                 hops[i + 1][0].send(onward, hops[i + 1][1] - 1)
                 if stats is not None:
                     stats.bytes_sent += sum(t.numel() * t.element_size() for t in onward)
-            part = torch.zeros(wide, dtype=acc_dtype, device=q.device)
+            dk_part, dv_part = (GradSum(wide, sum_dtype, q.device) for _ in range(2))
             backward_pairs(
-                cfg, saved, kv[0], kv[1], s, dq_acc, part,
+                cfg, saved, kv[0], kv[1], s, dq, dk_part, dv_part,
                 window=(plan.starts[s][i], plan.widths[i]),
                 dkv_offset=plan.starts[s][i] - plan.starts[s][1],
             )  # fmt: skip
-            if i > 1:
-                part += chain.recv(i - 1)  # the shard's dK/dV so far, one push behind K/V
+            if i > 1:  # the shard's dK/dV so far, one push behind K/V
+                so_far = chain.recv(i - 1)
+                dk_part.add(0, so_far[0], fresh=False)
+                dv_part.add(0, so_far[1], fresh=False)
+            part = [dk_part.total(sum_dtype), dv_part.total(sum_dtype)]
             if i < steps - 1 or home is chain:
                 chain.send(part, i - 1)
             else:
                 home.send(part, 0)
             if stats is not None:
-                stats.bytes_sent += part.numel() * part.element_size()
+                stats.bytes_sent += sum(t.numel() * t.element_size() for t in part)
+            del part, dk_part, dv_part  # the channel holds what it still reads
             _release(hops, i, steps)
             if i > 1:
                 chain.release(i - 1)
         last = steps - 1 if home is chain else 1
-        rows = slice(plan.starts[r][1], plan.starts[r][1] + plan.widths[1])
-        dkv_own[:, :, :, rows] += home.recv(last)
+        back = home.recv(last)
+        dk_own.add(plan.starts[r][1], back[0], fresh=False, last=True)
+        dv_own.add(plan.starts[r][1], back[1], fresh=False, last=True)
         home.release(last)
         for chan in _distinct([*(c for c, _ in hops.values()), chain, home]):
             chan.join()
-        return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None
+        return dq.total(q.dtype), dk_own.total(k.dtype), dv_own.total(v.dtype), None
 
 
 def _slice(kv, plan: RingPlan, s: int, i: int) -> list[torch.Tensor]:

@@ -310,7 +310,8 @@ def _subgroups(group_key: tuple[int, ...], a2a_size: int):
 
 
 def hybrid_groups(a2a_size: int | None, group=None):
-    """The (a2a group, across group) of this rank for hybrid attention; collective.
+    """The (a2a group, across group) of this rank for hybrid attention; collective on the first
+    call for a group and a2a_size (every rank makes it), remembered after.
 
     Groups are consecutive ranks of `group` (rank r's shard must be shard r of the layout, and
     consecutive shards are what compose, see hybrid_attention), checked against the NVLink domain
@@ -323,16 +324,33 @@ def hybrid_groups(a2a_size: int | None, group=None):
     """
     import torch.distributed as dist
 
-    from attngym.distributed.domain import nvlink_domain
-
     if a2a_size is not None and (
         isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1
     ):
         raise ValueError(f"a2a_size: expected a positive int or None, got {a2a_size!r}")
+    # The NVLink domains are gathered (a collective, a host sync on NCCL) once per group and
+    # a2a_size, not on every call: a group's ranks do not move.
     world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    chosen = _HYBRID_GROUPS.setdefault(dist.group.WORLD, {})
+    key = (tuple(ranks), a2a_size)
+    if key not in chosen:
+        chosen[key] = _hybrid_groups(a2a_size, group, ranks)
+    return chosen[key]
+
+
+# Default group -> {(ranks of the group, a2a_size): (a2a group, across group)}, as _SUBGROUPS.
+_HYBRID_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hybrid_groups(a2a_size: int | None, group, ranks: list[int]):
+    import torch.distributed as dist
+
+    from attngym.distributed.domain import nvlink_domain
+
+    world = len(ranks)
     if a2a_size is not None and world % a2a_size:
         raise ValueError(f"a2a_size: {a2a_size} does not divide the world size {world}")
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     domains: list[str | None] = [None] * world
     dist.all_gather_object(domains, nvlink_domain(), group=group)
     if a2a_size is None:

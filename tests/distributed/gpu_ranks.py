@@ -11,13 +11,35 @@ from attngym.distributed import unshard
 
 
 def transports() -> list[str]:
-    """nccl needs a GPU per rank (NCCL refuses two ranks on one device); copy_engine also runs
-    with two ranks on one GPU when TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (a gloo group)."""
+    """The transports the CUDA tests are parametrised over. nccl is always listed and skips
+    itself where this box has fewer GPUs than ranks (`skip_reason`); copy_engine is listed with
+    two or more GPUs, or on one GPU when TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (two ranks
+    sharing it over gloo)."""
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out = ["nccl"] if n_gpu >= 2 else []
+    out = ["nccl"]
     if n_gpu >= 2 or os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1":
         out.append("copy_engine")
-    return out or ["nccl"]  # collected and skipped without CUDA
+    return out
+
+
+def skip_reason(transport: str, ranks: int, n_gpu: int | None = None) -> str | None:
+    """Why `ranks` CUDA ranks over `transport` cannot run on this box (None: they can).
+
+    NCCL needs one GPU per rank: it refuses two ranks on one device, so with fewer GPUs than
+    ranks the test is skipped with that reason, not failed. copy_engine shares a GPU when the
+    test allows overlapping devices, and is judged by `transports`.
+
+    Args:
+        n_gpu: the GPUs to judge by (default: torch.cuda.device_count()).
+    """
+    if n_gpu is None:
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if transport == "nccl" and n_gpu < ranks:
+        return (
+            f"nccl needs one GPU per rank: {ranks} ranks, {n_gpu} GPU(s) here "
+            "(NCCL refuses two ranks on one device)"
+        )
+    return None
 
 
 def relative_errors(got, want, world_size, layout, variant=None) -> list[float]:

@@ -15,7 +15,7 @@ from attngym import reference, variants
 from attngym.distributed import allgather_attention, ring_attention, shard
 from attngym.distributed.launch import launch
 
-from .gpu_ranks import relative_errors, transports
+from .gpu_ranks import relative_errors, skip_reason, transports
 
 REL = 2e-3
 
@@ -67,12 +67,14 @@ def _worker(rank, world_size, transport, variant_names, backward="auto", layouts
 @pytest.mark.parametrize("variant", ["causal", "sliding_window", "document"])
 @pytest.mark.parametrize("transport", transports())
 def test_cp_on_cuda_matches_reference(transport, variant, monkeypatch):
-    world_size = max(2, torch.cuda.device_count()) if transport == "nccl" else 2
-    if torch.cuda.device_count() < world_size:
+    ranks = min(max(2, torch.cuda.device_count()), 4) if transport == "nccl" else 2
+    if (reason := skip_reason(transport, ranks)) is not None:
+        pytest.skip(reason)
+    if torch.cuda.device_count() < ranks:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     errors = launch(
         _worker,
-        min(world_size, 4),
+        ranks,
         args=(transport, (variant,)),
         device="cuda",
         timeout_s=300,
@@ -112,6 +114,8 @@ def _two_layers_worker(rank, world_size, transport):
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", transports())
 def test_a_second_call_before_the_backward_leaves_the_first_exact(transport, monkeypatch):
+    if (reason := skip_reason(transport, 2)) is not None:
+        pytest.skip(reason)
     if torch.cuda.device_count() < 2:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     errors = launch(_two_layers_worker, 2, args=(transport,), device="cuda", timeout_s=300)

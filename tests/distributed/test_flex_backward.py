@@ -129,7 +129,7 @@ def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
     monkeypatch.setattr(flex_backward, "_FAILED", ["RuntimeError: an earlier failure"])
     monkeypatch.setattr(flex_backward, "attend_backward", lambda *a, **kw: "the op ran")
     t = torch.randn(1, 1, 4, 2)
-    saved = SimpleNamespace(q=t, out=t, lse=t[..., 0], dout=t)
+    saved = SimpleNamespace(q=t, out=t, lse=t[..., 0], dout=t, lse2=None)
     for backward, want in (("auto", None), ("flex", "the op ran")):
         call = SimpleNamespace(options=CPOptions(backward=backward), variant=None)
         got = flex_backward.pair_grads(call, saved, slice(0, 4), t, t, (0, 4), (0, 4), None)

@@ -17,7 +17,7 @@ from attngym import reference, variants
 from attngym.distributed import hybrid_attention, shard, ulysses_attention
 from attngym.distributed.launch import launch
 
-from .gpu_ranks import relative_errors, transports
+from .gpu_ranks import relative_errors, skip_reason, transports
 
 REL = 2e-3
 
@@ -67,8 +67,8 @@ def _worker(rank, world_size, transport):
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", transports())
 def test_ulysses_and_hybrid_on_cuda_match_reference(transport, monkeypatch):
-    if transport == "nccl" and torch.cuda.device_count() < 2:
-        pytest.skip("nccl needs a GPU per rank")
+    if (reason := skip_reason(transport, 2)) is not None:
+        pytest.skip(reason)
     if torch.cuda.device_count() < 2:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     errors = launch(_worker, 2, args=(transport,), device="cuda", timeout_s=300)
