@@ -231,8 +231,9 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
                 with timeline.phase("pictures"):
                     images = pictures.draw_pictures(settings, job.run_dir) if ok else {}
                 metrics.update(_run_time())  # the tracker's summary has them, less its own time
-                with timeline.phase("tracker"):
-                    _track(cfg, job, settings, tracker, metrics, images)
+                if tracker is not None:  # None: building it was the failure
+                    with timeline.phase("tracker"):
+                        _track(cfg, job, settings, tracker, metrics, images)
             metrics.update(_run_time())
             _write_metrics(job, metrics, complete=True)
         except OSError as err:  # a full disk, a symlink where a file goes
@@ -272,6 +273,8 @@ def _check_and_run(
             return settings, err, tracker
         if job.multirun:  # a single run prints the one line of _finish instead
             log.error("config error: %s", err)
+        if tracker is not None and hasattr(tracker, "close"):
+            tracker.close()  # refused: no tracker run (W&B's child stops now, not at exit)
         return None, err, None  # refused: no picture, no tracker run
     metrics.update(_verdict(metrics))
     return settings, None, tracker

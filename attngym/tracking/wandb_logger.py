@@ -93,6 +93,14 @@ class WandbTracker:
                 start_new_session=True,  # its own process group: wandb's service dies with it
             )
 
+    def close(self) -> None:
+        """Stop a started child that will get no run (the run was refused)."""
+        child, self._child = self._child, None
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+
     def log_run(self, record: RunRecord) -> None:
         """One W&B run in a child process, bounded (see the module docstring); never raises."""
         deadline_s = self.init_timeout_s + self.finish_timeout_s + CHILD_START_S
