@@ -51,6 +51,7 @@ from attngym.distributed.cp import (
     CPCall,
     CPOptions,
     CPStats,
+    GradSum,
     Saved,
     attend,
     backward_pairs,
@@ -424,19 +425,22 @@ def _ring_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
 
     bwd = None
     if saved is not None:
-        acc_dtype = saved.lse.dtype
-        dq = torch.zeros(q_r.shape, dtype=acc_dtype, device=q_r.device)
-        rows = plan.widths[1] if (i > 0 and plan.steps > 1) else k_s.shape[2]
-        part = torch.zeros((2, *k_s.shape[:2], rows, k_s.shape[3]), dtype=acc_dtype,
-                           device=q_r.device)  # fmt: skip
+        sum_dtype = saved.lse.dtype
+        rows = plan.widths[1] if (i > 0 and plan.steps > 1) else k_h.shape[2]
+        wide = (*k_s.shape[:2], rows, k_s.shape[3])
         offset = start - plan.starts[s][1] if i > 0 else 0
 
         def bwd():
+            # As the ring's backward: gradients summed as they come (cp.GradSum), the own
+            # shard's dK/dV in the input dtype, a travelling step's in the sum dtype.
             with torch.no_grad():
-                if i > 0:  # each step's dK/dV buffer is a fresh zero-filled one, as the ring's
-                    part.zero_()
-                backward_pairs(call, saved, k_h, v_h, s, dq, part, window=window,
+                dq = GradSum(q_r.shape, sum_dtype, q_r.device)
+                dk, dv = (GradSum(wide, sum_dtype, q_r.device) for _ in range(2))
+                backward_pairs(call, saved, k_h, v_h, s, dq, dk, dv, window=window,
                                dkv_offset=offset)  # fmt: skip
+                out_dtype = k_s.dtype if i == 0 else sum_dtype
+                for grad, dtype in ((dq, q_r.dtype), (dk, out_dtype), (dv, out_dtype)):
+                    grad.total(dtype)  # the sums written out, as the ring's step does
 
     masks = tuple(bm for *_, bm in pairs(call, q_r, s, block_masks="flex", window=window))
     return Item(key=key, fwd=fwd, bwd=bwd, block_masks=masks)
