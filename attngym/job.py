@@ -228,6 +228,8 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             _write_metrics(job, metrics, complete=False)
             if settings is not None:  # it ran; a failed run draws nothing more
                 ok = metrics["status"] == "ok"
+                if tracker is not None and hasattr(tracker, "begin"):  # W&B inits meanwhile
+                    tracker.begin(_record(cfg, job, settings, metrics, {}))
                 with timeline.phase("pictures"):
                     images = pictures.draw_pictures(settings, job.run_dir) if ok else {}
                 metrics.update(_run_time())  # the tracker's summary has them, less its own time
@@ -327,18 +329,23 @@ def _track(
     images: dict[str, Path],
 ) -> None:
     """Hand the run to its tracker (the `logger` group)."""
+    tracker.log_run(_record(cfg, job, settings, metrics, images))
+
+
+def _record(
+    cfg: DictConfig, job: Job, settings: Settings, metrics: dict[str, Any], images: dict[str, Path]
+) -> Any:
+    """The run as a tracker takes it (a copy of the metrics as they are now)."""
     from attngym.tracking import RunRecord
 
-    tracker.log_run(
-        RunRecord(
-            run_dir=job.run_dir,
-            metrics=metrics,
-            config=_tracked_config(cfg),
-            images=images,
-            name=job.name,
-            group=job.group,
-            job_type=settings.topology.kind,
-        )
+    return RunRecord(
+        run_dir=job.run_dir,
+        metrics=dict(metrics),
+        config=_tracked_config(cfg),
+        images=images,
+        name=job.name,
+        group=job.group,
+        job_type=settings.topology.kind,
     )
 
 

@@ -79,6 +79,8 @@ def test_wandb_offline_run_holds_images(tmp_path, attngym_cli):
     data = records[0].read_bytes()
     assert b"attention.window_size=16,attention=sliding_window,baselines=[]" in data
     assert b"++attention" not in data and b"block_size='64'" not in data
+    # W&B started before the pictures (tracker.begin) and took the complete run after them.
+    assert b"phase_pictures_s" in data and b"wall_s" in data
 
 
 class _StuckRun:

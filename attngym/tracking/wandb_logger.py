@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attngym import registry
@@ -75,9 +75,11 @@ class WandbTracker:
         self.init_timeout_s = float(init_timeout_s)
         self.finish_timeout_s = float(finish_timeout_s)
         self._child: subprocess.Popen | None = None
+        self._begun = False  # the child has the run's first part (begin)
+        self.seconds: dict[str, float] = {}  # in the child: where its time went
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_child": None}  # the child gets the settings, not itself
+    def __getstate__(self) -> dict[str, Any]:  # the child gets the settings, not itself
+        return {**self.__dict__, "_child": None, "_begun": False}
 
     def start(self) -> None:
         """Start the child while the run works: its interpreter and `import wandb` (seconds)
@@ -93,6 +95,17 @@ class WandbTracker:
                 start_new_session=True,  # its own process group: wandb's service dies with it
             )
 
+    def begin(self, record: RunRecord) -> None:
+        """Hand the child the run as the task left it (config, names, the task's metrics): it
+        calls wandb.init while the caller draws the pictures, and log_run sends the rest. A
+        child that cannot take it is reported by log_run."""
+        self.start()
+        assert self._child is not None and self._child.stdin is not None
+        with contextlib.suppress(OSError):  # a dead child: log_run reads why
+            self._child.stdin.write(pickle.dumps((self, record)))
+            self._child.stdin.flush()
+            self._begun = True
+
     def close(self) -> None:
         """Stop a started child that will get no run (the run was refused)."""
         child, self._child = self._child, None
@@ -107,8 +120,11 @@ class WandbTracker:
         self.start()
         child, self._child = self._child, None
         assert child is not None
+        # The child reads the run twice: as the task left it (begin, else now) and complete.
+        payload = b"" if self._begun else pickle.dumps((self, record))
+        self._begun = False
         try:
-            out, err = child.communicate(pickle.dumps((self, record)), timeout=deadline_s)
+            out, err = child.communicate(payload + pickle.dumps(record), timeout=deadline_s)
         except subprocess.TimeoutExpired:
             log.warning(
                 "wandb did not finish within %.0f s (init_timeout_s + finish_timeout_s + %.0f s "
@@ -139,24 +155,28 @@ class WandbTracker:
         if report.get("where") is not None:
             seconds = report.get("seconds", {})
             log.info(
-                "wandb (%s): %s (import wandb %.1f s while the run worked, then %.1f s)",
+                "wandb (%s): %s (import %.1f s while the task ran, init %.1f s beside the "
+                "pictures, then %.1f s)",
                 self.mode,
                 report["where"],
                 seconds.get("import", 0.0),
+                seconds.get("init", 0.0),
                 seconds.get("log", 0.0),
             )
 
-    def _log_here(self, record: RunRecord) -> str | None:
-        """In the child: the W&B run; where it went (run folder or URL); never raises."""
+    def _log_here(self, record: RunRecord, complete: Callable[[], RunRecord]) -> str | None:
+        """In the child: the W&B run, started from `record` (the run as the task left it) and
+        finished from `complete()` (the run with its pictures and run time); where it went (run
+        folder or URL); never raises."""
         try:
-            return self._log(record)
+            return self._log(record, complete)
         except Exception as err:  # a tracker must not fail a run whose files are written
             log.warning(
                 "wandb logging failed (%s: %s); metrics.json is unaffected", type(err).__name__, err
             )
             return None
 
-    def _log(self, record: RunRecord) -> str:
+    def _log(self, record: RunRecord, complete: Callable[[], RunRecord]) -> str:
         import wandb
 
         metrics = record.metrics
@@ -186,8 +206,13 @@ class WandbTracker:
             reinit="finish_previous",
             settings=settings,
         )
-        ok = metrics.get("status") == "ok"
+        self.seconds["init"] = time.perf_counter() - self.seconds.pop("start", time.perf_counter())
+        ok = False
         try:
+            record = complete()
+            started = time.perf_counter()
+            metrics = record.metrics
+            ok = metrics.get("status") == "ok"
             run.summary.update(scalar_metrics(metrics))
             images = {
                 n: wandb.Image(str(p), caption=f"{record.name}: {n}")
@@ -204,6 +229,7 @@ class WandbTracker:
             run.log({**numbers, **images})
         finally:
             self._finish(run, exit_code=0 if ok else 1)
+        self.seconds["log"] = time.perf_counter() - started
         return run.dir if self.mode == "offline" else getattr(run, "url", "")
 
     def _finish(self, run: Any, exit_code: int) -> None:
@@ -250,14 +276,13 @@ def child_main() -> None:
     import wandb  # noqa: F401  (while the caller's run still works: WandbTracker.start)
 
     imported = time.perf_counter()
-    data = sys.stdin.buffer.read()
-    if not data:  # the caller ended without a run to log
+    stream = sys.stdin.buffer
+    try:
+        tracker, record = pickle.load(stream)
+    except EOFError:  # the caller ended without a run to log
         os._exit(0)
-    handed = time.perf_counter()
-    tracker, record = pickle.loads(data)
-    where = tracker._log_here(record)
-    seconds = {"import": imported - started, "log": time.perf_counter() - handed}
-    print(
-        json.dumps({"where": where, "warnings": collect.messages, "seconds": seconds}), flush=True
-    )
+    tracker.seconds = {"import": imported - started, "start": time.perf_counter()}
+    where = tracker._log_here(record, lambda: pickle.load(stream))
+    report = {"where": where, "warnings": collect.messages, "seconds": tracker.seconds}
+    print(json.dumps(report), flush=True)
     os._exit(0)
