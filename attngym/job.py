@@ -140,9 +140,20 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     there (rank 0 under torchrun): a second run pointed at the same folder stops with one line
     naming the holder, exit code 1, before it reads or writes anything.
     """
-    from attngym.tracking.lock import FolderLock, FolderLocked
+    from attngym import kernels
 
     timeline.begin(_job_start())
+    try:
+        with kernels.kept_block_masks():  # the job's block masks, built once, freed after it
+            return _run_job(cfg)
+    finally:
+        timeline.end()
+
+
+def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
+    """run_job's body, its timeline and block masks set up."""
+    from attngym.tracking.lock import FolderLock, FolderLocked
+
     job = _job()
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
         if job.multirun and _why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
@@ -159,8 +170,6 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             return _run_locked(cfg, job)
     finally:
         lock.release()
-        timeline.end()
-        _free_job_memory()
 
 
 @contextlib.contextmanager
@@ -186,14 +195,6 @@ def _profiled(run_dir: Path, on: bool) -> Iterator[None]:
             pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
             (run_dir / "run_profile.txt").write_text(text.getvalue())
             log.info("run profile: %s", run_dir / "run_profile.txt")
-
-
-def _free_job_memory() -> None:
-    """The block masks kept for the job (attngym.kernels) go: the next job of a sweep builds its
-    own, and a mask at long sequences holds GiBs."""
-    kernels = sys.modules.get("attngym.kernels")  # not imported: nothing was kept
-    if kernels is not None:
-        kernels.clear_block_masks()
 
 
 _process_started = False

@@ -17,12 +17,13 @@ inputs), natural base (e), of the scaled, modified scores, -inf where a row has 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -218,18 +219,20 @@ def make_block_mask(
     device: torch.device | str = "cpu",
     full_when_unmasked: bool = False,
 ):
-    """The BlockMask of the variant's mask on this chunk pair, built once per job.
+    """The BlockMask of the variant's mask on this chunk pair.
 
     A variant without a mask gives None, or with `full_when_unmasked` a BlockMask keeping every
-    block (flex's backward op takes a block mask in every case). The last BLOCK_MASKS_KEPT masks
-    are kept (keyed by the variant's mask_mod, lengths, integer offsets, block size and device),
-    so the validation, the contenders, the pictures and context parallelism reuse the run's mask
-    instead of building it again; the run layer frees them after each job (clear_block_masks).
+    block (flex's backward op takes a block mask in every case). Inside `kept_block_masks()` (a
+    run: attngym.job, a context-parallel rank) the last BLOCK_MASKS_KEPT masks are kept (keyed
+    by the variant's mask_mod, lengths, integer offsets, block size and device), so the
+    validation, the contenders, the pictures and context parallelism reuse the run's mask
+    instead of building it again.
     """
     if variant.device is not None and variant.device != torch.device(device):
         variant = variant.to(device)  # its lookup tables where the mask is evaluated
     key = None
-    if not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor):
+    tensor_offset = isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor)
+    if _keeping and not tensor_offset:
         key = (
             variant.mask_mod,
             seq_q,
@@ -252,19 +255,30 @@ def make_block_mask(
     return mask
 
 
-# The block masks make_block_mask keeps, newest first: (key, BlockMask). A mask at 1M tokens
-# holds ~1 GiB of block indices, so only a few are kept, and only until the job ends.
+# The block masks make_block_mask keeps inside kept_block_masks(), newest first: (key,
+# BlockMask). A mask at 1M tokens holds ~1 GiB of block indices, so only a few are kept.
 BLOCK_MASKS_KEPT = 8
 _BLOCK_MASKS: list[tuple[tuple, Any]] = []
+_keeping = False
 
 
 def _same_key(a: tuple, b: tuple) -> bool:
     return a[0] is b[0] and a[1:] == b[1:]
 
 
-def clear_block_masks() -> None:
-    """Forget the kept block masks (their memory goes back to the allocator)."""
-    _BLOCK_MASKS.clear()
+@contextlib.contextmanager
+def kept_block_masks() -> Iterator[None]:
+    """Within it, make_block_mask keeps the masks it builds; on leaving the outermost one they
+    are freed (the next job of a sweep builds its own). Outside, nothing is kept."""
+    global _keeping
+    outer = _keeping
+    _keeping = True
+    try:
+        yield
+    finally:
+        _keeping = outer
+        if not outer:
+            _BLOCK_MASKS.clear()
 
 
 def _create_block_mask(

@@ -329,3 +329,19 @@ def test_block_rule_builds_the_block_mask_create_block_mask_builds(
         for row, n in enumerate(num[0, 0].tolist()):
             assert torch.equal(listed[0, 0, row, :n], want_listed[0, 0, row, :n]), (side, row)
     assert torch.equal(got.to_dense(), want.to_dense())
+
+
+def test_block_masks_are_kept_only_inside_a_run():
+    """Inside kept_block_masks() (a job, a CP rank) a mask is built once and reused; outside,
+    or after it, each call builds its own, so a library caller holds no masks it did not ask for."""
+    from attngym import kernels
+
+    variant = get("document", doc_lengths=[100, 156])
+    assert make_block_mask(variant, 256, 256) is not make_block_mask(variant, 256, 256)
+    with kernels.kept_block_masks():
+        kept = make_block_mask(variant, 256, 256)
+        with kernels.kept_block_masks():  # nested: the same store
+            assert make_block_mask(variant, 256, 256) is kept
+        assert make_block_mask(variant.to("cpu"), 256, 256) is kept
+        assert make_block_mask(variant, 256, 256, block_size=(64, 64)) is not kept
+    assert make_block_mask(variant, 256, 256) is not kept

@@ -188,7 +188,6 @@ for _kind in registry.names("topology"):
 
 
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
-    from attngym.distributed.launch import report
     from attngym.distributed.transport import clear_cache, resolve_transport
 
     topo = settings.topology
@@ -217,27 +216,35 @@ def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict
         "bwd_status": phases.bwd_status(job.do_bwd, job.do_bwd),
     }
     try:
-        # torch_cp right after attngym's own timings (same conditions); one_device last, as only
-        # rank 0 works there while the others wait for it.
-        for phase in (shard, first_call, validate, time_passes, instrument, torch_cp):
-            with timeline.phase(PHASE_NAMES.get(phase.__name__, phase.__name__)):
-                metrics.update(phase(job))
-            report(metrics)
-        with rank0_work(topo.timeout_s), timeline.phase("one_device"):
-            metrics.update(one_device(job))
-        _fold_torch_cp_verdict(metrics)
-        job.whole = None
-        if spawned:  # the caller's timeline takes these in (run_context_parallel)
-            metrics[RANK_TIME] = timeline.current().metrics()  # type: ignore[union-attr]
-        return metrics
+        with kernels.kept_block_masks():  # freed with this job's channels below
+            return _rank_phases(job, metrics, spawned)
     finally:
         # Free this job's channels and symmetric memory: the next job of a torchrun sweep may use
         # other shapes, and every rank is past the job's last transfer and rank0_work here.
         sync(device)
         clear_cache()
-        kernels.clear_block_masks()
         if spawned:
             timeline.end()
+
+
+def _rank_phases(job: RankJob, metrics: dict[str, Any], spawned: bool) -> dict[str, Any]:
+    """The rank's phases in order, each timed; rank 0 reports after each."""
+    from attngym.distributed.launch import report
+
+    topo = job.settings.topology
+    # torch_cp right after attngym's own timings (same conditions); one_device last, as only
+    # rank 0 works there while the others wait for it.
+    for phase in (shard, first_call, validate, time_passes, instrument, torch_cp):
+        with timeline.phase(PHASE_NAMES.get(phase.__name__, phase.__name__)):
+            metrics.update(phase(job))
+        report(metrics)
+    with rank0_work(topo.timeout_s), timeline.phase("one_device"):
+        metrics.update(one_device(job))
+    _fold_torch_cp_verdict(metrics)
+    job.whole = None
+    if spawned:  # the caller's timeline takes these in (run_context_parallel)
+        metrics[RANK_TIME] = timeline.current().metrics()  # type: ignore[union-attr]
+    return metrics
 
 
 # The timeline's names of the rank phases whose function names differ.
