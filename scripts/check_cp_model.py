@@ -64,7 +64,11 @@ def _simulated(overrides: list[str], out: Path, name: str, dry_run: bool) -> dic
         return {}
     import attngym
 
-    return attngym.run(overrides=overrides, run_dir=out / "runs" / name)
+    try:
+        return attngym.run(overrides=overrides, run_dir=out / "runs" / name)
+    except Exception as error:  # one failed simulation leaves the others' rows
+        print(f"{name} failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return {}
 
 
 def _number(value: Any) -> float | None:
@@ -110,11 +114,13 @@ def check(args: argparse.Namespace) -> int:
                 "wall_s": time.perf_counter() - start,
             }
         )
+        if not args.dry_run:  # written row by row: an interrupted run keeps its rows
+            cases = _cases(table)
+            _write(args.out, "check_cp_model", {"rows": table, "cases": cases},
+                   _check_md(table, cases))  # fmt: skip
     if args.dry_run:
         return 0
-    cases = _cases(table)
-    _write(args.out, "check_cp_model", {"rows": table, "cases": cases}, _check_md(table, cases))
-    print(_check_md(table, cases))
+    print(_check_md(table, _cases(table)))
     return 0
 
 
@@ -200,11 +206,17 @@ def _scaling_cases() -> list[tuple[str, list[str], list[tuple[str, str, list[str
 
 
 def scaling(args: argparse.Namespace) -> int:
-    table = []
+    done = {}
+    if args.resume and args.resume.exists():  # rows of an earlier, interrupted run: kept
+        done = {_key(r): r for r in json.loads(args.resume.read_text())["rows"]}
+    table: list[dict[str, Any]] = []
     for name, overrides, topologies in _scaling_cases():
         if args.cases and not any(c in name for c in args.cases):
             continue
-        single: dict[str, Any] = {}
+        single = next(
+            ({"fwd_bwd": r["single_fwd_bwd_ms"]} for r in done.values()
+             if r["case"] == name and r.get("single_fwd_bwd_ms")), {}
+        )  # fmt: skip
         for P in args.world_sizes:
             for topology, layout, extra in topologies:
                 if args.topologies and topology not in args.topologies:
@@ -223,6 +235,9 @@ def scaling(args: argparse.Namespace) -> int:
                     *args.override,
                 ]  # fmt: skip
                 tag = f"scaling_{name.replace(' ', '_')}_{topology}_{P}"
+                if (name, topology, P) in done:
+                    table.append(done[name, topology, P])
+                    continue
                 metrics = _simulated(runs, args.out, tag, args.dry_run)
                 if metrics.get("single_fwd_bwd_ms"):
                     single = {"fwd_bwd": metrics["single_fwd_bwd_ms"]}
@@ -234,10 +249,22 @@ def scaling(args: argparse.Namespace) -> int:
                      "bottleneck": metrics.get("bottleneck"),
                      "time_imbalance": metrics.get("time_imbalance"),
                      "bytes_moved": metrics.get("bytes_moved"), "sim_s": metrics.get("sim_s"),
-                     "fabric": metrics.get("fabric")}
+                     "fabric": metrics.get("fabric"),
+                     "single_fwd_bwd_ms": single.get("fwd_bwd")}
                 )  # fmt: skip
+                if not args.dry_run:  # written row by row: an interrupted run keeps its rows
+                    _write(args.out, "scaling", {"rows": table}, _scaling_md(table))
     if args.dry_run:
         return 0
+    print(_scaling_md(table))
+    return 0
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str, int]:
+    return row["case"], row["topology"], row["world_size"]
+
+
+def _scaling_md(table: list[dict[str, Any]]) -> str:
     lines = [
         "| case | topology | layout | P | predicted fwd+bwd ms | efficiency | bottleneck | "
         "time imbalance | simulation s |",
@@ -249,10 +276,7 @@ def scaling(args: argparse.Namespace) -> int:
             f"{_fmt(r['predicted_fwd_bwd_ms'])} | {_fmt(r['efficiency_fwd_bwd'])} | "
             f"{r['bottleneck'] or ''} | {_fmt(r['time_imbalance'], 3)} | {_fmt(r['sim_s'], 1)} |"
         )
-    text = "\n".join(lines) + "\n"
-    _write(args.out, "scaling", {"rows": table}, text)
-    print(text)
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 def _write(out: Path, stem: str, data: dict[str, Any], text: str) -> None:
@@ -275,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topologies", nargs="+", default=[], help="scaling: only these")
     parser.add_argument(
         "--no-single", action="store_true", help="scaling: no one-device run (no efficiency)"
+    )
+    parser.add_argument(
+        "--resume", type=Path, help="scaling: a scaling.json whose rows are kept, not rerun"
     )
     args = parser.parse_args(argv)
     return scaling(args) if args.scaling else check(args)
