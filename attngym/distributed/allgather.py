@@ -163,6 +163,7 @@ def mapped_variant(
         buffers={},
         bind=None,
         seq_len=None,
+        block_rule=None,  # the rule reads global positions; these indices are local
     )
 
 

@@ -79,9 +79,14 @@ def log_once(message: str) -> None:
 
 
 class _Graphs:
-    """The traced score, joint and mask graphs of one variant for one dtype and device."""
+    """The traced score, joint and mask graphs of one variant for one dtype and device.
 
-    def __init__(self, variant: Variant, dtype: torch.dtype, device: torch.device):
+    shifted: the callbacks take the chunk offsets as inputs (every pair of a CP call); without,
+    they are the variant's own, as the forward's for a pair at offset 0 (an added 0 still costs
+    a load and an add per score, in both loops of the backward).
+    """
+
+    def __init__(self, variant: Variant, dtype: torch.dtype, device: torch.device, shifted: bool):
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
         from torch._higher_order_ops.flex_attention import create_fw_bw_graph
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -94,11 +99,13 @@ class _Graphs:
                 return variant.score_mod, variant.mask_mod
             return variant.bind(dict(zip(names, buffers, strict=True)))
 
-        def score_graph(score, b, h, m, n, q_off, kv_off, *buffers):
+        def score_graph(score, b, h, m, n, *extra):
+            q_off, kv_off, buffers = (*extra[:2], extra[2:]) if shifted else (0, 0, extra)
             score_mod, _ = mods(buffers)
             return score if score_mod is None else score_mod(score, b, h, m + q_off, n + kv_off)
 
-        def mask_graph(b, h, m, n, q_off, kv_off, *buffers):
+        def mask_graph(b, h, m, n, *extra):
+            q_off, kv_off, buffers = (*extra[:2], extra[2:]) if shifted else (0, 0, extra)
             _, mask_mod = mods(buffers)
             if mask_mod is None:
                 return b.new_ones((), dtype=torch.bool)
@@ -108,11 +115,8 @@ class _Graphs:
             return torch.zeros((), dtype=torch.int32, device=device)
 
         # Distinct tensors for the two offsets: make_fx maps one tensor object to one input.
-        extra = (
-            torch.zeros((), dtype=torch.int64, device=device),
-            torch.zeros((), dtype=torch.int64, device=device),
-            *self.buffers,
-        )
+        offsets = tuple(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
+        extra = (*offsets, *self.buffers) if shifted else self.buffers
         with TransformGetItemToIndex():
             self.fw = make_fx(score_graph)(
                 torch.zeros((), dtype=dtype, device=device), idx(), idx(), idx(), idx(), *extra
@@ -143,15 +147,15 @@ class _Graphs:
             g.torchdynamo_force_dynamic = True
 
 
-# Variant -> {(dtype, device): _Graphs}; weak keys, as the pair plans in cp.py.
+# Variant -> {(dtype, device, shifted): _Graphs}; weak keys, as the pair plans in cp.py.
 _GRAPHS: weakref.WeakKeyDictionary[Variant, dict[tuple, _Graphs]] = weakref.WeakKeyDictionary()
 
 
-def _graphs(variant: Variant, dtype: torch.dtype, device: torch.device) -> _Graphs:
+def _graphs(variant: Variant, dtype: torch.dtype, device: torch.device, shifted: bool) -> _Graphs:
     per = _GRAPHS.setdefault(variant, {})
-    key = (dtype, device)
+    key = (dtype, device, shifted)
     if key not in per:
-        per[key] = _Graphs(variant, dtype, device)
+        per[key] = _Graphs(variant, dtype, device, shifted)
     return per[key]
 
 
@@ -255,16 +259,19 @@ def op_args(
     """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
-    graphs = _graphs(variant, q.dtype, q.device)
+    # Unshifted at offset 0, as kernels.shifted_mods gives the pair's forward.
+    shifted = not (
+        isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0
+    )
+    graphs = _graphs(variant, q.dtype, q.device, shifted)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     options = _apply_kernel_options(q, k, v, True, dict(kernel_options) if kernel_options else None)
     if lse2 is None:
         lse2 = kernel_lse(lse, kernel_options, q.dtype)
-    buffers = (
-        kernels.position(q_offset, q.device),
-        kernels.position(kv_offset, q.device, "kv"),
-        *graphs.buffers,
-    )
+    buffers = graphs.buffers
+    if shifted:
+        offsets = kernels.position(q_offset, q.device), kernels.position(kv_offset, q.device, "kv")
+        buffers = (*offsets, *buffers)
     block = block_mask.as_tuple()[:-1]
     # The op has no autograd of its own: inputs that require grad would dispatch it wrongly.
     q, k, v, out, dout = (t.detach() for t in (q, k, v, out.to(q.dtype), dout.to(q.dtype)))

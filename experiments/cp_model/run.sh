@@ -3,8 +3,9 @@
 # own overhead), launches per call before/after (cp_profile.py), the GPU tests on one GPU, and the
 # model: simulated ranks against the two-H200 measurements, and the predicted scaling tables.
 #   bash experiments/cp_model/run.sh [OUT_DIR] [PHASE...]   (repository root; default: all)
-# PHASE: tests, overhead, defects, check, scaling (all = every one but scaling). SECONDS_LEFT (default
-# 560) bounds the whole: scaling gets what is left and resumes from RESUME (a scaling.json) if set.
+# PHASE, run in this order: overhead, defects, check, tests, scaling (all = every one but scaling).
+# SECONDS_LEFT (default 560) bounds the whole; the tests leave SCALING_S of it to the scaling, which
+# gets what is left and resumes from RESUME (a scaling.json) if set. T_LIMIT: one run's limit.
 # On a machine without network, wheels of Hydra, OmegaConf, wandb and attn-gym go in .whl/ first.
 set -u
 OUT=${1:-${OUT:-/tmp/attngym_cp_model}}
@@ -25,42 +26,47 @@ has() { [[ $WHAT == *" $1 "* || ( $WHAT == *" all "* && $1 != scaling ) ]]; }
 t() {  # t NAME ARGS...: one run in a fresh process, its last line and metrics.json
   local name=$1 left=$(( END - $(date +%s) )); shift
   [ $left -gt 30 ] || { echo "$name skipped: out of time" | tee -a $OUT/summary.txt; return 1; }
-  ( cd /tmp/w && timeout $(( left < 240 ? left : 240 )) python3 -m attngym hydra.run.dir=/tmp/runs/$name "$@" > $OUT/$name.log 2>&1 )
+  ( cd /tmp/w && timeout $(( left < ${T_LIMIT:-240} ? left : ${T_LIMIT:-240} )) python3 -m attngym hydra.run.dir=/tmp/runs/$name "$@" > $OUT/$name.log 2>&1 )
   local rc=$?
   echo "$name rc=$rc $(grep -E '^  wall ' $OUT/$name.log)" | tee -a $OUT/summary.txt
   cp /tmp/runs/$name/metrics.json $OUT/metrics/$name.json 2>/dev/null
   return $rc
 }
-if has tests; then
-  timeout $(( END - $(date +%s) )) python3 -m pytest -q -m "gpu or multigpu" tests/distributed/test_cp_gpu.py \
-      tests/distributed/test_ulysses_gpu.py -p no:cacheprovider > $OUT/pytest_cp_gpu.log 2>&1
-  echo "pytest rc=$? $(tail -1 $OUT/pytest_cp_gpu.log)" | tee -a $OUT/summary.txt
-fi
-if has overhead; then
+if has overhead; then  # KINDS, MASKS and PROFILE (0: no cp_profile) narrow it
   BASE="+experiment=ring_attention topology.world_size=1 shape.seq_len=65536 shape.heads=8 shape.head_dim=128 logger=none validate_rows=64 benchmark.warmup=1 benchmark.repeats=5"
-  for kind in ring allgather ulysses hybrid; do
+  declare -A MASK=([window]="attention=sliding_window ++attention.window_size=1024"
+                   [causal]="attention=causal" [document]="attention=document")
+  first=1
+  for kind in ${KINDS:-ring allgather ulysses hybrid}; do
     extra=""; [ $kind = hybrid ] && extra="topology.a2a_size=1"
-    t ws1_${kind}_window $BASE topology=$kind $extra attention=sliding_window ++attention.window_size=1024 \
-      || [ $kind != ring ] || { echo "the first run failed: overhead stopped" | tee -a $OUT/summary.txt; break; }
-    t ws1_${kind}_causal $BASE topology=$kind $extra attention=causal
-    t ws1_${kind}_document $BASE topology=$kind $extra attention=document
+    for mask in ${MASKS:-window causal document}; do
+      t ws1_${kind}_$mask $BASE topology=$kind $extra ${MASK[$mask]} || [ $first = 0 ] \
+        || { echo "the first run failed: overhead stopped" | tee -a $OUT/summary.txt; break 2; }
+      first=0
+    done
   done
   for kind in ring allgather; do
+    [ "${PROFILE:-1}" = 1 ] || break
     timeout 200 python3 scripts/cp_profile.py --kind $kind --variant sliding_window --seq-len 65536 \
         --layout contiguous --heads 8 --world-size 1 --out $OUT/metrics/profile_${kind}_window.json > $OUT/profile_$kind.log 2>&1
     echo "cp_profile $kind rc=$?" | tee -a $OUT/summary.txt
   done
 fi
 if has defects; then  # two ranks sharing the one GPU (rank 1's SIGSEGV), and the causal 16K ring job
-  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 t ws2_one_gpu_ring +experiment=ring_attention \
-    topology.world_size=2 logger=none
-  t ws1_ring_causal_16k +experiment=ring_attention topology.world_size=1 topology=ring \
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_LIMIT=150 t ws2_one_gpu_ring \
+    +experiment=ring_attention topology.world_size=2 logger=none
+  T_LIMIT=150 t ws1_ring_causal_16k +experiment=ring_attention topology.world_size=1 topology=ring \
     attention=causal shape.seq_len=16384 shape.heads=8 shape.head_dim=128 logger=none
 fi
 if has check; then
   timeout $(( END - $(date +%s) )) python3 scripts/check_cp_model.py experiments/multi_gpu_cp \
     --out /tmp/check > $OUT/check.log 2>&1
   echo "check rc=$?" | tee -a $OUT/summary.txt; cp /tmp/check/check_cp_model.* $OUT/ 2>/dev/null
+fi
+if has tests; then
+  timeout $(( END - $(date +%s) - ${SCALING_S:-0} )) python3 -m pytest -v -m "gpu or multigpu" tests/distributed/test_cp_gpu.py \
+      tests/distributed/test_ulysses_gpu.py -p no:cacheprovider > $OUT/pytest_cp_gpu.log 2>&1
+  echo "pytest rc=$? $(tail -1 $OUT/pytest_cp_gpu.log)" | tee -a $OUT/summary.txt
 fi
 if has scaling; then  # rows are written as they come: a timeout keeps those done
   timeout $(( END - $(date +%s) )) python3 scripts/check_cp_model.py --scaling --out /tmp/scaling \

@@ -545,3 +545,29 @@ def test_pair_plans_live_as_long_as_their_variant():
     del variant
     gc.collect()
     assert len(cp._PLANS) == before - 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
+def test_allgather_block_mask_is_the_mapped_mask_s(name, layout):
+    """The all-gather's block mask is built in its local index space (this shard's rows, the
+    gathered keys), so it must come from the mapped callbacks, not from the variant's closed-form
+    block rule over global positions (which would skip blocks the call must compute)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attngym import kernels
+    from attngym.distributed import layout as layouts
+    from attngym.distributed.allgather import HaloPlan, key_positions, mapped_variant
+
+    seq, P, block = 1024, 2, (64, 64)
+    params = {"sliding_window": {"window_size": 100}, "document": {"doc_lengths": [300, 724]}}
+    variant = variants.get(name, **params.get(name, {}))
+    plan = layouts.resolve(layout, P, seq, variant, "cpu")
+    for rank in range(P):
+        kv_positions = key_positions(plan, rank, HaloPlan(seq // P, (0,) * P), "cpu")
+        mapped = mapped_variant(variant, plan, rank, "cpu", kv_positions)
+        got = kernels.make_block_mask(mapped, seq // P, seq, block_size=block)
+        want = create_block_mask(mapped.mask_mod, None, None, seq // P, seq, device="cpu",
+                                 BLOCK_SIZE=block)  # fmt: skip
+        assert torch.equal(got.to_dense(), want.to_dense()), rank
+        assert torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks), rank
