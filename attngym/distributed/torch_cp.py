@@ -5,8 +5,9 @@ on torch 2.11 and 2.13): a module whose forward calls flex_attention is parallel
 `_ContextParallel(seq_dim=2, attention_type=FLEX)`; its forward pre-hook all-gathers K/V along the
 sequence with the `cplib::flex_cp_allgather` custom op (whose backward reduce-scatters dK/dV);
 flex then runs once per rank, this rank's queries over the whole K/V, on the BlockMask that
-`_create_cp_block_mask` builds from the variant's global mask_mod and the load balancer. No DTensor
-is involved: q/k/v stay plain local tensors.
+`_create_cp_block_mask` builds from the variant's global mask_mod and the load balancer (built
+here by attngym's block-mask builder, block for block the same). No DTensor is involved: q/k/v
+stay plain local tensors.
 
 Layouts: attngym `contiguous` is PyTorch without a load balancer, attngym `zigzag` is PyTorch's
 `_HeadTailLoadBalancer` (rank r holds chunks r and 2P-1-r of 2P); both shard exactly as attngym
@@ -19,13 +20,11 @@ PyTorch rewrites only mask_mod to global positions; the score_mod is moved here 
 
 Contract: `TorchCP` does all setup at construction (mesh, block mask, compiled kernel handle), so a
 timed `__call__` is the all-gather plus one flex call; the first call on CUDA compiles and belongs
-outside any timing. `_cp_options.enable_load_balance`, a PyTorch global, is set only while the
-block mask is built and restored after.
+outside any timing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
+from attngym.distributed.allgather import at_positions
 from attngym.distributed.cp import CPOptions, check_shards, options_from
 from attngym.errors import choice_error
 from attngym.variants.base import Variant
@@ -70,8 +70,6 @@ def _api() -> dict[str, Any]:
     return {
         "ContextParallel": cp._ContextParallel,
         "FLEX": cp._ContextParallel.AttentionType.FLEX,
-        "create_cp_block_mask": cp._create_cp_block_mask,
-        "cp_options": cp._cp_options,
         "HeadTailLoadBalancer": _HeadTailLoadBalancer,
         "flex_cp_allgather": flex_cp_allgather,
         "parallelize_module": parallelize_module,
@@ -124,17 +122,6 @@ def reshard(x: torch.Tensor, src: str, dst: str, *, group=None, dim: int = SEQ_D
         gathered = gathered.wait()
     whole = layouts.unshard(list(gathered.chunk(world_size, dim)), src, dim=dim, variant=variant)
     return layouts.shard(whole, dist.get_rank(group), world_size, dst, dim=dim, variant=variant)
-
-
-@contextlib.contextmanager
-def _load_balance(cp_options, enabled: bool):
-    """PyTorch picks head-tail when no balancer is passed and this global is set: pin it."""
-    before = cp_options.enable_load_balance
-    cp_options.enable_load_balance = enabled
-    try:
-        yield
-    finally:
-        cp_options.enable_load_balance = before
 
 
 class _Flex(torch.nn.Module):
@@ -241,12 +228,19 @@ class TorchCP:
         self.q_positions = self.kv_positions[self.rank * rows : (self.rank + 1) * rows]
 
         compiled = kernels.compiled_flex_attention(compile_mode)  # also raises recompile limits
+        # PyTorch's rewrite: local rows and gathered keys read through position tables.
+        at = at_positions(
+            variant, self.q_positions, self.kv_positions, device, f"{variant.name}@torch_cp",
+            tables=True,
+        )  # fmt: skip
+        # The BlockMask _create_cp_block_mask builds (the same blocks: tests), by attngym's
+        # builder: PyTorch's compiles create_block_mask per shape (over 70 s in Triton's ptxas at
+        # S = 16K on an H200, for a mask built in milliseconds from the variant's block rule).
         block_mask = None
         if variant.mask_mod is not None:
-            with _load_balance(api["cp_options"], balancer is not None):
-                block_mask = api["create_cp_block_mask"](
-                    variant.mask_mod, 1, 1, seq_len, seq_len, self.mesh, balancer
-                )
+            block_mask = kernels.make_block_mask(
+                at, rows, seq_len, block_size=(api["block_size"],) * 2, device=device
+            )
         self.block_mask = block_mask
 
         from torch.nn.attention.flex_attention import flex_attention
@@ -254,7 +248,7 @@ class TorchCP:
         fn = compiled if compile and device.type == "cuda" else flex_attention
         module = _Flex(
             fn,
-            score_mod=_global_score_mod(variant, self.q_positions, self.kv_positions),
+            score_mod=at.score_mod,
             block_mask=block_mask,
             scale=scale,
             enable_gqa=kv_heads != heads,
@@ -267,18 +261,6 @@ class TorchCP:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """This rank's output shard: K/V all-gathered, one flex call (shards in self.layout)."""
         return self.module(q, k, v)
-
-
-def _global_score_mod(variant: Variant, q_positions: torch.Tensor, kv_positions: torch.Tensor):
-    """The variant's score_mod with local q rows / gathered kv rows read as global positions."""
-    if variant.score_mod is None:
-        return None
-    inner = variant.score_mod
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return inner(score, b, h, q_positions[q_idx], kv_positions[kv_idx])
-
-    return score_mod
 
 
 def torch_cp_attention(

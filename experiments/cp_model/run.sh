@@ -5,7 +5,7 @@
 #   bash experiments/cp_model/run.sh [OUT_DIR] [PHASE...]   (repository root; default: all)
 # PHASE, run in this order: overhead, defects, check, tests, scaling (all = every one but scaling).
 # SECONDS_LEFT (default 560) bounds the whole; the tests leave SCALING_S of it to the scaling, which
-# gets what is left and resumes from RESUME (a scaling.json) if set. T_LIMIT: one run's limit.
+# gets what is left, resumes from RESUME (a scaling.json) if set, and runs CASES only if set. T_LIMIT: one run's limit.
 # On a machine without network, wheels of Hydra, OmegaConf, wandb and attn-gym go in .whl/ first.
 set -u
 OUT=${1:-${OUT:-/tmp/attngym_cp_model}}
@@ -70,7 +70,7 @@ if has tests; then
 fi
 if has scaling; then  # rows are written as they come: a timeout keeps those done
   timeout $(( END - $(date +%s) )) python3 scripts/check_cp_model.py --scaling --out /tmp/scaling \
-    ${RESUME:+--resume "$RESUME"} > $OUT/scaling.log 2>&1
+    ${RESUME:+--resume "$RESUME"} ${CASES:+--cases $CASES} > $OUT/scaling.log 2>&1
   echo "scaling rc=$?" | tee -a $OUT/summary.txt; cp /tmp/scaling/scaling.* $OUT/ 2>/dev/null
 fi
 cat $OUT/summary.txt

@@ -158,6 +158,58 @@ def test_torch_cp_forward_matches_reference_and_ring_on_cpu():
         assert vs_ring < 1e-10, f"{case}: max |torch_cp - ring_attention| = {vs_ring}"
 
 
+def _block_mask_worker(rank, world_size):
+    """attngym's build of torch_cp's BlockMask against PyTorch's _create_cp_block_mask."""
+    from torch.distributed.tensor.experimental._context_parallel import (
+        _attention,
+        _HeadTailLoadBalancer,
+    )
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _attention._compiled_create_block_mask = create_block_mask  # eager: the same mask, no compile
+    seq, same = 1024, {}
+    for name, variant in {
+        "causal": variants.get("causal"),
+        "sliding_window": variants.get("sliding_window", window_size=100),
+        "document": variants.get("document", doc_lengths=[300, 724]),
+        "sliding_window+alibi+softcap": _cases()["sliding_window+alibi+softcap"],
+    }.items():
+        for layout in ("contiguous", "zigzag"):
+            ours = torch_cp.TorchCP(variant, batch=1, heads=4, kv_heads=4, seq_len=seq,
+                                    layout=layout)  # fmt: skip
+            balancer = (
+                _HeadTailLoadBalancer(seq, world_size, torch.device("cpu"))
+                if layout == "zigzag"
+                else None
+            )
+            before = _attention._cp_options.enable_load_balance
+            _attention._cp_options.enable_load_balance = balancer is not None
+            try:
+                theirs = _attention._create_cp_block_mask(
+                    variant.mask_mod, 1, 1, seq, seq, ours.mesh, balancer
+                )
+            finally:
+                _attention._cp_options.enable_load_balance = before
+            same[(name, layout)] = all(
+                torch.equal(getattr(ours.block_mask, f), getattr(theirs, f))
+                for f in (
+                    "kv_num_blocks",
+                    "full_kv_num_blocks",
+                    "q_num_blocks",
+                    "full_q_num_blocks",
+                )
+            ) and torch.equal(ours.block_mask.to_dense(), theirs.to_dense())
+    return same
+
+
+def test_torch_cp_block_mask_is_pytorchs():
+    """torch_cp's BlockMask, built by attngym (from the block rule where the variant has one), has
+    exactly the blocks PyTorch's _create_cp_block_mask gives, on every rank and layout."""
+    same = launch(_block_mask_worker, 2, timeout_s=120)
+    assert len(same) == 4 * 2
+    assert all(same.values()), [case for case, ok in same.items() if not ok]
+
+
 def _fwd_bwd(fn, shards, dout_s):
     q_s, k_s, v_s = (t.clone().requires_grad_() for t in shards)
     out = fn(q_s, k_s, v_s)
