@@ -265,6 +265,7 @@ def scaling(args: argparse.Namespace) -> int:
                 tag = f"scaling_{name.replace(' ', '_')}_{topology}_{P}"
                 if (name, topology, P) in done:
                     table.append(done[name, topology, P])
+                    _write(args.out, "scaling", {"rows": table}, _scaling_md(table))
                     continue
                 metrics = _simulated(runs, args.out, tag, args.dry_run)
                 if metrics.get("single_fwd_bwd_ms"):

@@ -22,10 +22,12 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
 mkdir -p /tmp/w
+left() { echo $(( END - $(date +%s) - ${1:-0} )); }  # seconds left, keeping $1 for later
+enough() { [ "$(left "${2:-0}")" -gt 30 ] || { echo "$1 skipped: out of time" | tee -a $OUT/summary.txt; false; }; }
 has() { [[ $WHAT == *" $1 "* || ( $WHAT == *" all "* && $1 != scaling ) ]]; }
 t() {  # t NAME ARGS...: one run in a fresh process, its last line and metrics.json
-  local name=$1 left=$(( END - $(date +%s) )); shift
-  [ $left -gt 30 ] || { echo "$name skipped: out of time" | tee -a $OUT/summary.txt; return 1; }
+  local name=$1 left=$(left); shift
+  enough $name || return 1
   ( cd /tmp/w && timeout $(( left < ${T_LIMIT:-240} ? left : ${T_LIMIT:-240} )) python3 -m attngym hydra.run.dir=/tmp/runs/$name "$@" > $OUT/$name.log 2>&1 )
   local rc=$?
   echo "$name rc=$rc $(grep -E '^  wall ' $OUT/$name.log)" | tee -a $OUT/summary.txt
@@ -58,18 +60,18 @@ if has defects; then  # two ranks sharing the one GPU (rank 1's SIGSEGV), and th
   T_LIMIT=150 t ws1_ring_causal_16k +experiment=ring_attention topology.world_size=1 topology=ring \
     attention=causal shape.seq_len=16384 shape.heads=8 shape.head_dim=128 logger=none
 fi
-if has check; then
-  timeout $(( END - $(date +%s) )) python3 scripts/check_cp_model.py experiments/multi_gpu_cp \
+if has check && enough check; then
+  timeout $(left) python3 scripts/check_cp_model.py experiments/multi_gpu_cp \
     --out /tmp/check > $OUT/check.log 2>&1
   echo "check rc=$?" | tee -a $OUT/summary.txt; cp /tmp/check/check_cp_model.* $OUT/ 2>/dev/null
 fi
-if has tests; then
-  timeout $(( END - $(date +%s) - ${SCALING_S:-0} )) python3 -m pytest -v -m "gpu or multigpu" tests/distributed/test_cp_gpu.py \
+if has tests && enough tests ${SCALING_S:-0}; then
+  timeout $(left ${SCALING_S:-0}) python3 -m pytest -v -m "gpu or multigpu" tests/distributed/test_cp_gpu.py \
       tests/distributed/test_ulysses_gpu.py -p no:cacheprovider > $OUT/pytest_cp_gpu.log 2>&1
   echo "pytest rc=$? $(tail -1 $OUT/pytest_cp_gpu.log)" | tee -a $OUT/summary.txt
 fi
-if has scaling; then  # rows are written as they come: a timeout keeps those done
-  timeout $(( END - $(date +%s) )) python3 scripts/check_cp_model.py --scaling --out /tmp/scaling \
+if has scaling && enough scaling; then  # rows are written as they come: a timeout keeps those
+  timeout $(left) python3 scripts/check_cp_model.py --scaling --out /tmp/scaling \
     ${RESUME:+--resume "$RESUME"} ${CASES:+--cases $CASES} > $OUT/scaling.log 2>&1
   echo "scaling rc=$?" | tee -a $OUT/summary.txt; cp /tmp/scaling/scaling.* $OUT/ 2>/dev/null
 fi
