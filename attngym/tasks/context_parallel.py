@@ -611,13 +611,23 @@ def _out_of_memory(err: BaseException) -> str | None:
     return None
 
 
-def torch_cp_skip_reason(settings: Settings, world_size: int) -> str | None:
-    """Why PyTorch's flex CP cannot run this job on this torch (None: it can). No collective."""
+def torch_cp_skip_reason(
+    settings: Settings, world_size: int, device_type: str = "cuda", backend: str = "nccl"
+) -> str | None:
+    """Why PyTorch's flex CP cannot run this job on this torch (None: it can). No collective.
+
+    device_type, backend: the ranks' device and process-group backend.
+    """
     from attngym.distributed import torch_cp as tcp
 
     ok, why = tcp.torch_cp_available()
     if not ok:
         return why
+    if world_size > 1 and device_type == "cuda" and backend == "gloo":
+        return (
+            "PyTorch's CP all-gathers CUDA shards over the process group, which crashed on gloo "
+            "(SIGSEGV in all_gather_tensor, two ranks on one H200); it needs nccl"
+        )
     block = tcp.block_size()
     if tuple(settings.block_size) != (block, block):
         return f"PyTorch's CP uses ({block}, {block}) blocks, block_size is {settings.block_size}"
@@ -637,7 +647,8 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
     s = job.settings
     if TORCH_CP not in s.baselines:
         return {}
-    reason = torch_cp_skip_reason(s, job.world_size)
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "gloo"
+    reason = torch_cp_skip_reason(s, job.world_size, job.device.type, backend)
     if reason is not None:
         log.info("baseline torch_cp skipped: %s", reason)
         return {"torch_cp_status": f"skipped: {reason}"}

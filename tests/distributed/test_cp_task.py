@@ -228,13 +228,16 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
         ({"layout": "balanced"}, "layout balanced has no PyTorch counterpart"),
         ({"seq_len": 384}, "divisible by world_size x 128"),
         ({"block_size": (64, 64)}, "PyTorch's CP uses (128, 128) blocks"),
+        ({"backend": "gloo"}, "crashed on gloo"),
+        ({"backend": "gloo", "device_type": "cpu"}, None),
     ],
 )
 def test_torch_cp_skip_reasons_name_what_differs(change, reason):
     settings = _settings(**{k: v for k, v in change.items() if k in ("layout", "seq_len")})
     if "block_size" in change:
         settings.block_size = change["block_size"]
-    got = torch_cp_skip_reason(settings, 2)
+    where = {k: v for k, v in change.items() if k in ("device_type", "backend")}
+    got = torch_cp_skip_reason(settings, 2, **where)
     assert got is None if reason is None else reason in got
 
 
