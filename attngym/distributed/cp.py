@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import weakref
 from collections.abc import Mapping
@@ -325,6 +326,69 @@ def pairs(
                 )
         q_start += qc[1]
     return out
+
+
+def read_part(call: CPCall, q: torch.Tensor, pair, backend: str):
+    """The pair (as `pairs` gives it) cut to the query rows and keys its mask reads, when they
+    are at most half of either side (a halo pair then returns gradient pieces over the band it
+    touches, not over the whole q chunk and kv window). A cut is a power-of-two number of blocks
+    (`_bucket`), so the kernel shapes cuts add, each compiled once, stay few. Memoised."""
+    q_rows, kv_rows, qc, kc, block_mask = pair
+    plans = _PLANS.setdefault(call.variant, {})
+    key = ("read", *q.shape[:2], qc, kc, call.options.block_size, backend, q.device)
+    if key not in plans:
+        qa, qb, ka, kb = _read_extent(call, q, qc, kc, block_mask, backend)
+        bq, bkv = call.options.block_size
+        plans[key] = (*_bucket(qa, qb, qc[1], bq), *_bucket(ka, kb, kc[1], bkv))
+    qa, qb, ka, kb = plans[key]
+    if (qa, qb, ka, kb) == (0, qc[1], 0, kc[1]):
+        return pair
+    qc_cut, kc_cut = (qc[0] + qa, qb - qa), (kc[0] + ka, kb - ka)
+    _, cut_mask = _call_plan(call, q, qc_cut, kc_cut, backend)
+    return (
+        slice(q_rows.start + qa, q_rows.start + qb),
+        slice(kv_rows.start + ka, kv_rows.start + kb),
+        qc_cut,
+        kc_cut,
+        cut_mask,
+    )
+
+
+def _bucket(a: int, b: int, n: int, block: int) -> tuple[int, int]:
+    """Rows [a, b) of n widened to a power-of-two number of blocks inside [0, n); all of [0, n)
+    when they are more than half of it."""
+    if 2 * (b - a) > n:
+        return 0, n
+    start = a - a % block
+    blocks = -(-(b - start) // block)
+    length = min(block << math.ceil(math.log2(blocks)), n)
+    start = min(start, n - length)
+    return start, start + length
+
+
+def _read_extent(call: CPCall, q: torch.Tensor, qc, kc, block_mask, backend: str):
+    """(q first, q stop, kv first, kv stop) local rows of a chunk pair that its mask reads."""
+    if call.variant.mask_mod is None:
+        return 0, qc[1], 0, kc[1]
+    if backend == "reference":
+        q_pos = torch.arange(qc[0], qc[0] + qc[1], device=q.device)
+        kv_pos = torch.arange(kc[0], kc[0] + kc[1], device=q.device)
+        keep = reference.dense_mask(call.variant.mask_mod, *q.shape[:2], q_pos, kv_pos)
+        rows = keep.flatten(0, 1).any(0)  # (q rows, kv rows)
+        q_read, kv_read = rows.any(1).nonzero(), rows.any(0).nonzero()
+        return int(q_read[0]), int(q_read[-1]) + 1, int(kv_read[0]), int(kv_read[-1]) + 1
+    bq, bkv = block_mask.BLOCK_SIZE
+    kept = block_mask.kv_num_blocks
+    if block_mask.full_kv_num_blocks is not None:
+        kept = kept + block_mask.full_kv_num_blocks
+    q_blocks = (kept.flatten(0, 1).amax(0) > 0).nonzero()
+    first, last = _kv_blocks_used(block_mask)
+    return (
+        int(q_blocks[0]) * bq,
+        min((int(q_blocks[-1]) + 1) * bq, qc[1]),
+        first * bkv,
+        min((last + 1) * bkv, kc[1]),
+    )
 
 
 def rows_read(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> tuple[int, int] | None:
@@ -650,9 +714,10 @@ def backward_pairs(
     from attngym.distributed import flex_backward
 
     flex = call.backward == "flex"
-    for q_rows, kv_rows, qc, kc, block_mask in pairs(
-        call, saved.q, kv_rank, block_masks="flex" if flex else call.backend, window=window
-    ):
+    masks = "flex" if flex else call.backend
+    for pair in pairs(call, saved.q, kv_rank, block_masks=masks, window=window):
+        # Cut to what the mask reads: a halo pair's pieces cover its band, not the whole chunk.
+        q_rows, kv_rows, qc, kc, block_mask = read_part(call, saved.q, pair, masks)
         k_i, v_i = k[:, :, kv_rows], v[:, :, kv_rows]
         grads = None
         if flex:

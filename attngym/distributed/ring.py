@@ -50,6 +50,7 @@ from attngym.distributed.cp import (
     backward_pairs,
     forward_pairs,
     pairs,
+    read_part,
     rows_read,
     run,
 )
@@ -136,10 +137,15 @@ def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
 _PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _pieces(call: CPCall, q: torch.Tensor, plan: RingPlan) -> dict[tuple[int, int], int]:
-    """How many pairs meet each of this rank's q chunks over the ring's steps, by (start, stop)
-    of local rows: the partials of its output and the pieces of its dq (memoised)."""
-    key = (call.layout, call.rank, *q.shape[:2], call.options.block_size, call.backend, q.device)
+def _pieces(
+    call: CPCall, q: torch.Tensor, plan: RingPlan, masks: str | None = None
+) -> dict[tuple[int, int], int]:
+    """How many pairs meet each of this rank's q row ranges over the ring's steps, by (start,
+    stop) of local rows (memoised): the partials of its output (whole q chunks), or with `masks`
+    (the backward's block masks) the pieces of its dq, each pair cut to the rows it reads as
+    backward_pairs cuts it (cp.read_part)."""
+    key = (call.layout, call.rank, *q.shape[:2], call.options.block_size, call.backend, q.device,
+           masks)  # fmt: skip
     per = _PIECES.setdefault(call.variant, {})
     if key not in per:
         counts: dict[tuple[int, int], int] = {}
@@ -147,7 +153,8 @@ def _pieces(call: CPCall, q: torch.Tensor, plan: RingPlan) -> dict[tuple[int, in
             s = (call.rank - i) % call.world_size
             window = (plan.starts[s][i], plan.widths[i])
             # block_masks given: the same pairs, not counted in call.stats
-            for q_rows, *_ in pairs(call, q, s, block_masks=call.backend, window=window):
+            for pair in pairs(call, q, s, block_masks=masks or call.backend, window=window):
+                q_rows = pair[0] if masks is None else read_part(call, q, pair, masks)[0]
                 counts[q_rows.start, q_rows.stop] = counts.get((q_rows.start, q_rows.stop), 0) + 1
         per[key] = counts
     return per[key]
@@ -219,7 +226,8 @@ class _RingAttention(torch.autograd.Function):
         saved = Saved(q, out, lse, dout, lse2)
         # dq: a q chunk that meets several pairs sums from its first piece on. dK/dV keep their
         # first piece (the own shard's, often the only one but for what comes home).
-        dq = GradSum(q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan))
+        masks = "flex" if cfg.backward == "flex" else cfg.backend  # as backward_pairs reads
+        dq = GradSum(q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan, masks))
         dk_own, dv_own = (GradSum(t.shape, sum_dtype, q.device) for t in (k, v))
         kv = (k, v)
         backward_pairs(cfg, saved, k, v, r, dq, dk_own, dv_own)  # step 0: this rank's own shard
