@@ -46,6 +46,7 @@ from attngym.distributed.cp import (
     run,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.positions import at_positions
 from attngym.distributed.spec import TopologySpec
 from attngym.variants.base import Variant
 
@@ -104,16 +105,6 @@ def _gather(call: CPCall, k: torch.Tensor, width: int):
     )
 
 
-def _index_map(positions: torch.Tensor):
-    """How a local index becomes a global position: an int offset, or the table itself."""
-    start = int(positions[0])
-    if torch.equal(
-        positions, torch.arange(start, start + positions.numel(), device=positions.device)
-    ):
-        return start
-    return positions
-
-
 def key_positions(layout: Layout, rank: int, plan: HaloPlan, device) -> torch.Tensor:
     """The global position of each key of rank `rank`'s call, in the order the call holds them."""
     every = [layout.positions(p, device) for p in range(layout.world_size)]
@@ -130,109 +121,6 @@ def mapped_variant(
     rank's query positions in `layout`."""
     name = f"{variant.name}@{layout.name}.rank{rank}"
     return at_positions(variant, layout.positions(rank, device), kv_positions, device, name)
-
-
-def at_positions(
-    variant: Variant,
-    q_positions: torch.Tensor,
-    kv_positions: torch.Tensor,
-    device,
-    name: str,
-    *,
-    tables: bool = False,
-) -> Variant:
-    """The variant over local query rows and keys at these global positions.
-
-    Query row i is global position q_map(i), key j is kv_map(j) (key j is at kv_positions[j]);
-    each map is an offset (a 0-d tensor) or a position table, so the callbacks stay tensor-only
-    and one compiled kernel serves every rank. A map that is the identity (offset 0) is left
-    out, so at world size 1 the callbacks are the variant's own and the kernel is the one-device
-    call's (an added 0 still costs a load and an add per score). `tables`: always a table
-    lookup (PyTorch's CP form, for its contender). The block rule is moved with them
-    (`mapped_block_rule`).
-    """
-    q_at = _mapper(q_positions if tables else _index_map(q_positions), device, "q")
-    kv_at = _mapper(kv_positions if tables else _index_map(kv_positions), device, "kv")
-    score_mod, mask_mod = variant.score_mod, variant.mask_mod
-    if q_at is None and kv_at is None:
-        # The variant's own callbacks and buffers; a copy, so that the memo below (weak keys)
-        # holds no reference to its key.
-        return dataclasses.replace(variant, name=name)
-    q_at = q_at or _identity
-    kv_at = kv_at or _identity
-    if variant.score_mod is not None:
-        inner_score = variant.score_mod
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return inner_score(score, b, h, q_at(q_idx), kv_at(kv_idx))
-
-    if variant.mask_mod is not None:
-        inner_mask = variant.mask_mod
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return inner_mask(b, h, q_at(q_idx), kv_at(kv_idx))
-
-    return dataclasses.replace(
-        variant,
-        name=name,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        buffers={},
-        bind=None,
-        seq_len=None,
-        block_rule=mapped_block_rule(
-            variant.block_rule, q_positions.to(device), kv_positions.to(device)
-        ),
-    )
-
-
-def mapped_block_rule(rule, q_positions: torch.Tensor, kv_positions: torch.Tensor):
-    """The variant's block rule (Variant.block_rule, over global positions) for callbacks that
-    read local indices through position tables: a block whose rows (or keys) are consecutive
-    positions is classed by the rule at those positions; any other block is partial, so its
-    mask is evaluated entry by entry (exact, never skipped). The chunked layouts' blocks are all
-    consecutive when the chunks are whole blocks. None when the variant has no rule."""
-    if rule is None:
-        return None
-
-    def local_rule(q_lo, q_hi, kv_lo, kv_hi):
-        q_first, q_last = q_positions[q_lo], q_positions[q_hi]
-        kv_first, kv_last = kv_positions[kv_lo], kv_positions[kv_hi]
-        classes = rule(q_first, q_last, kv_first, kv_last)
-        runs = _consecutive(q_positions, q_lo, q_hi) & _consecutive(kv_positions, kv_lo, kv_hi)
-        return torch.where(runs, classes, torch.ones_like(classes))
-
-    return local_rule
-
-
-def _consecutive(positions: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Per block [lo, hi]: whether positions rise by exactly 1 from each row to the next."""
-    steps = torch.diff(positions, prepend=positions[:1] - 1) == 1  # steps[i]: i-1 -> i is +1
-    broken = torch.cumsum(~steps, dim=0)  # breaks up to and including row i
-    return broken[hi] == broken[lo]
-
-
-def _identity(idx):
-    return idx
-
-
-def _mapper(index_map, device, role: str):
-    """A local index's global position: a table lookup, an added offset, or None (offset 0)."""
-    if isinstance(index_map, torch.Tensor):
-        table = index_map
-
-        def at(idx):
-            return table[idx]
-
-    elif index_map == 0:
-        return None
-    else:
-        offset = kernels.position(index_map, torch.device(device), role)
-
-        def at(idx):
-            return idx + offset
-
-    return at
 
 
 # Variant -> {(layout, rank, device, block size, backend, plan): (mapped variant, block mask)};

@@ -33,8 +33,8 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
-from attngym.distributed.allgather import at_positions
 from attngym.distributed.cp import CPOptions, check_shards, options_from
+from attngym.distributed.positions import at_positions
 from attngym.errors import choice_error
 from attngym.variants.base import Variant
 
