@@ -155,11 +155,17 @@ def position(offset: int | torch.Tensor, device: torch.device, role: str = "q") 
     return _offset_tensor(int(offset), device, role)
 
 
+def at_origin(q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor) -> bool:
+    """Whether a chunk pair sits at offset 0 on both sides, where the variant's own callbacks
+    serve (an added 0 would still cost a load and an add per score)."""
+    return isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0
+
+
 def shifted_mods(
     variant: Variant, q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor, device
 ) -> tuple[ScoreMod | None, MaskMod | None]:
     """The variant's callbacks with chunk-local indices moved to global positions."""
-    if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0:
+    if at_origin(q_offset, kv_offset):
         return variant.score_mod, variant.mask_mod
     q_off = position(q_offset, torch.device(device), "q")
     kv_off = position(kv_offset, torch.device(device), "kv")

@@ -235,7 +235,10 @@ def _scaling_cases() -> list[tuple[str, list[str], list[tuple[str, str, list[str
 
 def scaling(args: argparse.Namespace) -> int:
     done = {}
-    if args.resume and args.resume.exists():  # rows of an earlier, interrupted run: kept
+    if args.resume:  # rows of an earlier, interrupted run: kept
+        if not args.resume.is_file():
+            print(f"--resume: no such file {args.resume}", file=sys.stderr)
+            return 2
         done = {_key(r): r for r in json.loads(args.resume.read_text())["rows"]}
     table: list[dict[str, Any]] = []
     for name, overrides, topologies in _scaling_cases():

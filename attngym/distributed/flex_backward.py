@@ -259,10 +259,7 @@ def op_args(
     """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
-    # Unshifted at offset 0, as kernels.shifted_mods gives the pair's forward.
-    shifted = not (
-        isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0
-    )
+    shifted = not kernels.at_origin(q_offset, kv_offset)  # as the pair's forward (shifted_mods)
     graphs = _graphs(variant, q.dtype, q.device, shifted)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     options = _apply_kernel_options(q, k, v, True, dict(kernel_options) if kernel_options else None)
