@@ -241,6 +241,16 @@ def scaling(args: argparse.Namespace) -> int:
             return 2
         done = {_key(r): r for r in json.loads(args.resume.read_text())["rows"]}
     table: list[dict[str, Any]] = []
+    cases = [name for name, _, _ in _scaling_cases()]
+
+    def save() -> None:  # every resumed row stays, also those of cases this run leaves out
+        if args.dry_run:
+            return
+        rows = table + [r for k, r in done.items() if k not in {_key(t) for t in table}]
+        rows.sort(key=lambda r: (cases.index(r["case"]) if r["case"] in cases else len(cases),
+                                 r["world_size"]))  # fmt: skip
+        _write(args.out, "scaling", {"rows": rows}, _scaling_md(rows))
+
     for name, overrides, topologies in _scaling_cases():
         if args.cases and not any(c in name for c in args.cases):
             continue
@@ -268,7 +278,7 @@ def scaling(args: argparse.Namespace) -> int:
                 tag = f"scaling_{name.replace(' ', '_')}_{topology}_{P}"
                 if (name, topology, P) in done:
                     table.append(done[name, topology, P])
-                    _write(args.out, "scaling", {"rows": table}, _scaling_md(table))
+                    save()
                     continue
                 metrics = _simulated(runs, args.out, tag, args.dry_run)
                 if metrics.get("single_fwd_bwd_ms"):
@@ -284,11 +294,11 @@ def scaling(args: argparse.Namespace) -> int:
                      "fabric": metrics.get("fabric"),
                      "single_fwd_bwd_ms": single.get("fwd_bwd")}
                 )  # fmt: skip
-                if not args.dry_run:  # written row by row: an interrupted run keeps its rows
-                    _write(args.out, "scaling", {"rows": table}, _scaling_md(table))
+                save()  # row by row: an interrupted run keeps its rows
     if args.dry_run:
         return 0
-    print(_scaling_md(table))
+    save()
+    print((args.out / "scaling.md").read_text())
     return 0
 
 

@@ -4,7 +4,7 @@
 # model: simulated ranks against the two-H200 measurements, and the predicted scaling tables.
 #   bash experiments/cp_model/run.sh [OUT_DIR] [PHASE...]   (repository root; default: all)
 # PHASE, run in this order: overhead, defects, check, tests, scaling (all = every one but scaling).
-# SECONDS_LEFT (default 560) bounds the whole; the tests leave SCALING_S of it to the scaling, which
+# SECONDS_LEFT (default 560) bounds the whole; the tests (TESTS, default every GPU test) leave SCALING_S of it to the scaling, which
 # gets what is left, resumes from RESUME (a scaling.json) if set, and runs CASES only if set. T_LIMIT: one run's limit.
 # On a machine without network, wheels of Hydra, OmegaConf, wandb and attn-gym go in .whl/ first.
 set -u
@@ -66,8 +66,8 @@ if has check && enough check; then
   echo "check rc=$?" | tee -a $OUT/summary.txt; cp /tmp/check/check_cp_model.* $OUT/ 2>/dev/null
 fi
 if has tests && enough tests ${SCALING_S:-0}; then
-  timeout $(left ${SCALING_S:-0}) python3 -m pytest -v -m "gpu or multigpu" tests/distributed/test_cp_gpu.py \
-      tests/distributed/test_ulysses_gpu.py -p no:cacheprovider > $OUT/pytest_cp_gpu.log 2>&1
+  timeout $(left ${SCALING_S:-0}) python3 -m pytest -v -m "gpu or multigpu" ${TESTS:-tests} \
+      -p no:cacheprovider > $OUT/pytest_cp_gpu.log 2>&1
   echo "pytest rc=$? $(tail -1 $OUT/pytest_cp_gpu.log)" | tee -a $OUT/summary.txt
 fi
 if has scaling && enough scaling; then  # rows are written as they come: a timeout keeps those

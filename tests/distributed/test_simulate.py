@@ -281,3 +281,37 @@ def test_check_judges_the_pick_by_its_own_measured_time_and_groups_cases_in_any_
     assert verdicts == {"a=1 b=2": "differs", "a=2": "agree"}
     table[3]["predicted_fwd_bwd_ms"] = 9.9
     assert check_cp_model._cases(table)[1]["verdict"] == "within 5 %"
+
+
+def test_scaling_resume_keeps_every_row_when_cases_narrow_or_a_run_is_cut(tmp_path, monkeypatch):
+    """A resumed scaling run narrowed by --cases, and one cut off mid-run, still write every row
+    they were given, so the next resume loses nothing."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import check_cp_model
+
+    def row(case, ms):
+        return {"case": case, "topology": "ring", "layout": "zigzag", "world_size": 2,
+                "predicted_fwd_bwd_ms": ms, "efficiency_fwd_bwd": 0.9, "bottleneck": "compute",
+                "time_imbalance": 1.0, "sim_s": 1.0, "single_fwd_bwd_ms": 2 * ms}  # fmt: skip
+
+    resume = tmp_path / "resume.json"
+    resume.write_text(json.dumps({"rows": [row("causal 128K", 3.0), row("documents 1024K", 7.0)]}))
+    args = ["--scaling", "--resume", str(resume), "--world-sizes", "2", "--topologies", "ring"]
+    new = {"predicted_fwd_bwd_ms": 1.5, "bottleneck": "compute", "single_fwd_bwd_ms": 3.1}
+    monkeypatch.setattr(check_cp_model, "_simulated", lambda *a: new)
+    assert check_cp_model.main([*args, "--out", str(tmp_path / "a"), "--cases", "128K"]) == 0
+    rows = {r["case"]: r for r in json.loads((tmp_path / "a/scaling.json").read_text())["rows"]}
+    assert set(rows) == {"causal 128K", "documents 128K", "documents 1024K"}
+    assert rows["causal 128K"]["predicted_fwd_bwd_ms"] == 3.0  # resumed, not re-run
+    assert rows["documents 128K"]["efficiency_fwd_bwd"] == pytest.approx(3.1 / 2 / 1.5)
+
+    def cut(*a):
+        raise KeyboardInterrupt("cut")
+
+    monkeypatch.setattr(check_cp_model, "_simulated", cut)
+    with pytest.raises(KeyboardInterrupt):
+        check_cp_model.main([*args, "--out", str(tmp_path / "b")])
+    rows = json.loads((tmp_path / "b/scaling.json").read_text())["rows"]
+    assert {r["case"] for r in rows} == {"causal 128K", "documents 1024K"}
