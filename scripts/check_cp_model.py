@@ -6,13 +6,17 @@ simulated at its world_size (topology.simulate=true, fabric h200_nvlink for its 
 the table gives measured and predicted fwd+bwd ms, the error, and per case (the row's overrides
 without topology and layout) the measured-fastest topology/layout against the model's pick
 (agree; "within 5 %" where the pick measured at most 5 % slower than the fastest; else differs).
-Writes check_cp_model.md and .json to --out; rerun it when new CSVs arrive.
+Writes check_cp_model.md and .json to --out; rerun it when new CSVs arrive. With --predicted
+FOLDER, each row's prediction is read from the summary.csv files under FOLDER (made before the
+measurement by `PREDICT=1 study.sh`, matched by case, topology, layout and world size) instead
+of simulated now.
 
 Scaling (--scaling): predicted tables for P = 2, 8, 64 on causal 128K .. 1M and documents, each
 row with its bottleneck (scaling.md, scaling.json).
 
     python scripts/check_cp_model.py experiments/multi_gpu_cp --out experiments/cp_model
     python scripts/check_cp_model.py experiments/multi_gpu_cp --dry-run        # the commands
+    python scripts/check_cp_model.py MEASURED --predicted multirun/cp_study/predicted
     python scripts/check_cp_model.py --scaling --out experiments/cp_model
 
 Each simulation is one attngym run (attngym.run, in this process), its run folder under
@@ -63,6 +67,25 @@ def _case(overrides: list[str]) -> str:
     )  # fmt: skip
 
 
+def _job(row: dict[str, str]) -> tuple[str, str, str, int]:
+    """What identifies a job whether measured or simulated: its case (overrides without those a
+    simulation adds), topology, layout and world size."""
+    added = tuple(o.split("=")[0] + "=" for o in SIMULATE)  # summary.csv writes True, not true
+    given = [o for o in shlex.split(row["overrides"]) if not o.startswith(DROPPED + added)]
+    return _case(given), row["topology"], row["layout"], int(row["world_size"])
+
+
+def _kept(folder: Path) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """Predictions made earlier: every summary.csv row under `folder`, by job."""
+    kept = {}
+    for row in _rows(folder, "**/summary.csv"):
+        kept[_job(row)] = {
+            key: _number(row.get(key))
+            for key in ("predicted_fwd_ms", "predicted_fwd_bwd_ms", "sim_s")
+        } | {"bottleneck": row.get("bottleneck") or None}
+    return kept
+
+
 def _simulated(overrides: list[str], out: Path, name: str, dry_run: bool) -> dict[str, Any]:
     if dry_run:
         print("python -m attngym " + " ".join(shlex.quote(o) for o in overrides))
@@ -88,13 +111,20 @@ def check(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no measured rows in {args.folder}/{args.glob}", file=sys.stderr)
         return 1
+    kept = _kept(args.predicted) if args.predicted else None
+    if kept == {}:
+        print(f"no predictions in {args.predicted}/**/summary.csv", file=sys.stderr)
+        return 1
     table = []
     for i, row in enumerate(rows):
         given = [o for o in shlex.split(row["overrides"]) if not o.startswith(DROPPED)]
         overrides = [*given, f"topology.world_size={row['world_size']}", *SIMULATE,
                      *args.override]  # fmt: skip
         start = time.perf_counter()
-        metrics = _simulated(overrides, args.out, f"check_{i:03d}", args.dry_run)
+        if kept is not None:  # predicted before the measurement: nothing simulated now
+            metrics = kept.get(_job(row), {})
+        else:
+            metrics = _simulated(overrides, args.out, f"check_{i:03d}", args.dry_run)
         measured = _number(row.get("fwd_bwd_ms"))
         predicted = metrics.get("predicted_fwd_bwd_ms")
         table.append(
@@ -333,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--glob", default="study_*.csv", help="measured CSVs in FOLDER")
     parser.add_argument("--out", type=Path, default=Path("outputs/check_cp_model"))
     parser.add_argument("--override", action="append", default=[], help="added to every run")
+    parser.add_argument(
+        "--predicted",
+        type=Path,
+        help="check: predictions kept from PREDICT=1 study.sh (its folder)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
     parser.add_argument("--scaling", action="store_true", help="the predicted scaling tables")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))

@@ -11,6 +11,12 @@
 # B=1, H=8, D=128, bf16, forward and forward+backward, validated on 64 sampled rows against the
 # float64 reference, timed with one warm-up and five repeats; torch_cp and the one-GPU run
 # measured in the same job.
+#
+# PREDICT=1 predicts the same jobs before they run: each is simulated on this one GPU at
+# PREDICT_P ranks (default 2; topology.simulate=true, no validation, no baselines), into
+# $STUDY_DIR/predicted/<sweep>. Keep those summaries; once the measured ones exist,
+#   python scripts/check_cp_model.py MEASURED_CSV_FOLDER --predicted $STUDY_DIR/predicted
+# compares them without simulating again.
 set -euo pipefail
 part=${1:?causal or document}
 dir=${STUDY_DIR:-multirun/cp_study}
@@ -23,6 +29,12 @@ status=0
 sweep() {  # name, overrides...; a failed sweep is reported and the next one still runs
   local name=$1
   shift
+  if [ "${PREDICT:-0}" = 1 ]; then
+    python3 -m attngym -m "hydra.sweep.dir=$dir/predicted/$name" "${common[@]}" "$@" \
+      topology.simulate=true "topology.world_size=${PREDICT_P:-2}" validate=false 'baselines=[]' \
+      || { echo "sweep $name failed" >&2; status=1; }
+    return
+  fi
   torchrun --nproc-per-node "$gpus" -m attngym -m "hydra.sweep.dir=$dir/$name" "${common[@]}" "$@" \
     || { echo "sweep $name failed" >&2; status=1; }
 }

@@ -315,3 +315,46 @@ def test_scaling_resume_keeps_every_row_when_cases_narrow_or_a_run_is_cut(tmp_pa
         check_cp_model.main([*args, "--out", str(tmp_path / "b")])
     rows = json.loads((tmp_path / "b/scaling.json").read_text())["rows"]
     assert {r["case"] for r in rows} == {"causal 128K", "documents 1024K"}
+
+
+def test_check_reads_predictions_kept_from_before_the_measurement(tmp_path):
+    """PREDICT=1 study.sh's sweep (simulated, its summary.csv) is what --predicted compares with
+    the measured rows: the kept predictions, matched per job, nothing simulated again."""
+    import csv
+    import subprocess
+    import sys
+
+    base = (
+        "+experiment=ring_attention shape.batch=1 shape.heads=2 shape.head_dim=8 device=cpu "
+        "benchmark.warmup=0 benchmark.repeats=1 logger=none attention=causal shape.seq_len=512"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "attngym", "-m", f"hydra.sweep.dir={tmp_path}/predicted/causal",
+         *base.split(), "topology=ring,allgather", "topology.layout=zigzag",
+         "topology.simulate=true", "topology.world_size=2", "validate=false", "baselines=[]"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    with (tmp_path / "predicted/causal/summary.csv").open() as f:
+        kept = {r["topology"]: float(r["predicted_fwd_bwd_ms"]) for r in csv.DictReader(f)}
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    (measured / "study_tiny.csv").write_text(
+        "job,overrides,status,topology,world_size,transport,layout,fwd_ms,fwd_bwd_ms\n"
+        f'0,"{base} topology=allgather topology.layout=zigzag",ok,allgather,2,copy_engine,zigzag,'
+        "1.0,2.0\n"
+        f'1,"{base} topology=ulysses topology.layout=zigzag",ok,ulysses,2,copy_engine,zigzag,'
+        "1.0,2.5\n"
+    )
+    out = tmp_path / "check"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/check_cp_model.py"), str(measured), "--out", str(out),
+         "--predicted", str(tmp_path / "predicted")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((out / "check_cp_model.json").read_text())["rows"]
+    assert rows[0]["predicted_fwd_bwd_ms"] == pytest.approx(kept["allgather"])
+    assert rows[0]["error_pct"] == pytest.approx(100 * (kept["allgather"] - 2.0) / 2.0)
+    assert rows[1]["predicted_fwd_bwd_ms"] is None  # no prediction was kept for this job
+    assert not (out / "runs").exists()
