@@ -4,8 +4,9 @@
 # model: simulated ranks against the two-H200 measurements, and the predicted scaling tables.
 #   bash experiments/cp_model/run.sh [OUT_DIR] [PHASE...]   (repository root; default: all)
 # PHASE, run in this order: overhead, defects, check, tests, scaling (all = every one but scaling).
-# SECONDS_LEFT (default 560) bounds the whole; the tests (TESTS, default every GPU test) leave SCALING_S of it to the scaling, which
-# gets what is left, resumes from RESUME (a scaling.json) if set, and runs CASES only if set. T_LIMIT: one run's limit.
+# SECONDS_LEFT (default 560) bounds the whole; the tests (TESTS, default every GPU test) leave
+# SCALING_S of it to the scaling, which gets what is left, resumes from RESUME (a scaling.json) if
+# set, and runs CASES only if set. T_LIMIT: one run's limit.
 # On a machine without network, wheels of Hydra, OmegaConf, wandb and attn-gym go in .whl/ first.
 set -u
 OUT=${1:-${OUT:-/tmp/attngym_cp_model}}
