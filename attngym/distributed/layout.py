@@ -7,14 +7,17 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 causal mask every rank then does the same amount of work (the early chunk is cheap,
                 the late one expensive).
     balanced    placed from the variant's block mask: S is cut into n = 2P·m equal pieces
-                (m = 1, 2 or 4, whichever balances best), each piece costs the predicted time of
+                (m = 1, 2 or 4, whichever gives the fastest slowest rank), each piece costs the predicted time of
                 its query rows (BLOCK_COSTS: a full block, and a partial one, which evaluates the
                 mask per entry, in units of a full block's time), and a greedy placement (largest
                 piece first, to the least loaded rank that still has room) gives every rank n/P
                 pieces of about equal time. Pieces adjacent on a rank merge into one chunk. For
                 causal it finds zigzag; for packed documents it spreads each document's expensive
                 tail (the designs PyTorch's per-document head-tail and PTRR load balancers
-                follow; those count blocks, this weighs them by what they cost).
+                follow; those count blocks, this weighs them by what they cost). With
+                `PairKernels` (the ring: one kernel per chunk pair) a piece is priced by the
+                kernels it takes part in, each as long as the slower of its blocks spread over
+                the device and its longest block row or column.
 
 A rank's shard is the concatenation of its chunks in that order; `chunks` gives them as
 (global offset, length) pairs, which is what the context-parallel kernels pass as q/kv offsets.
@@ -44,6 +47,41 @@ GOOD_ENOUGH = 1.02
 # full + 2048 partial in 6.32 ms (study_window.csv), give 0.580 us a full block and 1.054 us a
 # partial one. (1.0, 1.0) counts blocks (the placement before time was weighed).
 BLOCK_COSTS = (1.0, 1.82)
+
+
+# A kernel launch and its fixed work (fwd+bwd), in full-block times of one program: about 20 us
+# per chunk pair (two launches, the backward's preprocessing) against 9.6 us per full block and
+# program (305.1 ms for 523776 blocks x 8 heads over 132 SMs, causal 128K in BLOCK_COSTS' source).
+LAUNCH_COST = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PairKernels:
+    """How `balanced` prices pieces for a scheme that runs one kernel per (q chunk, kv chunk)
+    pair (the ring). Such a kernel runs one program per (batch, head, block row) over `slots`
+    parallel units, so it takes the slower of its blocks spread over the units and its longest
+    block row (its longest column, in the backward), plus a launch: a thin pair whose rows read
+    whole documents costs more than its blocks say. Priced by blocks alone, a ring over packed
+    documents was 1.43x imbalanced in time at a block imbalance of 1.02 (experiments/cp_model).
+
+    Attributes:
+        programs: programs per block row, batch x query heads.
+        slots: programs the device runs at once (CUDA: its SM count).
+        launch: a kernel's fixed cost, in full-block times (LAUNCH_COST).
+    """
+
+    programs: int
+    slots: int
+    launch: float = LAUNCH_COST
+
+
+def pair_kernels(batch_heads: int, device: torch.device | str) -> PairKernels | None:
+    """The pair-kernel pricing on `device`: its SM count on CUDA; None elsewhere (a CPU kernel
+    has no waves to speak of, and blocks price it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return PairKernels(batch_heads, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _check(layout: str, world_size: int) -> None:
@@ -138,6 +176,54 @@ def row_time_costs(
     return full * full_cost + partial * partial_cost
 
 
+def piece_pair_costs(
+    variant,
+    seq_len: int,
+    n: int,
+    block: int,
+    kernels: PairKernels,
+    device: torch.device | str = "cpu",
+    block_costs: tuple[float, float] = BLOCK_COSTS,
+) -> torch.Tensor:
+    """(n,) float64: each of n equal pieces' predicted time as the queries of pair kernels
+    against every piece (PairKernels), from the variant's block mask at (block x block)."""
+    from attngym import kernels as kernel_lib
+
+    R = seq_len // block
+    per = R // n
+    block_mask = kernel_lib.make_block_mask(
+        variant, seq_len, seq_len, block_size=(block, block), device=device
+    )
+    if block_mask is None:  # no mask: every block is kept, and full
+        rows = torch.full((R, n), block_costs[0] * per, dtype=torch.float64)
+        cols = rows
+    else:
+        rows = _per_piece(block_mask.kv_num_blocks, block_mask.kv_indices,
+                          block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                          per, n, block_costs)  # fmt: skip
+        cols = _per_piece(block_mask.q_num_blocks, block_mask.q_indices,
+                          block_mask.full_q_num_blocks, block_mask.full_q_indices,
+                          per, n, block_costs)  # fmt: skip
+    rows = rows.view(n, per, n)  # [q piece, its row, kv piece]
+    cols = cols.view(n, per, n).transpose(0, 2)  # [q piece, kv piece's column, kv piece]
+    total = rows.sum(1)
+    longest = torch.maximum(rows.amax(1), cols.amax(1))
+    price = torch.maximum(total * kernels.programs / kernels.slots, longest)
+    return (price + kernels.launch * (total > 0)).sum(1)
+
+
+def _per_piece(num, idx, full_num, full_idx, per: int, n: int, block_costs) -> torch.Tensor:
+    """(rows, n) float64: each block row's kept blocks in each piece, priced at block_costs."""
+    out = torch.zeros(num.shape[-1], n, dtype=torch.float64, device=num.device)
+    for count, index, cost in ((num, idx, block_costs[1]), (full_num, full_idx, block_costs[0])):
+        if count is None:
+            continue
+        count, index = count[0, 0], index[0, 0].long()
+        kept = torch.arange(index.shape[-1], device=index.device) < count.unsqueeze(-1)
+        out.scatter_add_(1, index // per, kept.to(torch.float64) * cost)
+    return out.cpu()
+
+
 def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
     """Pieces per rank: largest first, to the least loaded rank with room (ties: lower index)."""
     per_rank = len(costs) // world_size
@@ -168,6 +254,7 @@ def _balanced(
     block_size: Sequence[int],
     device,
     block_costs: tuple[float, float] = BLOCK_COSTS,
+    kernels: PairKernels | None = None,
 ) -> Layout:
     if variant is None:
         raise ValueError(
@@ -184,14 +271,18 @@ def _balanced(
         block = min(int(block_size[0]), size)
         if size % block:
             block = size
-        rows = row_time_costs(variant, seq_len, block, device, block_costs)
-        rows = rows.view(n, size // block).sum(-1)
+        if kernels is None:
+            rows = row_time_costs(variant, seq_len, block, device, block_costs)
+            rows = rows.view(n, size // block).sum(-1)
+        else:
+            rows = piece_pair_costs(variant, seq_len, n, block, kernels, device, block_costs)
         owned = _greedy(rows.tolist(), world_size)
         loads = [sum(rows[i].item() for i in o) for o in owned]
-        imbalance = max(loads) / max(sum(loads) / world_size, 1e-9)
-        if best is None or imbalance < best[0] - 1e-9:
-            best = (imbalance, tuple(_merged(o, size) for o in owned))
-        if imbalance <= GOOD_ENOUGH:
+        # The slowest rank sets the call's time. Priced by blocks the total is the same for
+        # every m; priced per pair kernel more pieces cost more launches and waves.
+        if best is None or max(loads) < best[0] * (1 - 1e-9):
+            best = (max(loads), tuple(_merged(o, size) for o in owned))
+        if max(loads) <= GOOD_ENOUGH * sum(loads) / world_size:
             break
     return Layout("balanced", world_size, seq_len, best[1])
 
@@ -204,6 +295,7 @@ def plan(
     block_size: Sequence[int] = (128, 128),
     device: torch.device | str = "cpu",
     block_costs: tuple[float, float] = BLOCK_COSTS,
+    kernels: PairKernels | None = None,
 ) -> Layout:
     """Every rank's chunks for `layout` (a name, or a Layout checked against P and S).
 
@@ -214,6 +306,8 @@ def plan(
         block_size: (q, kv) block size whose non-empty blocks `balanced` evens out.
         device: where `balanced` builds the block mask (large S: CUDA, see kernels.make_block_mask).
         block_costs: `balanced`'s (full, partial) block time (BLOCK_COSTS; (1, 1) counts blocks).
+        kernels: `balanced` prices pieces per pair kernel (the ring's; see PairKernels), else
+            by the blocks of one call per rank.
     """
     if isinstance(layout, Layout):
         if (layout.world_size, layout.seq_len) != (world_size, seq_len):
@@ -224,24 +318,28 @@ def plan(
         return layout
     _check(layout, world_size)
     if layout == "balanced":
-        return _balanced(world_size, seq_len, variant, block_size, device, block_costs)
+        return _balanced(world_size, seq_len, variant, block_size, device, block_costs, kernels)
     return _fixed(layout, world_size, seq_len)
 
 
-def resolve(layout, world_size: int, seq_len: int, variant, device) -> Layout:
+def resolve(
+    layout, world_size: int, seq_len: int, variant, device, kernels: PairKernels | None = None
+) -> Layout:
     """The Layout a context-parallel call uses: `plan` with its defaults, memoised per variant
-    for `balanced` (so a call agrees with `shard(..., variant=)`; pass a Layout to plan with other
-    block sizes)."""
+    for `balanced` (so a call given the name agrees with `shard(..., variant=)`, which prices by
+    blocks; the run layer plans the ring's with `kernels` and hands that Layout to both; pass a
+    Layout to plan with other block sizes)."""
     if not isinstance(layout, str) or layout != "balanced":
         return plan(layout, world_size, seq_len)
-    key = (world_size, seq_len)
+    key = (world_size, seq_len, kernels)
     memo = _BALANCED.setdefault(variant, {})
     if key not in memo:
-        memo[key] = plan(layout, world_size, seq_len, variant, device=device)
+        memo[key] = plan(layout, world_size, seq_len, variant, device=device, kernels=kernels)
     return memo[key]
 
 
-# Variant -> {(P, S): Layout}: a balanced placement lives as long as its variant.
+# Variant -> {(P, S, PairKernels or None): Layout}: a balanced placement lives as long as its
+# variant.
 _BALANCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

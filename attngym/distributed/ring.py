@@ -329,6 +329,9 @@ def ring_attention(
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (see attngym.distributed.transport).
         layout: contiguous | zigzag | balanced, or a Layout (see attngym.distributed.layout).
+            `balanced` by name is placed by blocks, as `shard(..., variant=)` places it; the
+            ring's pair kernels are evened in time by `layout.plan("balanced", ...,
+            kernels=layout.pair_kernels(B * H, device))`, handed to shard and to every call.
         options: kernel and backward choices (CPOptions; default CPOptions()).
         stats: filled with pair counts, bytes and per-step timings when given.
         **overrides: any CPOptions field on top of `options` (backend, block_size,
@@ -379,4 +382,7 @@ def ring_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: in
     return stats.step_wait_ms
 
 
-RING = TopologySpec(name="ring", attention=ring_attention, layouts=LAYOUTS, timer=ring_transfer_ms)
+RING = TopologySpec(
+    name="ring", attention=ring_attention, layouts=LAYOUTS, timer=ring_transfer_ms,
+    pair_kernels=True,
+)  # fmt: skip

@@ -36,6 +36,9 @@ class TopologySpec:
             ranks (collective); None where no one step moves the data alone (hybrid).
         shards: (settings) -> the sequence shards the ranks attend apart, on the ranks (may be
             collective); None: one per rank.
+        pair_kernels: it runs one kernel per (q chunk, kv chunk) pair, so its `balanced`
+            placement prices pieces per pair kernel (layout.PairKernels); else by the blocks of
+            one call per rank.
     """
 
     name: str
@@ -45,6 +48,7 @@ class TopologySpec:
     rules: tuple[Rule, ...] = ()
     timer: Callable[..., list[float]] | None = None
     shards: Callable[[Any], int] | None = None
+    pair_kernels: bool = False
 
     def check(
         self,
@@ -92,6 +96,19 @@ class TopologySpec:
                 check_seq_len(seq_len, world_size, layout)
             except ValueError as err:
                 raise ConfigError("shape.seq_len", str(err)) from None
+
+    def placement(
+        self, layout: str, world_size: int, seq_len: int, variant, *, batch_heads: int, device
+    ) -> Any:
+        """What this topology's calls and the run's shards are given for `layout`: the name, or
+        for `balanced` the one Layout planned for this topology's kernels (a call given the name
+        would plan by blocks; shard, unshard and the call must see the same placement)."""
+        if layout != "balanced":
+            return layout
+        from attngym.distributed import layout as layouts
+
+        kernels = layouts.pair_kernels(batch_heads, device) if self.pair_kernels else None
+        return layouts.resolve(layout, world_size, seq_len, variant, device, kernels)
 
     def transfer_ms(self, transport, k_s, timeout_s: float, repeats: int) -> list[float] | None:
         """Each step's transfer alone, in ms, `repeats` times over (collective on the ranks), with

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import statistics
 import weakref
@@ -297,12 +298,21 @@ class RankJob:
     def qkv(self) -> tuple[torch.Tensor, ...]:
         return self.shards[:3]
 
+    @functools.cached_property
+    def layout(self):
+        """The run's layout as the shards and every call get it (balanced: the one Layout
+        planned for this topology, TopologySpec.placement)."""
+        shape = self.settings.shape
+        return self.spec.placement(
+            self.settings.topology.layout, self.world_size, self.seq_len, self.variant,
+            batch_heads=shape.batch * shape.heads, device=self.device,
+        )  # fmt: skip
+
     def mine(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole-sequence tensor, in the run's layout."""
         from attngym.distributed import shard as shard_of
 
-        layout = self.settings.topology.layout
-        return shard_of(t, self.rank, self.world_size, layout, variant=self.variant_cpu)
+        return shard_of(t, self.rank, self.world_size, self.layout)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's shard of t, unsharded on rank 0's CPU (None elsewhere)."""
@@ -313,7 +323,7 @@ class RankJob:
         torch.distributed.gather(t, parts, dst=0, group=self.wait_group)
         if self.rank != 0:
             return None
-        return unshard(parts, self.settings.topology.layout, variant=self.variant_cpu)
+        return unshard(parts, self.layout)
 
     def attend(self, stats=None) -> torch.Tensor:
         """attngym's context-parallel call of this rank's shards."""
@@ -323,7 +333,7 @@ class RankJob:
             self.variant,
             stats=stats,
             transport=self.transport.name,
-            layout=s.topology.layout,
+            layout=self.layout,
             block_size=tuple(s.block_size),
             kernel_options=s.kernel_options or None,
             timeout_s=s.topology.timeout_s,
@@ -368,9 +378,8 @@ def shard(job: RankJob) -> dict[str, Any]:
     )
     if shards == 1:
         return {"load_imbalance": 1.0}
-    # The placement the CP call uses (balanced: planned at its default blocks), counted at the
-    # run's block size.
-    used = layouts.resolve(s.topology.layout, shards, job.seq_len, job.variant, job.device)
+    # The placement the CP call uses, counted at the run's block size.
+    used = layouts.plan(job.layout, shards, job.seq_len)
     imbalance = load_imbalance(used, job.variant, shards, job.seq_len, s.block_size, job.device)
     return {"load_imbalance": imbalance}
 

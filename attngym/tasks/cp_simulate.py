@@ -85,8 +85,11 @@ def run_simulated(
     variant = s.variant.to(device)
     P = topo.world_size
     seq_shards = {"ulysses": 1, "hybrid": P // (topo.a2a_size or P)}.get(kind, P)
+    # The placement a real run would use (balanced: planned for this topology's kernels).
+    layout = spec.placement(topo.layout, P, s.shape.seq_len, variant,
+                            batch_heads=s.shape.batch * s.shape.heads, device=device)  # fmt: skip
     if seq_shards > 1 and kind != "hybrid":
-        used = layouts.resolve(topo.layout, P, s.shape.seq_len, variant, device)
+        used = layouts.plan(layout, P, s.shape.seq_len)
         metrics["load_imbalance"] = load_imbalance(
             used, variant, P, s.shape.seq_len, s.block_size, device
         )
@@ -107,7 +110,7 @@ def run_simulated(
         grad_out if do_bwd else None,
         variant,
         world_size=P,
-        layout=topo.layout,
+        layout=layout,
         options=cp_options,
         a2a_size=topo.a2a_size,
         across=topo.across,

@@ -3,7 +3,8 @@
 # own overhead), launches per call before/after (cp_profile.py), the GPU tests on one GPU, and the
 # model: simulated ranks against the two-H200 measurements, and the predicted scaling tables.
 #   bash experiments/cp_model/run.sh [OUT_DIR] [PHASE...]   (repository root; default: all)
-# PHASE, run in this order: overhead, defects, check, tests, scaling (all = every one but scaling).
+# PHASE, run in this order: overhead, defects, balanced, check, tests, scaling (all = every one but
+# scaling).
 # SECONDS_LEFT (default 560) bounds the whole; the tests (TESTS, default every GPU test) leave
 # SCALING_S of it to the scaling, which gets what is left, resumes from RESUME (a scaling.json) if
 # set, and runs CASES only if set. T_LIMIT: one run's limit.
@@ -60,6 +61,11 @@ if has defects; then  # two ranks sharing the one GPU (rank 1's SIGSEGV), and th
     +experiment=ring_attention topology.world_size=2 logger=none
   T_LIMIT=150 t ws1_ring_causal_16k +experiment=ring_attention topology.world_size=1 topology=ring \
     attention=causal shape.seq_len=16384 shape.heads=8 shape.head_dim=128 logger=none
+fi
+if has balanced; then  # the ring's balanced placement priced per pair kernel, real ranks, validated
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_LIMIT=150 t ws2_one_gpu_ring_documents_balanced \
+    +experiment=ring_attention topology.world_size=2 topology.layout=balanced attention=document \
+    logger=none
 fi
 if has check && enough check; then
   timeout $(left) python3 scripts/check_cp_model.py experiments/multi_gpu_cp \

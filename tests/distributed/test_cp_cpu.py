@@ -116,6 +116,15 @@ def _attention_worker(rank, world_size):
                 backward="recompute",
             )
         )  # fmt: skip
+    # The ring's placement priced per pair kernel (here another one than by blocks: rank 0
+    # holds the second half), handed to shard and to the call as one Layout.
+    from attngym.distributed import layout as layouts
+
+    docs = variants.get("document", doc_lengths=[20, 4, 8])
+    priced = layouts.plan("balanced", world_size, S, docs, (4, 4),
+                          kernels=layouts.PairKernels(2, 2))  # fmt: skip
+    assert priced.placement != layouts.plan("balanced", world_size, S, docs, (4, 4)).placement
+    errors.update(_parity(rank, world_size, "document", docs, 4, 4, (ring_attention,), (priced,)))
     # Pairs computed / skipped by a causal forward, per rank.
     counts = {}
     gen = torch.Generator().manual_seed(1)
@@ -165,7 +174,7 @@ def _attention_worker(rank, world_size):
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
-    assert len(errors) == 4 * (2 * 3 + 1)
+    assert len(errors) == 4 * (2 * 3 + 1) + 1  # + the ring on its pair-priced placement
     assert reruns["flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no forward re-run
     assert reruns["recompute"] == (5, 5, "recompute")
     for case, errs in errors.items():
