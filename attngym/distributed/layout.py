@@ -7,11 +7,12 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 causal mask every rank then does the same amount of work (the early chunk is cheap,
                 the late one expensive).
     balanced    placed from the variant's block mask: S is cut into n = 2P·m equal pieces
-                (m = 1, 2 or 4, whichever gives the fastest slowest rank), each piece costs the predicted time of
-                its query rows (BLOCK_COSTS: a full block, and a partial one, which evaluates the
-                mask per entry, in units of a full block's time), and a greedy placement (largest
-                piece first, to the least loaded rank that still has room) gives every rank n/P
-                pieces of about equal time. Pieces adjacent on a rank merge into one chunk. For
+                (m = 1, 2 or 4, whichever gives the fastest slowest rank), each piece costs the
+                predicted time of its query rows (BLOCK_COSTS: a full block, and a partial one,
+                which evaluates the mask per entry, in units of a full block's time), and a
+                greedy placement (largest piece first, to the least loaded rank that still has
+                room) gives every rank n/P pieces of about equal time. Pieces adjacent on a rank
+                merge into one chunk. For
                 causal it finds zigzag; for packed documents it spreads each document's expensive
                 tail (the designs PyTorch's per-document head-tail and PTRR load balancers
                 follow; those count blocks, this weighs them by what they cost). With

@@ -234,7 +234,8 @@ def test_ring_placement_priced_per_pair_kernel_speeds_its_slowest_rank():
     for name, layout in (("pairs", pair_priced), ("blocks", layouts.plan("balanced", P, S, docs)),
                          ("zigzag", "zigzag")):  # fmt: skip
         sim = simulate("ring", q, k, v, None, docs, world_size=P, layout=layout,
-                       options=CPOptions(block_size=(128, 128)), timer=_wave_priced(heads, slots))
+                       options=CPOptions(block_size=(128, 128)),
+                       timer=_wave_priced(heads, slots))  # fmt: skip
         slowest[name] = max(tm.predict("ring", sim.ranks, tm.fabric("h200_nvlink"), False)
                             .rank_compute_ms)  # fmt: skip
     assert slowest["pairs"] < 0.7 * min(slowest["blocks"], slowest["zigzag"]), slowest
