@@ -89,7 +89,11 @@ def bench_timer(device: torch.device, warmup: int, repeats: int) -> Timer:
 
     def timer(item: Item, which: str) -> tuple[float, int]:
         fn = item.fwd if which == "fwd" else item.bwd
-        fn()  # first call apart (compilation), as phases.first_call
+        # First calls apart (compilation), as phases.first_call: two, as a ring step's first
+        # call keeps its partials and the next ones merge into them (the merge compiles then),
+        # which a warmup of 0 would otherwise time.
+        fn()
+        fn()
         sync(device)
         with peak_memory(device) as peak:
             timing = bench.time_fn(fn, warmup=warmup, repeats=repeats, device=device)

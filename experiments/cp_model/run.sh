@@ -7,7 +7,7 @@
 # scaling).
 # SECONDS_LEFT (default 560) bounds the whole; the tests (TESTS, default every GPU test) leave
 # SCALING_S of it to the scaling, which gets what is left, resumes from RESUME (a scaling.json) if
-# set, and runs CASES only if set. T_LIMIT: one run's limit.
+# set, and runs CASES (and TOPOLOGIES) only if set. T_LIMIT: one run's limit.
 # On a machine without network, wheels of Hydra, OmegaConf, wandb and attn-gym go in .whl/ first.
 set -u
 OUT=${1:-${OUT:-/tmp/attngym_cp_model}}
@@ -79,7 +79,8 @@ if has tests && enough tests ${SCALING_S:-0}; then
 fi
 if has scaling && enough scaling; then  # rows are written as they come: a timeout keeps those
   timeout $(left) python3 scripts/check_cp_model.py --scaling --out /tmp/scaling \
-    ${RESUME:+--resume "$RESUME"} ${CASES:+--cases $CASES} > $OUT/scaling.log 2>&1
+    ${RESUME:+--resume "$RESUME"} ${CASES:+--cases $CASES} ${TOPOLOGIES:+--topologies $TOPOLOGIES} \
+    > $OUT/scaling.log 2>&1
   echo "scaling rc=$?" | tee -a $OUT/summary.txt; cp /tmp/scaling/scaling.* $OUT/ 2>/dev/null
 fi
 cat $OUT/summary.txt
