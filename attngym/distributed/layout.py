@@ -12,13 +12,12 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 which evaluates the mask per entry, in units of a full block's time), and a
                 greedy placement (largest piece first, to the least loaded rank that still has
                 room) gives every rank n/P pieces of about equal time. Pieces adjacent on a rank
-                merge into one chunk. For
-                causal it finds zigzag; for packed documents it spreads each document's expensive
-                tail (the designs PyTorch's per-document head-tail and PTRR load balancers
-                follow; those count blocks, this weighs them by what they cost). With
-                `PairKernels` (the ring: one kernel per chunk pair) a piece is priced by the
-                kernels it takes part in, each as long as the slower of its blocks spread over
-                the device and its longest block row or column.
+                merge into one chunk. For causal it finds zigzag; for packed documents it spreads
+                each document's expensive tail (the designs PyTorch's per-document head-tail and
+                PTRR load balancers follow; those count blocks, this weighs them by what they
+                cost). With `PairKernels` (the ring: one kernel per chunk pair) a piece is
+                priced by the kernels it takes part in, each as long as the slower of its blocks
+                spread over the device and its longest block row or column.
 
 A rank's shard is the concatenation of its chunks in that order; `chunks` gives them as
 (global offset, length) pairs, which is what the context-parallel kernels pass as q/kv offsets.
@@ -214,15 +213,18 @@ def piece_pair_costs(
 
 
 def _per_piece(num, idx, full_num, full_idx, per: int, n: int, block_costs) -> torch.Tensor:
-    """(rows, n) float64: each block row's kept blocks in each piece, priced at block_costs."""
-    out = torch.zeros(num.shape[-1], n, dtype=torch.float64, device=num.device)
+    """(rows, n) float64: each block row's kept blocks in each piece, priced at block_costs.
+    Counted in integers (exact, so every rank plans the same placement), priced on the CPU."""
+    out = torch.zeros(num.shape[-1], n, dtype=torch.float64)
     for count, index, cost in ((num, idx, block_costs[1]), (full_num, full_idx, block_costs[0])):
         if count is None:
             continue
         count, index = count[0, 0], index[0, 0].long()
         kept = torch.arange(index.shape[-1], device=index.device) < count.unsqueeze(-1)
-        out.scatter_add_(1, index // per, kept.to(torch.float64) * cost)
-    return out.cpu()
+        blocks = torch.zeros(count.shape[-1], n, dtype=torch.long, device=index.device)
+        blocks.scatter_add_(1, index // per, kept.long())
+        out += blocks.cpu().to(torch.float64) * cost
+    return out
 
 
 def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
