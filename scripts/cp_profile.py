@@ -8,7 +8,9 @@ On CUDA (one rank per GPU):
       each synchronising call site counted (file:line of the attngym frame that caused it);
     * three forwards and three forward+backwards under torch.profiler, per call: wall time, the
       summed duration of the GPU kernels and copies (GPU busy), the kernels by time, the CUDA
-      runtime/driver calls the host made and the aten ops it dispatched (top level).
+      runtime/driver calls the host made and the aten ops it dispatched (top level);
+    * with --cuda-graph, forward+backward as CUDA graphs (torch.cuda.make_graphed_callables)
+      against eager: GPU ms of each and the replay's error against the eager call.
 A GPU that is busy for much less than the wall time waits on the host (launch overhead or
 syncs); a busy GPU with slow kernels points at the kernel.
 
@@ -27,6 +29,7 @@ Usage (two or more GPUs):
     python scripts/cp_profile.py --kind ring --seq-len 32768 --layout zigzag --out profile.json
     python scripts/cp_profile.py --kind ring --backward recompute --out profile_recompute.json
     python scripts/cp_profile.py --kind hybrid --a2a-size 2 --across allgather --out hybrid.json
+    python scripts/cp_profile.py --kind ring --cuda-graph --out ring_graphed.json
 On CPU:
     python scripts/cp_profile.py --device cpu --world-size 1 --kind ring --variant sliding_window \
         --seq-len 2048 --window 128 --heads 2 --head-dim 16 --layout contiguous --out ops.json
@@ -330,6 +333,7 @@ def _worker(
     variant_name: str = "causal",
     backward: str = "auto",
     options: dict | None = None,
+    cuda_graph: bool = False,
 ) -> dict:
     spec = registry.get("topology", kind)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -345,10 +349,12 @@ def _worker(
     )
     cp_options = CPOptions(backward=backward)
 
+    def attend(q, k, v):
+        return spec.attention(q, k, v, variant, layout=layout, options=cp_options,
+                              **(options or {}))  # fmt: skip
+
     def call():
-        return spec.attention(
-            q, k, v, variant, layout=layout, options=cp_options, **(options or {})
-        )
+        return attend(q, k, v)
 
     def fwd():
         with torch.no_grad():
@@ -367,7 +373,35 @@ def _worker(
         "fwd": _profile(fwd),
         "fwd_bwd": _profile(fwd_bwd),
     }
+    if cuda_graph:
+        result["cuda_graph"] = _graphed(attend, (q, k, v), g)
     return result if rank == 0 else {}
+
+
+def _graphed(attend, qkv, grad_out) -> dict:
+    """The call's forward+backward eager and as CUDA graphs (torch.cuda.make_graphed_callables:
+    one graph forward, one backward): the GPU ms of each (bench.time_fn, CUDA events, L2
+    flushed) and the replay's relative error of out, dq, dk, dv against the eager call."""
+    from attngym import bench
+
+    sample = tuple(t.detach().clone().requires_grad_() for t in qkv)
+    graphed = torch.cuda.make_graphed_callables(attend, sample)
+
+    def fwd_bwd(fn):
+        out = fn(*qkv)
+        return [out.detach(), *torch.autograd.grad(out, qkv, grad_out)]
+
+    got, want = fwd_bwd(graphed), fwd_bwd(attend)
+    result = {
+        "rel_err_out_dq_dk_dv": [
+            ((a.float() - b.float()).norm() / b.float().norm()).item()
+            for a, b in zip(got, want, strict=True)
+        ]
+    }
+    for name, fn in (("eager", attend), ("graphed", graphed)):
+        timing = bench.time_fn(lambda fn=fn: fwd_bwd(fn), warmup=2, repeats=10, device="cuda")
+        result[f"{name}_fwd_bwd_ms"] = timing.median_ms
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -386,7 +420,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=1024, help="sliding_window's look-back")
     parser.add_argument("--dtype", default="bfloat16", help="CPU inputs (CUDA: bfloat16)")
     parser.add_argument("--out", default="cp_profile.json")
+    parser.add_argument(
+        "--cuda-graph", action="store_true",
+        help="CUDA: also time fwd+bwd captured as CUDA graphs against eager, and check the replay",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cuda_graph and args.device != "cuda":
+        parser.error("--cuda-graph: CUDA graphs need --device cuda")
     world = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 1)
     spec = registry.get("topology", args.kind)
     options = {key: getattr(args, key) for key in spec.options}
@@ -405,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         worker, extra = _cpu_worker, (options, args.head_dim, args.window, args.dtype)
     else:
-        worker, extra = _worker, (options,)
+        worker, extra = _worker, (options, args.cuda_graph)
     result = launch(worker, world, args=(*common, *extra), device=args.device, timeout_s=300)
     result.update(vars(args), world_size=world, torch=torch.__version__)
     with open(args.out, "w") as f:
