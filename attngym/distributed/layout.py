@@ -74,6 +74,14 @@ class PairKernels:
     slots: int
     launch: float = LAUNCH_COST
 
+    def __post_init__(self):
+        for name in ("programs", "slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PairKernels.{name} must be a positive integer, got {value!r}")
+        if not self.launch >= 0:
+            raise ValueError(f"PairKernels.launch must be >= 0, got {self.launch!r}")
+
 
 def pair_kernels(batch_heads: int, device: torch.device | str) -> PairKernels | None:
     """The pair-kernel pricing on `device`: its SM count on CUDA; None elsewhere (a CPU kernel

@@ -244,6 +244,8 @@ def test_ring_placement_priced_per_pair_kernel_speeds_its_slowest_rank():
         got = spec.placement("balanced", P, S, docs, batch_heads=heads, device="cpu")
         assert got.placement == by_blocks.placement
     assert RING.placement("zigzag", P, S, docs, batch_heads=heads, device="cpu") == "zigzag"
+    with pytest.raises(ValueError, match="PairKernels.slots must be a positive integer, got 0"):
+        layouts.PairKernels(heads, 0)
 
 
 def test_check_script_on_a_tiny_csv(tmp_path):
