@@ -743,18 +743,25 @@ def _flash_needs_compile(data: dict[str, Any]) -> None:
         )
 
 
-def _flash_has_no_lse_gradient(data: dict[str, Any]) -> None:
-    """Context parallelism differentiates through each chunk's lse; FLASH's backward cannot."""
+def _flash_cp_backward_needs_flex_op(data: dict[str, Any]) -> None:
+    """FLASH's backward has no gradient for the log-sum-exp. A CP backward takes none through
+    flex's backward op (attngym.distributed.flex_backward); without that op the ring would
+    recompute each pair and differentiate its lse."""
     kind = data["topology"]["kind"]
-    if (
+    if not (
         _flash(data["kernel_options"])
         and "bwd" in data["passes"]
         and _topology_spec(kind) is not None
     ):
+        return
+    from attngym.distributed import flex_backward
+
+    usable, why = flex_backward.available()
+    if not usable:
         raise ConfigError(
             "kernel_options.BACKEND",
-            f"FLASH has no gradient for the log-sum-exp, which topology={kind} merges chunks "
-            "with; use passes=[fwd] or drop BACKEND",
+            f"FLASH has no gradient for the log-sum-exp, and topology={kind} needs one on this "
+            f"PyTorch ({why}); use passes=[fwd] or drop BACKEND",
         )
 
 
@@ -788,7 +795,7 @@ VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _simulation,
     _flash_needs_16_bit,
     _flash_needs_compile,
-    _flash_has_no_lse_gradient,
+    _flash_cp_backward_needs_flex_op,
 )
 # The rules on resolved values (from_config): those `auto` deferred, and the device's own.
 RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (

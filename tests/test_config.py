@@ -248,11 +248,6 @@ CASES = [
         ["compile=true", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
     ),
     (
-        ["topology=ring", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH"],
-        "kernel_options.BACKEND",
-        ["topology=ring", "dtype=bfloat16", "+kernel_options.BACKEND=FLASH", "passes=[fwd]"],
-    ),
-    (
         ["attention=document", "attention.doc_lengths=[100,100]"],
         "attention.doc_lengths",
         ["attention=document", "attention.doc_lengths=[1000,24]"],
@@ -819,14 +814,20 @@ def test_a_topology_is_judged_by_its_spec(fake_topology):
     check_config({**_with("topology", {**topo, "world_size": 2}), "shape": {"seq_len": 1024}})
 
 
-def test_flash_backward_is_refused_for_every_topology_with_a_spec(fake_topology):
+def test_flash_cp_backward_needs_flex_backward_op(fake_topology, monkeypatch):
+    """A CP backward takes no lse gradient through flex's backward op, so FLASH runs it; on a
+    PyTorch without that op every topology with a spec refuses it, naming the key."""
+    from attngym.distributed import flex_backward
+
     flash = {
         "attention": {"name": "causal"},
         "topology": {"kind": "fake"},
         "dtype": "bfloat16",
         "kernel_options": {"BACKEND": "FLASH"},
     }
-    with pytest.raises(ConfigError, match="topology=fake merges chunks") as info:
+    check_config(flash)
+    monkeypatch.setattr(flex_backward, "available", lambda: (False, "no such op"))
+    with pytest.raises(ConfigError, match="topology=fake needs one .*no such op") as info:
         check_config(flash)
     assert info.value.key == "kernel_options.BACKEND"
     check_config({**flash, "passes": ["fwd"]})

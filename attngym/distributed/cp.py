@@ -109,6 +109,11 @@ class CPOptions:
             raise ValueError(choice_error("compile_mode", self.compile_mode, kernels.COMPILE_MODES))
         if self.backward not in BACKWARDS:
             raise ValueError(choice_error("backward", self.backward, BACKWARDS))
+        if self.backward == "recompute" and kernels.is_flash(self.kernel_options):
+            raise ValueError(
+                "backward='recompute' differentiates each pair's lse, which FLASH's backward "
+                "cannot; with kernel_options BACKEND=FLASH use backward='flex' or 'auto'"
+            )
         if isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
             raise ValueError(
                 f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}"
@@ -194,7 +199,7 @@ def prepare(
         layout=plan,
         options=options,
         backend=kernels.resolve_backend(options.backend, q.device),
-        backward=_resolve_backward(options.backward),
+        backward=_resolve_backward(options),
         rank=dist.get_rank(group),
         world_size=world_size,
         seq_len=seq_len,
@@ -202,13 +207,16 @@ def prepare(
     )
 
 
-def _resolve_backward(choice: str) -> str:
+def _resolve_backward(options: CPOptions) -> str:
+    """flex | recompute for options.backward. With FLASH, auto means flex and never falls back
+    to recompute: FLASH's backward has no lse gradient, which a recompute needs."""
     from attngym.distributed import flex_backward
 
+    choice = options.backward
     if choice == "recompute":
         return "recompute"
     usable, why = flex_backward.available()
-    if choice == "flex":
+    if choice == "flex" or kernels.is_flash(options.kernel_options):
         if not usable:
             raise ValueError(f"backward='flex' is unusable on this PyTorch: {why}; use recompute")
         return "flex"

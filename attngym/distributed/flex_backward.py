@@ -290,10 +290,11 @@ def op_args(
 def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | None:
     """One pair's (dq, dk, dv) for cp.backward_pairs; None when flex failed under backward=auto.
 
-    An explicit backward='flex' never falls back: its failure propagates.
+    An explicit backward='flex', or any FLASH backward, never falls back: its failure propagates.
     """
     opts = call.options
-    if _FAILED and opts.backward == "auto":
+    fallback = opts.backward == "auto" and not kernels.is_flash(opts.kernel_options)
+    if _FAILED and fallback:
         return None
     try:
         return attend_backward(
@@ -314,7 +315,7 @@ def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | Non
             lse2=None if saved.lse2 is None else saved.lse2.get((q_rows.start, q_rows.stop)),
         )
     except Exception as exc:  # noqa: BLE001  (auto only: any failure of the op means recompute)
-        if opts.backward != "auto":
+        if not fallback:
             raise
         _FAILED.append(f"{type(exc).__name__}: {exc}")
         log.warning(

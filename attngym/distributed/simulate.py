@@ -328,7 +328,7 @@ def _sequence(scheme, q, k, v, grad_out, variant, P, layout, opts, clock) -> Sim
 
     seq_len = q.shape[2]
     backend = kernels.resolve_backend(opts.backend, q.device)
-    backward = _resolve_backward(opts.backward)
+    backward = _resolve_backward(opts)
     variant = variant.to(q.device) if variant.device not in (None, q.device) else variant
     plan = layouts.resolve(layout, P, seq_len, variant, q.device)
     from attngym.distributed.cp import PLAN_SOURCES

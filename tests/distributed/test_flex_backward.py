@@ -15,6 +15,7 @@ import torch
 
 from attngym import kernels, reference, variants
 from attngym.distributed import flex_backward
+from attngym.distributed.cp import _resolve_backward
 
 TOL = 1e-10
 S, HALF = 32, 16
@@ -120,8 +121,9 @@ def test_dynamo_traces_the_op_once_per_variant_and_reuses_it():
 
 
 def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
-    """Once flex's op failed under backward=auto, auto re-runs forwards; an explicit 'flex' still
-    calls the op (and would raise), it never falls back silently."""
+    """Once flex's op failed under backward=auto, auto re-runs forwards; an explicit 'flex', or
+    auto with FLASH (whose backward cannot differentiate a re-run's lse), still calls the op (and
+    would raise), it never falls back silently."""
     from types import SimpleNamespace
 
     from attngym.distributed.cp import CPOptions
@@ -130,7 +132,22 @@ def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
     monkeypatch.setattr(flex_backward, "attend_backward", lambda *a, **kw: "the op ran")
     t = torch.randn(1, 1, 4, 2)
     saved = SimpleNamespace(q=t, out=t, lse=t[..., 0], dout=t, lse2=None)
-    for backward, want in (("auto", None), ("flex", "the op ran")):
-        call = SimpleNamespace(options=CPOptions(backward=backward), variant=None)
+    flash = {"BACKEND": "FLASH"}
+    for backward, options, want in (
+        ("auto", None, None), ("flex", None, "the op ran"), ("auto", flash, "the op ran")
+    ):  # fmt: skip
+        call = SimpleNamespace(
+            options=CPOptions(backward=backward, kernel_options=options), variant=None
+        )
         got = flex_backward.pair_grads(call, saved, slice(0, 4), t, t, (0, 4), (0, 4), None)
-        assert got == want, backward
+        assert got == want, (backward, options)
+        resolved = _resolve_backward(call.options)
+        assert resolved == ("recompute" if want is None else "flex"), (backward, options)
+
+
+def test_flash_refuses_the_recompute_backward():
+    from attngym.distributed.cp import CPOptions
+
+    with pytest.raises(ValueError, match="backward='recompute' .* FLASH"):
+        CPOptions(backward="recompute", kernel_options={"BACKEND": "FLASH"})
+    CPOptions(backward="recompute", kernel_options={"BACKEND": "TRITON"})
