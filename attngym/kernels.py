@@ -1,8 +1,9 @@
 """Attend one (q chunk, kv chunk) pair: the unit context parallelism and the tasks build on.
 
 The variant is evaluated at *global* positions: query row i of the chunk is token q_offset + i, key
-j is token kv_offset + j. Offsets are captured as 0-d tensors, so a compiled kernel is reused across
-chunks instead of being recompiled for every offset.
+j is token kv_offset + j. Offsets are captured as 0-d tensors (under FLASH, position tables:
+`offsets_as_tables`), so a compiled kernel is reused across chunks instead of being recompiled for
+every offset.
 
 Backends:
     flex      torch.compile(flex_attention) on CUDA with a block mask at `block_size` and
@@ -18,6 +19,7 @@ inputs), natural base (e), of the scaled, modified scores, -inf where a row has 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -155,6 +157,41 @@ def position(offset: int | torch.Tensor, device: torch.device, role: str = "q") 
     return _offset_tensor(int(offset), device, role)
 
 
+def offsets_as_tables(kernel_options: Mapping[str, Any] | None) -> bool:
+    """Whether shifted callbacks read global positions from tables (`position_table`) instead
+    of adding 0-d offsets: under FLASH. torch 2.11's CuteDSL code generation loads a 0-d tensor
+    through a constant index it cannot take (`ssa_to_indexable(0, cutlass.Int32)`: "Expected
+    TensorSSA, but got <class 'int'>"); a table indexed by q_idx or kv_idx loads as the
+    document variant's lookups do. Triton keeps the offsets: one scalar add per score."""
+    return is_flash(kernel_options)
+
+
+@functools.lru_cache(maxsize=4096)
+def _table(offset: int, length: int, device: torch.device, role: str) -> torch.Tensor:
+    return torch.arange(offset, offset + length, device=device, dtype=torch.int32)
+
+
+def position_table(
+    offset: int | torch.Tensor, length: int, device: torch.device, role: str = "q"
+) -> torch.Tensor:
+    """Global positions offset .. offset + length - 1 as a table, made once per (offset,
+    length, device, role) as `position`'s offsets are. int32, as the kernels' indices are: a
+    position the callbacks use to index a buffer (a document id) is stored in an int32
+    index in FLASH's CuteDSL code, which refuses an int64."""
+    if isinstance(offset, torch.Tensor):
+        return (torch.arange(length, device=device) + offset.to(device)).to(torch.int32)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _table(int(offset), length, device, role)
+
+
+def with_mask_mod(block_mask, mask_mod):
+    """The block mask's blocks with another mask_mod (the same mask, read another way)."""
+    out = copy.copy(block_mask)
+    out.mask_mod = mask_mod
+    return out
+
+
 def at_origin(q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor) -> bool:
     """Whether a chunk pair sits at offset 0 on both sides, where the variant's own callbacks
     serve (an added 0 would still cost a load and an add per score)."""
@@ -162,52 +199,92 @@ def at_origin(q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor) -> bo
 
 
 def shifted_mods(
-    variant: Variant, q_offset: int | torch.Tensor, kv_offset: int | torch.Tensor, device
+    variant: Variant,
+    q_offset: int | torch.Tensor,
+    kv_offset: int | torch.Tensor,
+    device,
+    *,
+    lengths: tuple[int, int] | None = None,
 ) -> tuple[ScoreMod | None, MaskMod | None]:
-    """The variant's callbacks with chunk-local indices moved to global positions."""
+    """The variant's callbacks with chunk-local indices moved to global positions: by added 0-d
+    offsets, or with `lengths` (the chunks' (Sq, Skv)) through position tables
+    (`offsets_as_tables`)."""
     if at_origin(q_offset, kv_offset):
         return variant.score_mod, variant.mask_mod
-    q_off = position(q_offset, torch.device(device), "q")
-    kv_off = position(kv_offset, torch.device(device), "kv")
+    device = torch.device(device)
+    if lengths is None:
+        q_off, kv_off = position(q_offset, device, "q"), position(kv_offset, device, "kv")
+
+        def q_at(idx):
+            return idx + q_off
+
+        def kv_at(idx):
+            return idx + kv_off
+
+    else:
+        q_tab = position_table(q_offset, lengths[0], device, "q")
+        kv_tab = position_table(kv_offset, lengths[1], device, "kv")
+
+        def q_at(idx):
+            return q_tab[idx]
+
+        def kv_at(idx):
+            return kv_tab[idx]
+
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return inner_score(score, b, h, q_idx + q_off, kv_idx + kv_off)
+            return inner_score(score, b, h, q_at(q_idx), kv_at(kv_idx))
 
     if variant.mask_mod is not None:
         inner_mask = variant.mask_mod
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return inner_mask(b, h, q_idx + q_off, kv_idx + kv_off)
+            return inner_mask(b, h, q_at(q_idx), kv_at(kv_idx))
 
     return score_mod, mask_mod
 
 
-def shifted_heads(variant: Variant, head_offset: int, device) -> Variant:
+def shifted_heads(
+    variant: Variant, head_offset: int, device, *, heads: int | None = None
+) -> Variant:
     """The variant with local head h read as global head `head_offset + h` (a head slice).
 
     A head-parallel rank attends heads head_offset .. head_offset + H/P - 1 as local heads
     0 .. H/P - 1; head-dependent callbacks (ALiBi's slopes) must see the global index. The offset
-    is a 0-d tensor, as in `shifted_mods`. The result is pinned to `device`: it carries no buffers
-    (its callbacks already read the variant's, on `device`).
+    is a 0-d tensor, as in `shifted_mods`, or with `heads` (H/P) a table of the global heads
+    (`offsets_as_tables`). The result is pinned to `device`: it carries no buffers (its callbacks
+    already read the variant's, on `device`).
     """
     if head_offset == 0:
         return variant
-    off = position(head_offset, torch.device(device), "h")
+    device = torch.device(device)
+    if heads is None:
+        off = position(head_offset, device, "h")
+
+        def h_at(idx):
+            return idx + off
+
+    else:
+        table = position_table(head_offset, heads, device, "h")
+
+        def h_at(idx):
+            return table[idx]
+
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return inner_score(score, b, h + off, q_idx, kv_idx)
+            return inner_score(score, b, h_at(h), q_idx, kv_idx)
 
     if variant.mask_mod is not None:
         inner_mask = variant.mask_mod
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return inner_mask(b, h + off, q_idx, kv_idx)
+            return inner_mask(b, h_at(h), q_idx, kv_idx)
 
     return dataclasses.replace(
         variant, score_mod=score_mod, mask_mod=mask_mod, buffers={}, bind=None
@@ -427,7 +504,8 @@ def attend_chunk(
 
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    score_mod, _ = shifted_mods(variant, q_offset, kv_offset, q.device)
+    lengths = (q.shape[2], k.shape[2]) if offsets_as_tables(kernel_options) else None
+    score_mod, mask_mod = shifted_mods(variant, q_offset, kv_offset, q.device, lengths=lengths)
     if block_mask is None:
         block_mask = make_block_mask(
             variant,
@@ -438,6 +516,8 @@ def attend_chunk(
             block_size=block_size,
             device=q.device,
         )
+    if lengths is not None and mask_mod is not None and not at_origin(q_offset, kv_offset):
+        block_mask = with_mask_mod(block_mask, mask_mod)  # the kernel reads the tables too
     if compile and q.device.type == "cuda":
         fn = compiled_flex_attention(compile_mode, lse_grad=not is_flash(kernel_options))
     else:

@@ -58,10 +58,12 @@ def _rows(folder: Path, pattern: str) -> list[dict[str, str]]:
 
 
 def _case(overrides: list[str]) -> str:
-    """The row's case: its overrides without the topology and layout, in a fixed order."""
+    """The row's case: its overrides without the topology and layout, in a fixed order, each
+    without Hydra's + or ++ (a summary may write `++attention.window_size=1024` or, as typed,
+    `attention.window_size=1024`)."""
     return " ".join(
         sorted(
-            o for o in overrides
+            o.lstrip("+") for o in overrides
             if not o.startswith(("topology=", "topology.layout=", "+experiment"))
         )
     )  # fmt: skip

@@ -10,7 +10,7 @@ On CUDA (one rank per GPU):
       summed duration of the GPU kernels and copies (GPU busy), the kernels by time, the CUDA
       runtime/driver calls the host made and the aten ops it dispatched (top level);
     * with --cuda-graph, forward+backward as CUDA graphs (torch.cuda.make_graphed_callables)
-      against eager: GPU ms of each and the replay's error against the eager call.
+      against eager (`graphed`): GPU ms of each and the replay's error against the eager call.
 A GPU that is busy for much less than the wall time waits on the host (launch overhead or
 syncs); a busy GPU with slow kernels points at the kernel.
 
@@ -374,7 +374,7 @@ def _worker(
         "fwd_bwd": _profile(fwd_bwd),
     }
     if cuda_graph:
-        result["cuda_graph"] = _graphed(attend, (q, k, v), g)
+        result["graphed"] = _graphed(attend, (q, k, v), g)
     return result if rank == 0 else {}
 
 
@@ -446,8 +446,9 @@ def main(argv: list[str] | None = None) -> None:
         worker, extra = _cpu_worker, (options, args.head_dim, args.window, args.dtype)
     else:
         worker, extra = _worker, (options, args.cuda_graph)
-    result = launch(worker, world, args=(*common, *extra), device=args.device, timeout_s=300)
-    result.update(vars(args), world_size=world, torch=torch.__version__)
+    measured = launch(worker, world, args=(*common, *extra), device=args.device, timeout_s=300)
+    # The arguments first: a measured key of the same name (graphed, say) is never overwritten.
+    result = {**vars(args), "world_size": world, "torch": torch.__version__, **measured}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))

@@ -167,6 +167,48 @@ def test_tensor_offsets_equal_int_offsets(rng):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_position_tables_equal_offsets(rng, monkeypatch):
+    """Under FLASH the shifted callbacks read position tables (kernels.offsets_as_tables): the
+    same scores and mask as the 0-d offsets, the block mask's own mask_mod included; and the
+    head shift read from a table gives the same ALiBi scores."""
+    from attngym import kernels
+
+    variant = all_cases(SC)["document+alibi"]
+    q, k, v = rand_qkv(rng, SC)
+    args = (q[:, :, 128:192], k[:, :, 64:128], v[:, :, 64:128], variant)
+    kw = {"q_offset": 128, "kv_offset": 64, "backend": "flex", "block_size": BLOCK}
+    want = attend_chunk(*args, compile=False, **kw)
+    monkeypatch.setattr(kernels, "offsets_as_tables", lambda kernel_options: True)
+    seen = []
+    flex = kernels.torch.nn.attention.flex_attention.flex_attention
+
+    def recording(*a, block_mask=None, **kw):
+        seen.append(block_mask.mask_mod)
+        return flex(*a, block_mask=block_mask, **kw)
+
+    monkeypatch.setattr(kernels.torch.nn.attention.flex_attention, "flex_attention", recording)
+    got = attend_chunk(*args, compile=False, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    b, h = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    m, n = torch.tensor(5), torch.tensor(40)
+    _, offset_mask = kernels.shifted_mods(variant, 128, 64, "cpu")
+    assert seen[0](b, h, m, n) == offset_mask(b, h, m, n)
+
+    def maps(fn):  # the tensors the mask_mod's position maps read
+        cells = [c.cell_contents for c in fn.__closure__]
+        at = [f for f in cells if getattr(f, "__name__", "") in ("q_at", "kv_at")]
+        return [c.cell_contents.shape for f in at for c in f.__closure__]
+
+    assert maps(seen[0]) == [(64,), (64,)] and maps(offset_mask) == [(), ()]
+    alibi = get("alibi", num_heads=8)
+    by_offset = kernels.shifted_heads(alibi, 4, "cpu")
+    by_table = kernels.shifted_heads(alibi, 4, "cpu", heads=4)
+    score = torch.tensor(0.5)
+    for head in range(4):
+        hh = torch.tensor(head)
+        assert by_table.score_mod(score, b, hh, m, n) == by_offset.score_mod(score, b, hh, m, n)
+
+
 def test_block_mask_empty_above_the_diagonal(rng):
     causal = get("causal")
     above = make_block_mask(causal, 64, 64, q_offset=0, kv_offset=64, block_size=BLOCK)

@@ -115,15 +115,23 @@ def key_positions(layout: Layout, rank: int, plan: HaloPlan, device) -> torch.Te
 
 
 def mapped_variant(
-    variant: Variant, layout: Layout, rank: int, device, kv_positions: torch.Tensor
+    variant: Variant,
+    layout: Layout,
+    rank: int,
+    device,
+    kv_positions: torch.Tensor,
+    *,
+    tables: bool = False,
 ) -> Variant:
     """The variant over (this rank's shard rows) x (the call's keys): `at_positions` with this
-    rank's query positions in `layout`."""
+    rank's query positions in `layout` (`tables`: offsets as tables, kernels.offsets_as_tables)."""
     name = f"{variant.name}@{layout.name}.rank{rank}"
-    return at_positions(variant, layout.positions(rank, device), kv_positions, device, name)
+    positions = layout.positions(rank, device)
+    return at_positions(variant, positions, kv_positions, device, name, offsets_as_tables=tables)
 
 
-# Variant -> {(layout, rank, device, block size, backend, plan): (mapped variant, block mask)};
+# Variant -> {(layout, rank, device, block size, backend, plan, tables): (mapped variant, block
+# mask)};
 # the block mask broadcasts over batch and heads.
 _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
     weakref.WeakKeyDictionary()
@@ -131,11 +139,14 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = 
 
 
 def _mapped(call: CPCall, q: torch.Tensor, plan: HaloPlan):
-    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan)
+    tables = kernels.offsets_as_tables(call.options.kernel_options)
+    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables)
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
         positions = key_positions(call.layout, call.rank, plan, q.device)
-        mapped = mapped_variant(call.variant, call.layout, call.rank, q.device, positions)
+        mapped = mapped_variant(
+            call.variant, call.layout, call.rank, q.device, positions, tables=tables
+        )
         block_mask = None
         if call.backend == "flex":
             block_mask = kernels.make_block_mask(

@@ -23,7 +23,8 @@ Facts it depends on (read in the torch 2.11.0 and 2.13.0 sources; the eager path
       (13 entries on 2.11, 17 on 2.13), so it is always taken from the installed BlockMask.
     * fw_graph / joint_graph / mask graph: traced GraphModules. The score and mask callbacks take
       the chunk offsets and the variant's buffers as explicit inputs (`*_other_buffers`), so one
-      compiled kernel serves every chunk pair (the offsets are 0-d tensors, as in kernels.py).
+      compiled kernel serves every chunk pair (the offsets are 0-d tensors, as in kernels.py;
+      under FLASH position tables, kernels.offsets_as_tables).
       The joint graph comes from torch's `create_fw_bw_graph`, as the autograd path makes it;
       2.11's eager op needs it (2.13 would derive it from None).
     * Eager (CPU, or compile=False): the op runs `sdpa_dense_backward`, a dense implementation in
@@ -81,12 +82,13 @@ def log_once(message: str) -> None:
 class _Graphs:
     """The traced score, joint and mask graphs of one variant for one dtype and device.
 
-    shifted: the callbacks take the chunk offsets as inputs (every pair of a CP call); without,
-    they are the variant's own, as the forward's for a pair at offset 0 (an added 0 still costs
-    a load and an add per score, in both loops of the backward).
+    shift: "offsets": the callbacks take the chunk offsets as inputs (every pair of a CP call);
+    (Sq, Skv): they take position tables of these lengths instead, as the forward's do under
+    FLASH (kernels.offsets_as_tables); None: the variant's own, as the forward's for a pair at
+    offset 0 (an added 0 still costs a load and an add per score, in both loops of the backward).
     """
 
-    def __init__(self, variant: Variant, dtype: torch.dtype, device: torch.device, shifted: bool):
+    def __init__(self, variant: Variant, dtype: torch.dtype, device: torch.device, shift):
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
         from torch._higher_order_ops.flex_attention import create_fw_bw_graph
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -99,24 +101,33 @@ class _Graphs:
                 return variant.score_mod, variant.mask_mod
             return variant.bind(dict(zip(names, buffers, strict=True)))
 
+        def moved(m, n, extra):
+            """(global q, global kv, the variant's buffers) from the local indices."""
+            if shift is None:
+                return m, n, extra
+            if shift == "offsets":
+                return m + extra[0], n + extra[1], extra[2:]
+            return extra[0][m], extra[1][n], extra[2:]
+
         def score_graph(score, b, h, m, n, *extra):
-            q_off, kv_off, buffers = (*extra[:2], extra[2:]) if shifted else (0, 0, extra)
+            m, n, buffers = moved(m, n, extra)
             score_mod, _ = mods(buffers)
-            return score if score_mod is None else score_mod(score, b, h, m + q_off, n + kv_off)
+            return score if score_mod is None else score_mod(score, b, h, m, n)
 
         def mask_graph(b, h, m, n, *extra):
-            q_off, kv_off, buffers = (*extra[:2], extra[2:]) if shifted else (0, 0, extra)
+            m, n, buffers = moved(m, n, extra)
             _, mask_mod = mods(buffers)
             if mask_mod is None:
                 return b.new_ones((), dtype=torch.bool)
-            return mask_mod(b, h, m + q_off, n + kv_off)
+            return mask_mod(b, h, m, n)
 
         def idx():
             return torch.zeros((), dtype=torch.int32, device=device)
 
-        # Distinct tensors for the two offsets: make_fx maps one tensor object to one input.
-        offsets = tuple(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
-        extra = (*offsets, *self.buffers) if shifted else self.buffers
+        # Distinct tensors for the two maps: make_fx maps one tensor object to one input.
+        sizes = [(), ()] if shift == "offsets" else [(n,) for n in shift or ()]
+        maps = tuple(torch.zeros(size, dtype=torch.int64, device=device) for size in sizes)
+        extra = (*maps, *self.buffers)
         with TransformGetItemToIndex():
             self.fw = make_fx(score_graph)(
                 torch.zeros((), dtype=dtype, device=device), idx(), idx(), idx(), idx(), *extra
@@ -147,15 +158,15 @@ class _Graphs:
             g.torchdynamo_force_dynamic = True
 
 
-# Variant -> {(dtype, device, shifted): _Graphs}; weak keys, as the pair plans in cp.py.
+# Variant -> {(dtype, device, shift): _Graphs}; weak keys, as the pair plans in cp.py.
 _GRAPHS: weakref.WeakKeyDictionary[Variant, dict[tuple, _Graphs]] = weakref.WeakKeyDictionary()
 
 
-def _graphs(variant: Variant, dtype: torch.dtype, device: torch.device, shifted: bool) -> _Graphs:
+def _graphs(variant: Variant, dtype: torch.dtype, device: torch.device, shift) -> _Graphs:
     per = _GRAPHS.setdefault(variant, {})
-    key = (dtype, device, shifted)
+    key = (dtype, device, shift)
     if key not in per:
-        per[key] = _Graphs(variant, dtype, device, shifted)
+        per[key] = _Graphs(variant, dtype, device, shift)
     return per[key]
 
 
@@ -259,16 +270,25 @@ def op_args(
     """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
-    shifted = not kernels.at_origin(q_offset, kv_offset)  # as the pair's forward (shifted_mods)
-    graphs = _graphs(variant, q.dtype, q.device, shifted)
+    shift = None  # as the pair's forward moves its indices (kernels.shifted_mods)
+    if not kernels.at_origin(q_offset, kv_offset):
+        tables = kernels.offsets_as_tables(kernel_options)
+        shift = (q.shape[2], k.shape[2]) if tables else "offsets"
+    graphs = _graphs(variant, q.dtype, q.device, shift)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     options = _apply_kernel_options(q, k, v, True, dict(kernel_options) if kernel_options else None)
     if lse2 is None:
         lse2 = kernel_lse(lse, kernel_options, q.dtype)
     buffers = graphs.buffers
-    if shifted:
-        offsets = kernels.position(q_offset, q.device), kernels.position(kv_offset, q.device, "kv")
-        buffers = (*offsets, *buffers)
+    if shift == "offsets":
+        maps = kernels.position(q_offset, q.device), kernels.position(kv_offset, q.device, "kv")
+        buffers = (*maps, *buffers)
+    elif shift is not None:
+        maps = (
+            kernels.position_table(q_offset, shift[0], q.device, "q"),
+            kernels.position_table(kv_offset, shift[1], q.device, "kv"),
+        )
+        buffers = (*maps, *buffers)
     block = block_mask.as_tuple()[:-1]
     # The op has no autograd of its own: inputs that require grad would dispatch it wrongly.
     q, k, v, out, dout = (t.detach() for t in (q, k, v, out.to(q.dtype), dout.to(q.dtype)))

@@ -25,6 +25,7 @@ def at_positions(
     name: str,
     *,
     tables: bool = False,
+    offsets_as_tables: bool = False,
 ) -> Variant:
     """The variant over local query rows and keys at these global positions.
 
@@ -33,11 +34,12 @@ def at_positions(
     and one compiled kernel serves every rank. A map that is the identity (offset 0) is left
     out, so at world size 1 the callbacks are the variant's own and the kernel is the one-device
     call's (an added 0 still costs a load and an add per score). `tables`: always a table
-    lookup (PyTorch's CP form, for its contender). The block rule is moved with them
+    lookup (PyTorch's CP form, for its contender); `offsets_as_tables`: a map that is an offset
+    other than 0 is a table too (kernels.offsets_as_tables). The block rule is moved with them
     (`mapped_block_rule`).
     """
-    q_at = _mapper(q_positions if tables else _index_map(q_positions), device, "q")
-    kv_at = _mapper(kv_positions if tables else _index_map(kv_positions), device, "kv")
+    q_at = _mapper(_index_map(q_positions, tables, offsets_as_tables), device, "q")
+    kv_at = _mapper(_index_map(kv_positions, tables, offsets_as_tables), device, "kv")
     score_mod, mask_mod = variant.score_mod, variant.mask_mod
     if q_at is None and kv_at is None:
         # The variant's own callbacks and buffers; a copy, so that a memo keyed weakly by the
@@ -120,11 +122,14 @@ def _mapper(index_map, device, role: str):
     return at
 
 
-def _index_map(positions: torch.Tensor):
-    """How a local index becomes a global position: an int offset, or the table itself."""
+def _index_map(positions: torch.Tensor, tables: bool = False, offsets_as_tables: bool = False):
+    """How a local index becomes a global position: an int offset, or the table itself (always
+    with `tables`; for any offset but 0 with `offsets_as_tables`)."""
+    if tables:
+        return positions
     start = int(positions[0])
-    if torch.equal(
-        positions, torch.arange(start, start + positions.numel(), device=positions.device)
-    ):
+    run = torch.arange(start, start + positions.numel(), device=positions.device)
+    if torch.equal(positions, run) and (not offsets_as_tables or start == 0):
         return start
-    return positions
+    # int32 under FLASH, as kernels.position_table's
+    return positions.to(torch.int32) if offsets_as_tables else positions

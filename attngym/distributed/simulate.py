@@ -518,7 +518,10 @@ def _ulysses(q, k, v, grad_out, variant, P, opts, clock) -> Simulation:
         q_h = q[:, r * hp : (r + 1) * hp].contiguous()
         k_h = k_rep[:, r * rp : (r + 1) * rp].contiguous()
         v_h = v_rep[:, r * rp : (r + 1) * rp].contiguous()
-        shifted, block_mask = _plan(variant, r * hp, seq_len, opts.block_size, backend, q.device)
+        heads = hp if kernels.offsets_as_tables(opts.kernel_options) else None
+        shifted, block_mask = _plan(
+            variant, r * hp, heads, seq_len, opts.block_size, backend, q.device
+        )
 
         def call(q_h=q_h, k_h=k_h, v_h=v_h, shifted=shifted, block_mask=block_mask):
             return kernels.attend_chunk(

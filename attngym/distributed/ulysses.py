@@ -92,19 +92,21 @@ def exchange_order(layout: str, world_size: int, seq_len: int) -> tuple[tuple[in
     )
 
 
-# Variant -> {(head offset, seq_len, block size, backend, device): (shifted variant, block_mask)}.
-# Weak keys, as ring.py's plans: an entry goes with its Variant, so nothing outlives the caller's.
+# Variant -> {(head offset, heads, seq_len, block size, backend, device): (shifted variant,
+# block_mask)}. Weak keys, as ring.py's plans: an entry goes with its Variant, so nothing outlives
+# the caller's.
 _PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _plan(variant, head_offset, seq_len, block_size, backend, device):
-    """The head-shifted variant and, for flex, its whole-sequence BlockMask; memoised."""
+def _plan(variant, head_offset, heads, seq_len, block_size, backend, device):
+    """The head-shifted variant and, for flex, its whole-sequence BlockMask; memoised. heads:
+    the local head count when the shift is a table (kernels.offsets_as_tables), else None."""
     plans = _PLANS.setdefault(variant, {})
-    key = (head_offset, seq_len, block_size, backend, device)
+    key = (head_offset, heads, seq_len, block_size, backend, device)
     if key not in plans:
-        shifted = kernels.shifted_heads(variant, head_offset, device)
+        shifted = kernels.shifted_heads(variant, head_offset, device, heads=heads)
         block_mask = None
         if backend == "flex":
             block_mask = kernels.make_block_mask(
@@ -241,8 +243,13 @@ def ulysses_attention(
     if dist.is_available() and dist.is_initialized():
         variant.check_seq_len(q.shape[2] * dist.get_world_size(group))
 
+    tables = kernels.offsets_as_tables(opts.kernel_options)
+
     def attend(q_h, k_h, v_h, variant_d, head_offset):
-        shifted, block_mask = _plan(variant_d, head_offset, q_h.shape[2], block, resolved, q.device)
+        heads = q_h.shape[1] if tables else None
+        shifted, block_mask = _plan(
+            variant_d, head_offset, heads, q_h.shape[2], block, resolved, q.device
+        )
         if stats is not None:
             stats.pairs_computed += 1
         out_h, _ = kernels.attend_chunk(
@@ -426,8 +433,11 @@ def hybrid_attention(
     a2a_group, across_group = hybrid_groups(a2a_size, group)
     fn = ring_attention if across == "ring" else allgather_attention
 
+    tables = kernels.offsets_as_tables(opts.kernel_options)
+
     def attend(q_h, k_h, v_h, variant_d, head_offset):
-        shifted, _ = _plan(variant_d, head_offset, None, None, "across", q.device)
+        heads = q_h.shape[1] if tables else None
+        shifted, _ = _plan(variant_d, head_offset, heads, None, None, "across", q.device)
         return fn(
             q_h,
             k_h,

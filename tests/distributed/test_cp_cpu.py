@@ -402,6 +402,49 @@ def _catalogue_worker(rank, world_size):
     return errors
 
 
+def _tables_worker(rank, world_size):
+    """The FLASH form of the shifted callbacks (position tables, kernels.offsets_as_tables),
+    forced here on CPU, against the float64 reference, on a mask and a score that read positions
+    and heads: the ring's backward (flex's backward op, after the reference forward), and the
+    forward of the ring, the all-gather and Ulysses on eager flex (which has no CPU backward)."""
+    import attngym.kernels
+    from attngym.distributed import ulysses_attention
+
+    attngym.kernels.offsets_as_tables = lambda kernel_options: True
+    variant = variants.compose(
+        variants.get("document", doc_lengths=[10, 14, 8]), variants.get("alibi", num_heads=4)
+    )
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(2, 4, S, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference.attention(qr, kr, vr, variant.score_mod, variant.mask_mod)
+    ref_out.backward(dout)
+    opts = {"layout": "zigzag", "transport": "gloo", "block_size": (8, 8)}
+    q_s, k_s, v_s = (shard(t, rank, world_size, "zigzag").requires_grad_() for t in (q, k, v))
+    out = ring_attention(q_s, k_s, v_s, variant, backward="flex", **opts)
+    out.backward(shard(dout, rank, world_size, "zigzag"))
+    got, want = (q_s.grad, k_s.grad, v_s.grad), (qr.grad, kr.grad, vr.grad)
+    errors = {
+        "ring backward": [
+            (_gather(g, world_size, "zigzag") - w).abs().max().item()
+            for g, w in zip(got, want, strict=True)
+        ]
+    }
+    with torch.no_grad():
+        for fn in (ring_attention, allgather_attention, ulysses_attention):
+            out = fn(q_s.detach(), k_s.detach(), v_s.detach(), variant, backend="flex", **opts)
+            error = (_gather(out, world_size, "zigzag") - ref_out).abs().max().item()
+            errors[f"{fn.__name__} forward"] = [error]
+    return errors
+
+
+def test_position_tables_match_the_reference():
+    errors = launch(_tables_worker, 2, timeout_s=120)
+    assert len(errors) == 4
+    for case, errs in errors.items():
+        assert max(errs) < TOL, f"{case}: max |err| = {errs}"
+
+
 def test_every_variant_through_ring_and_allgather_matches_reference():
     assert sorted(PARAMS) == variants.names(), "give every catalogue variant its test parameters"
     errors = launch(_catalogue_worker, 2, timeout_s=180)

@@ -202,7 +202,11 @@ def _flash_worker(rank, world_size, transport):
     S, blocks = 2048, get_flash_block_size(device)
     q, k, v, dout = (torch.randn(1, 4, S, 128, generator=gen).to(device) for _ in range(4))
     errors = {}
-    for name, variant in _variants(("causal", "document")).items():
+    cases = {
+        "causal": variants.get("causal"),
+        "document": variants.get("document", doc_lengths=[600, 1000, 448]),
+    }
+    for name, variant in cases.items():
         variant = variant.to(device)
         qr, kr, vr = (t.bfloat16().double().requires_grad_() for t in (q, k, v))
         ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)

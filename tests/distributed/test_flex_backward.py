@@ -81,8 +81,12 @@ def _sum_pairs(variant, call, problem):
     return got
 
 
+@pytest.mark.parametrize("tables", [False, True], ids=["offsets", "tables"])
 @pytest.mark.parametrize("case", list(_cases()))
-def test_eager_op_gives_each_pairs_share_of_the_gradient(case):
+def test_eager_op_gives_each_pairs_share_of_the_gradient(case, tables, monkeypatch):
+    """Each pair's share, with the chunk offsets as 0-d inputs and as position tables (the FLASH
+    form, kernels.offsets_as_tables)."""
+    monkeypatch.setattr(kernels, "offsets_as_tables", lambda kernel_options: tables)
     variant = _cases()[case]
     problem = _problem(variant)
     got = _sum_pairs(variant, lambda graphs, args: flex_backward._call_op(*args), problem)

@@ -309,6 +309,17 @@ def test_hybrid_is_the_across_scheme_over_the_groups_plus_the_in_group_exchange(
                  timer=_counting_timer([]))  # fmt: skip
 
 
+def test_check_matches_a_case_whatever_hydras_prefix(monkeypatch):
+    """A measured summary may write `++attention.window_size=1024` where a kept prediction
+    writes it as typed: the same case, so the two rows meet."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import check_cp_model
+
+    typed = ["attention=sliding_window", "attention.window_size=1024", "topology=ring"]
+    assert check_cp_model._case(["++" + typed[1], *typed[::2]]) == check_cp_model._case(typed)
+    assert "topology" not in check_cp_model._case(typed)
+
+
 def test_check_judges_the_pick_by_its_own_measured_time_and_groups_cases_in_any_order():
     """A pick that measured more than 5 % slower than the fastest differs, even when two others
     are a tie; a case's overrides in another order are the same case."""
