@@ -476,6 +476,12 @@ class CopyEngineAllGather(_CopyEngineBase):
         if "nccl" in str(dist.get_backend(self.group)).lower():
             out = torch.empty_like(by_rank[0])
             dist.reduce_scatter_tensor(out, by_rank, group=self.group)
+        elif torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the all-gather's backward reduce-scatters over the process group, and gloo's "
+                "all-reduce of CUDA tensors goes through the host, which a CUDA graph cannot "
+                "capture; capture it with an nccl group (one GPU per rank)"
+            )
         else:  # gloo has no reduce-scatter of CUDA tensors: all-reduce, keep this rank's share
             dist.all_reduce(by_rank, group=self.group)
             out = by_rank[self.rank]

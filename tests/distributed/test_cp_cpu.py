@@ -640,3 +640,20 @@ def _full_blocks(block_mask) -> torch.Tensor:
     for row, n in enumerate(num.tolist()):
         dense[row, idx[row, :n].long()] = True
     return dense
+
+
+def test_gathers_backward_refuses_a_cuda_graph_capture_over_gloo(monkeypatch):
+    """Two ranks sharing a GPU run gloo, whose all-reduce of CUDA tensors cannot be captured: the
+    all-gather's backward says so in words instead of an invalidated capture."""
+    from types import SimpleNamespace
+
+    from attngym.distributed.copy_engine import CopyEngineAllGather
+
+    gather = SimpleNamespace(
+        out_shape=(1, 2, 8), world_size=2, num_parts=1, _rows=2, _chunk=4, rank=0,
+        part_shape=(2, 4), group=None,
+    )  # fmt: skip
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="gloo.*CUDA graph cannot capture.*nccl"):
+        CopyEngineAllGather.reduce_scatter(gather, torch.randn(1, 2, 8))
