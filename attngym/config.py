@@ -743,28 +743,6 @@ def _flash_needs_compile(data: dict[str, Any]) -> None:
         )
 
 
-def _flash_cp_backward_needs_flex_op(data: dict[str, Any]) -> None:
-    """FLASH's backward has no gradient for the log-sum-exp. A CP backward takes none through
-    flex's backward op (attngym.distributed.flex_backward); without that op the ring would
-    recompute each pair and differentiate its lse."""
-    kind = data["topology"]["kind"]
-    if not (
-        _flash(data["kernel_options"])
-        and "bwd" in data["passes"]
-        and _topology_spec(kind) is not None
-    ):
-        return
-    from attngym.distributed import flex_backward
-
-    usable, why = flex_backward.available()
-    if not usable:
-        raise ConfigError(
-            "kernel_options.BACKEND",
-            f"FLASH has no gradient for the log-sum-exp, and topology={kind} needs one on this "
-            f"PyTorch ({why}); use passes=[fwd] or drop BACKEND",
-        )
-
-
 def _flash_on_this_device(data: dict[str, Any]) -> None:
     """BACKEND=FLASH on the resolved device: a CUDA device, and the block size its kernel has.
 
@@ -788,6 +766,19 @@ def _flash_on_this_device(data: dict[str, Any]) -> None:
         )
 
 
+def _flash_is_installed(data: dict[str, Any]) -> None:
+    """BACKEND=FLASH on a machine where flash-attn-4 and its CuTe DSL import: else Inductor
+    fails while compiling the first call (`No module named 'cutlass'`)."""
+    from attngym.tuning import flash_missing
+
+    if _flash(data["kernel_options"]) and (why := flash_missing()):
+        raise ConfigError(
+            "kernel_options.BACKEND",
+            f"FLASH runs flash-attn-4's kernels, but {why}; pip install --pre flash-attn-4 "
+            '"nvidia-cutlass-dsl[cu13]" (or [cu12]), or drop BACKEND',
+        )
+
+
 # The rules on values alone, in this order (check_config and from_config).
 VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _kv_heads_divide_heads,
@@ -795,13 +786,13 @@ VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _simulation,
     _flash_needs_16_bit,
     _flash_needs_compile,
-    _flash_cp_backward_needs_flex_op,
 )
 # The rules on resolved values (from_config): those `auto` deferred, and the device's own.
 RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _flash_needs_16_bit,
     _topology_rules,
     _flash_on_this_device,
+    _flash_is_installed,
 )
 
 

@@ -43,12 +43,23 @@ FLASH = "FLASH"
 TRITON_REFERENCE = "flex_default"
 
 
+def flash_missing() -> str | None:
+    """Why FlexAttention's FLASH backend cannot import its kernels here: flash-attn-4's
+    `flash_attn.cute`, or the CuTe DSL (`cutlass`, from nvidia-cutlass-dsl) that Inductor's
+    generated FLASH code imports; None when both are found."""
+    for module, package in (("flash_attn.cute", "flash-attn-4"), ("cutlass", "nvidia-cutlass-dsl")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # no parent package at all, or a broken one
+            found = False
+        if not found:
+            return f"{module} ({package}) is not importable"
+    return None
+
+
 def flash_importable() -> bool:
-    """Whether flash-attn-4 (the module FlexAttention's FLASH backend imports) is installed."""
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):  # no flash_attn package at all, or a broken one
-        return False
+    """Whether flash-attn-4 and the CuTe DSL it runs on are installed (`flash_missing`)."""
+    return flash_missing() is None
 
 
 def capability_key(capability: str | None) -> str | None:

@@ -465,6 +465,28 @@ def test_flash_backend_needs_the_flash_block_size(monkeypatch):
     config._flash_on_this_device(resolved("TRITON", 128))
 
 
+def test_flash_backend_needs_flash_attn_and_its_cute_dsl(monkeypatch):
+    """Without flash-attn-4 or the CuTe DSL (cutlass) FLASH is refused before any tensor work,
+    naming the module, instead of failing inside Inductor's first compile."""
+    import importlib.util
+
+    from attngym import config, tuning
+
+    here = {"flash_attn.cute"}  # flash-attn-4 found, its DSL not (a --target install, say)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name in here else None
+    )
+    assert tuning.flash_missing() == "cutlass (nvidia-cutlass-dsl) is not importable"
+    flash = {"kernel_options": {"BACKEND": "FLASH"}}
+    with pytest.raises(ConfigError, match="FLASH runs flash-attn-4's kernels, but cutlass") as info:
+        config._flash_is_installed(flash)
+    assert info.value.key == "kernel_options.BACKEND"
+    config._flash_is_installed({"kernel_options": {"BACKEND": "TRITON"}})
+    here.add("cutlass")
+    assert tuning.flash_missing() is None and tuning.flash_importable()
+    config._flash_is_installed(flash)
+
+
 def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
     from attngym import device
 
@@ -814,24 +836,16 @@ def test_a_topology_is_judged_by_its_spec(fake_topology):
     check_config({**_with("topology", {**topo, "world_size": 2}), "shape": {"seq_len": 1024}})
 
 
-def test_flash_cp_backward_needs_flex_backward_op(fake_topology, monkeypatch):
-    """A CP backward takes no lse gradient through flex's backward op, so FLASH runs it; on a
-    PyTorch without that op every topology with a spec refuses it, naming the key."""
-    from attngym.distributed import flex_backward
-
+def test_flash_takes_a_cp_backward(fake_topology):
+    """A CP backward takes no lse gradient (flex's backward op with the merged lse; one kernel
+    call's output elsewhere), which is all FLASH's backward refuses: no topology refuses it."""
     flash = {
         "attention": {"name": "causal"},
         "topology": {"kind": "fake"},
         "dtype": "bfloat16",
         "kernel_options": {"BACKEND": "FLASH"},
     }
-    check_config(flash)
-    monkeypatch.setattr(flex_backward, "available", lambda: (False, "no such op"))
-    with pytest.raises(ConfigError, match="topology=fake needs one .*no such op") as info:
-        check_config(flash)
-    assert info.value.key == "kernel_options.BACKEND"
-    check_config({**flash, "passes": ["fwd"]})
-    check_config({**flash, "topology": {"kind": "single"}})  # one device: no lse to merge
+    assert "bwd" in check_config(flash)["passes"]
 
 
 def test_one_device_takes_one_rank_and_any_topologys_layout(fake_topology):

@@ -216,10 +216,13 @@ def _resolve_backward(options: CPOptions) -> str:
     if choice == "recompute":
         return "recompute"
     usable, why = flex_backward.available()
-    if choice == "flex" or kernels.is_flash(options.kernel_options):
-        if not usable:
-            raise ValueError(f"backward='flex' is unusable on this PyTorch: {why}; use recompute")
-        return "flex"
+    flash = kernels.is_flash(options.kernel_options)
+    if choice == "flex" or flash:
+        if usable:
+            return "flex"
+        if flash:
+            raise ValueError(f"BACKEND=FLASH needs flex's backward op for a CP backward: {why}")
+        raise ValueError(f"backward='flex' is unusable on this PyTorch: {why}; use recompute")
     if not usable or flex_backward.failed_before():
         flex_backward.log_once(f"backward=auto resolved to 'recompute': {why or 'flex failed'}")
         return "recompute"

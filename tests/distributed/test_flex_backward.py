@@ -149,9 +149,15 @@ def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
         assert resolved == ("recompute" if want is None else "flex"), (backward, options)
 
 
-def test_flash_refuses_the_recompute_backward():
+def test_flash_refuses_the_recompute_backward(monkeypatch):
+    """FLASH has no lse gradient, which a re-run pair needs: recompute is refused with it, and
+    without flex's backward op a FLASH CP backward says so instead of recomputing."""
     from attngym.distributed.cp import CPOptions
 
     with pytest.raises(ValueError, match="backward='recompute' .* FLASH"):
         CPOptions(backward="recompute", kernel_options={"BACKEND": "FLASH"})
     CPOptions(backward="recompute", kernel_options={"BACKEND": "TRITON"})
+    monkeypatch.setattr(flex_backward, "available", lambda: (False, "no such op"))
+    with pytest.raises(ValueError, match="FLASH needs flex's backward op .*no such op"):
+        _resolve_backward(CPOptions(kernel_options={"BACKEND": "FLASH"}))
+    assert _resolve_backward(CPOptions()) == "recompute"
