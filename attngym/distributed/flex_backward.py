@@ -124,7 +124,9 @@ class _Graphs:
         def idx():
             return torch.zeros((), dtype=torch.int32, device=device)
 
-        # Distinct tensors for the two maps: make_fx maps one tensor object to one input.
+        # Distinct tensors for the two maps: make_fx maps one tensor object to one input. The
+        # graphs only index the tables, so int64 examples serve the int32 tables the calls pass
+        # (the op runs, or lowers, the graphs on the real inputs).
         sizes = [(), ()] if shift == "offsets" else [(n,) for n in shift or ()]
         maps = tuple(torch.zeros(size, dtype=torch.int64, device=device) for size in sizes)
         extra = (*maps, *self.buffers)
