@@ -139,6 +139,13 @@ def compiled_flex_attention(mode: str = "default", lse_grad: bool = True):
     return torch.compile(fn, dynamic=False, mode=None if mode == "default" else mode)
 
 
+def _named_gpu(device: torch.device) -> torch.device:
+    """`device` with its GPU index: a cache key of "cuda" alone would not name the GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @functools.lru_cache(maxsize=4096)
 def _offset_tensor(offset: int, device: torch.device, role: str) -> torch.Tensor:
     return torch.tensor(offset, device=device)
@@ -152,9 +159,7 @@ def position(offset: int | torch.Tensor, device: torch.device, role: str = "q") 
     a graph of their own, so a diagonal chunk pair would otherwise cost a second compile."""
     if isinstance(offset, torch.Tensor):
         return offset.to(device)
-    if device.type == "cuda" and device.index is None:  # the cache key names the GPU
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _offset_tensor(int(offset), device, role)
+    return _offset_tensor(int(offset), _named_gpu(device), role)
 
 
 def offsets_as_tables(kernel_options: Mapping[str, Any] | None) -> bool:
@@ -180,9 +185,7 @@ def position_table(
     index in FLASH's CuteDSL code, which refuses an int64."""
     if isinstance(offset, torch.Tensor):
         return (torch.arange(length, device=device) + offset.to(device)).to(torch.int32)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _table(int(offset), length, device, role)
+    return _table(int(offset), length, _named_gpu(device), role)
 
 
 def with_mask_mod(block_mask, mask_mod):
