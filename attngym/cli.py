@@ -11,13 +11,20 @@ Hydra untouched.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 
 from attngym import overrides
+from attngym.distributed.launch import join_slurm_step
 from attngym.errors import ConfigError, Interrupted
 from attngym.job import catch_interrupts, run_job
-from attngym.overrides import CONF_PACKAGE, prepare_overrides, register_resolvers
+from attngym.overrides import (
+    CONF_PACKAGE,
+    expect_launcher_schema,
+    prepare_overrides,
+    register_resolvers,
+)
 
 main = hydra.main(config_path=f"pkg://{CONF_PACKAGE}", config_name="config", version_base="1.3")(
     run_job
@@ -31,6 +38,7 @@ def entry(argv: list[str] | None = None) -> None:
         from attngym import report
 
         raise SystemExit(report.main(argv[1:]))
+    join_slurm_step()  # `srun -n N attngym ...`: each task is a rank, as under torchrun
     overrides.typed_command_line[:] = argv
     try:
         argv = prepare_overrides(argv)
@@ -38,6 +46,8 @@ def entry(argv: list[str] | None = None) -> None:
         print(f"attngym: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     register_resolvers()
+    expect_launcher_schema()
+    _show_own_plugins()
     sys.argv = [sys.argv[0], *argv]
     catch_interrupts()
     try:
@@ -45,3 +55,22 @@ def entry(argv: list[str] | None = None) -> None:
     except Interrupted as stop:  # outside a job (a job stops itself: job._stop_interrupted)
         print(f"attngym: {stop}", file=sys.stderr, flush=True)
         raise SystemExit(stop.exit_code) from None
+
+
+def _show_own_plugins() -> None:
+    """Make Hydra's plugin scan find attngym's launcher (hydra_plugins.attngym_launcher). An
+    editable install (setuptools' import hook) makes it importable, but not listed by the
+    pkgutil walk of `hydra_plugins.__path__` that Hydra scans; a wheel install needs nothing."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("hydra_plugins.attngym_launcher")
+    except ImportError:  # no hydra_plugins at all
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    import hydra_plugins
+
+    folder = str(Path(list(spec.submodule_search_locations)[0]).parent)
+    if folder not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(folder)

@@ -844,6 +844,22 @@ def _auto_dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+# topology.world_size=auto on a CPU: two ranks (gloo), enough to exercise every exchange.
+CPU_RANKS = 2
+
+
+def ranks_asked(topology: Mapping[str, Any], gpus: int) -> int:
+    """How many ranks a run of this `topology` section starts, known before it runs (the SLURM
+    launcher asks for resources by it): 1 on one device or simulated, else its world_size, with
+    `auto` resolved as on the machine that runs it: `gpus` where it lends GPUs, else CPU_RANKS."""
+    if topology.get("simulate") or _topology_spec(str(topology.get("kind"))) is None:
+        return 1
+    size = topology.get("world_size", AUTO)
+    if size == AUTO:
+        return gpus if gpus > 0 else CPU_RANKS
+    return int(size)
+
+
 def _resolve_world_size(kind: str, value: Any, device: str) -> int:
     """auto → 1 on one device; torchrun's WORLD_SIZE when launched by it; GPU count; 2 on CPU.
 
@@ -881,8 +897,8 @@ def _resolve_world_size(kind: str, value: Any, device: str) -> int:
             )
         return value
     if value == AUTO:
-        log.info("topology.world_size=auto: 2 ranks on cpu")
-        return 2
+        log.info("topology.world_size=auto: %d ranks on cpu", CPU_RANKS)
+        return CPU_RANKS
     return value
 
 

@@ -16,8 +16,9 @@ still on record but never pass as a good run. A bad value stops a single run wit
 naming the key (exit code 2; HYDRA_FULL_ERROR=1 shows the traceback); inside a sweep it becomes a
 failed row and the other jobs still run, and the sweep exits 1 at the end.
 
-Under torchrun, rank 0 does all of the above; the other ranks run the same checks and task (the
-collectives need every rank) and log to <run_dir>/rank<N>.log.
+Under torchrun, or as the tasks of a SLURM step (attngym.distributed.launch.join_slurm_step),
+rank 0 does all of the above; the other ranks run the same checks and task (the collectives need
+every rank) and log to <run_dir>/rank<N>.log.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
+def ignore_interrupts() -> None:
+    """Ignore further SIGINT/SIGTERM while a stopped run or sweep writes what it has."""
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What Hydra says about the running job, read once."""
@@ -108,7 +115,7 @@ def _job() -> Job:
     )
 
 
-def _why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
+def why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
     """Why a sweep job must run again: None when an earlier run of it finished ok with every file
     written (status ok, `complete: true`, heatmap.png and block_mask.png not empty), "" when it
     never wrote metrics.json, else what is wrong with what it left. `overrides` are as typed;
@@ -141,7 +148,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     naming the holder, exit code 1, before it reads or writes anything.
     """
     from attngym import kernels
+    from attngym.distributed.launch import join_slurm_step
 
+    join_slurm_step()  # a task of a SLURM step is a rank (a submitit job starts here)
     timeline.begin(_job_start())
     try:
         with kernels.kept_block_masks():  # the job's block masks, built once, freed after it
@@ -156,7 +165,7 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
     job = _job()
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
-        if job.multirun and _why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
+        if job.multirun and why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
             return None
         return _run_other_rank(cfg, job)
     lock = FolderLock(job.run_dir)
@@ -213,7 +222,7 @@ def _job_start() -> float | None:
 def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
     """run_job's body, run folder locked."""
     if job.multirun:  # a resumed sweep: every rank decides alike from the same files
-        why = _why_rerun(job.run_dir, job.overrides)
+        why = why_rerun(job.run_dir, job.overrides)
         what = f"job {job.num} ({' '.join(job.overrides)})"
         if why is None:
             log.info("%s: already ok in %s, skipping", what, job.run_dir)
@@ -436,23 +445,25 @@ def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> N
     """SIGINT/SIGTERM during a job: metrics.json with status `interrupted` and what was measured
     so far, in a sweep the summary of the jobs so far, one line, exit code 128 + signal.
     Further signals are ignored meanwhile, so that these writes are not cut short."""
-    from attngym.tracking.sweep import summarize
+    from attngym.tracking.sweep import report_stopped
 
-    for signum in INTERRUPTS:
-        signal.signal(signum, signal.SIG_IGN)
+    ignore_interrupts()
     metrics.update(status="interrupted", error=str(stop))
     metrics.update(_run_time())
     try:
         _write_metrics(job, metrics, complete=False)
-        if job.multirun:
-            summarize(job.sweep_dir)
     except OSError as err:
         print(f"attngym: error: {_one_line(err)}", file=sys.stderr, flush=True)
-    where = job.sweep_dir if job.multirun else job.run_dir
-    print(f"attngym: {stop}; what was measured is in {where}", file=sys.stderr, flush=True)
-    if job.multirun:
-        print(f"attngym: resume with: {resume_command(where)}", file=sys.stderr, flush=True)
+    if job.multirun and not _submitit_job():  # a submitit job's sweep is its launcher's
+        report_stopped(Path(job.sweep_dir), stop)
+    print(f"attngym: {stop}; what was measured is in {job.run_dir}", file=sys.stderr, flush=True)
     raise SystemExit(stop.exit_code)
+
+
+def _submitit_job() -> bool:
+    """Whether this process is a job Hydra's submitit launcher started (submitit marks it so):
+    one job with ranks of its own, its sweep run by the launcher's process elsewhere."""
+    return "SUBMITIT_EXECUTOR" in os.environ
 
 
 def _run_other_rank(cfg: DictConfig, job: Job) -> None:
@@ -480,7 +491,9 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
 
 
 def _stop_sweep_after(err: BaseException) -> bool:
-    """Whether a failed job must end a sweep run under torchrun (WORLD_SIZE > 1).
+    """Whether a failed job must end a sweep whose jobs share their ranks (torchrun or a SLURM
+    step running the sweep, WORLD_SIZE > 1). Under Hydra's submitit launcher every job has ranks
+    of its own (SUBMITIT_EXECUTOR is set in its jobs), so a failure ends only its job.
 
     A ConfigError is raised alike on every rank before any collective, so the ranks stay in step
     and the sweep goes on. Any other failure may leave the ranks at different collectives of the
@@ -488,7 +501,8 @@ def _stop_sweep_after(err: BaseException) -> bool:
     every rank, rank 0 first writing the summary of the jobs so far); the job's metrics.json or
     rank log records why, and running the same command again resumes, skipping the jobs already ok.
     """
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(err, ConfigError)
+    shared = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _submitit_job()
+    return shared and not isinstance(err, ConfigError)
 
 
 def _rank_log(run_dir: Path, rank: int) -> logging.Handler:

@@ -11,7 +11,7 @@ What Hydra receives is not always what the user typed (`++attention.window_size=
 W&B run names, the overrides column of every table) and every record a resumed sweep compares
 (metrics.json, grid.json) holds the typed form.
 
-After composing, the resolvers of the YAML files (`${div:...}`, `${split:...}`, `${pid:}`) and
+After composing, the resolvers of the YAML files (`${div:...}`, `${split:...}`, `${run_id:}`) and
 `to_plain`, the composed config as the plain dict attngym.config reads (nothing below this
 module sees OmegaConf). OmegaConf is imported inside the functions that need it.
 """
@@ -60,8 +60,9 @@ def register_resolvers() -> None:
     - `${div:a,b}`: integer division, e.g. `prefix_length: ${div:${shape.seq_len},4}`.
     - `${split:total,[fractions]}`: integer lengths proportional to the fractions that sum to
       `total` exactly (the last one takes the rounding), e.g. document lengths.
-    - `${pid:}`: this process's id, which makes default run folders unique even for runs started
-      in the same microsecond.
+    - `${run_id:}`: the name of a default run or sweep folder (`run_id`), cached with the config
+      like Hydra's `${now:}`, so a sweep's jobs (submitit copies the cache to them) and the
+      ranks of a SLURM step agree on it.
     """
     from omegaconf import OmegaConf
 
@@ -69,10 +70,33 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("div", _div)
     if not OmegaConf.has_resolver("split"):
         OmegaConf.register_new_resolver("split", _split)
-    if not OmegaConf.has_resolver("pid"):
-        OmegaConf.register_new_resolver("pid", os.getpid)
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("attention_options"):
         OmegaConf.register_new_resolver("attention_options", attention_options)
+
+
+def expect_launcher_schema() -> None:
+    """Silence Hydra's deprecation warning for conf/hydra/launcher/submitit_slurm.yaml: it is
+    checked against hydra-submitit-launcher's schema of the same name on purpose (its keys are
+    the plugin's, attngym's launcher fills some in), which Hydra calls automatic schema matching."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore"
+    )
+
+
+def run_id() -> str:
+    """A default run or sweep folder's name: the time to the microsecond and the process id, so
+    two runs started together get folders of their own; in a SLURM job step of several tasks
+    (each task a rank of one run: attngym.distributed.launch.join_slurm_step), `slurm-<job
+    id>.<step id>`, the same in every task."""
+    import datetime
+
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    return f"{datetime.datetime.now():%H-%M-%S-%f}-{os.getpid()}"
 
 
 def attention_options() -> str:

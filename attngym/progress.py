@@ -6,6 +6,9 @@
   a timer thread, so a long step (a big reference, a slow compile) is never silent: what is
   running, how far it is, the elapsed time and an ETA.
 
+Steps are reported by `update()`, or counted by a function polled as the phase runs (`counted=`:
+a sweep whose jobs run on other machines counts the job folders that have finished).
+
 `ATTNGYM_PROGRESS=0` turns both off. Every loop that shows progress goes through `Progress` (or
 `progress` for a plain iterable), so the project has one way of reporting it.
 """
@@ -18,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -26,6 +29,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 10.0  # seconds between two lines of a running phase when output is redirected
+POLL_S = 2.0  # seconds between two counts of a `counted` phase shown as a bar
 
 
 def enabled() -> bool:
@@ -52,7 +56,21 @@ class Progress:
     `sweep jobs: 3/13 done, running attention=natten, 0:00:45 elapsed, ETA 0:02:30`.
     """
 
-    def __init__(self, total: int | None, label: str, *, interval: float = INTERVAL_S):
+    def __init__(
+        self,
+        total: int | None,
+        label: str,
+        *,
+        interval: float = INTERVAL_S,
+        counted: Callable[[], int] | None = None,
+    ):
+        """Args:
+        total: the number of steps (None: unknown).
+        label: what the phase is called in the bar and the lines.
+        interval: seconds between two lines when output is redirected (0: none).
+        counted: returns how many steps are done; polled (every POLL_S on a terminal, before
+            each line otherwise, and on `recount()`) instead of counting `update()` calls.
+        """
         if total is not None and (
             isinstance(total, bool) or not isinstance(total, int) or total < 0
         ):
@@ -60,6 +78,7 @@ class Progress:
         self.total, self.label, self.interval = total, label, interval
         self.done = 0
         self.what = ""
+        self._counted = counted
         self._start = time.monotonic()
         self._bar = None
         self._stop = threading.Event()
@@ -72,9 +91,10 @@ class Progress:
             self._bar = tqdm(
                 total=total, desc=label, file=sys.stderr, leave=False, dynamic_ncols=True
             )
+            if counted is not None:
+                self._start_timer(POLL_S, log_lines=False)
         elif interval > 0:
-            self._timer = threading.Thread(target=self._tick, name=f"progress {label}", daemon=True)
-            self._timer.start()
+            self._start_timer(interval, log_lines=True)
 
     def line(self) -> str:
         """What a redirected log shows now: done/total, what runs, elapsed and ETA."""
@@ -105,21 +125,40 @@ class Progress:
         if self._bar is not None:
             self._bar.clear()
 
-    def _tick(self) -> None:
-        while not self._stop.wait(self.interval):
-            log.info("%s", self.line())
+    def recount(self) -> None:
+        """Poll `counted` now (nothing without one); a count that fails leaves the last one."""
+        if self._counted is None:
+            return
+        try:
+            done = self._counted()
+        except Exception as err:  # counting is for the progress line only
+            log.debug("could not count the steps done: %s", err)
+            return
+        if done != self.done:
+            self.update(done - self.done)
+
+    def _start_timer(self, every: float, *, log_lines: bool) -> None:
+        def tick() -> None:
+            while not self._stop.wait(every):
+                self.recount()
+                if log_lines:
+                    log.info("%s", self.line())
+
+        self._timer = threading.Thread(target=tick, name=f"progress {self.label}", daemon=True)
+        self._timer.start()
 
     def close(self) -> None:
         """End the phase: remove the bar, or log its last line when it ran long enough to have
         reported (a phase shorter than the interval stays quiet)."""
         self._stop.set()
+        self.recount()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         elif self._timer is not None:
             if time.monotonic() - self._start >= self.interval:
                 log.info("%s", self.line())
-            self._timer = None
+        self._timer = None
 
     def __enter__(self) -> Progress:
         return self

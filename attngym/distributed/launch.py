@@ -32,6 +32,11 @@ Contract:
       a rank that finished then exits at once, without the interpreter's teardown.
       Being in its own process group, a rank does not get the terminal's Ctrl-C: the caller does,
       and stops the ranks.
+    * SLURM tasks: in a job step of several tasks (`srun`, or submitit with tasks_per_node > 1),
+      `join_slurm_step` gives each task torchrun's variables from SLURM's (SLURM_PROCID,
+      SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of SLURM_STEP_NODELIST as the
+      rendezvous host), so a task is one rank exactly as under torchrun; a step of one task spawns
+      its ranks.
     * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
       rank; it joins (or reuses) the default process group and returns its own `fn` result. A
       group it creates lives until the process exits (so a torchrun sweep runs every job in the
@@ -115,8 +120,77 @@ def _collect_progress(result_dir: str, progress: dict | None) -> None:
 
 
 def under_torchrun() -> bool:
-    """True when torchrun (or another elastic launcher) set this process up as one rank."""
+    """True when torchrun (or another elastic launcher, or `join_slurm_step`) set this process
+    up as one rank."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def join_slurm_step() -> bool:
+    """In a SLURM job step of several tasks, set torchrun's rank variables from SLURM's.
+
+    Each task of `srun -n N ...` (or of a submitit job with tasks_per_node > 1) is then one rank,
+    read by everything that reads torchrun's: RANK = SLURM_PROCID, WORLD_SIZE =
+    SLURM_STEP_NUM_TASKS, LOCAL_RANK = SLURM_LOCALID, LOCAL_WORLD_SIZE = this node's tasks,
+    MASTER_ADDR = the step's first node, MASTER_PORT = a port derived from the job id (every task
+    derives the same; a MASTER_PORT already set wins). Nothing happens under torchrun (RANK is
+    set), outside a step (the batch script has no SLURM_STEP_NUM_TASKS) or in a step of one task,
+    which spawns its ranks. Idempotent.
+
+    Returns:
+        True when this process is a rank of a SLURM step.
+
+    Raises:
+        RuntimeError: `scontrol show hostnames` cannot expand the step's node list.
+    """
+    env = os.environ
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    if "RANK" in env or tasks < 2:
+        return False
+    hosts = _expand_nodelist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+    here = env.get("SLURMD_NODENAME", socket.gethostname())
+    per_node = _tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(tasks)), len(hosts))
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=str(tasks),
+        LOCAL_RANK=env["SLURM_LOCALID"],
+        LOCAL_WORLD_SIZE=str(per_node[hosts.index(here)] if here in hosts else per_node[0]),
+        MASTER_ADDR=hosts[0],
+    )
+    env.setdefault("MASTER_PORT", str(SLURM_PORTS[0] + int(env["SLURM_JOB_ID"]) % SLURM_PORTS[1]))
+    return True
+
+
+# MASTER_PORT of a SLURM step: the first port and how many follow it; the job id picks one.
+SLURM_PORTS = (20000, 20000)
+
+
+def _expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed node list (`gpu[01-04,07]`) as host names, by SLURM's own scontrol."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(
+            f"could not expand the SLURM node list {nodelist!r} with `scontrol show hostnames` "
+            f"for the rendezvous host: {err}"
+        ) from None
+    return out.split()
+
+
+def _tasks_per_node(spec: str, nodes: int) -> list[int]:
+    """SLURM's tasks per node (`2(x3),1`: 2 on each of 3 nodes, then 1) as one count a node."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts + [counts[-1]] * (nodes - len(counts))
 
 
 def free_port() -> int:
@@ -316,7 +390,7 @@ def launch(
         raise ConfigError("topology.world_size", f"must be a positive integer, got {world_size!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if under_torchrun():
+    if join_slurm_step() or under_torchrun():
         return _join_torchrun(
             fn,
             world_size,

@@ -25,11 +25,12 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from attngym.errors import ConfigError
+from attngym.errors import ConfigError, Interrupted
 from attngym.fileio import atomic_write, write_error
 from attngym.metrics import format_value, table_columns
 from attngym.overrides import as_typed, resume_command
@@ -310,6 +311,37 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def finished_jobs(sweep_dir: str | Path, since: float) -> int:
+    """How many jobs of a sweep have ended, counted from their folders (so jobs that run on other
+    machines count too): those ok and complete (a resumed sweep skips them), and those whose
+    metrics.json was written at or after `since` (a time of the sweep folder's file system) and
+    says they ended (complete, or failed or interrupted). An older metrics.json of a job that
+    did not end ok is a job the sweep runs again: not yet counted."""
+    count = 0
+    for job_dir in job_dirs(Path(sweep_dir)):
+        metrics = read_metrics(job_dir)
+        if metrics is None:
+            continue
+        ended = metrics.get("complete") is True or metrics.get("status") != "ok"
+        if metrics.get("status") == "ok" and metrics.get("complete") is True:
+            count += 1
+        elif ended and (job_dir / "metrics.json").stat().st_mtime >= since:
+            count += 1
+    return count
+
+
+def report_stopped(sweep_dir: Path, stop: Interrupted) -> NoReturn:
+    """A sweep stopped by SIGINT/SIGTERM: the summary of the jobs so far, where they are and the
+    command that resumes it, then exit 128 + signal."""
+    try:
+        summarize(sweep_dir)
+    except OSError as err:
+        print(f"attngym: error: {write_error(err)}", file=sys.stderr, flush=True)
+    print(f"attngym: {stop}; what was measured is in {sweep_dir}", file=sys.stderr, flush=True)
+    print(f"attngym: resume with: {resume_command(sweep_dir)}", file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_code)
+
+
 def grid_overrides(config: Any, *, typed: bool = True) -> list[str]:
     """The overrides that define a sweep: the sweeper's params (an experiment's grid) merged
     with the command line's task overrides (the command line wins), sorted by key; as the user
@@ -389,12 +421,24 @@ def _callback_base() -> type:
 
 class SweepSummary(_callback_base()):
     """Hydra callback: progress over sweep jobs, then summarize(); a sweep with failed jobs ends
-    with exit code 1."""
+    with exit code 1.
+
+    The process that starts the sweep holds the sweep folder's lock and the progress bar, which
+    counts finished job folders (`finished_jobs`), so jobs that Hydra's submitit launcher runs
+    on other machines count too. submitit pickles the callbacks with each job: a copy that
+    arrives there holds none of this process's state, and does nothing.
+    """
 
     def __init__(self) -> None:
         self._bar = None
         self._redirect = contextlib.ExitStack()
         self._lock: FolderLock | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # the bar, its timer thread and the lock stay with this process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import Progress
@@ -412,7 +456,12 @@ class SweepSummary(_callback_base()):
                 self._release()
                 print(f"attngym: error: {err}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
-        self._bar = Progress(count_jobs(config), "sweep jobs")
+        since = self._lock.path.stat().st_mtime if self._lock is not None else time.time()
+        sweep_dir = Path(config.hydra.sweep.dir)
+        self._bar = Progress(
+            count_jobs(config), "sweep jobs", counted=lambda: finished_jobs(sweep_dir, since)
+        )
+        self._bar.recount()
         self._bar.clear()  # Hydra's "#0 : ..." line comes before the first job's log redirect
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
@@ -428,7 +477,7 @@ class SweepSummary(_callback_base()):
         from attngym.progress import on_terminal
 
         if self._bar is not None:
-            self._bar.update()
+            self._bar.recount()
             self._bar.running("")  # between jobs nothing runs
             if not on_terminal():
                 log.info("%s", self._bar.line())  # one line per finished job

@@ -127,21 +127,21 @@ def test_resume_reruns_a_job_with_a_bad_status_flag_or_picture(tmp_path):
     overrides = ["shape.seq_len=64"]
     ok = {"status": "ok", "complete": True, "overrides": overrides}
     write_metrics(tmp_path, ok)
-    assert job._why_rerun(tmp_path, overrides) == "its heatmap.png is missing or empty"
+    assert job.why_rerun(tmp_path, overrides) == "its heatmap.png is missing or empty"
     (tmp_path / "heatmap.png").write_bytes(b"png")
     (tmp_path / "block_mask.png").write_bytes(b"")
-    assert job._why_rerun(tmp_path, overrides) == "its block_mask.png is missing or empty"
+    assert job.why_rerun(tmp_path, overrides) == "its block_mask.png is missing or empty"
     (tmp_path / "block_mask.png").write_bytes(b"png")
-    assert job._why_rerun(tmp_path, overrides) is None
+    assert job.why_rerun(tmp_path, overrides) is None
     assert (
-        job._why_rerun(tmp_path, ["shape.seq_len=128"]) == "its metrics.json is of other overrides"
+        job.why_rerun(tmp_path, ["shape.seq_len=128"]) == "its metrics.json is of other overrides"
     )
     write_metrics(tmp_path, {**ok, "complete": False})
-    assert "stopped after metrics.json" in job._why_rerun(tmp_path, overrides)
+    assert "stopped after metrics.json" in job.why_rerun(tmp_path, overrides)
     write_metrics(tmp_path, {**ok, "status": "interrupted", "error": "SIGTERM"})
-    assert job._why_rerun(tmp_path, overrides) == "it ended interrupted: SIGTERM"
+    assert job.why_rerun(tmp_path, overrides) == "it ended interrupted: SIGTERM"
     (tmp_path / "metrics.json").unlink()
-    assert job._why_rerun(tmp_path, overrides) == ""
+    assert job.why_rerun(tmp_path, overrides) == ""
 
 
 def test_sigint_keeps_what_was_measured_one_line_exit_130(tmp_path, attngym_cli):
