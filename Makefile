@@ -28,19 +28,21 @@ run: setup
 	$(PY) -m attngym $(ARGS)
 
 lint: setup
-	$(PY) -m ruff check attngym tests scripts experiments
-	$(PY) -m ruff format --check attngym tests scripts experiments
+	$(PY) -m ruff check attngym hydra_plugins tests scripts experiments
+	$(PY) -m ruff format --check attngym hydra_plugins tests scripts experiments
 
 format: setup
-	$(PY) -m ruff format attngym tests scripts experiments
-	$(PY) -m ruff check --fix attngym tests scripts experiments
+	$(PY) -m ruff format attngym hydra_plugins tests scripts experiments
+	$(PY) -m ruff check --fix attngym hydra_plugins tests scripts experiments
 
 # The suite on two pytest-xdist workers, then the fault-injection tests (tests/faults: stopped
-# and killed ranks, timeouts of a few seconds) alone, so no other work delays their clocks.
+# and killed ranks, timeouts of a few seconds) alone, so no other work delays their clocks, then
+# the SLURM tests (tests/slurm: a real cluster they start, whose jobs run on these cores).
 test: lint
 ifeq ($(strip $(ARGS)),)
-	$(PY) -m pytest -q -n 2 --ignore=tests/faults
+	$(PY) -m pytest -q -n 2 --ignore=tests/faults --ignore=tests/slurm
 	$(PY) -m pytest -q tests/faults
+	$(PY) -m pytest -q tests/slurm
 else
 	$(PY) -m pytest -q $(ARGS)
 endif

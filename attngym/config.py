@@ -980,7 +980,9 @@ def _check_fits(
         "memory estimate: ~%s of %s %s",
         format_bytes(result.needed_bytes),
         "?" if result.available_bytes is None else format_bytes(result.available_bytes),
-        "available" if have is None else "in all (under torchrun every rank judges by the total)",
+        "available"
+        if have is None
+        else "in all (each rank of torchrun or SLURM judges by the total)",
     )
     return dict(result.skipped_baselines)
 

@@ -125,23 +125,28 @@ class Progress:
         if self._bar is not None:
             self._bar.clear()
 
-    def recount(self) -> None:
-        """Poll `counted` now (nothing without one); a count that fails leaves the last one."""
+    def recount(self) -> bool:
+        """Poll `counted` now (nothing without one; a count that fails leaves the last one);
+        with output redirected, a line when the count changed. True when it logged one."""
         if self._counted is None:
-            return
+            return False
         try:
             done = self._counted()
         except Exception as err:  # counting is for the progress line only
             log.debug("could not count the steps done: %s", err)
-            return
-        if done != self.done:
-            self.update(done - self.done)
+            return False
+        if done == self.done:
+            return False
+        self.update(done - self.done)
+        if self._bar is None and enabled():
+            log.info("%s", self.line())  # redirected: a line per step done
+            return True
+        return False
 
     def _start_timer(self, every: float, *, log_lines: bool) -> None:
         def tick() -> None:
             while not self._stop.wait(every):
-                self.recount()
-                if log_lines:
+                if not self.recount() and log_lines:
                     log.info("%s", self.line())
 
         self._timer = threading.Thread(target=tick, name=f"progress {self.label}", daemon=True)
@@ -151,14 +156,16 @@ class Progress:
         """End the phase: remove the bar, or log its last line when it ran long enough to have
         reported (a phase shorter than the interval stays quiet)."""
         self._stop.set()
-        self.recount()
+        counted = self.recount()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self._timer is not None:
-            if time.monotonic() - self._start >= self.interval:
-                log.info("%s", self.line())
+        elif self._timer is not None and not counted and self._ran_an_interval():
+            log.info("%s", self.line())
         self._timer = None
+
+    def _ran_an_interval(self) -> bool:
+        return time.monotonic() - self._start >= self.interval
 
     def __enter__(self) -> Progress:
         return self

@@ -218,7 +218,13 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
                 **{k if k in base else f"slurm_{k}": v for k, v in params.items()}
             )
             args = [
-                (j.overrides, "hydra.sweep.dir", j.num, f"job_id_for_{j.num}", Singleton.get_state())
+                (
+                    j.overrides,
+                    "hydra.sweep.dir",
+                    j.num,
+                    f"job_id_for_{j.num}",
+                    Singleton.get_state(),
+                )
                 for j in jobs
             ]
             try:
@@ -258,9 +264,9 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
                 if state not in ENDED:
                     continue
                 waited = time.monotonic() - ended_at.setdefault(num, time.monotonic())
-                if state in ("COMPLETED", "GONE") and not _has_results(sjob):
-                    if waited < RESULT_GRACE_S:
-                        continue  # its result file may still be on its way (a shared file system)
+                result_due = state in ("COMPLETED", "GONE") and not _has_results(sjob)
+                if result_due and waited < RESULT_GRACE_S:
+                    continue  # its result file may still be on its way (a shared file system)
                 returns[num] = _outcome(job, sjob, state)
                 del pending[num]
             if pending:
@@ -376,7 +382,8 @@ def _squeue(job_ids: list[str]) -> dict[str, str] | None:
 
 
 def _sinfo_gpus(partition: str | None) -> int:
-    """GPUs per node of the partition, as `sinfo` states its nodes' gres (gpu:8, gpu:h100:8(S:0-1))."""
+    """GPUs per node of the partition, as `sinfo` states its nodes' gres (`gpu:8`,
+    `gpu:h100:8(S:0-1)`)."""
     try:
         out = subprocess.run(
             ["sinfo", "--noheader", "--format=%P %G"]

@@ -191,6 +191,25 @@ def test_progress_is_silent_when_disabled_or_short(monkeypatch, caplog, env):
     assert err.getvalue() == "" and not caplog.records  # a phase under 10 s says nothing
 
 
+def test_counted_progress_polls_its_count_and_says_each_change(monkeypatch, caplog):
+    """A sweep whose jobs run elsewhere counts finished job folders: the count is polled, and
+    redirected output gets a line whenever it changes, as for a job that ends here."""
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    monkeypatch.delenv("ATTNGYM_PROGRESS", raising=False)
+    caplog.set_level("INFO", logger="attngym.progress")
+    finished = [0]
+    with progress.Progress(3, "sweep jobs", interval=0.01, counted=lambda: finished[0]) as bar:
+        finished[0] = 2
+        deadline = time.monotonic() + 5
+        while bar.done != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        finished[0] = 3
+    assert bar.done == 3  # closing counts once more
+    lines = [r.getMessage() for r in caplog.records]
+    assert "sweep jobs: 2/3 done" in " ".join(lines) and lines[-1].startswith("sweep jobs: 3/3")
+
+
 def test_progress_rejects_a_bad_total():
     with pytest.raises(ValueError, match="total"):
         progress.progress(range(3), total=-1)

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from attngym import registry
 from attngym.config import check_config, from_config
 from attngym.errors import ConfigError
-from attngym.overrides import register_resolvers
+from attngym.overrides import expect_launcher_schema, register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("attention", "device", "block_size", "topology", "profiler", "logger")
@@ -202,9 +202,19 @@ def test_hydra_settings(hydra_ctx):
     assert cfg.hydra.run.dir.startswith("outputs/")
     assert cfg.hydra.sweep.dir.startswith("multirun/")
     assert cfg.hydra.callbacks.sweep_summary._target_ == "attngym.tracking.sweep.SweepSummary"
+
+
+def test_slurm_launcher_config_composes_against_the_released_plugins_schema(hydra_ctx):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
+    expect_launcher_schema()
     cfg = make(["hydra/launcher=submitit_slurm"], hydra_cfg=True)
-    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.attngym_launcher.SlurmLauncher"
     assert cfg.hydra.launcher.timeout_min == 60
+    assert cfg.hydra.launcher.tasks_per_node == 0  # one task per rank
+    assert cfg.hydra.launcher.gpus_per_node is None  # what each job's run needs
+    # The plugin's schema checks the keys: one it does not have is refused, as users meet it.
+    with pytest.raises(Exception, match="srun_args"):
+        make(["hydra/launcher=submitit_slurm", "hydra.launcher.srun_args=[-K]"], hydra_cfg=True)
 
 
 # (bad overrides, the key the error must name, an accepted neighbour)

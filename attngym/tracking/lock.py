@@ -11,12 +11,17 @@ their logs, so a run (or a sweep) holds `<folder>/.attngym.lock` while it writes
   releasing it) is stale: it is taken over, with a warning naming the dead holder.
 * `release` empties the file and unlocks it; the file stays, so that a writer that opened it just
   before cannot lock a file that no longer has a name while another creates a new one.
+* A file system without `flock` (Lustre mounted without `-o flock`, NFS without its lock
+  service) refuses it (ENOLCK, ENOSYS, EOPNOTSUPP): the folder is then used unlocked, with a
+  warning that one writer per folder is not enforced there. NFSv4, Lustre with `-o flock`, GPFS
+  and local disks lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -30,6 +35,8 @@ from attngym.fileio import check_target
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".attngym.lock"
+# flock's errors on a file system that does not lock files (module docstring).
+NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 class FolderLocked(RuntimeError):
@@ -74,6 +81,17 @@ class FolderLock:
             holder = _read(fd)
             os.close(fd)
             raise FolderLocked(self.folder, holder) from None
+        except OSError as err:
+            if err.errno not in NO_FLOCK:
+                os.close(fd)
+                raise
+            log.warning(
+                "%s: its file system does not lock files (flock: %s), so nothing stops another "
+                "run writing there too; mount Lustre with -o flock, or run from a file system "
+                "that locks",
+                self.folder,
+                err.strerror,
+            )
         stale = _read(fd)
         if stale:
             log.warning(

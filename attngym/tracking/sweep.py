@@ -322,11 +322,10 @@ def finished_jobs(sweep_dir: str | Path, since: float) -> int:
         metrics = read_metrics(job_dir)
         if metrics is None:
             continue
-        ended = metrics.get("complete") is True or metrics.get("status") != "ok"
-        if metrics.get("status") == "ok" and metrics.get("complete") is True:
-            count += 1
-        elif ended and (job_dir / "metrics.json").stat().st_mtime >= since:
-            count += 1
+        complete, ok = metrics.get("complete") is True, metrics.get("status") == "ok"
+        skipped = complete and ok  # ok before, or now
+        ended_now = (complete or not ok) and (job_dir / "metrics.json").stat().st_mtime >= since
+        count += skipped or ended_now
     return count
 
 
@@ -474,13 +473,9 @@ class SweepSummary(_callback_base()):
             self._bar.running(" ".join(typed) or "job")
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
-        from attngym.progress import on_terminal
-
         if self._bar is not None:
-            self._bar.recount()
             self._bar.running("")  # between jobs nothing runs
-            if not on_terminal():
-                log.info("%s", self._bar.line())  # one line per finished job
+            self._bar.recount()  # redirected output: a line per finished job
             self._redirect.close()
             self._bar.clear()  # the next Hydra launch line prints outside the redirect
 

@@ -3,6 +3,7 @@ temporaries, two writers (lock), two sweeps with different grids."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -179,6 +180,31 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_is_taken
     with FolderLock(tmp_path):  # a cleanly released lock is taken without a warning
         pass
     assert "stale" not in caplog.text
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_file_system_without_flock_runs_unlocked_with_a_warning(
+    tmp_path, monkeypatch, caplog, code
+):
+    """Lustre without -o flock, NFS without its lock service: flock is refused. No such file
+    system mounts here, so flock is made to fail as theirs does."""
+
+    def refused(fd, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("attngym.tracking.lock.fcntl.flock", refused)
+    with FolderLock(tmp_path) as lock:
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert "does not lock files" in caplog.text and "-o flock" in caplog.text
+
+
+def test_other_flock_errors_are_not_taken_for_a_missing_flock(tmp_path, monkeypatch):
+    def broken(fd, op):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr("attngym.tracking.lock.fcntl.flock", broken)
+    with pytest.raises(OSError, match="I/O error"):
+        FolderLock(tmp_path).acquire()
 
 
 def test_the_lock_file_is_not_followed_through_a_symlink(tmp_path):
