@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,10 +25,33 @@ def _setuptools_table() -> dict:
 
 def test_pyproject_lists_every_package_under_attngym():
     on_disk = {
-        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "attngym").rglob("__init__.py")
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("attngym", "hydra_plugins")
+        for p in (ROOT / top).rglob("__init__.py")
     }
     listed = set(_setuptools_table()["packages"])
     assert listed - {"attngym.conf"} == on_disk
+    assert not (ROOT / "hydra_plugins" / "__init__.py").exists()  # Hydra's namespace package
+
+
+def test_hydra_finds_the_slurm_launcher_plugin(tmp_path):
+    """Hydra instantiates only launchers its plugin scan found in `hydra_plugins`; an editable
+    install hides them from that scan unless the CLI shows them (a wheel: .ci/check_wheel)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
+    scan = (  # a fresh process (Hydra scans once), outside the repository, as a user's
+        "from attngym import cli; cli._show_own_plugins(); "
+        "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
+        "print(*(f'{c.__module__}.{c.__name__}' for c in Plugins.instance().discover(Launcher)))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", scan],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    assert "hydra_plugins.attngym_launcher.SlurmLauncher" in found, found
 
 
 def test_conf_is_installed_as_attngym_conf():
