@@ -42,7 +42,8 @@ def write_error(err: OSError) -> str:
     OSError from atomic_write, which names the file it was writing)."""
     if isinstance(err, SymlinkRefused):
         return f"could not write {err.path}: {err.reason}"
-    return f"could not write {err.filename or '?'}: {err.strerror or err}"
+    where = err.filename or "to its output (its reader, a terminal or a job, went away)"
+    return f"could not write {where}: {err.strerror or err}"
 
 
 def check_target(path: str | os.PathLike) -> Path:

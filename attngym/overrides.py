@@ -324,6 +324,11 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
     if _OPEN_ARG.match(arg):
         return f"++{arg}"
     match = _GROUP_ARG.match(arg)
+    if match and match["group"] == "hydra/launcher":  # Hydra's group: its options are Hydra's
+        for option in match["value"].split(","):
+            if option in LAUNCHER_PLUGINS:
+                _check_plugin(option)
+        return arg
     if not match or match["group"] not in groups:
         _check_value_key(arg)
         return arg
@@ -339,6 +344,28 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
             raise ConfigError(match["group"], choice_error("option", item, options))
     quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
     return f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}"
+
+
+# hydra/launcher options whose launcher is another package's Hydra plugin: (module, install).
+LAUNCHER_PLUGINS = {
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", 'pip install -e ".[slurm]"'),
+}
+
+
+def _check_plugin(option: str) -> None:
+    """ConfigError (hydra/launcher) when the option's launcher plugin is not installed, rather
+    than Hydra's "Unknown plugin class" traceback."""
+    import importlib.util
+
+    module, install = LAUNCHER_PLUGINS[option]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise ConfigError(
+            "hydra/launcher", f"{option} needs hydra-submitit-launcher, not installed: {install}"
+        )
 
 
 def as_typed(override: str) -> str:

@@ -217,6 +217,19 @@ def test_slurm_launcher_config_composes_against_the_released_plugins_schema(hydr
         make(["hydra/launcher=submitit_slurm", "hydra.launcher.srun_args=[-K]"], hydra_cfg=True)
 
 
+def test_a_launcher_whose_plugin_is_not_installed_is_refused_in_one_line(monkeypatch):
+    from attngym import overrides
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
+    assert overrides.prepare_overrides(["-m", "hydra/launcher=submitit_slurm"])  # installed
+    monkeypatch.setitem(
+        overrides.LAUNCHER_PLUGINS, "submitit_slurm", ("hydra_plugins.not_installed", "pip x")
+    )
+    with pytest.raises(ConfigError) as err:
+        overrides.prepare_overrides(["-m", "hydra/launcher=submitit_slurm"])
+    assert err.value.key == "hydra/launcher" and "not installed: pip x" in str(err.value)
+
+
 # (bad overrides, the key the error must name, an accepted neighbour)
 CASES = [
     (["attention.name=sliding_windw"], "attention.name", ["attention.name=causal"]),

@@ -41,6 +41,7 @@ RUN_LAYER = (
     "attngym.api",
     "attngym.config",
     "attngym.presets",
+    "attngym.slurm",
     "hydra",
     "omegaconf",
     "wandb",
