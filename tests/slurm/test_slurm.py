@@ -295,3 +295,29 @@ def test_each_task_of_a_step_gets_torchruns_variables_from_slurms(slurm, user_sh
     )
     proc = user_shell(f'srun --ntasks=1 python -c "{alone}"')
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_one_task_that_spawns_its_ranks_stays_possible(user_shell):
+    sweep = user_shell.cwd / "multirun" / "spawned"
+    proc = user_shell(
+        "attngym -m hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=1 topology=ring "
+        f"topology.world_size=2 {SMALL} shape.seq_len=256 hydra.sweep.dir={sweep}"
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    job = metrics(sweep / "0")
+    assert (job["status"], job["validation"], job["world_size"]) == ("ok", "ok", 2)
+    (script,) = sweep.glob(".submitit/*/*_submission.sh")
+    assert "--ntasks-per-node=1" in script.read_text() and "--cpus-per-task=4" in script.read_text()
+
+
+def test_a_sweep_run_by_srun_tasks_runs_each_job_on_every_rank(slurm, user_shell):
+    """`srun -n 2 attngym -m ...`, as the README says: one process group for every job, rank 0
+    writes the summary into the sweep folder both tasks name alike (slurm-<job>.<step>)."""
+    proc = user_shell(
+        f"srun --ntasks=2 attngym -m topology=ring {SMALL} shape.seq_len=256,512", timeout=400
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (sweep,) = (user_shell.cwd / "multirun").glob("*/slurm-*.0")
+    assert [r["status"] for r in rows(sweep)] == ["ok", "ok"]
+    assert (proc.stdout + proc.stderr).count("summary in") == 1  # rank 0's alone
+    assert all((sweep / job / "rank1.log").is_file() for job in ("0", "1"))
