@@ -34,6 +34,7 @@ the plugin makes it; the job runs through the plugin's own `__call__` on the nod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import subprocess
 import time
@@ -136,15 +137,18 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
     def _plan(self, overrides: list[str], num: int) -> Planned:
         """The job's folder and resources, from its own config as Hydra composes it for the job."""
         assert self.hydra_context is not None and self.config is not None
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(config.hydra.job):
-            config.hydra.job.num = num
-        run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
-        job = Planned(num=num, overrides=overrides, run_dir=run_dir)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        job = Planned(num=num, overrides=overrides, run_dir=sweep_dir / str(num))
         try:
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            with open_dict(config.hydra.job):
+                config.hydra.job.num = num
+            job.run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
             job.resources = self._resources(config)
         except ConfigError as err:
             job.error = str(err)
+        except Exception as err:  # a job Hydra cannot compose fails alone, as it would on a node
+            job.error = f"{type(err).__name__}: {_last_line(str(err))}"
         return job
 
     def _resources(self, config: DictConfig) -> dict[str, Any]:
@@ -155,7 +159,7 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
         params = dict(self.params)
         nodes, per_node = int(params["nodes"]), int(params["tasks_per_node"])
         device = str(OmegaConf.select(config, "device.name", default="auto"))
-        partition_gpus = self._partition_gpus(params.get("partition"))
+        partition_gpus = _sinfo_gpus(params.get("partition"))
         asked = params.get("gpus_per_node")
         on_gpu = device == "cuda" or bool(asked) or (device == "auto" and partition_gpus > 0)
         topology = OmegaConf.to_container(config.topology, resolve=True)
@@ -183,14 +187,6 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
         if per_node * nodes > 1:  # a rank that fails ends its peers at once
             params["srun_args"] = ["--kill-on-bad-exit=1"]
         return params
-
-    def _partition_gpus(self, partition: str | None) -> int:
-        """GPUs per node of `partition` (None: the default one) as `sinfo` states their gres;
-        0 when it has none or sinfo cannot tell (a warning)."""
-        cache = self.__dict__.setdefault("_gpus", {})
-        if partition not in cache:
-            cache[partition] = _sinfo_gpus(partition)
-        return cache[partition]
 
     # ----------------------------------------------------------------------------------------
     # Submitting and waiting
@@ -363,14 +359,10 @@ def _squeue(job_ids: list[str]) -> dict[str, str] | None:
     them); None when squeue itself failed (nothing is concluded from that)."""
     parents = sorted({jid.split("_")[0] for jid in job_ids})
     try:
-        out = subprocess.run(
-            ["squeue", "--noheader", "--array", "--states=all", "--format=%i %T"]
-            + ["--jobs", ",".join(parents)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        out = _ask_slurm(
+            "squeue", "--noheader", "--array", "--states=all", "--format=%i %T",
+            "--jobs", ",".join(parents),
+        )  # fmt: skip
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("squeue failed (%s); looking again in %g s", _last_line(str(err)), POLL_S)
         return None
@@ -381,18 +373,17 @@ def _squeue(job_ids: list[str]) -> dict[str, str] | None:
     return states
 
 
+@functools.cache  # one sinfo a partition
 def _sinfo_gpus(partition: str | None) -> int:
-    """GPUs per node of the partition, as `sinfo` states its nodes' gres (`gpu:8`,
-    `gpu:h100:8(S:0-1)`)."""
+    """GPUs per node of `partition` (None: the default one), as `sinfo` states its nodes' gres
+    (`gpu:8`, `gpu:h100:8(S:0-1)`); 0 when it has none or sinfo cannot tell (a warning)."""
     try:
-        out = subprocess.run(
-            ["sinfo", "--noheader", "--format=%P %G"]
-            + ([f"--partition={partition}"] if partition else []),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        out = _ask_slurm(
+            "sinfo",
+            "--noheader",
+            "--format=%P %G",
+            *([f"--partition={partition}"] * bool(partition)),
+        )
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("sinfo could not say whether the partition has GPUs (%s): asking none", err)
         return 0
@@ -406,6 +397,11 @@ def _sinfo_gpus(partition: str | None) -> int:
             if fields[0] == "gpu" and fields[-1].isdigit():
                 counts.append(int(fields[-1]))
     return max(counts)
+
+
+def _ask_slurm(*argv: str) -> str:
+    """The output of a SLURM command; OSError or a SubprocessError when it fails or hangs."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
 
 
 def _has_results(sjob: Any) -> bool:

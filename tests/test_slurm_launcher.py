@@ -134,6 +134,8 @@ def test_sinfo_gres_is_read_for_gpus_per_node(monkeypatch):
         return Done(outputs[partition])
 
     monkeypatch.setattr(slurm.subprocess, "run", run)
+    slurm._sinfo_gpus.cache_clear()
     assert slurm._sinfo_gpus(None) == 0  # the default (starred) partition has none
     assert slurm._sinfo_gpus("gpu") == 8
     assert slurm._sinfo_gpus("cpu") == 0
+    slurm._sinfo_gpus.cache_clear()  # the stand-in's answers stay here

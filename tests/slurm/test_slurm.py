@@ -76,17 +76,30 @@ def test_readme_sweep_runs_to_its_summary_and_resumes_without_submitting(slurm, 
     assert logs, "task 1 has a log of its own"
 
 
-def test_cp_job_spans_two_nodes(user_shell):
-    sweep = user_shell.cwd / "multirun" / "nodes"
+@pytest.mark.parametrize(
+    ("overrides", "asked"),
+    [
+        # One task per rank, one rank on each of two nodes.
+        ("hydra.launcher.nodes=2 topology=allgather", ("--nodes=2", "--ntasks-per-node=1")),
+        # One task that spawns its two ranks, as before SLURM tasks were ranks.
+        (
+            "hydra.launcher.tasks_per_node=1 topology=ring",
+            ("--ntasks-per-node=1", "--cpus-per-task=4"),
+        ),
+    ],
+    ids=["two_nodes", "one_task_spawns"],
+)
+def test_cp_job_spans_nodes_or_spawns_from_one_task(user_shell, overrides, asked):
+    sweep = user_shell.cwd / "multirun" / "cp"
     proc = user_shell(
-        "attngym -m hydra/launcher=submitit_slurm hydra.launcher.nodes=2 topology=allgather "
-        f"topology.world_size=2 {SMALL} shape.seq_len=512 hydra.sweep.dir={sweep}"
+        f"attngym -m hydra/launcher=submitit_slurm {overrides} topology.world_size=2 {SMALL} "
+        f"shape.seq_len=256 hydra.sweep.dir={sweep}"
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     job = metrics(sweep / "0")
     assert (job["status"], job["validation"], job["world_size"]) == ("ok", "ok", 2)
     (script,) = sweep.glob(".submitit/*/*_submission.sh")
-    assert "--nodes=2" in script.read_text() and "--ntasks-per-node=1" in script.read_text()
+    assert all(flag in script.read_text() for flag in asked), script.read_text()
 
 
 def test_cancelled_job_is_a_failed_row_with_slurms_state(slurm, user_shell):
@@ -295,19 +308,6 @@ def test_each_task_of_a_step_gets_torchruns_variables_from_slurms(slurm, user_sh
     )
     proc = user_shell(f'srun --ntasks=1 python -c "{alone}"')
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def test_one_task_that_spawns_its_ranks_stays_possible(user_shell):
-    sweep = user_shell.cwd / "multirun" / "spawned"
-    proc = user_shell(
-        "attngym -m hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=1 topology=ring "
-        f"topology.world_size=2 {SMALL} shape.seq_len=256 hydra.sweep.dir={sweep}"
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    job = metrics(sweep / "0")
-    assert (job["status"], job["validation"], job["world_size"]) == ("ok", "ok", 2)
-    (script,) = sweep.glob(".submitit/*/*_submission.sh")
-    assert "--ntasks-per-node=1" in script.read_text() and "--cpus-per-task=4" in script.read_text()
 
 
 def test_a_sweep_run_by_srun_tasks_runs_each_job_on_every_rank(slurm, user_shell):
