@@ -14,6 +14,7 @@ gradients, exact in either order).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
@@ -52,6 +53,12 @@ def _worker(rank: int, init_file: str, scenario: str, arg) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    # Every check passed: end as attngym's own ranks do (launch._exit_finished), without the
+    # interpreter's teardown, where a library's native thread still joinable aborts the process
+    # ("terminate called without an active exception", SIGABRT) on one GPU shared by two ranks.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(monkeypatch, scenario: str, arg=None) -> None:
