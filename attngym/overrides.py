@@ -94,7 +94,9 @@ def run_id() -> str:
     id>.<step id>`, the same in every task."""
     import datetime
 
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+    from attngym.distributed.launch import slurm_step_tasks
+
+    if slurm_step_tasks() > 1:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
     return f"{datetime.datetime.now():%H-%M-%S-%f}-{os.getpid()}"
 

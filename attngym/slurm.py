@@ -46,6 +46,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from attngym.distributed.launch import ask_slurm
 from attngym.errors import ConfigError, Interrupted
 from attngym.overrides import as_typed
 
@@ -359,7 +360,7 @@ def _squeue(job_ids: list[str]) -> dict[str, str] | None:
     them); None when squeue itself failed (nothing is concluded from that)."""
     parents = sorted({jid.split("_")[0] for jid in job_ids})
     try:
-        out = _ask_slurm(
+        out = ask_slurm(
             "squeue", "--noheader", "--array", "--states=all", "--format=%i %T",
             "--jobs", ",".join(parents),
         )  # fmt: skip
@@ -378,7 +379,7 @@ def _sinfo_gpus(partition: str | None) -> int:
     """GPUs per node of `partition` (None: the default one), as `sinfo` states its nodes' gres
     (`gpu:8`, `gpu:h100:8(S:0-1)`); 0 when it has none or sinfo cannot tell (a warning)."""
     try:
-        out = _ask_slurm(
+        out = ask_slurm(
             "sinfo",
             "--noheader",
             "--format=%P %G",
@@ -397,11 +398,6 @@ def _sinfo_gpus(partition: str | None) -> int:
             if fields[0] == "gpu" and fields[-1].isdigit():
                 counts.append(int(fields[-1]))
     return max(counts)
-
-
-def _ask_slurm(*argv: str) -> str:
-    """The output of a SLURM command; OSError or a SubprocessError when it fails or hangs."""
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
 
 
 def _has_results(sjob: Any) -> bool:

@@ -143,7 +143,7 @@ def join_slurm_step() -> bool:
         RuntimeError: `scontrol show hostnames` cannot expand the step's node list.
     """
     env = os.environ
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    tasks = slurm_step_tasks()
     if "RANK" in env or tasks < 2:
         return False
     hosts = _expand_nodelist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
@@ -160,6 +160,20 @@ def join_slurm_step() -> bool:
     return True
 
 
+def slurm_step_tasks() -> int:
+    """The number of tasks of the SLURM job step this process is in (1 outside a step: the batch
+    script has no SLURM_STEP_NUM_TASKS)."""
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+
+
+def ask_slurm(*argv: str) -> str:
+    """The output of a SLURM command (scontrol, squeue, sinfo); OSError or a SubprocessError
+    when it fails or runs past a minute."""
+    import subprocess
+
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
 # MASTER_PORT of a SLURM step: the first port and how many follow it; the job id picks one.
 SLURM_PORTS = (20000, 20000)
 
@@ -169,13 +183,7 @@ def _expand_nodelist(nodelist: str) -> list[str]:
     import subprocess
 
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout
+        out = ask_slurm("scontrol", "show", "hostnames", nodelist)
     except (OSError, subprocess.SubprocessError) as err:
         raise RuntimeError(
             f"could not expand the SLURM node list {nodelist!r} with `scontrol show hostnames` "
