@@ -56,3 +56,21 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
         self.exit_code = 128 + signum
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+# What a run's code can raise: every Exception, and what code raises to end the process, which
+# inside a run ends only the run (a sys.exit or argparse in a user's module, a KeyboardInterrupt
+# or GeneratorExit raised by a callback). Catch it after `except Interrupted: raise`: a real
+# Ctrl-C or SIGTERM (Interrupted) stops the run or sweep instead.
+CODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt, GeneratorExit)
+
+
+def failure_text(err: BaseException) -> str:
+    """`<Type>: <message>`, one line, for an error of a run's code; SystemExit and its kin say
+    that code must not end the process."""
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, SystemExit):
+        return f"{text} (the run's code called sys.exit, or argparse at import; it must raise)"
+    if not isinstance(err, Exception):
+        return f"{text} (raised by the run's code; only a real Ctrl-C or SIGTERM stops a run)"
+    return text

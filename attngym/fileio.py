@@ -13,14 +13,25 @@ It refuses, with `SymlinkRefused` naming the path, when `path` or the folder hol
 symlink (a folder further up, e.g. `outputs -> /scratch/outputs`, is the user's choice and is
 followed). `remove_stale_tmps` removes the temporary files a killed writer left behind.
 
+Reads of what a run or sweep folder holds (metrics.json, overrides.yaml, grid.json, the pictures
+report.html embeds) follow the mirror rule, since a folder may come from someone else:
+
+    read_inside(root, relative, limit)   the bytes of a regular file under `root`, reached
+                                         through no symlink, at most `limit` bytes; else
+                                         `ReadRefused` saying why (a symlink, a FIFO or device,
+                                         too large). It never blocks on a FIFO.
+
 Library module: standard library only, usable from viz and report as from tracking.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import re
+import stat
 from pathlib import Path
 
 
@@ -112,3 +123,72 @@ def remove_stale_tmps(folder: str | os.PathLike) -> list[Path]:
                     entry.unlink()
                     removed.append(entry)
     return removed
+
+
+class ReadRefused(OSError):
+    """A file of a run or sweep folder that is not read: `reason` says why."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(errno.EPERM, reason, str(path))
+
+    def __str__(self) -> str:
+        return f"skipped {self.path}: {self.reason}"
+
+
+def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of root/relative: a regular file of at most `limit` bytes, reached from `root`
+    through no symlink (each folder opened with O_NOFOLLOW, then the file with O_NONBLOCK, so a
+    FIFO cannot block the read).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        ReadRefused: a symlink on the way, not a regular file, or larger than `limit`.
+        OSError: the read failed.
+    """
+    path = Path(root) / relative
+    parts = Path(relative).parts
+    nofollow = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = nofollow | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                fds.append(os.open(part, flags, dir_fd=fds[-1]))
+            except OSError as err:
+                if err.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(
+                    os.path.join(root, *parts[: i + 1])
+                ):
+                    raise ReadRefused(path, f"{Path(*parts[: i + 1])} is a symlink") from None
+                raise OSError(err.errno, err.strerror, str(path)) from None  # the same subclass
+        info = os.fstat(fds[-1])
+        if not stat.S_ISREG(info.st_mode):
+            raise ReadRefused(path, "not a regular file (a FIFO, socket or device)")
+        if info.st_size > limit:
+            raise ReadRefused(path, f"{info.st_size} bytes, more than the {limit} a real one has")
+        data = os.read(fds[-1], limit + 1)
+        while len(data) <= limit and (more := os.read(fds[-1], limit + 1 - len(data))):
+            data += more
+        if len(data) > limit:
+            raise ReadRefused(path, f"more than the {limit} bytes a real one has")
+        return data
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def regular_size(path: str | os.PathLike) -> int | None:
+    """The size of a regular file that is no symlink; None for anything else or nothing."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
+def log_file(path: str | os.PathLike) -> logging.FileHandler:
+    """A logging handler appending to `path` (a rank's log), refused like a write
+    (SymlinkRefused) when `path` or its folder is a symlink."""
+    return logging.FileHandler(check_target(path))

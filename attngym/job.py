@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from attngym import pictures, timeline
 from attngym.config import Settings
-from attngym.errors import ConfigError, Interrupted, RankFailure
+from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, RankFailure, failure_text
 from attngym.overrides import (
     CONF_DIR,
     as_typed,
@@ -121,6 +121,7 @@ def why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
     never wrote metrics.json, else what is wrong with what it left. `overrides` are as typed;
     the recorded ones are compared as typed too (a folder whose metrics.json holds Hydra's
     forms, `++attention.window_size=128`, resumes alike)."""
+    from attngym.fileio import regular_size
     from attngym.tracking import read_metrics
 
     previous = read_metrics(run_dir)
@@ -134,9 +135,8 @@ def why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
     if previous.get("complete") is not True:
         return "it stopped after metrics.json, before its pictures and tracker"
     for name in pictures.PICTURES.values():
-        path = run_dir / name
-        if not path.is_file() or path.stat().st_size == 0:
-            return f"its {name} is missing or empty"
+        if not regular_size(run_dir / name):  # a symlink is no picture of this run
+            return f"its {name} is missing, empty or not a file"
     return None
 
 
@@ -174,6 +174,8 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
     except FolderLocked as err:
         print(f"attngym: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except OSError as err:  # a symlink planted as the lock file, a folder that cannot be made
+        return _unlockable(job, err)
     try:
         with _profiled(job.run_dir, bool(cfg.get("profile_run", False))):
             return _run_locked(cfg, job)
@@ -190,7 +192,10 @@ def _profiled(run_dir: Path, on: bool) -> Iterator[None]:
         return
     import cProfile
     import io
+    import marshal
     import pstats
+
+    from attngym.fileio import atomic_write, write_error
 
     profile = cProfile.Profile()
     profile.enable()
@@ -198,12 +203,15 @@ def _profiled(run_dir: Path, on: bool) -> Iterator[None]:
         yield
     finally:
         profile.disable()
-        with contextlib.suppress(OSError):
-            profile.dump_stats(run_dir / "run_profile.prof")
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
-            (run_dir / "run_profile.txt").write_text(text.getvalue())
+        profile.create_stats()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+        try:  # as every file of the run: atomically, never through a symlink
+            atomic_write(run_dir / "run_profile.prof", marshal.dumps(profile.stats))  # type: ignore[attr-defined]
+            atomic_write(run_dir / "run_profile.txt", text.getvalue())
             log.info("run profile: %s", run_dir / "run_profile.txt")
+        except OSError as err:
+            log.warning("no run profile: %s", write_error(err))
 
 
 _process_started = False
@@ -250,6 +258,10 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             _write_metrics(job, metrics, complete=True)
         except OSError as err:  # a full disk, a symlink where a file goes
             failure = _unwritten(job, metrics, err)
+        except Interrupted:
+            raise
+        except CODE_ERRORS as err:  # the user's callbacks run again in the pictures
+            failure = _failed(job, metrics, err)
     except Interrupted as stop:
         _stop_interrupted(job, metrics, stop)
     return _finish(job, metrics, failure)
@@ -273,10 +285,10 @@ def _check_and_run(
             check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
         tracker = _tracker(settings)  # started now when it has work to do before the results
         metrics.update(_run_task(settings, job.run_dir, metrics))
-    except Exception as err:
-        metrics["error"] = (
-            str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
-        )
+    except Interrupted:
+        raise
+    except CODE_ERRORS as err:  # a sys.exit in the user's code too: this run fails, no more
+        metrics["error"] = str(err) if isinstance(err, ConfigError) else failure_text(err)
         if not isinstance(err, ConfigError):
             if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
                 log.error("run failed: %s", err)
@@ -416,6 +428,9 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
     if isinstance(failure, RankFailure | OSError):  # one line: a traceback would say no more
         print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
+    if failure is not None and not isinstance(failure, Exception):  # a sys.exit of user code
+        print(f"attngym: error: {metrics['error']}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if failure is not None:
         raise failure
     if metrics["status"] != "ok":  # a validation failure: the table above says which error
@@ -439,6 +454,33 @@ def _unwritten(job: Job, metrics: dict[str, Any], err: OSError) -> OSError:
     with contextlib.suppress(OSError):
         _write_metrics(job, metrics, complete=False)
     return err
+
+
+def _failed(job: Job, metrics: dict[str, Any], err: BaseException) -> BaseException:
+    """The run's code failed after metrics.json (drawing the pictures runs the callbacks
+    again): the run fails with that error, recorded in metrics.json if it can be written."""
+    log.exception("run failed")
+    metrics.update(status="failed", error=failure_text(err))
+    with contextlib.suppress(OSError):
+        _write_metrics(job, metrics, complete=False)
+    return err
+
+
+def _unlockable(job: Job, err: OSError) -> dict[str, Any]:
+    """The run folder cannot be locked: a single run stops with one line (exit 1); in a sweep
+    the job fails, recorded in its metrics.json where that can be written, and the sweep goes
+    on."""
+    from attngym.fileio import write_error
+
+    line = write_error(err)
+    if not job.multirun:
+        print(f"attngym: error: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    log.error("job %s: %s", job.num, line)
+    metrics = {"status": "failed", "error": line}
+    with contextlib.suppress(OSError):
+        _write_metrics(job, metrics, complete=False)
+    return metrics
 
 
 def _stop_interrupted(job: Job, metrics: dict[str, Any], stop: Interrupted) -> NoReturn:
@@ -479,8 +521,12 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
     try:
         metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
         log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
-    except Exception as err:
+    except Interrupted:
+        raise
+    except CODE_ERRORS as err:
         log.exception("rank %d failed", job.rank)
+        if not job.multirun and not isinstance(err, Exception):  # a sys.exit(0) is no success
+            raise RuntimeError(failure_text(err)) from err
         if not job.multirun:
             raise
         if _stop_sweep_after(err):
@@ -507,8 +553,10 @@ def _stop_sweep_after(err: BaseException) -> bool:
 
 def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     """A file handler on the `attngym` logger: this process's records go to rank<N>.log."""
+    from attngym.fileio import log_file
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+    handler = log_file(run_dir / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     pkg = logging.getLogger("attngym")
     pkg.addHandler(handler)

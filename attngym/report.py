@@ -18,10 +18,11 @@ import argparse
 import base64
 import html
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from attngym.fileio import atomic_write, write_error
+from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,26 @@ tr.failed td { background: #fde8e8; }
 """
 
 
-def _img(path: Path, alt: str, cls: str = "") -> str:
+# Far above a real picture (a heatmap is well under 1 MiB): a larger file is not embedded.
+PICTURE_LIMIT = 32 << 20
+
+
+def _picture(folder: Path, relative: str) -> bytes | None:
+    """A picture's bytes, read only as a regular file inside the report's folder: a symlink (it
+    could point at any file, and report.html is meant to be shared), a FIFO or an oversized file
+    is skipped with a warning naming it. None when missing or skipped."""
+    try:
+        return read_inside(folder, relative, PICTURE_LIMIT)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        log.warning("%s", err if isinstance(err, ReadRefused) else write_error(err))
+        return None
+
+
+def _img(png: bytes, alt: str, cls: str = "") -> str:
     """An inline picture that opens at full size on click (a CSS checkbox: no script)."""
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    data = base64.b64encode(png).decode("ascii")
     return (
         f'<label class="zoom" title="click to enlarge"><input type="checkbox">'
         f'<img class="{cls}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></label>'
@@ -73,14 +91,10 @@ def _cell(key: str, value: Any) -> str:
 
 def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
     """(rows, job folders, is_sweep) for a sweep folder or a single run folder."""
-    from attngym.tracking.files import read_metrics
-    from attngym.tracking.sweep import collect, job_dirs, job_overrides
+    from attngym.tracking.sweep import collect, job_dirs, job_row
 
-    if (folder / ".hydra").is_dir() or (folder / "metrics.json").is_file():
-        metrics = read_metrics(folder) or {"status": "failed", "error": "no metrics.json"}
-        row = {"job": folder.name, "overrides": " ".join(job_overrides(folder))}
-        row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
-        return [row], [folder], False
+    if (folder / ".hydra").is_dir() or os.path.lexists(folder / "metrics.json"):
+        return [job_row(folder, folder.name)], [folder], False
     return collect(folder), job_dirs(folder), True
 
 
@@ -107,9 +121,11 @@ def _failures(rows: list[dict[str, Any]]) -> str:
 def build_report(folder: str | Path) -> str:
     """The report's HTML for a sweep folder (job sub-folders) or a single run folder."""
     from attngym.metrics import describe, format_value
+    from attngym.pictures import PICTURES
     from attngym.tracking.sweep import (
         md_columns,
         plot_metric,
+        plot_png,
         table_layout,
         without_shared_overrides,
         write_plot,
@@ -157,19 +173,26 @@ def build_report(folder: str | Path) -> str:
         parts.append(f"<tr{cls}>" + "".join(_cell(c, row.get(c)) for c in columns) + "</tr>")
     parts.append("</tbody></table></div>")
 
-    plot = folder / "summary.png"
-    if is_sweep and not plot.exists():
-        write_plot(rows, plot, title)
-    if is_sweep and plot.exists():
-        _, label = plot_metric(rows)
-        parts += [f"<h2>{html.escape(label)}</h2>", _img(plot, label, "plot")]
+    if is_sweep:
+        plot = _picture(folder, "summary.png")
+        if plot is None and not os.path.lexists(folder / "summary.png"):
+            write_plot(rows, folder / "summary.png", title)
+            plot = _picture(folder, "summary.png")
+        plot = plot or plot_png(rows, title)  # summary.png skipped: drawn for the page alone
+        if plot is not None:
+            _, label = plot_metric(rows)
+            parts += [f"<h2>{html.escape(label)}</h2>", _img(plot, label, "plot")]
 
     parts.append("<h2>Pictures</h2><div class='gallery'>")
     for row, job in zip(rows, jobs, strict=True):
-        pictures = [job / name for name in ("heatmap.png", "block_mask.png")]
-        pictures = [p for p in pictures if p.exists()]
+        where = job.relative_to(folder) if is_sweep else Path()
+        pictures = {
+            Path(name).stem: png
+            for name in PICTURES.values()
+            if (png := _picture(folder, where / name)) is not None
+        }
         caption = html.escape(f"{row['job']}: {row.get('overrides') or row.get('variant')}")
-        body = "".join(_img(p, p.stem, p.stem) for p in pictures)
+        body = "".join(_img(png, stem, stem) for stem, png in pictures.items())
         body = f"<div class='pictures'>{body}</div>" if body else ""
         if row.get("status") == "ok":
             body = body or "<p>(no pictures: the run's attngym.log says why)</p>"

@@ -73,6 +73,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attngym.errors import ConfigError, RankFailure
+from attngym.fileio import log_file
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ def _log_to_files(rank: int, run_dir: str | None) -> None:
     fmt = _formatter(rank)
     handlers: list[logging.Handler] = []
     if run_dir is not None:
-        handlers.append(logging.FileHandler(pathlib.Path(run_dir) / f"rank{rank}.log"))
+        handlers.append(log_file(pathlib.Path(run_dir) / f"rank{rank}.log"))
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stderr))
     for h in handlers:
@@ -549,7 +550,7 @@ def _join_torchrun(
     handler = None
     path = None if run_dir is None else pathlib.Path(run_dir) / f"rank{rank}.log"
     if path is not None and rank != 0 and not _logs_to(path):  # rank 0's log is the caller's
-        handler = logging.FileHandler(path)
+        handler = log_file(path)
         handler.setFormatter(_formatter(rank))
         logging.getLogger().addHandler(handler)
     before, _REPORT_TO = _REPORT_TO, (progress if rank == 0 else None)

@@ -3,8 +3,9 @@
 metrics.json is the contract between a run and everything after it (sweep summary, report,
 resume): it is written to a temporary file and moved into place with os.replace, so a reader never
 sees half a file, even when a job is killed while writing (attngym.fileio.atomic_write, which
-also refuses to write through a symlink). A metrics.json that cannot be read or is not a JSON
-object counts as missing: its job is incomplete.
+also refuses to write through a symlink). A metrics.json that attngym could not have written
+(a symlink, not a JSON object, a metric of the wrong type: `load_metrics`) counts as missing:
+its job is incomplete, and a resumed sweep runs it again.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from attngym import registry
-from attngym.fileio import atomic_write, remove_stale_tmps
-from attngym.metrics import format_value
+from attngym.fileio import ReadRefused, atomic_write, read_inside, remove_stale_tmps
+from attngym.metrics import format_value, metric_of
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
+# Far above any real metrics.json (a few KiB): a larger file is not read.
+METRICS_LIMIT = 16 << 20
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,24 +79,73 @@ def write_metrics(run_dir: str | Path, metrics: Mapping[str, Any]) -> Path:
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's metrics.json, or None (with a warning unless it is simply missing) when it is
-    missing, unreadable, not JSON, or not a JSON object: the run counts as incomplete."""
-    path = Path(run_dir) / METRICS_FILE
+    """The run's metrics.json, or None (with a warning naming the file and what is wrong, unless
+    it is simply missing) when it cannot count: the run is then incomplete (see load_metrics)."""
+    metrics, problem = load_metrics(run_dir)
+    if problem is not None:
+        log.warning("%s: %s; the run counts as incomplete", Path(run_dir) / METRICS_FILE, problem)
+    return metrics
+
+
+def load_metrics(run_dir: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(metrics, None) for a metrics.json that attngym could have written; (None, None) when
+    there is none; (None, what is wrong) otherwise: not a regular file inside the run folder
+    (a symlink, a FIFO), larger than METRICS_LIMIT, not standard JSON (Infinity is not: attngym
+    writes non-finite numbers as "nan"/"inf"), nested too deep, not an object, or a value of the
+    wrong type (a metric with a unit that is not a number, a status that is not text)."""
     try:
-        data = json.loads(path.read_text())
+        raw = read_inside(run_dir, METRICS_FILE, METRICS_LIMIT)
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        log.warning("%s is unreadable (%s); the run counts as incomplete", path, err)
-        return None
+        return None, None
+    except OSError as err:
+        return None, f"unreadable ({err.reason if isinstance(err, ReadRefused) else err})"
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as err:
+        why = "nested too deep" if isinstance(err, RecursionError) else err
+        return None, f"unreadable ({why})"
     if not isinstance(data, dict):
-        log.warning(
-            "%s holds a JSON %s, not an object; the run counts as incomplete",
-            path,
-            type(data).__name__,
-        )
-        return None
-    return data
+        return None, f"holds a JSON {type(data).__name__}, not an object"
+    wrong = _wrong_value(data)
+    return (None, wrong) if wrong else (data, None)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not standard JSON")
+
+
+# Values of metrics with a unit that are not numbers: what _json_safe writes for non-finite ones.
+NONFINITE = ("nan", "inf", "-inf")
+
+
+def _wrong_value(data: Mapping[str, Any]) -> str | None:
+    """What in a metrics.json no reader can use, naming the key; None when nothing is."""
+    checks = {
+        "status": (lambda v: isinstance(v, str), "text"),
+        "error": (lambda v: v is None or isinstance(v, str), "text or null"),
+        "complete": (lambda v: isinstance(v, bool), "true or false"),
+        "overrides": (
+            lambda v: isinstance(v, list) and all(isinstance(o, str) for o in v),
+            "a list of text",
+        ),
+    }
+    for key, value in data.items():
+        check, allowed = checks.get(key, (None, ""))
+        if check is None and (row := metric_of(key)) is not None and row.unit:
+            check, allowed = _is_number, f"a number ({row.unit})"
+        if check is not None and not check(value):
+            return f"{key} is {_shown(value)}, not {allowed}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return value is None or number or value in NONFINITE
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import io
 import json
 import logging
@@ -26,16 +27,16 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from attngym.errors import ConfigError, Interrupted
-from attngym.fileio import atomic_write, write_error
+from attngym.errors import ConfigError, Interrupted, failure_text
+from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
 from attngym.metrics import format_value, table_columns
 from attngym.overrides import as_typed, resume_command
 from attngym.results import BUSY_SPREAD, timing_spread
-from attngym.tracking.files import read_metrics
+from attngym.tracking.files import METRICS_FILE, load_metrics, read_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
 
 log = logging.getLogger(__name__)
@@ -88,39 +89,100 @@ def table_layout(
     return [c for c in present if c not in shared], shared
 
 
+# How deep under a sweep folder job folders are looked for: hydra.sweep.subdir may nest them
+# (`grp/${hydra.job.num}`).
+JOB_DEPTH = 4
+
+
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Sub-folders of a sweep that are Hydra jobs (they hold .hydra/), in job order."""
+    """Folders under a sweep that are Hydra jobs (they hold .hydra), up to JOB_DEPTH levels down
+    (hydra.sweep.subdir may nest them), in job order; symlinked folders are not followed."""
 
-    def order(p: Path) -> tuple[int, str]:
-        return (int(p.name), "") if p.name.isdigit() else (math.inf, p.name)  # type: ignore
+    def walk(folder: Path, depth: int) -> Iterator[Path]:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                if not entry.is_dir(follow_symlinks=False) or entry.name.startswith("."):
+                    continue
+                if os.path.lexists(os.path.join(entry.path, ".hydra")):
+                    yield Path(entry.path)
+                elif depth > 1:
+                    yield from walk(Path(entry.path), depth - 1)
 
-    return sorted((p for p in Path(sweep_dir).iterdir() if (p / ".hydra").is_dir()), key=order)
+    def order(p: Path) -> tuple[tuple[float, str], ...]:
+        parts = p.relative_to(sweep_dir).parts
+        return tuple((int(n), "") if n.isdigit() else (math.inf, n) for n in parts)
+
+    sweep_dir = Path(sweep_dir)
+    return sorted(walk(sweep_dir, JOB_DEPTH), key=order)
+
+
+def job_name(sweep_dir: Path, job_dir: Path) -> str:
+    """A job's name in tables: its folder under the sweep (`3`, or `grp/3` when nested)."""
+    return job_dir.relative_to(sweep_dir).as_posix() if job_dir != sweep_dir else job_dir.name
+
+
+# Far above a real .hydra/overrides.yaml (a line per override).
+OVERRIDES_LIMIT = 1 << 20
 
 
 def job_overrides(job_dir: Path) -> list[str]:
     """The job's task overrides as the user typed them (attngym.overrides.as_typed), from its
-    .hydra/overrides.yaml, which holds what Hydra received (empty when unreadable)."""
-    path = job_dir / ".hydra" / "overrides.yaml"
+    .hydra/overrides.yaml, which holds what Hydra received; empty, with a warning, when it cannot
+    be read safely (a symlink, too large, YAML with aliases, not a list)."""
     try:
-        import yaml
-
-        return [as_typed(str(o)) for o in (yaml.safe_load(path.read_text()) or [])]
-    except (OSError, ValueError, ImportError):
+        raw = read_inside(job_dir, ".hydra/overrides.yaml", OVERRIDES_LIMIT)
+    except FileNotFoundError:
         return []
+    except OSError as err:
+        log.warning("%s", err if isinstance(err, ReadRefused) else write_error(err))
+        return []
+    try:
+        data = load_yaml(raw)
+    except ValueError as err:
+        log.warning("skipped %s: %s", job_dir / ".hydra" / "overrides.yaml", err)
+        return []
+    return [as_typed(str(o)) for o in data] if isinstance(data, list) else []
+
+
+def load_yaml(raw: bytes) -> Any:
+    """YAML as yaml.safe_load reads it, aliases refused (a few lines of them expand to
+    gigabytes; what Hydra writes has none). ValueError for anything that is not such YAML."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.YAMLError("YAML aliases are not read")
+            return super().compose_node(parent, index)
+
+    try:
+        return yaml.load(raw, Loader=NoAliases)
+    except (yaml.YAMLError, RecursionError) as err:
+        raise ValueError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
 def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """One row per job folder: job, overrides, status, error and the job's metrics."""
     rows = []
-    for job_dir in job_dirs(Path(sweep_dir)):
-        metrics = read_metrics(job_dir)
-        if metrics is None:
-            metrics = {"status": "failed", "error": "no metrics.json (the job did not finish)"}
-        row = {"job": job_dir.name, "overrides": " ".join(job_overrides(job_dir))}
-        row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
-        row.setdefault("error", None)
-        rows.append(row)
+    sweep_dir = Path(sweep_dir)
+    for job_dir in job_dirs(sweep_dir):
+        rows.append(job_row(job_dir, job_name(sweep_dir, job_dir)))
     return rows
+
+
+def job_row(job_dir: Path, name: str) -> dict[str, Any]:
+    """A job folder as a table row: job, overrides, and its metrics.json's status, error and
+    scalar metrics, or status failed and why its metrics.json cannot be used."""
+    metrics, problem = load_metrics(job_dir)
+    if problem is not None:
+        log.warning("%s: %s; the job counts as failed", job_dir / METRICS_FILE, problem)
+        metrics = {"status": "failed", "error": f"its metrics.json {problem}"}
+    elif metrics is None:
+        metrics = {"status": "failed", "error": "no metrics.json (the job did not finish)"}
+    row = {"job": name, "overrides": " ".join(job_overrides(job_dir))}
+    row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
+    row.setdefault("error", None)
+    return row
 
 
 def format_table(
@@ -231,8 +293,16 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*")
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """summary.png: the plot metric per series (`series_name`), as bars when every job has one
-    seq_len, else as lines over seq_len; False when no job has the metric."""
+    """summary.png (plot_png); False when no job has the plot's metric."""
+    png = plot_png(rows, title)
+    if png is not None:
+        atomic_write(path, png)
+    return png is not None
+
+
+def plot_png(rows: list[dict[str, Any]], title: str) -> bytes | None:
+    """The sweep's plot as PNG bytes: the plot metric per series (`series_name`), as bars when
+    every job has one seq_len, else as lines over seq_len; None when no job has the metric."""
     metric, label = plot_metric(rows)
     rows, _ = without_shared_overrides(rows)
     series: dict[str, list[tuple[float, float]]] = {}
@@ -241,7 +311,7 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
             continue
         series.setdefault(series_name(row), []).append((float(row["seq_len"]), float(row[metric])))
     if not series:
-        return False
+        return None
     # A Figure of its own with the Agg canvas (as attngym.viz draws): no pyplot, no global backend.
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -293,8 +363,7 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         fig.legend(fontsize=8, loc="outside right upper")
     png = io.BytesIO()
     fig.savefig(png, format="png")
-    atomic_write(path, png.getvalue())
-    return True
+    return png.getvalue()
 
 
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -392,12 +461,17 @@ def record_grid(sweep_dir: str | Path, overrides: Sequence[str]) -> None:
     path = Path(sweep_dir) / GRID_FILE
     grid = sorted(as_typed(str(o)) for o in overrides)
     try:
-        recorded = json.loads(path.read_text()).get("overrides")
+        data = json.loads(read_inside(sweep_dir, GRID_FILE, OVERRIDES_LIMIT))
+        recorded = data["overrides"]
+        if not isinstance(recorded, list) or not all(isinstance(o, str) for o in recorded):
+            raise ValueError(f'"overrides" is {json.dumps(recorded)[:40]}, not a list of text')
     except FileNotFoundError:
         recorded = None
-    except (OSError, ValueError, AttributeError) as err:
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:
+        why = err.reason if isinstance(err, ReadRefused) else f"{type(err).__name__}: {err}"
         raise ConfigError(
-            "hydra.sweep.dir", f"{path} is unreadable ({err}); delete it or choose another folder"
+            "hydra.sweep.dir",
+            f"{path} is not a grid attngym wrote ({why}); delete it or choose another folder",
         ) from None
     if recorded is None:
         Path(sweep_dir).mkdir(parents=True, exist_ok=True)
@@ -418,9 +492,32 @@ def _callback_base() -> type:
     return Callback
 
 
+def _ends_the_sweep_on_error(method: Callable[..., None]) -> Callable[..., None]:
+    """A SweepSummary callback whose error ends the sweep with one line and exit code 1 (2 for a
+    ConfigError): Hydra turns an Exception from a callback into a warning and goes on, so a
+    sweep could otherwise end 0 with failed jobs, or run with its lock or grid unchecked."""
+
+    @functools.wraps(method)
+    def guarded(self: SweepSummary, *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception as err:
+            self._release()
+            if isinstance(err, ConfigError | FolderLocked):
+                line = str(err)
+            elif isinstance(err, OSError):  # a full disk, a symlink where a file goes
+                line = err.reason if isinstance(err, ReadRefused) else write_error(err)
+            else:
+                line = f"the sweep's {method.__name__} failed: {failure_text(err)}"
+            print(f"attngym: error: {line}", file=sys.stderr, flush=True)
+            raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
+
+    return guarded
+
+
 class SweepSummary(_callback_base()):
     """Hydra callback: progress over sweep jobs, then summarize(); a sweep with failed jobs ends
-    with exit code 1.
+    with exit code 1, and so does one whose summary cannot be made (_ends_the_sweep_on_error).
 
     The process that starts the sweep holds the sweep folder's lock and the progress bar, which
     counts finished job folders (`finished_jobs`), so jobs that Hydra's submitit launcher runs
@@ -432,6 +529,7 @@ class SweepSummary(_callback_base()):
         self._bar = None
         self._redirect = contextlib.ExitStack()
         self._lock: FolderLock | None = None
+        self._ended = 0  # jobs whose end this process saw (the basic launcher's)
 
     def __getstate__(self) -> dict[str, Any]:
         return {}  # the bar, its timer thread and the lock stay with this process
@@ -439,22 +537,13 @@ class SweepSummary(_callback_base()):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()
 
+    @_ends_the_sweep_on_error
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import Progress
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks for the sweep
-            # Hydra only warns about an Exception from a callback: stop with one line instead.
-            try:
-                self._lock = FolderLock(config.hydra.sweep.dir).acquire()  # held until the end
-            except FolderLocked as err:
-                print(f"attngym: error: {err}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            try:
-                record_grid(config.hydra.sweep.dir, grid_overrides(config))
-            except ConfigError as err:
-                self._release()
-                print(f"attngym: error: {err}", file=sys.stderr, flush=True)
-                raise SystemExit(2) from None
+            self._lock = FolderLock(config.hydra.sweep.dir).acquire()  # held until the end
+            record_grid(config.hydra.sweep.dir, grid_overrides(config))
         since = self._lock.path.stat().st_mtime if self._lock is not None else time.time()
         sweep_dir = Path(config.hydra.sweep.dir)
         self._bar = Progress(
@@ -463,6 +552,7 @@ class SweepSummary(_callback_base()):
         self._bar.recount()
         self._bar.clear()  # Hydra's "#0 : ..." line comes before the first job's log redirect
 
+    @_ends_the_sweep_on_error
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         from attngym.progress import redirect_logging
 
@@ -472,13 +562,16 @@ class SweepSummary(_callback_base()):
             typed = (as_typed(str(o)) for o in config.hydra.overrides.task)
             self._bar.running(" ".join(typed) or "job")
 
+    @_ends_the_sweep_on_error
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        self._ended += 1
         if self._bar is not None:
             self._bar.running("")  # between jobs nothing runs
             self._bar.recount()  # redirected output: a line per finished job
             self._redirect.close()
             self._bar.clear()  # the next Hydra launch line prints outside the redirect
 
+    @_ends_the_sweep_on_error
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -488,9 +581,6 @@ class SweepSummary(_callback_base()):
             return  # under torchrun rank 0 writes the summary
         try:
             self._summarize(sweep_dir)
-        except OSError as err:  # a full disk, a symlink where a summary file goes
-            print(f"attngym: error: {write_error(err)}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
         finally:
             self._release()
 
@@ -499,9 +589,13 @@ class SweepSummary(_callback_base()):
             self._lock.release()
             self._lock = None
 
-    @staticmethod
-    def _summarize(sweep_dir: Path) -> None:
+    def _summarize(self, sweep_dir: Path) -> None:
         rows = summarize(sweep_dir)
+        if not rows and self._ended:
+            raise RuntimeError(
+                f"{self._ended} job(s) ran and no job folder is found in {sweep_dir} "
+                f"(looked {JOB_DEPTH} levels down for folders holding .hydra)"
+            )
         failed = [row for row in rows if row.get("status") != "ok"]
         print(f"\n{summary_text(rows, max_width=60)}\n", flush=True)  # the sweep's answer
         for row in failed:

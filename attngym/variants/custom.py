@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from attngym.errors import ConfigError, closest
+from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, closest, failure_text
 from attngym.variants.base import Variant
 
 NAME = "custom"
@@ -90,9 +90,11 @@ def _import(module: str, path: str, key: str) -> types.ModuleType:
                 "mymasks.checkerboard for a mymasks.py beside your runs",
             ) from None
         raise ConfigError(key, f"{path!r}: importing {module} failed: {err}") from None
-    except Exception as err:  # the user's module raised while importing (a SyntaxError too)
+    except Interrupted:
+        raise
+    except CODE_ERRORS as err:  # the user's module raised while importing (a SyntaxError too)
         raise ConfigError(
-            key, f"{path!r}: importing {module} failed: {type(err).__name__}: {err}"
+            key, f"{path!r}: importing {module} failed: {failure_text(err)}"
         ) from None
 
 
@@ -120,7 +122,9 @@ def resolve(path: Any, *, key: str) -> Any:
             try:
                 with _working_directory_importable():
                     found = importlib.util.find_spec(name) is not None
-            except Exception:  # a parent that is no module, or raises: _import says which
+            except Interrupted:
+                raise
+            except CODE_ERRORS:  # a parent that is no module, or raises: _import says which
                 found = False
             if found or cut == 1:
                 module, attrs = _import(name, path, key), parts[cut:]
@@ -199,9 +203,11 @@ def _call_factory(
             )
     try:
         return factory(**call)
-    except Exception as err:  # the user's factory refused its arguments
+    except Interrupted:
+        raise
+    except CODE_ERRORS as err:  # the user's factory refused its arguments
         shown = ", ".join(f"{k}={v!r}" for k, v in call.items())
-        raise ConfigError(key, f"{path}({shown}) raised {type(err).__name__}: {err}") from None
+        raise ConfigError(key, f"{path}({shown}) raised {failure_text(err)}") from None
 
 
 def callback(
@@ -272,8 +278,10 @@ def probe(fn: Callable[..., Any], *, kind: str, key: str, seq_len: int, heads: i
     where = f"on a probe grid (b < {b.numel()}, h < {h.numel()}, positions 0..{seq_len - 1})"
     try:
         out = fn(*args)
-    except Exception as err:  # the user's code, on tensors shaped as FlexAttention passes them
-        message = str(err).splitlines()[0] if str(err) else ""
+    except Interrupted:
+        raise
+    except CODE_ERRORS as err:  # the user's code, on tensors shaped as FlexAttention passes them
+        message = failure_text(err).partition(": ")[2].splitlines()[0] if str(err) else ""
         hint = (
             "; callbacks must use tensor ops only (torch.where, &, |), not Python if/and/or"
             if "ambiguous" in message or "Boolean value" in message
