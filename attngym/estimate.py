@@ -214,9 +214,8 @@ def estimate(
 
     key = problem = None
     if have is not None and needed > have:
-        key = "validate_rows" if reference > max(flex, resident, block_mask) else "shape.seq_len"
-        if key == "shape.seq_len" and max(flex, block_mask) < resident:
-            key = "shape.batch" if batch > 1 else "shape.seq_len"
+        shape = {"batch": batch, "heads": heads, "seq_len": seq_len, "head_dim": head_dim}
+        key = _key_to_shrink(parts, shape)
         where = "free GPU memory" if not on_cpu else "available RAM"
         problem = (
             f"{key}: this run needs ~{format_bytes(needed)} at its peak "
@@ -232,6 +231,30 @@ def estimate(
         problem=problem,
         flops=flops,
     )
+
+
+# A large problem of today, per dimension: the dimension of a term furthest beyond it is the one
+# to shrink (head_dim=100000 is the cause, not seq_len=1024).
+LARGE_SHAPE = {"batch": 8, "heads": 64, "seq_len": 131072, "head_dim": 256}
+# The dimensions each term of `parts` grows with.
+GROWS_WITH = {
+    "resident": ("batch", "heads", "seq_len", "head_dim"),
+    "flex": ("batch", "heads", "seq_len"),
+    "block_mask": ("seq_len",),
+}
+
+
+def _key_to_shrink(parts: Mapping[str, int], shape: Mapping[str, int]) -> str:
+    """The config key that makes the largest term of `parts` large: validate_rows for the
+    reference, topology.world_size for CPU processes, else the dimension of the term furthest
+    beyond LARGE_SHAPE."""
+    term = max(parts, key=lambda name: parts[name])
+    if term == "reference":
+        return "validate_rows"
+    if term == "process":
+        return "topology.world_size"
+    dims = GROWS_WITH.get(term, ("seq_len",))
+    return "shape." + max(dims, key=lambda d: shape[d] / LARGE_SHAPE[d])
 
 
 def _baseline_bytes(name: str, on_cpu: bool, batch: int, heads: int, seq: int, elem: int) -> int:

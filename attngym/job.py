@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from attngym import pictures, timeline
 from attngym.config import Settings
 from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, RankFailure, failure_text
+from attngym.metrics import printable
 from attngym.overrides import (
     CONF_DIR,
     as_typed,
@@ -406,7 +407,7 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
         log.info(
             "job %s %s: %s (%s)",
             job.num,
-            " ".join(job.overrides),
+            printable(" ".join(job.overrides)),
             metrics["status"],
             timeline.largest(metrics),
         )
@@ -429,7 +430,7 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
         print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if failure is not None and not isinstance(failure, Exception):  # a sys.exit of user code
-        print(f"attngym: error: {metrics['error']}", file=sys.stderr, flush=True)
+        print(f"attngym: error: {printable(metrics['error'])}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if failure is not None:
         raise failure

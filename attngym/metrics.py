@@ -564,14 +564,31 @@ def pass_metrics(
     return metrics
 
 
+# Control characters: text a user typed (a label, an override) or an error carries them, and
+# an ESC sequence would recolour or move a terminal's cursor; a newline would break a table row.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` safe for a terminal and a table row: tabs and line breaks become spaces, other
+    control characters their escapes (ESC reads `\\x1b`)."""
+    return _CONTROL.sub(lambda m: " " if m[0] in "\t\n\r" else repr(m[0])[1:-1], text)
+
+
+def markdown_cell(text: str) -> str:
+    """`text` inside one cell of a Markdown table (summary.md, results.md): printable, and a
+    `|` escaped so that it does not open another column."""
+    return printable(text).replace("|", "\\|")
+
+
 def format_value(column: str, value: Any) -> str:
     """A metric as a person reads it, by its unit in the table: bytes in MiB/GiB, TFLOP/s to one
-    decimal (from 0.1 up), other floats to 3 significant figures; None is empty. summary.csv
-    keeps the raw numbers."""
+    decimal (from 0.1 up), other floats to 3 significant figures; None is empty; text
+    `printable`. summary.csv keeps the raw numbers."""
     if value is None:
         return ""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return str(value)
+        return printable(str(value))
     row = metric_of(column)
     unit = row.unit if row is not None else ""
     if unit == "bytes":

@@ -333,6 +333,7 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
         return arg
     if not match or match["group"] not in groups:
         _check_value_key(arg)
+        _check_output_dir(arg)
         return arg
     value = match["value"]
     if match["prefix"].startswith("~") and not value:
@@ -346,6 +347,30 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
             raise ConfigError(match["group"], choice_error("option", item, options))
     quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
     return f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}"
+
+
+# Where Hydra writes before any attngym code runs: refused here with one line, not Hydra's
+# traceback from its mkdir or its .hydra writes.
+OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
+
+
+def _check_output_dir(arg: str) -> None:
+    """ConfigError (hydra.run.dir / hydra.sweep.dir) for a folder Hydra cannot write: a file of
+    that name, a folder (or, for a new one, its nearest existing parent) that is not writable, a
+    symlink planted as its `.hydra`. A value with an interpolation is left to Hydra."""
+    key, _, value = arg.lstrip("+").partition("=")
+    if key not in OUTPUT_DIR_KEYS or not value or "${" in value:
+        return
+    folder = Path(value.strip("'\""))
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(key, f"{folder} is a file, not a folder; name a folder for the output")
+    if (folder / ".hydra").is_symlink():
+        raise ConfigError(key, f"{folder}/.hydra is a symlink; remove it (writes stay inside)")
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            key, f"cannot write in {existing} (read-only or not yours); choose another folder"
+        )
 
 
 # hydra/launcher options whose launcher is another package's Hydra plugin: (module, install).

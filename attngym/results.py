@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attngym.metrics import METRICS, format_value, label
+from attngym.metrics import METRICS, format_value, label, printable
 from attngym.timeline import largest
 
 # On a CPU the one-device comparison attends densely (every masked entry computed, then
@@ -46,7 +46,7 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     if (spread := timing_spread(metrics)) is not None:
         lines.append(f"  warning: {spread}")
     if metrics.get("error"):
-        lines.append(f"  error: {metrics['error']}")
+        lines.append(f"  error: {printable(str(metrics['error']))}")
     if where := largest(metrics):
         lines.append(f"  {where}")
     lines.append(f"run folder: {run_dir}")

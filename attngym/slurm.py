@@ -327,32 +327,10 @@ def _outcome(job: Planned, sjob: Any, state: str) -> JobReturn:
 
 
 def record_failure(job: Planned, reason: str, status: str = "failed") -> None:
-    """The job's metrics.json says it failed and why (keeping what the job measured, unless it
-    ended ok and complete), with .hydra/overrides.yaml so the summary lists a job that never ran."""
-    import yaml
+    """files.record_failure for a planned job (its folder and overrides)."""
+    from attngym.tracking.files import record_failure as record
 
-    from attngym.fileio import atomic_write
-    from attngym.tracking import read_metrics, write_metrics
-
-    metrics = read_metrics(job.run_dir) or {}
-    if metrics.get("status") == "ok" and metrics.get("complete") is True:
-        return
-    try:
-        hydra_dir = job.run_dir / ".hydra"
-        if not (hydra_dir / "overrides.yaml").is_file():
-            hydra_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(hydra_dir / "overrides.yaml", yaml.safe_dump(list(job.overrides)))
-        metrics.update(
-            status=status,
-            error=reason,
-            overrides=[as_typed(o) for o in job.overrides],
-            complete=False,
-        )
-        write_metrics(job.run_dir, metrics)
-    except OSError as err:
-        from attngym.fileio import write_error
-
-        log.error("job %d: %s", job.num, write_error(err))
+    record(job.run_dir, job.overrides, reason, status)
 
 
 def _squeue(job_ids: list[str]) -> dict[str, str] | None:

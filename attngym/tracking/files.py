@@ -14,13 +14,14 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from attngym import registry
 from attngym.fileio import ReadRefused, atomic_write, read_inside, remove_stale_tmps
-from attngym.metrics import format_value, metric_of
+from attngym.metrics import format_value, markdown_cell, metric_of, printable
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,37 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
+def record_failure(
+    run_dir: Path, overrides: Sequence[str], reason: str, status: str = "failed"
+) -> None:
+    """A job a launcher could not run, or that ended without a result: its metrics.json says it
+    failed and why (keeping what it measured, unless it ended ok and complete), with
+    .hydra/overrides.yaml so that the sweep summary lists a job that never ran. A write that
+    fails is logged: the summary still counts the job as not done."""
+    import yaml
+
+    from attngym.fileio import write_error
+    from attngym.overrides import as_typed
+
+    metrics = read_metrics(run_dir) or {}
+    if metrics.get("status") == "ok" and metrics.get("complete") is True:
+        return
+    try:
+        hydra_dir = Path(run_dir) / ".hydra"
+        if not os.path.lexists(hydra_dir / "overrides.yaml"):
+            hydra_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
+        metrics.update(
+            status=status,
+            error=reason,
+            overrides=[as_typed(o) for o in overrides],
+            complete=False,
+        )
+        write_metrics(run_dir, metrics)
+    except OSError as err:
+        log.error("%s: %s", run_dir, write_error(err))
+
+
 def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The metrics whose values are numbers, strings, booleans or None (what trackers log)."""
     return {
@@ -167,9 +199,10 @@ class LocalTracker:
 
     def log_run(self, record: RunRecord) -> None:
         """Write run_dir/results.md, values as the sweep summary shows them (MiB, 3 figures)."""
-        lines = [f"# {record.name}", "", "| metric | value |", "|---|---|"]
+        lines = [f"# {printable(record.name)}", "", "| metric | value |", "|---|---|"]
         lines += [
-            f"| {k} | {format_value(k, v)} |" for k, v in scalar_metrics(record.metrics).items()
+            f"| {k} | {markdown_cell(format_value(k, v))} |"
+            for k, v in scalar_metrics(record.metrics).items()
         ]
         lines += [""] + [f"![{n}]({p.name})" for n, p in record.images.items()]
         atomic_write(Path(record.run_dir) / "results.md", "\n".join(lines) + "\n")

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from attngym.errors import ConfigError, Interrupted, failure_text
 from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
-from attngym.metrics import format_value, table_columns
+from attngym.metrics import format_value, markdown_cell, printable, table_columns
 from attngym.overrides import as_typed, resume_command
 from attngym.results import BUSY_SPREAD, timing_spread
 from attngym.tracking.files import METRICS_FILE, load_metrics, read_metrics
@@ -195,7 +195,7 @@ def format_table(
     """
 
     def cell(column: str, value: Any) -> str:
-        text = format_value(column, value).replace("|", "\\|").replace("\n", " ")
+        text = markdown_cell(format_value(column, value))
         if max_width is not None and len(text) > max_width:
             text = text[: max_width - 3] + "..."
         return text
@@ -233,7 +233,7 @@ def summary_text(rows: list[dict[str, Any]], *, max_width: int | None = None) ->
     columns, shared = table_layout(rows, md_columns())
     lines = [f"{len(rows)} jobs, {failed} failed.", ""]
     if shared_overrides:
-        lines += [f"Overrides of every job: {shared_overrides}", ""]
+        lines += [f"Overrides of every job: {printable(shared_overrides)}", ""]
     if shared:
         settings = ", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items())
         lines += [f"Every job: {settings}", ""]
@@ -258,8 +258,22 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     writer = csv.DictWriter(text, fieldnames=columns)
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+        writer.writerow({k: csv_cell(row.get(k)) for k in columns})
     atomic_write(path, text.getvalue())
+
+
+# What a spreadsheet takes for the start of a formula (=HYPERLINK(...) in an error or a label).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A summary.csv cell: numbers as they are, None empty, and text that a spreadsheet would
+    run as a formula quoted with a leading apostrophe (OWASP's advice for CSV injection)."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return f"'{value}"
+    return value
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -510,6 +524,9 @@ def _ends_the_sweep_on_error(method: Callable[..., None]) -> Callable[..., None]
             else:
                 line = f"the sweep's {method.__name__} failed: {failure_text(err)}"
             print(f"attngym: error: {line}", file=sys.stderr, flush=True)
+            if method.__name__ == "on_multirun_end":  # its jobs ran: say how to go on
+                sweep_dir = kwargs.get("config", args[0] if args else None).hydra.sweep.dir
+                print(f"attngym: resume with: {resume_command(sweep_dir)}", file=sys.stderr)
             raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
 
     return guarded
@@ -599,7 +616,8 @@ class SweepSummary(_callback_base()):
         failed = [row for row in rows if row.get("status") != "ok"]
         print(f"\n{summary_text(rows, max_width=60)}\n", flush=True)  # the sweep's answer
         for row in failed:
-            log.error("job %s (%s) failed: %s", row["job"], row["overrides"], row.get("error"))
+            what = (row["job"], row["overrides"], row.get("error"))
+            log.error("job %s (%s) failed: %s", *(printable(str(w)) for w in what))
         log.info(
             "sweep: %d jobs, %d failed; summary in %s",
             len(rows),

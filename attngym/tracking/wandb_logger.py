@@ -2,7 +2,8 @@
 
 Offline by default because experiments often run where there is no network (compute nodes,
 laptops on a train) and a tracker must never block or fail a run: offline runs are stored in the
-run folder (`<run_dir>/wandb/offline-run-*`) and uploaded later with `wandb sync`.
+run folder (`<run_dir>/wandb/offline-run-*`, one per run folder: earlier attempts of a re-run
+job move to `wandb/earlier-attempts/`) and uploaded later with `wandb sync`.
 
 Bounded for real: wandb runs in a child process, never in the caller. `wandb.init`, the logging,
 `run.finish` and wandb's own shutdown (its service, telemetry and upload threads, which waited
@@ -35,10 +36,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from attngym import registry
 from attngym.errors import ConfigError, choice_error
+from attngym.fileio import check_target
 from attngym.tracking.files import RunRecord, scalar_metrics
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,28 @@ MODES = ("offline", "online", "disabled")
 # What the child may take beyond init_timeout_s + finish_timeout_s: start an interpreter, import
 # wandb and start its service on a busy machine.
 CHILD_START_S = 20.0
+
+
+# Where the offline runs of a folder's earlier attempts go (set_aside_earlier_runs).
+EARLIER_ATTEMPTS = "earlier-attempts"
+
+
+def set_aside_earlier_runs(run_dir: str | os.PathLike) -> list[Path]:
+    """Keep one offline W&B run per run folder where `wandb sync <sweep>/*/wandb/offline-run-*`
+    (the README's upload) looks: the offline runs of earlier attempts of this run (killed,
+    failed, run again by a resumed sweep) move to wandb/earlier-attempts/, out of that glob's
+    reach and still there to sync by hand. Returns where they went.
+
+    Raises:
+        SymlinkRefused: the run folder's `wandb` is a symlink (W&B would write through it).
+    """
+    folder = check_target(Path(run_dir) / "wandb")
+    moved = []
+    for earlier in sorted(folder.glob("offline-run-*")):
+        if earlier.is_dir() and not earlier.is_symlink():
+            (folder / EARLIER_ATTEMPTS).mkdir(exist_ok=True)
+            moved.append(earlier.rename(folder / EARLIER_ATTEMPTS / earlier.name))
+    return moved
 
 
 @registry.register("tracker", "wandb")
@@ -99,6 +124,7 @@ class WandbTracker:
         """Hand the child the run as the task left it (config, names, the task's metrics): it
         calls wandb.init while the caller draws the pictures, and log_run sends the rest. A
         child that cannot take it is reported by log_run."""
+        set_aside_earlier_runs(record.run_dir)
         self.start()
         assert self._child is not None and self._child.stdin is not None
         with contextlib.suppress(OSError):  # a dead child: log_run reads why
@@ -121,6 +147,8 @@ class WandbTracker:
         child, self._child = self._child, None
         assert child is not None
         # The child reads the run twice: as the task left it (begin, else now) and complete.
+        if not self._begun:
+            set_aside_earlier_runs(record.run_dir)
         payload = b"" if self._begun else pickle.dumps((self, record))
         self._begun = False
         try:

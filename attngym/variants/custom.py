@@ -176,6 +176,29 @@ def _takes(fn: Callable[..., Any], count: int) -> bool:
     return arity is None or arity[0] <= count <= arity[1]
 
 
+# Return annotations that say a factory returns no callback: refused before it is called.
+NOT_A_CALLBACK = ("None", "NoneType", "bool", "int", "float", "str", "bytes", "list", "dict")
+
+
+def _check_factory(factory: Any, *, kind: str, path: str, key: str) -> None:
+    """ConfigError(key) for what cannot be a factory of a `kind`, judged without calling it: a
+    built-in function (os.system) or one whose return annotation names no callable. Calling a
+    factory runs its code, as Hydra's `_target_` does: what can be checked is checked first."""
+    if inspect.isbuiltin(factory):
+        raise ConfigError(
+            key, f"{path} is a built-in function, not a {kind} or a factory that returns one"
+        )
+    try:
+        returns = inspect.signature(factory).return_annotation
+    except (TypeError, ValueError):
+        return
+    name = returns if isinstance(returns, str) else getattr(returns, "__name__", str(returns))
+    if returns is not inspect.Signature.empty and name in NOT_A_CALLBACK:
+        raise ConfigError(
+            key, f"{path} returns {name} (its annotation), not a {kind}: name a factory of one"
+        )
+
+
 def _call_factory(
     factory: Callable[..., Any], args: Mapping[str, Any], *, path: str, key: str, device: Any
 ) -> Any:
@@ -243,6 +266,7 @@ def callback(
             f"{shown} takes {required} argument(s) and a {kind} takes {want} {signature}; if it "
             f"is a factory, give its arguments as {args_key}.NAME=VALUE",
         )
+    _check_factory(obj, kind=kind, path=shown, key=key)
     built = _call_factory(obj, args or {}, path=shown, key=args_key, device=device)
     if not callable(built) or not _takes(built, want):
         what = (

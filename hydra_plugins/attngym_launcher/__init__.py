@@ -1,12 +1,20 @@
-"""attngym's Hydra launcher plugin: Hydra instantiates launchers only from the `hydra_plugins`
-namespace, so the class that conf/hydra/launcher/submitit_slurm.yaml names lives here; what it
-does is attngym.slurm's. Without hydra-submitit-launcher (the `slurm` extra) there is nothing to
-define, and Hydra's plugin scan must not fail on that."""
+"""attngym's Hydra launcher plugins: Hydra instantiates launchers only from the `hydra_plugins`
+namespace, so the classes that conf/hydra/launcher/*.yaml name live here; what they do is
+attngym.basic_launcher's (the default, jobs on this machine) and attngym.slurm's. Without
+hydra-submitit-launcher (the `slurm` extra) there is no SLURM launcher to define, and Hydra's
+plugin scan must not fail on that."""
+
+from attngym.basic_launcher import AttngymBasicLauncher
 
 try:
     from attngym.slurm import AttngymSlurmLauncher
 except ImportError:  # hydra-submitit-launcher is not installed: no SLURM launcher
     AttngymSlurmLauncher = None
+
+
+class BasicLauncher(AttngymBasicLauncher):
+    """attngym.basic_launcher.AttngymBasicLauncher, where Hydra's plugin rules want it."""
+
 
 if AttngymSlurmLauncher is not None:
 
