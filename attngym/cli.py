@@ -10,6 +10,7 @@ Hydra untouched.
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def entry(argv: list[str] | None = None) -> None:
     expect_launcher_schema()
     _show_own_plugins()
     sys.argv = [sys.argv[0], *argv]
+    logging.raiseExceptions = False  # a log line a full disk refuses is lost, not a traceback
     catch_interrupts()
     try:
         main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)

@@ -161,7 +161,8 @@ def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int
                 if err.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(
                     os.path.join(root, *parts[: i + 1])
                 ):
-                    raise ReadRefused(path, f"{Path(*parts[: i + 1])} is a symlink") from None
+                    where = "it is" if last else f"its folder {Path(*parts[: i + 1])} is"
+                    raise ReadRefused(path, f"{where} a symlink") from None
                 raise OSError(err.errno, err.strerror, str(path)) from None  # the same subclass
         info = os.fstat(fds[-1])
         if not stat.S_ISREG(info.st_mode):

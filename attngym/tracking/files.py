@@ -164,18 +164,15 @@ def record_failure(
     metrics = read_metrics(run_dir) or {}
     if metrics.get("status") == "ok" and metrics.get("complete") is True:
         return
+    metrics.update(
+        status=status, error=reason, overrides=[as_typed(o) for o in overrides], complete=False
+    )
+    hydra_dir = Path(run_dir) / ".hydra"
     try:
-        hydra_dir = Path(run_dir) / ".hydra"
+        write_metrics(run_dir, metrics)
         if not os.path.lexists(hydra_dir / "overrides.yaml"):
             hydra_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
-        metrics.update(
-            status=status,
-            error=reason,
-            overrides=[as_typed(o) for o in overrides],
-            complete=False,
-        )
-        write_metrics(run_dir, metrics)
     except OSError as err:
         log.error("%s: %s", run_dir, write_error(err))
 

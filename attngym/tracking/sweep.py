@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -262,16 +263,18 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     atomic_write(path, text.getvalue())
 
 
-# What a spreadsheet takes for the start of a formula (=HYPERLINK(...) in an error or a label).
-FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+# Text a spreadsheet runs as a formula (=HYPERLINK(...) in an error or a label, DDE's
+# +cmd|...): it starts with = or @ (or a tab or CR before one), or with + or - and calls
+# something. An override such as +experiment=ring_attention calls nothing and stays as typed.
+FORMULA = re.compile(r"^[\t\r]*([=@]|[+-].*[(|!])", re.DOTALL)
 
 
 def csv_cell(value: Any) -> Any:
     """A summary.csv cell: numbers as they are, None empty, and text that a spreadsheet would
-    run as a formula quoted with a leading apostrophe (OWASP's advice for CSV injection)."""
+    run as a formula (FORMULA) behind a leading apostrophe (OWASP's advice for CSV injection)."""
     if value is None:
         return ""
-    if isinstance(value, str) and value.startswith(FORMULA_START):
+    if isinstance(value, str) and FORMULA.match(value):
         return f"'{value}"
     return value
 

@@ -8,6 +8,7 @@ the run had finished is lost, the documented exit code or exception, and no proc
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -20,3 +21,19 @@ def no_new_children():
     before = children(os.getpid())
     yield
     assert wait_gone(children(os.getpid()) - before) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs: room for a run's config, log and metrics.json, not for its pictures (tens
+    of KiB each). None where mounting is not allowed (not root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
