@@ -208,7 +208,7 @@ def _profiled(run_dir: Path, on: bool) -> Iterator[None]:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
         try:  # as every file of the run: atomically, never through a symlink
-            atomic_write(run_dir / "run_profile.prof", marshal.dumps(profile.stats))  # type: ignore[attr-defined]
+            atomic_write(run_dir / "run_profile.prof", marshal.dumps(profile.stats))
             atomic_write(run_dir / "run_profile.txt", text.getvalue())
             log.info("run profile: %s", run_dir / "run_profile.txt")
         except OSError as err:

@@ -34,7 +34,7 @@ def test_pyproject_lists_every_package_under_attngym():
     assert not (ROOT / "hydra_plugins" / "__init__.py").exists()  # Hydra's namespace package
 
 
-def test_hydra_finds_the_slurm_launcher_plugin(tmp_path):
+def test_hydra_finds_attngyms_launcher_plugins(tmp_path):
     """Hydra instantiates only launchers its plugin scan found in `hydra_plugins`; an editable
     install hides them from that scan unless the CLI shows them (a wheel: .ci/check_wheel)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
@@ -52,6 +52,7 @@ def test_hydra_finds_the_slurm_launcher_plugin(tmp_path):
         timeout=120,
     ).stdout.split()
     assert "hydra_plugins.attngym_launcher.SlurmLauncher" in found, found
+    assert "hydra_plugins.attngym_launcher.BasicLauncher" in found, found  # every local sweep's
 
 
 def test_conf_is_installed_as_attngym_conf():
