@@ -173,10 +173,10 @@ METRICS: tuple[Metric, ...] = (
     M("bwd_tflops", "bwd TFLOP/s", "TFLOP/s", "achieved backward TFLOP/s"),
     M("fwd_bwd_tflops", "fwd+bwd TFLOP/s", "TFLOP/s", "achieved fwd+bwd TFLOP/s", shown="run"),
     M(
-        "compile_s",
+        "first_call_s",
         "first call (s)",
         "s",
-        "the first call (compilation on CUDA), timed apart",
+        "the first call, timed apart: compilation on CUDA, Dynamo's tracing of eager flex on CPU",
         shown="run",
     ),
     # Where the run's wall time went (attngym.timeline).
@@ -197,10 +197,15 @@ METRICS: tuple[Metric, ...] = (
         "compile_total_s",
         "torch.compile (s)",
         "s",
-        "seconds torch.compile spent in the run, in whatever phase (a lazy backward's too)",
+        "seconds torch.compile (Dynamo) spent in the run, in any phase (a lazy backward's too)",
         column=False,
     ),
-    M("compiles", "compiles", "graphs", "graphs torch.compile built, recompiles included"),
+    M(
+        "compiles",
+        "compiles",
+        "graphs",
+        "graphs Dynamo built, recompiles included (eager flex on CPU is traced too, backend eager)",
+    ),
     M(
         "recompiles",
         "recompiles",

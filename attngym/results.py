@@ -13,9 +13,16 @@ from typing import Any
 from attngym.metrics import METRICS, format_value, label, printable
 from attngym.timeline import largest
 
-# On a CPU the one-device comparison attends densely (every masked entry computed, then
-# dropped) while the ranks skip masked blocks, so efficiency there compares unequal work.
-CPU_EFFICIENCY_NOTE = " (CPU: one device computes masked pairs too; not scaling)"
+# Notes printed once under a CPU run's table, each where its rows show (the labels stay short).
+# The one-device comparison attends densely (every masked entry computed, then dropped) while the
+# ranks skip masked blocks, so efficiency there compares unequal work.
+CPU_EFFICIENCY_NOTE = "efficiency on a CPU: one device computes masked pairs too; not scaling"
+# Flex runs eagerly (FlexAttention compiles for CUDA) while SDPA runs its fused CPU kernel.
+CPU_SPEEDUP_NOTE = "speed-ups on a CPU: eager flex against SDPA's fused kernel"
+# FlexAttention's CPU kernel has no backward; a context-parallel CPU run differentiates through
+# attngym's dense kernel (attngym.kernels, backend "reference") instead.
+CPU_CP_BWD_NOTE = "bwd on a CPU: the dense reference kernel (FlexAttention has no CPU backward)"
+CPU_ONE_DEVICE_BWD_NOTE = "bwd on a CPU: context-parallel runs time one on the dense kernel"
 
 
 def result_rows(metrics: dict[str, Any]) -> list[str]:
@@ -36,13 +43,14 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
     lines = [f"attngym: {metrics.get('status')}"]
     rows = [
-        (_label(key, metrics), format_value(key, metrics[key]))
+        (_label(key, metrics), _value(key, metrics[key]))
         for key in result_rows(metrics)
         if not _said_already(key, metrics)
     ]
     width = max((len(text) for text, _ in rows), default=0)
     for text, value in rows:
         lines.append(f"  {text:<{width}}  {value}")
+    lines += [f"  note: {note}" for note in _cpu_notes(metrics)]
     if (spread := timing_spread(metrics)) is not None:
         lines.append(f"  warning: {spread}")
     if metrics.get("error"):
@@ -64,9 +72,8 @@ def timing_spread(metrics: dict[str, Any]) -> str | None:
     if not low or not high or high / low <= BUSY_SPREAD:
         return None
     return (
-        f"the forward's timed calls spread {format_value('fwd_ms', low)}-"
-        f"{format_value('fwd_ms', high)} ms ({high / low:.1f}x): the machine was busy with "
-        "other work, so its times are rough"
+        f"timed forwards spread {format_value('fwd_ms', low)}-{format_value('fwd_ms', high)} "
+        f"ms ({high / low:.1f}x): the machine was busy, times are rough"
     )
 
 
@@ -80,20 +87,35 @@ def _said_already(key: str, metrics: dict[str, Any]) -> bool:
     return baseline != "best_sdpa" and metrics.get(f"best_sdpa_{pass_name}") == baseline
 
 
-# On a CPU, flex runs eagerly (FlexAttention compiles for CUDA) while SDPA runs its fused CPU
-# kernel: a ratio there compares an eager implementation with a fused one.
-CPU_SPEEDUP_NOTE = " (CPU: eager flex vs SDPA's fused kernel)"
-
-
 def _label(key: str, metrics: dict[str, Any]) -> str:
-    on_cpu = metrics.get("device") == "cpu"
-    if key.startswith("efficiency") and on_cpu:
-        return label(key) + CPU_EFFICIENCY_NOTE
     if key.startswith("flex_over_best_sdpa_"):
-        pass_name = key.removeprefix("flex_over_best_sdpa_")
-        best = metrics.get(f"best_sdpa_{pass_name}")
-        text = label(key).replace("best_sdpa", f"best SDPA ({best})" if best else "best SDPA")
-        return text + (CPU_SPEEDUP_NOTE if on_cpu else "")
-    if key.startswith("flex_over_sdpa") and on_cpu:
-        return label(key) + CPU_SPEEDUP_NOTE
+        best = metrics.get(f"best_sdpa_{key.removeprefix('flex_over_best_sdpa_')}")
+        return label(key).replace("best_sdpa", f"best SDPA ({best})" if best else "best SDPA")
     return label(key)
+
+
+def _value(key: str, value: Any) -> str:
+    """format_value, and for a speed-up below 1 how many times slower that is: a "speed-up" of
+    0.096 reads as what it is."""
+    text = format_value(key, value)
+    speedup = key.startswith(("flex_over_", "attngym_over_"))
+    if speedup and isinstance(value, int | float) and 0 < value < 1:
+        text += f" ({1 / value:.3g}x slower)"
+    return text
+
+
+def _cpu_notes(metrics: dict[str, Any]) -> list[str]:
+    """What the CPU numbers of this run compare, once each (see the notes' definitions)."""
+    if metrics.get("device") != "cpu":
+        return []
+    keys = result_rows(metrics)
+    notes = []
+    if any(k.startswith("flex_over_") for k in keys):
+        notes.append(CPU_SPEEDUP_NOTE)
+    if any(k.startswith("efficiency") for k in keys):
+        notes.append(CPU_EFFICIENCY_NOTE)
+    if metrics.get("topology") not in (None, "single") and metrics.get("bwd_status") == "ok":
+        notes.append(CPU_CP_BWD_NOTE)
+    elif str(metrics.get("bwd_status")).startswith("not available"):
+        notes.append(CPU_ONE_DEVICE_BWD_NOTE)
+    return notes

@@ -39,7 +39,7 @@ PHASES = (
     "config",  # checks and resolution of the settings, the preset against this machine
     "inputs",  # seeded q, k, v and the output gradient
     "block_mask",  # the block masks the run attends with
-    "first_call",  # the first flex call (and backward): compile_s
+    "first_call",  # the first flex call (and backward): first_call_s
     "validation",  # sampled rows against the float64 reference
     "timed",  # the timed passes and peak memory
     "profile",  # the profiler group's profile of one call

@@ -229,7 +229,7 @@ def validate_rows(
         else judge_errors(metrics, str(q.dtype).removeprefix("torch."))
     )
     log.info(
-        "validated %d rows: out max abs err %.3g, rel %.3g; lse max abs err %s; %s",
+        "validated %d rows: out err %.3g (rel %.3g), lse err %s: %s",
         metrics["validated_rows"],
         metrics["err_out_max_abs"],
         metrics["err_out_rel"],

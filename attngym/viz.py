@@ -25,7 +25,8 @@ import io
 import logging
 import math
 import pathlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -195,6 +196,27 @@ def create_score_mod(
     return out.contiguous()  # a tensor of its own, not a broadcast view
 
 
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+# Characters of a picture's title before it is cut with "...": a figure's width holds about this
+# many at its title's font size.
+TITLE_WIDTH = 70
+
+
+def short_title(name: str, params: Mapping[str, Any]) -> str:
+    """`name(k=v, ...)` that fits a picture's title: a mapping's items (a custom variant's
+    mask_args) inline, an import path by its last name, the whole cut to TITLE_WIDTH."""
+
+    def shown(value: Any) -> str:
+        if isinstance(value, Mapping):
+            return ", ".join(f"{k}={shown(v)}" for k, v in value.items())
+        text = str(value)
+        return text.rsplit(".", 1)[-1] if IMPORT_PATH.match(text) else text
+
+    parts = [shown(v) if isinstance(v, Mapping) else f"{k}={shown(v)}" for k, v in params.items()]
+    title = f"{name}({', '.join(p for p in parts if p)})" if any(parts) else name
+    return title if len(title) <= TITLE_WIDTH else title[: TITLE_WIDTH - 3] + "..."
+
+
 def _score_figure(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -215,12 +237,14 @@ def _score_figure(
     fig = Figure(figsize=figsize, dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    _draw_scores(fig, ax, scores, (0, 0))
+    _draw_scores(fig, ax, scores, (0, 0), modified=score_mod is not None)
     ax.set_title(title)
     return fig
 
 
-def _draw_scores(fig: Figure, ax: Any, scores: torch.Tensor, origin: tuple[int, int]) -> None:
+def _draw_scores(
+    fig: Figure, ax: Any, scores: torch.Tensor, origin: tuple[int, int], *, modified: bool
+) -> None:
     """Draw (Sq, Skv) post-mod scores on `ax` (masked entries grey, with their share) and a
     colorbar; `origin` is the (query, key) position of the top-left entry."""
     import numpy as np
@@ -239,7 +263,8 @@ def _draw_scores(fig: Figure, ax: Any, scores: torch.Tensor, origin: tuple[int, 
         aspect="auto",
         extent=(k0 - 0.5, k0 + seq_kv - 0.5, q0 + seq_q - 0.5, q0 - 0.5),
     )
-    fig.colorbar(image, ax=ax, label="score (after score_mod)", shrink=0.9)
+    label = "score (after score_mod)" if modified else "score (q·k, scaled)"
+    fig.colorbar(image, ax=ax, label=label, shrink=0.9)
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
     if masked.any():
@@ -436,14 +461,13 @@ def save_heatmap(
     axes = fig.subplots(1, 3 if has_score_mod else 2, width_ratios=[1, 1, 0.8][: 2 + has_score_mod])
     _draw_overview(fig, axes[0], variant, kept, cell, seq_len, head_dim, gen)
     _outline(axes[0], q0, k0, n)
-    _draw_scores(fig, axes[1], zoom, (q0, k0))
+    _draw_scores(fig, axes[1], zoom, (q0, k0), modified=has_score_mod)
     axes[1].set_title(
         f"zoom (red square): queries {q0:,}-{q0 + n - 1:,}, keys {k0:,}-{k0 + n - 1:,}"
     )
     if has_score_mod:
         _draw_transfer(axes[2], variant.score_mod, seq_len)
-    params = ", ".join(f"{k}={v}" for k, v in variant.params.items())
-    title = f"{variant.name}({params})" if params else variant.name
+    title = short_title(variant.name, variant.params)
     kept_share = float(kept.mean()) if variant.mask_mod is not None else 1.0
     fig.suptitle(
         f"{title}: {seq_len:,} tokens, mask keeps {100.0 * kept_share:.1f}% of query-key pairs",

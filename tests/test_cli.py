@@ -466,6 +466,6 @@ def test_timings_of_a_busy_machine_are_flagged(tmp_path):
     calm = {"status": "ok", "fwd_ms": 10.0, "fwd_ms_min": 9.5, "fwd_ms_max": 11.0}
     assert "warning" not in format_results(calm, tmp_path)
     busy = {**calm, "fwd_ms_max": 25.0}
-    assert "warning: the forward's timed calls spread 9.50-25.0 ms (2.6x)" in format_results(
+    assert "warning: timed forwards spread 9.50-25.0 ms (2.6x)" in format_results(
         busy, tmp_path
     )

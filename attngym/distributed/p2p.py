@@ -41,6 +41,7 @@ wrong arguments or parts are ValueError, protocol misuse is RuntimeError.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,7 @@ def _uses_nccl(dist, group, device: torch.device) -> bool:
 
 def _wait(works, *, timeout_s: float, device: torch.device, what: str) -> None:
     """Wait for works; on CPU bounded by timeout_s (a CUDA wait only orders streams)."""
+    start = time.monotonic()
     try:
         for w in works:
             if device.type == "cuda":
@@ -96,7 +98,13 @@ def _wait(works, *, timeout_s: float, device: torch.device, what: str) -> None:
             else:
                 w.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise RankFailure(f"{what} failed or timed out after {timeout_s:g} s: {e}") from e
+        waited = time.monotonic() - start
+        how = (
+            f"timed out after {timeout_s:g} s"
+            if waited >= 0.9 * timeout_s
+            else f"failed after {waited:.1f} s (a peer rank ended)"
+        )
+        raise RankFailure(f"{what} {how}: {str(e).splitlines()[0]}") from e
 
 
 def _init_common(obj, part_shape, num_parts, dtype, device, group, timeout_s) -> None:

@@ -18,7 +18,7 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    rank's queries attend; 1.0 is perfect balance, and always for head-parallel ulysses; hybrid:
    among its groups, whose members attend the same blocks).
 2. `first_call`: one forward (+ backward when passes include bwd; on CPU the reference chunk kernel
-   gives one) timed apart as `compile_s` (compilation on CUDA).
+   gives one) timed apart as `first_call_s` (compilation on CUDA).
 3. `validate`: validation.validate_rows, judged per dtype like a single run (a verdict over
    tolerance fails the run the same way): every rank attends with an output gradient kept on the
    sampled rows, the shards of out, lse and the gradients are gathered to rank 0's CPU, and rank 0
@@ -385,8 +385,8 @@ def shard(job: RankJob) -> dict[str, Any]:
 
 
 def first_call(job: RankJob) -> dict[str, Any]:
-    """The first call (compilation on CUDA), timed apart: compile_s (attngym.tasks.phases)."""
-    return {"compile_s": phases.first_call(job.measured, backward=job.do_bwd)}
+    """The first call (compilation on CUDA), timed apart: first_call_s (attngym.tasks.phases)."""
+    return {"first_call_s": phases.first_call(job.measured, backward=job.do_bwd)}
 
 
 def _row_mask(job: RankJob) -> torch.Tensor:

@@ -8,7 +8,7 @@ contenders (SDPA baselines, PyTorch's own CP) with the same `time_passes` on the
 
 What the timed metrics mean, in every task:
 
-    compile_s       the first call, timed apart with the host clock and the device synchronised:
+    first_call_s       the first call, timed apart with the host clock and the device synchronised:
                     the forward, then the backward when the run times one; on CUDA mostly
                     compilation, on CPU the first eager call.
     fwd_ms          the forward call. With autograd recording when the run also times a backward
@@ -109,7 +109,7 @@ class Rank:
 
 
 def first_call(rank: Rank, call: Callable[[], Any] | None = None, *, backward: bool) -> float:
-    """compile_s: the first call (and its backward when the run times one), timed apart.
+    """first_call_s: the first call (and its backward when the run times one), timed apart.
 
     Grad mode is the one the timed forward uses (see fwd_ms), so on CUDA the graph compiled here
     is the one timed.

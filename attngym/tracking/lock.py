@@ -9,7 +9,8 @@ their logs, so a run (or a sweep) holds `<folder>/.attngym.lock` while it writes
   `FolderLocked`, whose one-line message names them and the folder.
 * A lock file still naming a holder although nobody holds the lock (its holder died before
   releasing it) is stale: it is taken over, with a warning naming the dead holder.
-* `release` empties the file and unlocks it; the file stays, so that a writer that opened it just
+* `release` empties the file and unlocks it (also at the holder's exit, a Ctrl-C included, so
+  only a killed holder leaves a stale name); the file stays, so that a writer that opened it just
   before cannot lock a file that no longer has a name while another creates a new one.
 * A file system without `flock` (Lustre mounted without `-o flock`, NFS without its lock
   service) refuses it (ENOLCK, ENOSYS, EOPNOTSUPP): the folder is then used unlocked, with a
@@ -19,6 +20,7 @@ their logs, so a run (or a sweep) holds `<folder>/.attngym.lock` while it writes
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import errno
@@ -109,12 +111,14 @@ class FolderLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         self._fd = fd
+        atexit.register(self.release)  # a process that exits holding it (Ctrl-C) empties it too
         return self
 
     def release(self) -> None:
         """Empty the lock file and unlock it (nothing when not held)."""
         if self._fd is None:
             return
+        atexit.unregister(self.release)
         fd, self._fd = self._fd, None
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)

@@ -82,11 +82,11 @@ def table_layout(
     present = [c for c in columns if any(row.get(c) is not None for row in rows)]
     if len(rows) < 2:
         return present, {}
-    shared = {
-        c: rows[0].get(c)
-        for c in present
-        if c not in KEPT_COLUMNS and all(row.get(c) == rows[0].get(c) for row in rows)
-    }
+    shared = {}
+    for c in present:  # a failed job's missing values (None) make no column vary
+        values = [row.get(c) for row in rows if row.get(c) is not None]
+        if c not in KEPT_COLUMNS and all(v == values[0] for v in values):
+            shared[c] = values[0]
     return [c for c in present if c not in shared], shared
 
 
@@ -226,26 +226,44 @@ def _is_number(value: Any) -> bool:
     return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
 
-def summary_text(rows: list[dict[str, Any]], *, max_width: int | None = None) -> str:
-    """The summary as text: job count, the settings every job shares, and the table of the
-    md_columns() that vary between jobs."""
-    failed = sum(row.get("status") != "ok" for row in rows)
+# An error's characters in a table cell (summary.md lists every error whole below its table).
+ERROR_WIDTH = 60
+
+
+def outcome_count(rows: list[dict[str, Any]]) -> str:
+    """`5 jobs, 1 failed, 1 interrupted`: an interrupted job is not a failed one."""
+    statuses = [row.get("status") for row in rows]
+    failed = sum(s not in ("ok", "interrupted") for s in statuses)
+    interrupted = statuses.count("interrupted")
+    return f"{len(rows)} jobs, {failed} failed" + (
+        f", {interrupted} interrupted" if interrupted else ""
+    )
+
+
+def summary_text(rows: list[dict[str, Any]], *, printed: bool = False) -> str:
+    """The summary as text: job counts, the settings every job shares, the table of the
+    md_columns() that vary between jobs (errors cut to ERROR_WIDTH), and for summary.md (not
+    `printed`, where the log names each failed job) every error whole."""
     rows, shared_overrides = without_shared_overrides(rows)
     columns, shared = table_layout(rows, md_columns())
-    lines = [f"{len(rows)} jobs, {failed} failed.", ""]
+    lines = [f"{outcome_count(rows)}.", ""]
     if shared_overrides:
         lines += [f"Overrides of every job: {printable(shared_overrides)}", ""]
     if shared:
         settings = ", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items())
         lines += [f"Every job: {settings}", ""]
-    lines.append(format_table(rows, columns, max_width=max_width))
+    lines.append(format_table(rows, columns, max_width=ERROR_WIDTH))
+    failed = [row for row in rows if row.get("status") != "ok"]
+    if failed and not printed:  # summary.md: every error whole, under the table
+        lines += ["", "Errors:", ""]
+        lines += [f"- job {row['job']}: {printable(str(row.get('error')))}" for row in failed]
     busy = [str(row.get("job")) for row in rows if timing_spread(row) is not None]
     if busy:
         lines += [
             "",
-            f"Warning: the forward's timed calls of job(s) {', '.join(busy)} spread more than "
-            f"{BUSY_SPREAD:g}x (max / min): the machine was busy with other work, so their "
-            "times are rough.",
+            f"Warning: timed forwards of job(s) {', '.join(busy)} spread more than "
+            f"{BUSY_SPREAD:g}x (max / min):",
+            "the machine was busy with other work, so their times are rough.",
         ]
     return "\n".join(lines)
 
@@ -617,7 +635,7 @@ class SweepSummary(_callback_base()):
                 f"(looked {JOB_DEPTH} levels down for folders holding .hydra)"
             )
         failed = [row for row in rows if row.get("status") != "ok"]
-        print(f"\n{summary_text(rows, max_width=60)}\n", flush=True)  # the sweep's answer
+        print(f"\n{summary_text(rows, printed=True)}\n", flush=True)  # the sweep's answer
         for row in failed:
             what = (row["job"], row["overrides"], row.get("error"))
             log.error("job %s (%s) failed: %s", *(printable(str(w)) for w in what))
