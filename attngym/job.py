@@ -165,6 +165,8 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
     from attngym.tracking.lock import FolderLock, FolderLocked
 
     job = _job()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's or SLURM's ranks share a terminal
+        _tag_console(job.rank)
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
         if job.multirun and why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
             return None
@@ -552,13 +554,24 @@ def _stop_sweep_after(err: BaseException) -> bool:
     return shared and not isinstance(err, ConfigError)
 
 
+def _tag_console(rank: int) -> None:
+    """Tag this rank's terminal lines `[rankN]`, as spawned ranks tag theirs
+    (attngym.distributed.launch), so the ranks' lines in one terminal say whose they are."""
+    from attngym.distributed.launch import rank_formatter
+
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler:  # Hydra's console handler, not a file's
+            handler.setFormatter(rank_formatter(rank))
+
+
 def _rank_log(run_dir: Path, rank: int) -> logging.Handler:
     """A file handler on the `attngym` logger: this process's records go to rank<N>.log."""
+    from attngym.distributed.launch import rank_formatter
     from attngym.fileio import log_file
 
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = log_file(run_dir / f"rank{rank}.log")
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    handler.setFormatter(rank_formatter(rank))
     pkg = logging.getLogger("attngym")
     pkg.addHandler(handler)
     if pkg.getEffectiveLevel() > logging.INFO:

@@ -19,6 +19,7 @@ import base64
 import html
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -234,19 +235,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"W&B report: {publish(args.folder, args.wandb)}")
         except (ValueError, ImportError) as err:
-            print(f"attngym report: error: {err}")
+            print(f"attngym report: error: {err}", file=sys.stderr)
             return 2
         except NotPublished as err:
-            print(f"attngym report: error: {err}")
+            print(f"attngym report: error: {err}", file=sys.stderr)
             return 1
         return 0
     try:
         path = write_report(args.folder, args.out)
     except ValueError as err:
-        print(f"attngym report: error: {err}")
+        print(f"attngym report: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a symlink where report.html goes
-        print(f"attngym report: error: {write_error(err)}")
+        print(f"attngym report: error: {write_error(err)}", file=sys.stderr)
         return 1
     print(f"report: {path}")
     return 0

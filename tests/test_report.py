@@ -64,7 +64,7 @@ def test_report_of_one_run(sweep):
 
 def test_report_refuses_empty_folder(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
-    assert "holds no attngym run" in capsys.readouterr().out
+    assert "holds no attngym run" in capsys.readouterr().err
 
 
 def test_report_columns_carry_the_metric_table_and_typed_overrides(sweep):

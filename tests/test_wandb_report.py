@@ -65,10 +65,10 @@ def test_without_wandb_login_the_definition_is_written_and_publishing_explained(
     assert run_filter["value"] == "2026-11-30_12-00-00"
     # The command says plainly that nothing was published, and exits non-zero.
     assert report.main([str(sweep), "--wandb", "team/attngym"]) == 1
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # an error, on stderr
     assert last.startswith("attngym report: error: nothing was published to W&B")
 
 
 def test_report_cli_refuses_a_target_without_project(sweep, capsys):
     assert report.main([str(sweep), "--wandb", "team"]) == 2
-    assert "ENTITY/PROJECT" in capsys.readouterr().out
+    assert "ENTITY/PROJECT" in capsys.readouterr().err

@@ -276,7 +276,7 @@ def _start_heartbeat(path: pathlib.Path) -> None:
     threading.Thread(target=beat, name="attngym-heartbeat", daemon=True).start()
 
 
-def _formatter(rank: int) -> logging.Formatter:
+def rank_formatter(rank: int) -> logging.Formatter:
     """The run's console format (conf/hydra/default.yaml, job_logging `simple`) with the rank, so
     a context-parallel run prints one format: `[12:00:00][rank0][INFO] message`."""
     return logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
@@ -285,7 +285,7 @@ def _formatter(rank: int) -> logging.Formatter:
 def _log_to_files(rank: int, run_dir: str | None) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    fmt = _formatter(rank)
+    fmt = rank_formatter(rank)
     handlers: list[logging.Handler] = []
     if run_dir is not None:
         handlers.append(log_file(pathlib.Path(run_dir) / f"rank{rank}.log"))
@@ -551,7 +551,7 @@ def _join_torchrun(
     path = None if run_dir is None else pathlib.Path(run_dir) / f"rank{rank}.log"
     if path is not None and rank != 0 and not _logs_to(path):  # rank 0's log is the caller's
         handler = log_file(path)
-        handler.setFormatter(_formatter(rank))
+        handler.setFormatter(rank_formatter(rank))
         logging.getLogger().addHandler(handler)
     before, _REPORT_TO = _REPORT_TO, (progress if rank == 0 else None)
     try:

@@ -390,7 +390,11 @@ def plot_png(rows: list[dict[str, Any]], title: str) -> bytes | None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(lengths), [f"{int(x):,}" for x in sorted(lengths)])
         if metric.endswith("_ms"):
-            ax.set_yscale("log")
+            from matplotlib.ticker import LogFormatter
+
+            ax.set_yscale("log")  # ticks in plain numbers (300), not 3×10²
+            ax.yaxis.set_major_formatter(LogFormatter())
+            ax.yaxis.set_minor_formatter(LogFormatter(minor_thresholds=(2, 0.5)))
         ax.set_xlabel("seq_len")
         ax.set_ylabel(label)
         ax.set_title(title)

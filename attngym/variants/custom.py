@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -61,6 +62,12 @@ KEYS = ("mask_mod", "mask_args", "score_mod", "score_args", "label")
 PROBE_POSITIONS = 16  # positions per axis of the probe grid, spread over the sequence
 
 
+# Packages an import path often names, and how to install them (the gym_* options' attention-gym).
+INSTALL = {
+    "attn_gym": "pip install attn-gym (in a clone of attngym, make setup installs it)",
+}
+
+
 @contextlib.contextmanager
 def _working_directory_importable() -> Iterator[None]:
     """The working directory on sys.path while importing: `python -m` puts it there, the
@@ -82,6 +89,9 @@ def _import(module: str, path: str, key: str) -> types.ModuleType:
         with _working_directory_importable():
             return importlib.import_module(module)
     except ModuleNotFoundError as err:
+        if err.name in INSTALL:
+            install = INSTALL[err.name]
+            raise ConfigError(key, f"{path!r} needs {err.name}, not installed: {install}") from None
         if err.name is not None and (module == err.name or module.startswith(f"{err.name}.")):
             raise ConfigError(
                 key,
@@ -169,6 +179,25 @@ def _positional(fn: Callable[..., Any]) -> tuple[int, int] | None:
     required = sum(p.default is p.empty for p in positional)
     most = 1 << 30 if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional)
     return required, most
+
+
+def _names_callback_arguments(fn: Callable[..., Any], kind: str) -> bool:
+    """Whether fn's positional parameters are a `kind`'s (b, h, q_idx, kv_idx, or with score)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[: len(ARGUMENTS[kind])] == list(ARGUMENTS[kind])
+
+
+def _required_names(fn: Callable[..., Any]) -> list[str]:
+    """The names of fn's required positional parameters."""
+    params = inspect.signature(fn).parameters.values()
+    return [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
 
 
 def _takes(fn: Callable[..., Any], count: int) -> bool:
@@ -259,12 +288,19 @@ def callback(
     signature = f"({', '.join(ARGUMENTS[kind])})"
     if not args and _takes(obj, want):
         return obj
+    if args and _takes(obj, want) and _names_callback_arguments(obj, kind):
+        raise ConfigError(
+            f"{args_key}.{next(iter(args))}",
+            f"{shown} is a {kind} itself {signature}, not a factory: it takes no {args_key}; "
+            f"remove them, or name a factory that returns a {kind}",
+        )
     if not args and _positional(obj) is not None and _positional(obj)[0] > 0:
-        required = _positional(obj)[0]
+        required = _required_names(obj)
         raise ConfigError(
             key,
-            f"{shown} takes {required} argument(s) and a {kind} takes {want} {signature}; if it "
-            f"is a factory, give its arguments as {args_key}.NAME=VALUE",
+            f"{shown} takes {', '.join(required)}, not a {kind}'s {signature}; if it is a "
+            f"factory, give its arguments: "
+            + " ".join(f"{args_key}.{name}=..." for name in required),
         )
     _check_factory(obj, kind=kind, path=shown, key=key)
     built = _call_factory(obj, args or {}, path=shown, key=args_key, device=device)
@@ -278,6 +314,30 @@ def callback(
             key, f"{shown} returned {what}; a {kind} takes {want} arguments {signature}"
         )
     return built
+
+
+def _probe_built(
+    fn: Callable[..., Any],
+    args: Mapping[str, Any],
+    *,
+    kind: str,
+    key: str,
+    seq_len: int,
+    heads: int,
+) -> None:
+    """probe(fn), a failure blamed on the factory argument that is text where the callback
+    raised TypeError or ValueError (`mask_args.window=abc`: the value is wrong, not the code)."""
+    try:
+        probe(fn, kind=kind, key=f"{key}.{kind}", seq_len=seq_len, heads=heads)
+    except ConfigError as err:
+        texts = [name for name, value in args.items() if isinstance(value, str)]
+        if not texts or not re.search(r"raised (TypeError|ValueError)", str(err)):
+            raise
+        args_key = f"{key}.{kind.replace('_mod', '_args')}.{texts[0]}"
+        detail = str(err).removeprefix(f"{err.key}: ")
+        raise ConfigError(
+            args_key, f"{args[texts[0]]!r} is text, and the {kind} built with it {detail}"
+        ) from None
 
 
 def _grid(seq_len: int, heads: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
@@ -465,7 +525,8 @@ def build(
     for kind, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None:
             check_device(fn, "cpu", key=f"{key}.{kind}", variant=_label(fn, entry.get(kind)))
-            probe(fn, kind=kind, key=f"{key}.{kind}", seq_len=size, heads=head_count)
+            args = recipe.mask_args if kind == "mask_mod" else recipe.score_args
+            _probe_built(fn, args, kind=kind, key=key, seq_len=size, heads=head_count)
     parts = [
         _label(fn, entry.get(k))
         for k, fn in (("mask_mod", mask_mod), ("score_mod", score_mod))

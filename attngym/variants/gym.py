@@ -1,6 +1,6 @@
 """attention-gym's generators from config-friendly arguments, for conf/attention/gym_*.yaml.
 
-attention-gym (`pip install "attngym[gym]"`) writes each variant as a generator returning a
+attention-gym (`pip install attn-gym`) writes each variant as a generator returning a
 FlexAttention callback. Most take numbers and lists, and their option names them directly
 (`mask_mod: attn_gym.masks.generate_sliding_window`); the few that take tensors, objects or an
 inner callback get a factory here that takes lists and integers, builds the tensors on the run's
