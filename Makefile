@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# A CPU build of torch, taken only when no torch is importable in the venv (a bare `torch`
-# requirement would pull a multi-GB CUDA build). On a GPU box, install your CUDA torch first.
+# The torch installed when none is importable in the venv: torch 2.13.0 as your pip's index has it
+# (a CPU build where a CPU wheel is the one pip finds; PyPI's Linux wheel is a multi-GB CUDA one).
+# For a CPU build from PyTorch's index: make setup TORCH_SPEC="torch --index-url
+# https://download.pytorch.org/whl/cpu". On a GPU box, install your CUDA torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
@@ -16,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "setup 2/4: pip"
 	$(PY) -m pip install --upgrade pip
 	@echo "setup 3/4: torch (skipped when the venv already has one; else $(TORCH_SPEC))"
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
 	@echo "setup 4/4: attngym and its dependencies (pyproject.toml), with the dev tools"
 	$(PY) -m pip install -e ".[dev]"
 	touch $@

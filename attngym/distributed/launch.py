@@ -69,7 +69,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from attngym.errors import ConfigError, RankFailure
@@ -355,6 +355,30 @@ def _rank_main(
     _exit_finished()
 
 
+@contextlib.contextmanager
+def _script_not_rerun(fn: Callable[..., Any], args: Sequence[Any]) -> Iterator[None]:
+    """Start ranks without running the caller's script again in each of them.
+
+    The start method "spawn" re-runs the main script (as `__mp_main__`) in every new process so
+    that functions defined there can be unpickled: a script calling `attngym.run(...)` without
+    `if __name__ == "__main__":` would run its whole self once more per rank. When neither `fn`
+    nor an argument comes from `__main__` (attngym's own tasks: the variant travels by import
+    path), the ranks need nothing of it, and the script's path is hidden from multiprocessing
+    while they start. A notebook has no script: nothing to hide.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    from_main = [x for x in (fn, *args) if getattr(x, "__module__", None) == "__main__"]
+    if main is None or path is None or from_main or getattr(main, "__spec__", None) is not None:
+        yield  # `python -m pkg` (a __spec__): multiprocessing re-imports the module, not a script
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def _exit_finished() -> None:
     """End a rank that finished, skipping the interpreter's teardown: a native thread of a
     library still joinable when the process tears down aborts it ("terminate called without an
@@ -415,22 +439,23 @@ def launch(
     ctx = None
     try:
         started = time.monotonic()
-        ctx = mp.start_processes(
-            _rank_main,
-            args=(
-                fn,
-                world_size,
-                device,
-                float(timeout_s),
-                None if run_dir is None else str(run_dir),
-                free_port(),
-                result_dir,
-                tuple(args),
-            ),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
+        with _script_not_rerun(fn, args):
+            ctx = mp.start_processes(
+                _rank_main,
+                args=(
+                    fn,
+                    world_size,
+                    device,
+                    float(timeout_s),
+                    None if run_dir is None else str(run_dir),
+                    free_port(),
+                    result_dir,
+                    tuple(args),
+                ),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
         try:
             while not ctx.join(timeout=HEARTBEAT_S, grace_period=GRACE_S):
                 _check_heartbeats(ctx.processes, result_dir, timeout_s, started)
