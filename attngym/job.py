@@ -406,13 +406,8 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
     the results table, then the failure raised, or exit code 1 for a failed validation.
     """
     if job.multirun:
-        log.info(
-            "job %s %s: %s (%s)",
-            job.num,
-            printable(" ".join(job.overrides)),
-            metrics["status"],
-            timeline.largest(metrics),
-        )
+        # Its overrides are on Hydra's launch line just above ("#N : ..."): status and time.
+        log.info("job %s %s: %s", job.num, metrics["status"], timeline.largest(metrics))
         if failure is not None and _stop_sweep_after(failure):
             from attngym.tracking.sweep import summarize
 

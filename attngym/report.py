@@ -33,8 +33,10 @@ body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: separate; border-spacing: 0; font-size: 13px; }
 th, td { border-right: 1px solid #ddd; border-bottom: 1px solid #ddd; padding: 3px 6px;
          text-align: right; white-space: nowrap; }
-th { background: #f0f0f0; position: sticky; top: 0; z-index: 1; text-align: center; }
-td.text { text-align: left; } td.error { text-align: left; white-space: normal; min-width: 30em; }
+th { background: #f0f0f0; position: sticky; top: 0; z-index: 1; text-align: center;
+     white-space: normal; min-width: 4em; max-width: 9em; vertical-align: bottom; }
+td.text { text-align: left; white-space: normal; min-width: 12em; }
+td.error { text-align: left; white-space: normal; min-width: 30em; }
 tr.failed td { background: #fde8e8; }
 .failures { border: 2px solid #c0392b; background: #fde8e8; padding: 0.5em 1em;
             overflow-wrap: anywhere; }
@@ -82,6 +84,12 @@ def _img(png: bytes, alt: str, cls: str = "") -> str:
     )
 
 
+def _header(name: str) -> str:
+    """A column's name that may wrap after its underscores (flex_over_best_sdpa_fwd), so the
+    table fits a laptop's width."""
+    return "_<wbr>".join(html.escape(part) for part in name.split("_"))
+
+
 def _cell(key: str, value: Any) -> str:
     from attngym.metrics import format_value
 
@@ -124,6 +132,7 @@ def build_report(folder: str | Path) -> str:
     from attngym.metrics import describe, format_value
     from attngym.pictures import PICTURES
     from attngym.tracking.sweep import (
+        headline,
         md_columns,
         plot_metric,
         plot_png,
@@ -143,9 +152,10 @@ def build_report(folder: str | Path) -> str:
     extra = sorted(
         {k for row in rows for k in row if k.startswith("flex_over_") and row[k] is not None}
     )
-    names = list(md_columns())
-    names[-1:-1] = [c for c in extra if c not in names]  # every ratio, before the error
+    names = [c for c in md_columns() if c != "error"]  # errors: the failures box, the cards
+    names += [c for c in extra if c not in names]  # every ratio
     columns, shared = table_layout(rows, names)
+    columns.sort(key=lambda c: not headline(c))  # what a reader looks at first, on screen
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
@@ -166,7 +176,7 @@ def build_report(folder: str | Path) -> str:
         ),
         _failures(rows),
         "<div class='table-wrap'><table><thead><tr>"
-        + "".join(f'<th title="{html.escape(describe(c))}">{html.escape(c)}</th>' for c in columns)
+        + "".join(f'<th title="{html.escape(describe(c))}">{_header(c)}</th>' for c in columns)
         + "</tr></thead><tbody>",
     ]
     for row in rows:

@@ -225,7 +225,7 @@ def _on_compile_start(args: Any = None) -> None:
     if _current is not None and by_dynamo and frame_compile.isdigit() and int(frame_compile) > 0:
         reason = _new_guard_failure() or "no reason recorded"
         _current.recompiles.append(reason)
-        short = reason if len(reason) <= 60 else reason[:57] + "..."  # a line, not a screen
+        short = reason if len(reason) <= 45 else reason[:42] + "..."  # a line, not a screen
         log.info("torch.compile recompiles (%s): %s", compile_id, short)
         log.debug("torch.compile recompiles (%s), in full: %s", compile_id, reason)
 

@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 from attngym.errors import ConfigError, Interrupted, failure_text
 from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
-from attngym.metrics import format_value, markdown_cell, printable, table_columns
+from attngym.metrics import format_value, markdown_cell, metric_of, printable, table_columns
 from attngym.overrides import as_typed, resume_command
 from attngym.results import BUSY_SPREAD, timing_spread
 from attngym.tracking.files import METRICS_FILE, load_metrics, read_metrics
@@ -240,6 +240,37 @@ def outcome_count(rows: list[dict[str, Any]]) -> str:
     )
 
 
+# A terminal's width: the printed summary fits it (summary.md, a file, has every column).
+PRINT_WIDTH = 100
+
+
+def _wrapped(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, PRINT_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def headline(column: str) -> bool:
+    """Whether a column is one a reader looks at first: the job, overrides, status, variant and
+    the metrics a run's own results table shows (attngym.metrics `shown`), speed-ups included."""
+    row = metric_of(column)
+    return column in KEPT_COLUMNS or (row is not None and bool(row.shown))
+
+
+def _fitting(rows: list[dict[str, Any]], columns: list[str]) -> tuple[list[str], list[str]]:
+    """The columns of the printed table: the job, its overrides, status and variant, then the
+    metrics a run's results table shows (attngym.metrics `shown`), the rightmost dropped until
+    the table fits PRINT_WIDTH (each failed job's error is logged under it whole)."""
+    keep = [c for c in columns if headline(c)]
+    dropped = [c for c in columns if not headline(c)]
+    while (
+        len(keep) > len(KEPT_COLUMNS)
+        and len(format_table(rows, keep, max_width=ERROR_WIDTH).splitlines()[0]) > PRINT_WIDTH
+    ):
+        dropped.append(keep.pop())
+    return keep, dropped
+
+
 def summary_text(rows: list[dict[str, Any]], *, printed: bool = False) -> str:
     """The summary as text: job counts, the settings every job shares, the table of the
     md_columns() that vary between jobs (errors cut to ERROR_WIDTH), and for summary.md (not
@@ -248,11 +279,15 @@ def summary_text(rows: list[dict[str, Any]], *, printed: bool = False) -> str:
     columns, shared = table_layout(rows, md_columns())
     lines = [f"{outcome_count(rows)}.", ""]
     if shared_overrides:
-        lines += [f"Overrides of every job: {printable(shared_overrides)}", ""]
+        lines += [*_wrapped(f"Overrides of every job: {printable(shared_overrides)}"), ""]
     if shared:
         settings = ", ".join(f"{k}={format_value(k, v)}" for k, v in shared.items())
-        lines += [f"Every job: {settings}", ""]
+        lines += [*_wrapped(f"Every job: {settings}"), ""]
+    if printed:
+        columns, dropped = _fitting(rows, columns)
     lines.append(format_table(rows, columns, max_width=ERROR_WIDTH))
+    if printed and dropped:
+        lines.append(f"({len(dropped)} more columns, the errors whole: summary.md, summary.csv)")
     failed = [row for row in rows if row.get("status") != "ok"]
     if failed and not printed:  # summary.md: every error whole, under the table
         lines += ["", "Errors:", ""]
@@ -653,7 +688,8 @@ class SweepSummary(_callback_base()):
         if failed:  # the sweep's exit code tells: Hydra lets SystemExit through
             print(
                 f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md); "
-                f"run them again (the jobs already ok are skipped) with: {again}",
+                f"the same command runs them again, skipping the jobs already ok:\n"
+                f"attngym: resume with: {again}",
                 file=sys.stderr,
                 flush=True,
             )
