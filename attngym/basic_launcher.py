@@ -31,7 +31,6 @@ from omegaconf import open_dict
 
 from attngym.errors import ConfigError, failure_text
 from attngym.fileio import check_target, write_error
-from attngym.overrides import as_typed
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,6 @@ class AttngymBasicLauncher(BasicLauncher):
             reason = str(err)
         else:
             reason = f"Hydra could not compose the job: {failure_text(err)}"
-        typed = " ".join(as_typed(o) for o in overrides)
-        log.error("job %d (%s) failed: %s", num, typed, reason)
+        log.error("job %d failed: %s", num, reason)  # its overrides: the launch line above
         record_failure(run_dir, overrides, reason)
         return JobReturn(overrides=overrides, status=JobStatus.COMPLETED)

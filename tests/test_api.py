@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 import attngym
@@ -59,3 +63,38 @@ def test_a_module_level_function_reaches_the_ranks_of_a_ring(tmp_path):
     )
     assert metrics["status"] == "ok" and metrics["validation"] == "ok"
     assert metrics["world_size"] == 2
+
+
+def test_a_script_without_a_main_guard_runs_context_parallel_once(tmp_path):
+    """Ranks start with "spawn", which re-runs the main script in each: attngym's ranks need
+    nothing of it, so a script without `if __name__ == "__main__":` runs once."""
+    (tmp_path / "diag.py").write_text(
+        "def band(b, h, q_idx, kv_idx):\n    return (q_idx - kv_idx).abs() <= 8\n"
+    )
+    (tmp_path / "script.py").write_text(
+        "import attngym\n"
+        "from diag import band\n"
+        "print('script body', flush=True)\n"
+        "m = attngym.run(mask_mod=band, overrides=['topology=ring', 'topology.world_size=2',\n"
+        "    'device=cpu', 'shape.seq_len=128', 'shape.heads=2', 'shape.head_dim=16',\n"
+        "    'logger=none', 'baselines=[]', 'benchmark.warmup=0', 'benchmark.repeats=1'])\n"
+        "print('status', m['status'], flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
+    proc = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("script body") == 1 and "status ok" in proc.stdout
+
+
+def test_help_shows_runs_own_signature():
+    import inspect
+
+    assert "mask_mod" in inspect.signature(attngym.run).parameters
+    assert "Run one experiment" in (attngym.run.__doc__ or "")

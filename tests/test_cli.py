@@ -7,6 +7,7 @@ the run is shared by the tests of this module (one Hydra subprocess costs severa
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -466,6 +467,37 @@ def test_timings_of_a_busy_machine_are_flagged(tmp_path):
     calm = {"status": "ok", "fwd_ms": 10.0, "fwd_ms_min": 9.5, "fwd_ms_max": 11.0}
     assert "warning" not in format_results(calm, tmp_path)
     busy = {**calm, "fwd_ms_max": 25.0}
-    assert "warning: timed forwards spread 9.50-25.0 ms (2.6x)" in format_results(
-        busy, tmp_path
-    )
+    assert "warning: timed forwards spread 9.50-25.0 ms (2.6x)" in format_results(busy, tmp_path)
+
+
+def test_the_results_table_fits_a_terminal_and_says_slower_below_1(tmp_path):
+    from attngym.results import format_results
+
+    run = {
+        "status": "ok",
+        "variant": "causal",
+        "device": "cpu",
+        "seq_len": 1024,
+        "flex_over_best_sdpa_fwd": 0.096,
+        "best_sdpa_fwd": "sdpa",
+        "flex_over_sdpa_dense_mask_fwd": 2.5,
+        "bwd_status": "not available: FlexAttention has no CPU backward",
+    }
+    text = format_results(run, tmp_path)
+    assert max(len(line) for line in text.splitlines() if str(tmp_path) not in line) <= 100
+    assert "0.0960 (10.4x slower)" in text and "2.50\n" in text + "\n"
+    assert "context-parallel runs time one on the dense kernel" in text
+
+
+def test_torchrun_ranks_tag_their_terminal_lines():
+    from attngym import job
+
+    handler = logging.StreamHandler()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        job._tag_console(3)
+        record = logging.LogRecord("x", logging.INFO, __file__, 1, "hello", None, None)
+        assert "[rank3][INFO] hello" in handler.format(record)
+    finally:
+        root.removeHandler(handler)

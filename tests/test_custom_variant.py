@@ -155,7 +155,22 @@ def test_a_callback_reading_a_tensor_elsewhere_is_refused_naming_it(mymasks):
         ({"mask_mod": "mymasks.NOT_A_FUNCTION"}, "attention.mask_mod", "not a function"),
         ({"mask_mod": "mymasks.three"}, "attention.mask_mod", "a mask_mod takes 4"),
         ({"score_mod": "mymasks.checkerboard"}, "attention.score_mod", "a score_mod takes 5"),
-        ({"mask_mod": "mymasks.strided"}, "attention.mask_mod", "give its arguments"),
+        (
+            {"mask_mod": "mymasks.strided"},
+            "attention.mask_mod",
+            r"takes \(stride\); .* give its arguments: attention.mask_args.stride=...",
+        ),
+        (
+            {"mask_mod": "mymasks.checkerboard", "mask_args": {"stride": 2}},
+            "attention.mask_args.stride",
+            "is a mask_mod itself .*not a factory",
+        ),
+        (
+            {"mask_mod": "mymasks.strided", "mask_args": {"stride": "abc"}},
+            "attention.mask_args.stride",
+            "'abc' is text, and the mask_mod built with it raised TypeError",
+        ),
+        ({"mask_mod": "attn_gym_missing_here.masks.x"}, "attention.mask_mod", "no module"),
         (
             {"mask_mod": "mymasks.strided", "mask_args": {"strid": 2}},
             "attention.mask_args.strid",
@@ -258,3 +273,11 @@ def test_a_config_folder_of_your_own_makes_its_attention_files_options(tmp_path)
     assert prepare_overrides(["attention=board", searchpath])[0] == "attention=board"
     with pytest.raises(ConfigError, match="unknown option 'board'"):
         prepare_overrides(["attention=board"])
+
+
+def test_attention_gym_missing_names_its_install(mymasks, monkeypatch):
+    for name in [n for n in sys.modules if n.startswith("attn_gym")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "attn_gym", None)
+    with pytest.raises(ConfigError, match="needs attn_gym, not installed: pip install attn-gym"):
+        custom(mask_mod="attn_gym.masks.causal_mask")

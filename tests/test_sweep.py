@@ -278,11 +278,58 @@ def test_a_failed_sweep_prints_the_command_that_resumes_it(tmp_path, attngym_cli
     args += ["shape.seq_len=64", "logger=none", "benchmark.repeats=1", "validate_rows=16"]
     first = attngym_cli(args, tmp_path)
     assert first.returncode == 1
-    line = next(x for x in first.stderr.splitlines() if "run them again" in x)
-    command = line.split(" with: ", 1)[1]
+    line = next(x for x in first.stderr.splitlines() if "resume with" in x)
+    command = line.split(": ", 2)[2]
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "attngym"] and words[3:-1] == args
     assert words[-1].startswith("hydra.sweep.dir=multirun/")
     again = attngym_cli(words[3:], tmp_path)  # the command as printed, pasted
     assert again.returncode == 1
     assert "already ok in" in again.stderr + again.stdout  # window_size=8 is not run again
+
+
+def test_a_failed_jobs_empty_cells_make_no_column_vary():
+    from attngym.tracking.sweep import table_layout
+
+    rows = [
+        {"job": "0", "status": "ok", "variant": "causal", "device": "cpu", "seq_len": 512},
+        {"job": "1", "status": "failed", "error": "boom"},
+    ]
+    columns, shared = table_layout(rows, ["job", "status", "variant", "device", "seq_len"])
+    assert columns == ["job", "status", "variant"] and shared == {"device": "cpu", "seq_len": 512}
+
+
+def test_the_printed_summary_fits_a_terminal_and_summary_md_keeps_every_error():
+    from attngym.tracking.sweep import PRINT_WIDTH, summary_text
+
+    many = {f"flex_over_sdpa_{p}": 1.0 + i for i, p in enumerate(("fwd", "fwd_bwd", "bwd"))}
+    rows = [
+        {
+            "job": str(i),
+            "overrides": f"shape.seq_len={512 * (i + 1)}",
+            "status": "ok",
+            "variant": "causal",
+            "seq_len": 512 * (i + 1),
+            "fwd_ms": 1.5 * i,
+            "fwd_ms_min": 1.0 * i,
+            "fwd_ms_max": 2.0 * i,
+            "wall_s": 3.0 * i,
+            "peak_mem_bytes": 2**20 * i,
+            "err_out_rel": 1e-7 * i,
+            **{k: v * i for k, v in many.items()},
+        }
+        for i in range(1, 4)
+    ] + [{"job": "4", "overrides": "shape.seq_len=9999", "status": "failed", "error": "x" * 200}]
+    printed = summary_text(rows, printed=True)
+    assert max(len(line) for line in printed.splitlines()) <= PRINT_WIDTH
+    assert "more columns, the errors whole: summary.md, summary.csv" in printed
+    md = summary_text(rows)
+    assert "- job 4: " + "x" * 200 in md  # the whole error, under the table
+    assert "4 jobs, 1 failed." in md
+
+
+def test_an_interrupted_job_is_counted_apart():
+    from attngym.tracking.sweep import outcome_count
+
+    rows = [{"status": "ok"}, {"status": "failed"}, {"status": "interrupted"}]
+    assert outcome_count(rows) == "3 jobs, 1 failed, 1 interrupted"

@@ -564,3 +564,29 @@ def test_zoom_of_a_window_at_one_token_a_cell_shows_its_far_edge():
     q0, k0 = viz.zoom_origin(viz.pooled_keep(mask_mod, 256, 1), 1, 64, 256)
     assert q0 - (k0 + 63) < 64 < (q0 + 63) - k0  # the square holds q - kv = 64, the far edge
     assert q0 <= k0 + 63  # and the diagonal
+
+
+def test_the_colour_bar_says_score_mod_only_when_there_is_one(rng):
+    q = torch.randn(1, 1, 16, 8, generator=rng)
+    plain = utils.plot_attention_scores(q, q, mask_mod=causal, device="cpu")
+    capped = utils.plot_attention_scores(
+        q, q, score_mod=lambda s, b, h, qi, ki: s / 2, device="cpu"
+    )
+    assert plain.axes[1].get_ylabel() == "score (q·k, scaled)"
+    assert capped.axes[1].get_ylabel() == "score (after score_mod)"
+
+
+def test_a_picture_title_fits_however_long_the_variants_arguments():
+    title = viz.short_title(
+        "gym_generate_doc_mask_mod",
+        {
+            "mask_mod": "attn_gym.masks.causal_mask",
+            "mask_args": {"offsets": list(range(0, 900, 9))},
+        },
+    )
+    assert len(title) <= viz.TITLE_WIDTH and title.startswith("gym_generate_doc_mask_mod(")
+    assert "causal_mask" in title and "attn_gym.masks" not in title
+    assert (
+        viz.short_title("sliding_window", {"window_size": 128}) == "sliding_window(window_size=128)"
+    )
+    assert viz.short_title("custom", {"mask_args": {"stride": 2}}) == "custom(stride=2)"

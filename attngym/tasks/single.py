@@ -271,7 +271,7 @@ def _baseline(
     gqa = k.shape[1] != q.shape[1]
     if name == "sdpa" or name in SDPA_BACKENDS:
         if variant.sdpa is None:
-            return None, f"SDPA cannot express {variant.name!r} (is_causal only)"
+            return None, f"no SDPA form of {variant.name!r} (is_causal only)"
         if name != "sdpa" and device.type != "cuda":
             return None, f"{name} is a CUDA backend"
         is_causal = variant.sdpa == "causal"

@@ -84,7 +84,9 @@ def table_layout(
         return present, {}
     shared = {}
     for c in present:  # a failed job's missing values (None) make no column vary
-        values = [row.get(c) for row in rows if row.get(c) is not None]
+        values = [
+            row.get(c) for row in rows if row.get("status") == "ok" or row.get(c) is not None
+        ]
         if c not in KEPT_COLUMNS and all(v == values[0] for v in values):
             shared[c] = values[0]
     return [c for c in present if c not in shared], shared
@@ -676,8 +678,7 @@ class SweepSummary(_callback_base()):
         failed = [row for row in rows if row.get("status") != "ok"]
         print(f"\n{summary_text(rows, printed=True)}\n", flush=True)  # the sweep's answer
         for row in failed:
-            what = (row["job"], row["overrides"], row.get("error"))
-            log.error("job %s (%s) failed: %s", *(printable(str(w)) for w in what))
+            log.error("job %s failed: %s", row["job"], printable(str(row.get("error"))))
         log.info(
             "sweep: %d jobs, %d failed; summary in %s",
             len(rows),
@@ -687,9 +688,8 @@ class SweepSummary(_callback_base()):
         again = resume_command(sweep_dir)
         if failed:  # the sweep's exit code tells: Hydra lets SystemExit through
             print(
-                f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md); "
-                f"the same command runs them again, skipping the jobs already ok:\n"
-                f"attngym: resume with: {again}",
+                f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md)\n"
+                f"attngym: resume with (jobs already ok are skipped): {again}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -89,9 +89,10 @@ def _import(module: str, path: str, key: str) -> types.ModuleType:
         with _working_directory_importable():
             return importlib.import_module(module)
     except ModuleNotFoundError as err:
-        if err.name in INSTALL:
-            install = INSTALL[err.name]
-            raise ConfigError(key, f"{path!r} needs {err.name}, not installed: {install}") from None
+        package = (err.name or "").split(".")[0]
+        if package in INSTALL:
+            install = INSTALL[package]
+            raise ConfigError(key, f"{path!r} needs {package}, not installed: {install}") from None
         if err.name is not None and (module == err.name or module.startswith(f"{err.name}.")):
             raise ConfigError(
                 key,
@@ -298,8 +299,8 @@ def callback(
         required = _required_names(obj)
         raise ConfigError(
             key,
-            f"{shown} takes {', '.join(required)}, not a {kind}'s {signature}; if it is a "
-            f"factory, give its arguments: "
+            f"{shown} takes ({', '.join(required)}); a {kind} takes {want} {signature}; if it "
+            f"is a factory, give its arguments: "
             + " ".join(f"{args_key}.{name}=..." for name in required),
         )
     _check_factory(obj, kind=kind, path=shown, key=key)

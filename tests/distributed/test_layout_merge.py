@@ -156,3 +156,19 @@ def test_merge_is_differentiable(rng):
         return merge(list(tensors[:3]), list(tensors[3:]))
 
     assert torch.autograd.gradcheck(merged, inputs)
+
+
+def test_a_wait_that_fails_at_once_is_not_called_a_timeout():
+    """A peer rank that ended makes gloo's wait fail at once: the message says so, not "timed
+    out after 120 s"."""
+    from attngym.distributed.p2p import _wait
+    from attngym.errors import RankFailure
+
+    class Broken:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer\nmore gloo detail")
+
+    with pytest.raises(RankFailure) as err:
+        _wait([Broken()], timeout_s=120, device=torch.device("cpu"), what="ring step 1")
+    assert "failed after 0.0 s (a peer rank ended): Connection closed by peer" in str(err.value)
+    assert "timed out" not in str(err.value) and "\n" not in str(err.value)

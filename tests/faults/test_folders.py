@@ -236,3 +236,15 @@ def test_two_sweeps_with_different_grids_into_one_folder(tmp_path, attngym_cli):
     assert "it had attention=causal, this one has attention=full" in line
     assert (folder / "0" / "metrics.json").read_text() == kept  # the first sweep's results stay
     assert not (folder / "1").exists()
+
+
+def test_a_holder_that_exits_without_releasing_leaves_no_stale_name(tmp_path):
+    """A clean exit (a Ctrl-C's SystemExit included) empties the lock file: the next writer
+    takes it without calling the holder dead."""
+    code = (
+        "import sys; from attngym.tracking.lock import FolderLock; "
+        f"FolderLock({str(tmp_path)!r}).acquire(); sys.exit(130)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == 130
+    assert (tmp_path / LOCK_FILE).read_text() == ""
