@@ -210,11 +210,15 @@ def short_title(name: str, params: Mapping[str, Any]) -> str:
         if isinstance(value, Mapping):
             return ", ".join(f"{k}={shown(v)}" for k, v in value.items())
         text = str(value)
-        return text.rsplit(".", 1)[-1] if IMPORT_PATH.match(text) else text
+        text = text.rsplit(".", 1)[-1] if IMPORT_PATH.match(text) else text
+        return text if len(text) <= 24 else f"{text[:20]}...{text[-1]}"  # [204, 51, 10...]
 
     parts = [shown(v) if isinstance(v, Mapping) else f"{k}={shown(v)}" for k, v in params.items()]
-    title = f"{name}({', '.join(p for p in parts if p)})" if any(parts) else name
-    return title if len(title) <= TITLE_WIDTH else title[: TITLE_WIDTH - 3] + "..."
+    inside = ", ".join(p for p in parts if p)
+    room = TITLE_WIDTH - len(name) - 2
+    if len(inside) > room:
+        inside = inside[: max(room - 3, 0)] + "..."
+    return f"{name}({inside})" if inside else name
 
 
 def _score_figure(
