@@ -37,7 +37,7 @@ from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
 from attngym.metrics import format_value, markdown_cell, metric_of, printable, table_columns
 from attngym.overrides import as_typed, resume_command
 from attngym.results import BUSY_SPREAD, timing_spread
-from attngym.tracking.files import METRICS_FILE, load_metrics, read_metrics
+from attngym.tracking.files import METRICS_FILE, load_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
 
 log = logging.getLogger(__name__)
@@ -464,7 +464,7 @@ def finished_jobs(sweep_dir: str | Path, since: float) -> int:
     did not end ok is a job the sweep runs again: not yet counted."""
     count = 0
     for job_dir in job_dirs(Path(sweep_dir)):
-        metrics = read_metrics(job_dir)
+        metrics, _ = load_metrics(job_dir)  # polled: the summary warns about a bad one, once
         if metrics is None:
             continue
         complete, ok = metrics.get("complete") is True, metrics.get("status") == "ok"
