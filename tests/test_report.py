@@ -73,7 +73,7 @@ def test_report_columns_carry_the_metric_table_and_typed_overrides(sweep):
     hydra_form = "- ++attention.window_size=16\n- block_size='64'\n- shape.seq_len=64\n"
     (sweep / "0" / ".hydra" / "overrides.yaml").write_text(hydra_form)
     text = report.build_report(sweep)
-    assert f'<th title="{describe("fwd_ms")}">fwd_ms</th>' in text
+    assert f'<th title="{describe("fwd_ms")}">fwd_<wbr>ms</th>' in text  # wraps there
     assert "fwd (ms) [ms]: forward time" in describe("fwd_ms")
     assert "attention.window_size=16" in text and "block_size=64" in text
     assert "++attention" not in text and "&#x27;64&#x27;" not in text
