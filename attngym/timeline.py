@@ -192,7 +192,7 @@ def largest(metrics: Mapping[str, Any], n: int = LARGEST) -> str:
     where = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in top)
     line = f"wall {wall:.1f} s" + (f", most in {where}" if where else "")
     if metrics.get("recompiles"):
-        line += f"; {metrics['recompiles']} recompiles (reasons in the log)"
+        line += f"; {metrics['recompiles']} recompiles (see the log)"
     return line
 
 

@@ -293,7 +293,8 @@ def test_a_failed_jobs_empty_cells_make_no_column_vary():
 
     rows = [
         {"job": "0", "status": "ok", "variant": "causal", "device": "cpu", "seq_len": 512},
-        {"job": "1", "status": "failed", "error": "boom"},
+        {"job": "1", "status": "ok", "variant": "causal", "device": "cpu", "seq_len": 512},
+        {"job": "2", "status": "failed", "error": "boom"},
     ]
     columns, shared = table_layout(rows, ["job", "status", "variant", "device", "seq_len"])
     assert columns == ["job", "status", "variant"] and shared == {"device": "cpu", "seq_len": 512}

@@ -97,6 +97,6 @@ def test_the_closing_line_names_the_largest_three():
     }
     assert timeline.largest(metrics) == (
         "wall 23.4 s, most in first_call 12.1 s, baseline_sdpa_cudnn 3.2 s, tracker 2.0 s; "
-        "2 recompiles (reasons in the log)"
+        "2 recompiles (see the log)"
     )
     assert timeline.largest({}) == ""

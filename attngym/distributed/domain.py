@@ -105,9 +105,8 @@ def _fabric_domain(gpu_uuid: str) -> str | None:
         return None
     domain, reason = _run_probe(gpu_uuid)
     if domain is None:
-        log.info(
-            "nvlink_domain: no NVLink fabric on %s (%s); using the host name", gpu_uuid, reason
-        )
+        log.info("nvlink_domain: no NVLink fabric (%s); using the host name", reason)
+        log.debug("nvlink_domain: probed %s", gpu_uuid)
     return domain
 
 

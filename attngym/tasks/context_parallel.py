@@ -634,8 +634,8 @@ def torch_cp_skip_reason(
         return why
     if world_size > 1 and device_type == "cuda" and backend == "gloo":
         return (
-            "PyTorch's CP all-gathers CUDA shards over the process group, which crashed on gloo "
-            "(SIGSEGV in all_gather_tensor, two ranks on one H200); it needs nccl"
+            # Measured: SIGSEGV in all_gather_tensor, two ranks on one H200 over gloo.
+            "PyTorch's CP needs nccl for CUDA shards (it crashed on gloo)"
         )
     block = tcp.block_size()
     if tuple(settings.block_size) != (block, block):

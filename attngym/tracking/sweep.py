@@ -85,7 +85,8 @@ def table_layout(
     shared = {}
     for c in present:  # a failed job's missing values (None) make no column vary
         values = [row.get(c) for row in rows if row.get("status") == "ok" or row.get(c) is not None]
-        if c not in KEPT_COLUMNS and all(v == values[0] for v in values):
+        agreed = len(values) > 1 and all(v == values[0] for v in values)  # one job is no "every"
+        if c not in KEPT_COLUMNS and agreed:
             shared[c] = values[0]
     return [c for c in present if c not in shared], shared
 
