@@ -144,8 +144,8 @@ def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int
 
     Raises:
         FileNotFoundError: it does not exist.
-        ReadRefused: a symlink on the way, not a regular file, or larger than `limit`.
-        OSError: the read failed.
+        ReadRefused: a symlink on the way, not a regular file, larger than `limit`, or any
+            other error reading it (its reason).
     """
     path = Path(root) / relative
     parts = Path(relative).parts
@@ -163,7 +163,9 @@ def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int
                 ):
                     where = "it is" if last else f"its folder {Path(*parts[: i + 1])} is"
                     raise ReadRefused(path, f"{where} a symlink") from None
-                raise OSError(err.errno, err.strerror, str(path)) from None  # the same subclass
+                if isinstance(err, FileNotFoundError):
+                    raise FileNotFoundError(err.errno, err.strerror, str(path)) from None
+                raise ReadRefused(path, err.strerror or str(err)) from None
         info = os.fstat(fds[-1])
         if not stat.S_ISREG(info.st_mode):
             raise ReadRefused(path, "not a regular file (a FIFO, socket or device)")
@@ -175,6 +177,10 @@ def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int
         if len(data) > limit:
             raise ReadRefused(path, f"more than the {limit} bytes a real one has")
         return data
+    except OSError as err:
+        if isinstance(err, ReadRefused | FileNotFoundError):
+            raise
+        raise ReadRefused(path, err.strerror or str(err)) from None  # an I/O error, a bad root
     finally:
         for fd in fds:
             os.close(fd)

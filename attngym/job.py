@@ -259,11 +259,9 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
                         _track(cfg, job, settings, tracker, metrics, images)
             metrics.update(_run_time())
             _write_metrics(job, metrics, complete=True)
-        except OSError as err:  # a full disk, a symlink where a file goes
-            failure = _unwritten(job, metrics, err)
         except Interrupted:
             raise
-        except CODE_ERRORS as err:  # the user's callbacks run again in the pictures
+        except CODE_ERRORS as err:  # a full disk, a symlink, the callbacks in the pictures
             failure = _failed(job, metrics, err)
     except Interrupted as stop:
         _stop_interrupted(job, metrics, stop)
@@ -442,23 +440,19 @@ def _one_line(failure: BaseException) -> str:
     return write_error(failure) if isinstance(failure, OSError) else str(failure)
 
 
-def _unwritten(job: Job, metrics: dict[str, Any], err: OSError) -> OSError:
-    """A write of the run failed: the run fails with `could not write <path>: ...`; metrics.json
-    says so if it can still be written, and the metrics stay in memory for the results table."""
+def _failed(job: Job, metrics: dict[str, Any], err: BaseException) -> BaseException:
+    """The run fails after its task: a write (`could not write <path>: ...`, a full disk, a
+    symlink) or the run's code again (drawing the pictures runs the callbacks, its traceback
+    logged). metrics.json says so if it can still be written; the metrics stay in memory for
+    the results table."""
     from attngym.fileio import write_error
 
-    metrics.update(status="failed", error=write_error(err))
-    log.error("%s", metrics["error"])
-    with contextlib.suppress(OSError):
-        _write_metrics(job, metrics, complete=False)
-    return err
-
-
-def _failed(job: Job, metrics: dict[str, Any], err: BaseException) -> BaseException:
-    """The run's code failed after metrics.json (drawing the pictures runs the callbacks
-    again): the run fails with that error, recorded in metrics.json if it can be written."""
-    log.exception("run failed")
-    metrics.update(status="failed", error=failure_text(err))
+    if isinstance(err, OSError):
+        metrics.update(status="failed", error=write_error(err))
+        log.error("%s", metrics["error"])
+    else:
+        log.exception("run failed")
+        metrics.update(status="failed", error=failure_text(err))
     with contextlib.suppress(OSError):
         _write_metrics(job, metrics, complete=False)
     return err
@@ -466,18 +460,12 @@ def _failed(job: Job, metrics: dict[str, Any], err: BaseException) -> BaseExcept
 
 def _unlockable(job: Job, err: OSError) -> dict[str, Any]:
     """The run folder cannot be locked: a single run stops with one line (exit 1); in a sweep
-    the job fails, recorded in its metrics.json where that can be written, and the sweep goes
-    on."""
-    from attngym.fileio import write_error
-
-    line = write_error(err)
+    the job fails (_failed) and the sweep goes on."""
     if not job.multirun:
-        print(f"attngym: error: {line}", file=sys.stderr, flush=True)
+        print(f"attngym: error: {_one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
-    log.error("job %s: %s", job.num, line)
-    metrics = {"status": "failed", "error": line}
-    with contextlib.suppress(OSError):
-        _write_metrics(job, metrics, complete=False)
+    metrics: dict[str, Any] = {}
+    _failed(job, metrics, err)
     return metrics
 
 

@@ -580,6 +580,11 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: " " if m[0] in "\t\n\r" else repr(m[0])[1:-1], text)
 
 
+def shortened(text: str, width: int) -> str:
+    """`text` cut to `width` characters, ending in "..." where it was cut."""
+    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
 def markdown_cell(text: str) -> str:
     """`text` inside one cell of a Markdown table (summary.md, results.md): printable, and a
     `|` escaped so that it does not open another column."""

@@ -70,8 +70,8 @@ def _picture(folder: Path, relative: str) -> bytes | None:
         return read_inside(folder, relative, PICTURE_LIMIT)
     except FileNotFoundError:
         return None
-    except OSError as err:
-        log.warning("%s", err if isinstance(err, ReadRefused) else write_error(err))
+    except ReadRefused as err:
+        log.warning("%s", err)
         return None
 
 

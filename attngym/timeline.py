@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from attngym.metrics import shortened
+
 log = logging.getLogger(__name__)
 
 # The phases the run layer and the tasks mark, in run order; a contender's is baseline_<name>.
@@ -225,8 +227,7 @@ def _on_compile_start(args: Any = None) -> None:
     if _current is not None and by_dynamo and frame_compile.isdigit() and int(frame_compile) > 0:
         reason = _new_guard_failure() or "no reason recorded"
         _current.recompiles.append(reason)
-        short = reason if len(reason) <= 45 else reason[:42] + "..."  # a line, not a screen
-        log.info("torch.compile recompiles (%s): %s", compile_id, short)
+        log.info("torch.compile recompiles (%s): %s", compile_id, shortened(reason, 45))
         log.debug("torch.compile recompiles (%s), in full: %s", compile_id, reason)
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attngym.device import resolve_device
+from attngym.metrics import shortened
 from attngym.reference import index_grids
 from attngym.variants.base import MaskMod, ScoreMod
 
@@ -214,10 +215,7 @@ def short_title(name: str, params: Mapping[str, Any]) -> str:
         return text if len(text) <= 24 else f"{text[:20]}...{text[-1]}"  # [204, 51, 10...]
 
     parts = [shown(v) if isinstance(v, Mapping) else f"{k}={shown(v)}" for k, v in params.items()]
-    inside = ", ".join(p for p in parts if p)
-    room = TITLE_WIDTH - len(name) - 2
-    if len(inside) > room:
-        inside = inside[: max(room - 3, 0)] + "..."
+    inside = shortened(", ".join(p for p in parts if p), TITLE_WIDTH - len(name) - 2)
     return f"{name}({inside})" if inside else name
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from attngym import registry
 from attngym.fileio import ReadRefused, atomic_write, read_inside, remove_stale_tmps
-from attngym.metrics import format_value, markdown_cell, metric_of, printable
+from attngym.metrics import format_value, markdown_cell, metric_of, printable, shortened
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ def load_metrics(run_dir: str | Path) -> tuple[dict[str, Any] | None, str | None
         raw = read_inside(run_dir, METRICS_FILE, METRICS_LIMIT)
     except FileNotFoundError:
         return None, None
-    except OSError as err:
-        return None, f"unreadable ({err.reason if isinstance(err, ReadRefused) else err})"
+    except ReadRefused as err:
+        return None, f"unreadable ({err.reason})"
     try:
         data = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as err:
@@ -135,18 +135,13 @@ def _wrong_value(data: Mapping[str, Any]) -> str | None:
         if check is None and (row := metric_of(key)) is not None and row.unit:
             check, allowed = _is_number, f"a number ({row.unit})"
         if check is not None and not check(value):
-            return f"{key} is {_shown(value)}, not {allowed}"
+            return f"{key} is {shortened(json.dumps(value), 40)}, not {allowed}"
     return None
 
 
 def _is_number(value: Any) -> bool:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     return value is None or number or value in NONFINITE
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def record_failure(

@@ -34,7 +34,14 @@ from typing import Any, NoReturn
 
 from attngym.errors import ConfigError, Interrupted, failure_text
 from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
-from attngym.metrics import format_value, markdown_cell, metric_of, printable, table_columns
+from attngym.metrics import (
+    format_value,
+    markdown_cell,
+    metric_of,
+    printable,
+    shortened,
+    table_columns,
+)
 from attngym.overrides import as_typed, resume_command
 from attngym.results import BUSY_SPREAD, timing_spread
 from attngym.tracking.files import METRICS_FILE, load_metrics
@@ -135,8 +142,8 @@ def job_overrides(job_dir: Path) -> list[str]:
         raw = read_inside(job_dir, ".hydra/overrides.yaml", OVERRIDES_LIMIT)
     except FileNotFoundError:
         return []
-    except OSError as err:
-        log.warning("%s", err if isinstance(err, ReadRefused) else write_error(err))
+    except ReadRefused as err:
+        log.warning("%s", err)
         return []
     try:
         data = load_yaml(raw)
@@ -198,9 +205,7 @@ def format_table(
 
     def cell(column: str, value: Any) -> str:
         text = markdown_cell(format_value(column, value))
-        if max_width is not None and len(text) > max_width:
-            text = text[: max_width - 3] + "..."
-        return text
+        return text if max_width is None else shortened(text, max_width)
 
     body = [[cell(c, row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(line[i]) for line in body]) for i, c in enumerate(columns)]
@@ -542,7 +547,7 @@ def record_grid(sweep_dir: str | Path, overrides: Sequence[str]) -> None:
             raise ValueError(f'"overrides" is {json.dumps(recorded)[:40]}, not a list of text')
     except FileNotFoundError:
         recorded = None
-    except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:
+    except (ReadRefused, ValueError, TypeError, KeyError, RecursionError) as err:
         why = err.reason if isinstance(err, ReadRefused) else f"{type(err).__name__}: {err}"
         raise ConfigError(
             "hydra.sweep.dir",
@@ -581,7 +586,7 @@ def _ends_the_sweep_on_error(method: Callable[..., None]) -> Callable[..., None]
             if isinstance(err, ConfigError | FolderLocked):
                 line = str(err)
             elif isinstance(err, OSError):  # a full disk, a symlink where a file goes
-                line = err.reason if isinstance(err, ReadRefused) else write_error(err)
+                line = write_error(err)
             else:
                 line = f"the sweep's {method.__name__} failed: {failure_text(err)}"
             print(f"attngym: error: {line}", file=sys.stderr, flush=True)
