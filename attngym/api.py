@@ -12,7 +12,7 @@ returns the run's metrics.json as a dict, so a notebook needs no Hydra of its ow
 Callables given as objects reach the run by an import path: a function defined at the top of an
 importable module by its own (`mymasks:checkerboard`), anything else (a lambda, a closure a
 factory returned, a function of a notebook cell) through a module this process keeps,
-`attngym.variants.custom.objects`. Context-parallel ranks start as new processes and rebuild the
+`attngym.user_code.objects`. Context-parallel ranks start as new processes and rebuild the
 variant by its import path, so there only the first kind can travel: the CP task refuses the
 others before it starts a rank, naming the key and what to do instead.
 """
@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from attngym import user_code
 from attngym.errors import ConfigError
-from attngym.variants import custom
 
-# The module through which in-process objects are found by path (attngym.variants.custom).
-objects = custom.objects
+# The module through which in-process objects are found by path (attngym.user_code).
+objects = user_code.objects
 
 
 def _own_path(fn: Any) -> str | None:

@@ -33,26 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import inspect
-import os
 import re
-import sys
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from attngym import user_code
 from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, closest, failure_text
 from attngym.variants.base import Variant
 
 NAME = "custom"
-# Callables handed over as objects in this process (attngym.run: a lambda, a closure, a function
-# of a notebook cell) are found by path in this module; no other process has them.
-objects = types.ModuleType(f"{__name__}.objects", "callables handed over in this process")
-sys.modules[objects.__name__] = objects
 # The callbacks' positional arguments, in FlexAttention's order.
 ARGUMENTS = {
     "mask_mod": ("b", "h", "q_idx", "kv_idx"),
@@ -62,105 +55,15 @@ KEYS = ("mask_mod", "mask_args", "score_mod", "score_args", "label")
 PROBE_POSITIONS = 16  # positions per axis of the probe grid, spread over the sequence
 
 
-# Packages an import path often names, and how to install them (the gym_* options' attention-gym).
-INSTALL = {
-    "attn_gym": "pip install attn-gym (in a clone of attngym, make setup installs it)",
-}
-
-
-@contextlib.contextmanager
-def _working_directory_importable() -> Iterator[None]:
-    """The working directory on sys.path while importing: `python -m` puts it there, the
-    `attngym` console script does not, and a researcher's mymasks.py lives beside their runs."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added:
-            with contextlib.suppress(ValueError):
-                sys.path.remove(cwd)
-
-
-def _import(module: str, path: str, key: str) -> types.ModuleType:
-    try:
-        with _working_directory_importable():
-            return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        package = (err.name or "").split(".")[0]
-        if package in INSTALL:
-            install = INSTALL[package]
-            raise ConfigError(key, f"{path!r} needs {package}, not installed: {install}") from None
-        if err.name is not None and (module == err.name or module.startswith(f"{err.name}.")):
-            raise ConfigError(
-                key,
-                f"{path!r}: no module {err.name!r} (looked in the working directory "
-                f"{os.getcwd()} and PYTHONPATH); the path is module.name, e.g. "
-                "mymasks.checkerboard for a mymasks.py beside your runs",
-            ) from None
-        raise ConfigError(key, f"{path!r}: importing {module} failed: {err}") from None
-    except Interrupted:
-        raise
-    except CODE_ERRORS as err:  # the user's module raised while importing (a SyntaxError too)
-        raise ConfigError(
-            key, f"{path!r}: importing {module} failed: {failure_text(err)}"
-        ) from None
-
-
-def resolve(path: Any, *, key: str) -> Any:
-    """The object an import path names: `package.module.name` or `package.module:name`.
-
-    Raises:
-        ConfigError(key, ...): not a path, no such module, no such name in it (with the closest
-            public name), or the module raised while importing.
-    """
-    if not isinstance(path, str) or not path.strip() or path.count(":") > 1:
-        raise ConfigError(key, f"must be an import path such as mymasks.checkerboard, got {path!r}")
-    if ":" in path:
-        module_name, _, rest = path.partition(":")
-        module, attrs = _import(module_name, path, key), rest.split(".")
-    else:
-        parts = path.split(".")
-        if len(parts) < 2:
-            raise ConfigError(
-                key, f"{path!r} names a module only; name its function too: {path}.NAME"
-            )
-        module, attrs = None, []
-        for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module
-            name = ".".join(parts[:cut])
-            try:
-                with _working_directory_importable():
-                    found = importlib.util.find_spec(name) is not None
-            except Interrupted:
-                raise
-            except CODE_ERRORS:  # a parent that is no module, or raises: _import says which
-                found = False
-            if found or cut == 1:
-                module, attrs = _import(name, path, key), parts[cut:]
-                break
-    obj: Any = module
-    for i, attr in enumerate(attrs):
-        if not hasattr(obj, attr):
-            public = [n for n in dir(obj) if not n.startswith("_")]
-            hint = closest(attr, public)
-            where = ".".join([module.__name__, *attrs[:i]])
-            suffix = f"; did you mean {hint!r}?" if hint else ""
-            raise ConfigError(key, f"{path!r}: {where} has no {attr!r}{suffix}")
-        obj = getattr(obj, attr)
-    return obj
-
-
 def in_this_process_only(entry: Any, key: str = "attention") -> str | None:
     """The dotted key of the first callback path of an attention entry (compose entries too)
-    that names an object of `objects`, which a new process (a context-parallel rank) cannot
-    import; None when every path can be imported anywhere."""
+    that names an object of `user_code.objects`, which a new process (a context-parallel rank)
+    cannot import; None when every path can be imported anywhere."""
     if not isinstance(entry, Mapping):
         return None
     for kind in ("mask_mod", "score_mod"):
         path = entry.get(kind)
-        if isinstance(path, str) and path.startswith(objects.__name__):
+        if user_code.lives_in_this_process(path):
             return f"{key}.{kind}"
     for i, part in enumerate(entry.get("compose") or ()):
         found = in_this_process_only(part, f"{key}.compose.{i}")
@@ -206,63 +109,6 @@ def _takes(fn: Callable[..., Any], count: int) -> bool:
     return arity is None or arity[0] <= count <= arity[1]
 
 
-# Return annotations that say a factory returns no callback: refused before it is called.
-NOT_A_CALLBACK = ("None", "NoneType", "bool", "int", "float", "str", "bytes", "list", "dict")
-
-
-def _check_factory(factory: Any, *, kind: str, path: str, key: str) -> None:
-    """ConfigError(key) for what cannot be a factory of a `kind`, judged without calling it: a
-    built-in function (os.system) or one whose return annotation names no callable. Calling a
-    factory runs its code, as Hydra's `_target_` does: what can be checked is checked first."""
-    if inspect.isbuiltin(factory):
-        raise ConfigError(
-            key, f"{path} is a built-in function, not a {kind} or a factory that returns one"
-        )
-    try:
-        returns = inspect.signature(factory).return_annotation
-    except (TypeError, ValueError):
-        return
-    name = returns if isinstance(returns, str) else getattr(returns, "__name__", str(returns))
-    if returns is not inspect.Signature.empty and name in NOT_A_CALLBACK:
-        raise ConfigError(
-            key, f"{path} returns {name} (its annotation), not a {kind}: name a factory of one"
-        )
-
-
-def _call_factory(
-    factory: Callable[..., Any], args: Mapping[str, Any], *, path: str, key: str, device: Any
-) -> Any:
-    """factory(**args), its arguments checked against its signature first (and `device` passed
-    when it takes one and the config does not set it)."""
-    params = inspect.signature(factory).parameters
-    named = {n: p for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    open_keywords = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    for arg in args:
-        if arg not in named and not open_keywords:
-            hint = closest(arg, named)
-            suffix = f" (did you mean {hint!r}?)" if hint else ""
-            allowed = ", ".join(named) or "none"
-            raise ConfigError(
-                f"{key}.{arg}",
-                f"{path} takes no argument {arg!r}; its arguments: {allowed}{suffix}",
-            )
-    call = dict(args)
-    if "device" in named and "device" not in call:
-        call["device"] = device
-    for name, p in named.items():
-        if p.default is p.empty and name not in call and p.kind != p.POSITIONAL_ONLY:
-            raise ConfigError(
-                f"{key}.{name}", f"{path} needs argument {name!r}: set {key}.{name}=..."
-            )
-    try:
-        return factory(**call)
-    except Interrupted:
-        raise
-    except CODE_ERRORS as err:  # the user's factory refused its arguments
-        shown = ", ".join(f"{k}={v!r}" for k, v in call.items())
-        raise ConfigError(key, f"{path}({shown}) raised {failure_text(err)}") from None
-
-
 def callback(
     path: Any, args: Mapping[str, Any] | None, *, kind: str, key: str, device: Any = "cpu"
 ) -> Callable[..., torch.Tensor]:
@@ -277,7 +123,7 @@ def callback(
     args_key = f"{key.rsplit('.', 1)[0]}.{kind.replace('_mod', '_args')}"
     if args is not None and not isinstance(args, Mapping):
         raise ConfigError(args_key, f"must be a mapping of the factory's arguments, got {args!r}")
-    obj = path if callable(path) else resolve(path, key=key)
+    obj = path if callable(path) else user_code.resolve(path, key=key)
     shown = path if isinstance(path, str) else getattr(obj, "__qualname__", repr(obj))
     if not callable(obj):
         raise ConfigError(
@@ -303,8 +149,8 @@ def callback(
             f"is a factory, give its arguments: "
             + " ".join(f"{args_key}.{name}=..." for name in required),
         )
-    _check_factory(obj, kind=kind, path=shown, key=key)
-    built = _call_factory(obj, args or {}, path=shown, key=args_key, device=device)
+    user_code.check_factory(obj, kind=kind, path=shown, key=key)
+    built = user_code.call_factory(obj, args or {}, path=shown, key=args_key, device=device)
     if not callable(built) or not _takes(built, want):
         what = (
             f"a function of {_positional(built)[0]} argument(s)"
