@@ -240,14 +240,19 @@ class Topology:
     """auto or a registered transport (copy_engine, nccl, gloo); resolved on the ranks."""
     layout: str = "contiguous"
     """How the sequence is cut into shards: one of the layouts the topology's spec takes
-    (contiguous, zigzag, balanced for ring and allgather; contiguous, zigzag for ulysses and
-    hybrid). Unused on one device."""
-    a2a_size: int | None = None
-    """hybrid: ranks per all-to-all group, consecutive ranks dividing world_size and shape.heads;
-    None takes one NVLink domain per group, found on the ranks."""
-    across: str = "ring"
-    """hybrid: the algorithm among the groups (the ranks holding the same head slice): ring or
-    allgather, as hybrid's spec checks."""
+    (contiguous, zigzag, balanced for ring, allgather and custom; contiguous, zigzag for ulysses
+    and hybrid), or your own balancer's import path (module.function) where the spec takes one.
+    Unused on one device."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The topology's own options (topology.options.<key>), typed and checked by its spec's
+    options dataclass (hybrid: a2a_size, across); a topology ignores other topologies' keys,
+    so one sweep may set them for all."""
+    scheme: str | None = None
+    """topology=custom: your scheme's import path (module.function, or a module-level
+    TopologySpec), attngym.distributed.custom; ignored by the built-in topologies."""
+    scheme_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """topology=custom: when given, topology.scheme names a factory called with these keyword
+    arguments that returns the scheme."""
     timeout_s: float = setting(120.0, check=_seconds)
     """A rank that waits longer than this fails the run."""
     simulate: bool = False
@@ -372,7 +377,7 @@ class Settings:
         s = self.shape
         info = device_info(self.device)
         options = {f"kernel_options.{k}": v for k, v in sorted(self.kernel_options.items())}
-        spread = _topology_spec(self.topology.kind) is not None
+        spread = _spread(self.topology.kind)
         return {
             "variant": self.variant.name,
             "topology": self.topology.kind,
@@ -560,11 +565,26 @@ def _keys_of(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _open_mappings(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of the open mappings (dict fields) of `cls` and its sections."""
+    found: list[str] = []
+    for field in _written(cls):
+        hint, key = _hints(cls)[field.name], prefix + field.name
+        if _is_section(hint):
+            found += _open_mappings(hint, f"{key}.")
+        elif get_origin(hint) is dict:
+            found.append(key)
+    return tuple(found)
+
+
 # Mappings that take any key, each checked by its owner: the variant's parameters by
-# attngym.variants.spec, flex's kernel options by flex, a tracker's by its factory.
-OPEN_MAPPINGS = tuple(
-    f.name for f in _written(Settings) if get_origin(_hints(Settings)[f.name]) is dict
-)
+# attngym.variants.spec, flex's kernel options by flex, a tracker's by its factory, a topology's
+# options by its spec, a scheme factory's arguments by its signature.
+OPEN_MAPPINGS = _open_mappings(Settings)
+
+
+def _in_open_mapping(key: str) -> bool:
+    return any(key == m or key.startswith(f"{m}.") for m in OPEN_MAPPINGS)
 
 
 def known_keys() -> list[str]:
@@ -576,7 +596,7 @@ def check_key(key: str) -> None:
     """`key` (dotted) maps to a Settings field, or lies in an open mapping; else a ConfigError
     with the key it most likely means (`seq_len` → `shape.seq_len`, `shape.seqlen` →
     `shape.seq_len`)."""
-    if key.split(".")[0] in OPEN_MAPPINGS:
+    if _in_open_mapping(key):
         return
     known = known_keys()
     if key in known or any(k.startswith(f"{key}.") for k in known):
@@ -593,7 +613,7 @@ def _check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
     for name, value in data.items():
         key = f"{prefix}{name}"
         check_key(key)
-        if isinstance(value, Mapping) and key.split(".")[0] not in OPEN_MAPPINGS:
+        if isinstance(value, Mapping) and not _in_open_mapping(key):
             _check_keys(value, f"{key}.")
 
 
@@ -616,16 +636,22 @@ def plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _topology_specs() -> dict[str, Any]:
-    """Every context-parallel topology's spec by kind (attngym.distributed's table)."""
+    """Every context-parallel topology's spec by kind (attngym.distributed's table), unbound."""
     from attngym import registry
 
     return {kind: registry.get("topology", kind) for kind in registry.names("topology")}
 
 
-def _topology_spec(kind: str) -> Any | None:
-    """The spec of context-parallel topology `kind`, or None for a kind that runs on one
-    device."""
-    return _topology_specs().get(kind)
+def _topology_spec(topo: Mapping[str, Any]) -> Any | None:
+    """The spec a topology section runs (a `custom` one bound to its topology.scheme), or None
+    for a kind that runs on one device."""
+    spec = _topology_specs().get(topo["kind"])
+    return None if spec is None else spec.bind(topo["scheme"], topo["scheme_args"])
+
+
+def _spread(kind: str) -> bool:
+    """Whether topology `kind` spreads the sequence over ranks (has a spec)."""
+    return kind in _topology_specs()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -652,19 +678,24 @@ def _kv_heads_divide_heads(data: dict[str, Any]) -> None:
 
 
 def _topology_rules(data: dict[str, Any]) -> None:
-    """The topology's own rules (its spec's check: layouts, options, heads, seq_len against the
-    ranks once they are known); one rank, and any topology's layout, on one device."""
+    """The topology's own rules (its spec's check: layouts, its options, heads, seq_len against
+    the ranks once they are known; a `custom` one bound to its scheme first); one rank, and any
+    topology's layout, on one device."""
     topo, shape = data["topology"], data["shape"]
+    _check_option_keys(topo["options"])
     kind, world_size, layout = topo["kind"], topo["world_size"], topo["layout"]
-    spec = _topology_spec(kind)
+    spec = _topology_spec(topo)
     if spec is not None:
+        if spec.options is not None:
+            _check_section(spec.options, topo["options"], "topology.options.")
         spec.check(
             heads=shape["heads"],
             kv_heads=shape["kv_heads"],
             seq_len=shape["seq_len"],
             world_size=None if world_size == AUTO else world_size,
             layout=layout,
-            options={key: topo[key] for key in spec.options},
+            options=topo["options"],
+            simulate=topo["simulate"],
         )
         return
     if world_size not in (1, AUTO):
@@ -672,15 +703,38 @@ def _topology_rules(data: dict[str, Any]) -> None:
             "topology.world_size", f"must be 1 (or auto) for topology {kind}, got {world_size}"
         )
     default = next(f.default for f in dataclasses.fields(Topology) if f.name == "layout")
-    if layout != default:  # unused here; a sweep may set it for every topology alike
+    if layout != default and not any(s.takes_layout(layout) for s in _topology_specs().values()):
+        # unused here; a sweep may set it for every topology alike
         layouts = sorted({name for s in _topology_specs().values() for name in s.layouts})
-        if layout not in layouts:
-            raise ConfigError("topology.layout", choice_error("layout", layout, layouts))
+        raise ConfigError("topology.layout", choice_error("layout", layout, layouts))
+
+
+def _check_option_keys(options: Mapping[str, Any]) -> None:
+    """Every key of topology.options is some topology's option (a sweep may set one topology's
+    options for all); else the one it most likely means."""
+    known = sorted(
+        {
+            f.name
+            for s in _topology_specs().values()
+            if s.options
+            for f in dataclasses.fields(s.options)
+        }
+    )
+    for key in options:
+        if key not in known:
+            hint = closest(key, known)
+            suffix = f"; did you mean topology.options.{hint}?" if hint else ""
+            allowed = ", ".join(known) or "none"
+            raise ConfigError(
+                f"topology.options.{key}",
+                f"no topology has this option (they have: {allowed}){suffix}",
+            )
 
 
 def _simulation(data: dict[str, Any]) -> None:
     """topology.simulate: a context-parallel topology, an explicit number of ranks, a fabric
-    with its numbers (custom) or a measured transport (h200_nvlink), hybrid's group size."""
+    with its numbers (custom) or a measured transport (h200_nvlink); what the scheme itself
+    needs to be simulated is its spec's check."""
     topo = data["topology"]
     custom = topo["fabric"] == "custom"
     for key in ("fabric_gbps", "fabric_latency_us"):
@@ -690,7 +744,7 @@ def _simulation(data: dict[str, Any]) -> None:
             )
     if not topo["simulate"]:
         return
-    if _topology_spec(topo["kind"]) is None:
+    if not _spread(topo["kind"]):
         raise ConfigError(
             "topology.simulate",
             f"simulates the ranks of a context-parallel topology, not topology={topo['kind']}",
@@ -714,12 +768,6 @@ def _simulation(data: dict[str, Any]) -> None:
             "topology.transport",
             f"fabric=h200_nvlink is measured for copy_engine and nccl (auto: copy_engine), got "
             f"{topo['transport']!r}",
-        )
-    if topo["kind"] == "hybrid" and topo["a2a_size"] is None:
-        raise ConfigError(
-            "topology.a2a_size",
-            "topology.simulate=true with topology=hybrid needs the group size, got null (there "
-            "are no NVLink domains to take it from)",
         )
 
 
@@ -852,7 +900,7 @@ def ranks_asked(topology: Mapping[str, Any], gpus: int) -> int:
     """How many ranks a run of this `topology` section starts, known before it runs (the SLURM
     launcher asks for resources by it): 1 on one device or simulated, else its world_size, with
     `auto` resolved as on the machine that runs it: `gpus` where it lends GPUs, else CPU_RANKS."""
-    if topology.get("simulate") or _topology_spec(str(topology.get("kind"))) is None:
+    if topology.get("simulate") or not _spread(str(topology.get("kind"))):
         return 1
     size = topology.get("world_size", AUTO)
     if size == AUTO:
@@ -866,7 +914,7 @@ def _resolve_world_size(kind: str, value: Any, device: str) -> int:
     Without a launcher, more ranks than GPUs fail here (the one check of the rule) unless
     TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 lets ranks share GPUs.
     """
-    if _topology_spec(kind) is None:
+    if not _spread(kind):
         return 1
     env = os.environ.get("WORLD_SIZE")
     if env is not None:

@@ -48,7 +48,7 @@ def make_inputs(
         q, k, v require grad when `requires_grad`.
     """
     s = shape
-    kv_heads = s.kv_heads or s.heads
+    kv_heads = s.kv_heads
     gen = torch.Generator().manual_seed(seed)
     shapes = [
         (s.batch, s.heads, s.seq_len, s.head_dim),

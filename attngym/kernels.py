@@ -402,8 +402,6 @@ def _block_mask_from_rule(rule, mask_mod, seq_q, seq_kv, q_offset, kv_offset, bl
     """The BlockMask create_block_mask would build, from the variant's block rule: a few
     operations per block pair instead of the mask_mod on every (query, key) pair (documents at
     1M tokens: milliseconds, where evaluating 10^12 pairs takes seconds)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     dev = torch.device(device)
     bq, bkv = block_size
 
@@ -418,28 +416,35 @@ def _block_mask_from_rule(rule, mask_mod, seq_q, seq_kv, q_offset, kv_offset, bl
     # A block cut by the end of the sequence holds masked padding: never full (create_block_mask).
     cut = q_cut[:, None] | kv_cut[None, :]
     classes = torch.where(cut & (classes == 2), 1, classes)
-
-    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's kept blocks first, in column order (what create_block_mask's stable sort
-        gives; the kernels read the first `num` entries), by a prefix sum, not a sort."""
-        num = dense.sum(dim=-1, dtype=torch.int32)
-        slot = torch.where(dense, dense.cumsum(dim=-1) - 1, dense.shape[-1])  # the rest: a spare
-        columns = torch.arange(dense.shape[-1], device=dev, dtype=torch.int32).expand_as(dense)
-        indices = torch.zeros(dense.shape[0], dense.shape[1] + 1, dtype=torch.int32, device=dev)
-        indices.scatter_(1, slot, columns)
-        return num[None, None], indices[:, :-1][None, None]
-
-    kv_num, kv_indices = ordered(classes == 1)
-    full_num, full_indices = ordered(classes == 2)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_indices,
-        full_num,
-        full_indices,
-        BLOCK_SIZE=(bq, bkv),
-        mask_mod=mask_mod,
+    return block_mask_of_grid(
+        classes == 1, classes == 2, block_size=(bq, bkv), mask_mod=mask_mod,
         seq_lengths=(seq_q, seq_kv),
-    )
+    )  # fmt: skip
+
+
+def block_mask_of_grid(partial: torch.Tensor, full: torch.Tensor, *, block_size, mask_mod,
+                       seq_lengths):  # fmt: skip
+    """The BlockMask of a (q blocks, kv blocks) grid of partial and full blocks: what
+    create_block_mask would build for a mask with those classes (its block rule, or a sub-grid
+    of a whole-sequence mask cut for a chunk pair), with no mask evaluated."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(
+        *_ordered_blocks(partial), *_ordered_blocks(full), BLOCK_SIZE=tuple(block_size),
+        mask_mod=mask_mod, seq_lengths=tuple(seq_lengths),
+    )  # fmt: skip
+
+
+def _ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's kept blocks first, in column order (what create_block_mask's stable sort gives;
+    the kernels read the first `num` entries), by a prefix sum, not a sort; shaped (1, 1, ...)."""
+    num = dense.sum(dim=-1, dtype=torch.int32)
+    slot = torch.where(dense, dense.cumsum(dim=-1) - 1, dense.shape[-1])  # the rest: a spare
+    columns = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32)
+    indices = torch.zeros(dense.shape[0], dense.shape[1] + 1, dtype=torch.int32,
+                          device=dense.device)  # fmt: skip
+    indices.scatter_(1, slot, columns.expand_as(dense))
+    return num[None, None], indices[:, :-1][None, None]
 
 
 def block_mask_is_empty(block_mask) -> bool:

@@ -122,6 +122,7 @@ METRICS: tuple[Metric, ...] = (
     M("world_size", "ranks", "", "ranks the sequence is split over (1: single)", shown="cp"),
     M("transport", "transport", "", "how shards move between ranks", shown="cp"),
     M("layout", "layout", "", "where each rank's rows of the sequence live", shown="cp"),
+    M("scheme", "scheme", "", "topology=custom: your scheme's import path", column=False),
     M("a2a_size", "all-to-all group", "", "hybrid: ranks of one all-to-all group", column=False),
     M("across", "across groups", "", "hybrid: the algorithm between groups", column=False),
     M("device", "device", "", "cpu or cuda", shown="run"),
@@ -265,10 +266,17 @@ METRICS: tuple[Metric, ...] = (
     # Context parallelism (attngym.tasks.context_parallel).
     M(
         "load_imbalance",
-        "load imbalance",
+        "block imbalance",
         "ratio",
         "max over mean of the non-empty blocks each rank attends",
         shown="cp",
+    ),
+    M(
+        "load_time_imbalance",
+        "predicted time imbalance",
+        "ratio",
+        "max over mean of each rank's compute time as the placement's cost model predicts it "
+        "for this scheme (partial blocks dearer than full ones; the ring per pair kernel)",
     ),
     M(
         "efficiency",

@@ -34,11 +34,16 @@ CONF_PACKAGE = "attngym.conf"
 CONF_DIR = Path(str(files(CONF_PACKAGE)))  # a regular package, so a real folder on disk
 
 # Keys whose sub-keys are open: a variant's parameters differ per variant, kernel options are
-# flex_attention's. Overrides of them are forced (`++`), so a misspelt key reaches attngym's own
-# check (one line with a suggestion) rather than Hydra's struct-mode error.
-OPEN_KEYS = ("attention", "kernel_options")
-_OPEN_ARG = re.compile(rf"^(?:{'|'.join(OPEN_KEYS)})\.[\w.]+=")
-_FORCED_OPEN_ARG = re.compile(rf"^\+\+(?=(?:{'|'.join(OPEN_KEYS)})\.[\w.]+=)")
+# flex_attention's, a topology's options its spec's, a scheme factory's arguments its own.
+# Overrides of them are forced (`++`), so a misspelt key reaches attngym's own check (one line
+# with a suggestion) rather than Hydra's struct-mode error; so is topology.scheme, which only
+# topology=custom's file holds and a sweep sets for every topology.
+OPEN_KEYS = ("attention", "kernel_options", "topology.options", "topology.scheme_args")
+FORCED_KEYS = ("topology.scheme",)
+_OPEN = "|".join(map(re.escape, OPEN_KEYS))
+_FORCED = rf"(?:(?:{_OPEN})\.[\w.]+|{'|'.join(map(re.escape, FORCED_KEYS))})="
+_OPEN_ARG = re.compile(rf"^{_FORCED}")
+_FORCED_OPEN_ARG = re.compile(rf"^\+\+(?={_FORCED})")
 
 _GROUP_ARG = re.compile(
     r"^(?P<prefix>[+~]{0,2})(?P<group>[A-Za-z_][\w/]*)(?P<pkg>@[\w.]*)?=(?P<value>.*)$"

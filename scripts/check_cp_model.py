@@ -259,7 +259,7 @@ def _scaling_cases() -> list[tuple[str, list[str], list[tuple[str, str, list[str
             ("ring", layout, []),
             ("allgather", layout, []),
             ("ulysses", "zigzag", []),
-            ("hybrid", "zigzag", ["topology.a2a_size=8"]),
+            ("hybrid", "zigzag", ["topology.options.a2a_size=8"]),
         ]
         out.append((name, overrides, topologies))
     return out

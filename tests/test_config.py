@@ -75,6 +75,10 @@ def test_every_option_composes_and_checks(hydra_ctx, group):
             with pytest.raises(ConfigError, match="needs mask_mod or score_mod"):
                 check_config(cfg)
             continue
+        if group == "topology" and option == "custom":  # it needs your scheme's path
+            with pytest.raises(ConfigError, match="topology.scheme: .*set topology.scheme="):
+                check_config(cfg)
+            continue
         check_config(cfg)
 
 
@@ -291,24 +295,34 @@ CASES = [
         ["attention=alibi", "shape.heads=4", "attention.num_heads=4"],
     ),
     (
-        ["topology=hybrid", "topology.world_size=4", "topology.a2a_size=3"],
-        "topology.a2a_size",  # groups of 3 cannot split 4 ranks
-        ["topology=hybrid", "topology.world_size=4", "topology.a2a_size=2"],
+        ["topology=hybrid", "topology.world_size=4", "topology.options.a2a_size=3"],
+        "topology.options.a2a_size",  # groups of 3 cannot split 4 ranks
+        ["topology=hybrid", "topology.world_size=4", "topology.options.a2a_size=2"],
     ),
     (
-        ["topology=hybrid", "topology.world_size=4", "shape.heads=2", "topology.a2a_size=4"],
-        "topology.a2a_size",  # 2 heads cannot split over a group of 4
-        ["topology=hybrid", "topology.world_size=4", "shape.heads=2", "topology.a2a_size=2"],
+        [
+            "topology=hybrid",
+            "topology.world_size=4",
+            "shape.heads=2",
+            "topology.options.a2a_size=4",
+        ],
+        "topology.options.a2a_size",  # 2 heads cannot split over a group of 4
+        [
+            "topology=hybrid",
+            "topology.world_size=4",
+            "shape.heads=2",
+            "topology.options.a2a_size=2",
+        ],
     ),
     (
-        ["topology=hybrid", "topology.a2a_size=0"],
-        "topology.a2a_size",
-        ["topology=hybrid", "topology.a2a_size=null"],
+        ["topology=hybrid", "topology.options.a2a_size=0"],
+        "topology.options.a2a_size",
+        ["topology=hybrid", "topology.options.a2a_size=null"],
     ),
     (
-        ["topology=hybrid", "topology.across=tree"],
-        "topology.across",
-        ["topology=hybrid", "topology.across=allgather"],
+        ["topology=hybrid", "topology.options.across=tree"],
+        "topology.options.across",
+        ["topology=hybrid", "topology.options.across=allgather"],
     ),
     (
         [
@@ -368,13 +382,13 @@ CASES = [
             "topology=hybrid",
             "topology.world_size=8",
             "topology.simulate=true",
-            "topology.a2a_size=null",
+            "topology.options.a2a_size=null",
         ],
-        "topology.a2a_size",  # no NVLink domains to take the group size from
+        "topology.options.a2a_size",  # no NVLink domains to take the group size from
         [
             "topology=hybrid",
             "topology.world_size=8",
-            "topology.a2a_size=2",
+            "topology.options.a2a_size=2",
             "topology.simulate=true",
         ],
     ),
@@ -725,10 +739,17 @@ def test_hybrid_groups_checked_against_the_resolved_world_size(hydra_ctx):
     """topology.world_size=auto is 2 on CPU: a2a_size is judged once the ranks are known, and
     the composed hybrid topology reaches Settings typed."""
     with pytest.raises(ConfigError) as info:
-        from_config(make(["topology=hybrid", "device=cpu", "topology.a2a_size=4"]))
-    assert info.value.key == "topology.a2a_size" and "world_size=2" in str(info.value)
+        from_config(make(["topology=hybrid", "device=cpu", "topology.options.a2a_size=4"]))
+    assert info.value.key == "topology.options.a2a_size" and "world_size=2" in str(info.value)
     settings = from_config(
-        make(["topology=hybrid", "device=cpu", "topology.a2a_size=2", "topology.across=allgather"])
+        make(
+            [
+                "topology=hybrid",
+                "device=cpu",
+                "topology.options.a2a_size=2",
+                "topology.options.across=allgather",
+            ]
+        )
     )
     topo = settings.topology
     assert (topo.kind, topo.world_size, topo.a2a_size, topo.across) == (

@@ -4,7 +4,8 @@ Importing this package is light: no symmetric memory, cuda.bindings or pynvml. T
 classes and the NVLink-domain helpers are imported when first used.
 
 Public API:
-    shard, unshard, plan, load_imbalance   sequence layouts (contiguous, zigzag, balanced)
+    shard, unshard, plan, load_imbalance, Layout   sequence layouts (contiguous, zigzag, balanced,
+                                        or a balancer of your own)
     P2PChannel, P2PAllGather, P2PAllToAll    the transport interface over NCCL / gloo
     CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain
@@ -12,7 +13,10 @@ Public API:
     CPOptions, CPStats                  their options and statistics (attngym.distributed.cp)
     ulysses_attention, hybrid_attention head-parallel (all-to-all) and all-to-all + ring/all-gather
     check_ulysses_heads                 the heads check a config can run before any tensor work
-    TopologySpec, TOPOLOGIES            what the run layer knows of each algorithm, by name
+    TopologySpec, TOPOLOGIES            what the run layer knows of each scheme, by name
+    attend_chunk, merge, all_gather     the pieces a scheme of your own is written with (a q chunk
+                                        over a kv chunk at global positions, the lse merge, the
+                                        K/V all-gather; the channels above for a ring)
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from typing import Any
 
 from attngym.distributed import transport  # noqa: F401  (registers kind "transport")
 from attngym.distributed.allgather import allgather_attention
-from attngym.distributed.cp import CPOptions, CPStats
-from attngym.distributed.layout import load_imbalance, plan, shard, unshard
+from attngym.distributed.cp import CPOptions, CPStats, attend_chunk
+from attngym.distributed.layout import Layout, load_imbalance, plan, shard, unshard
 from attngym.distributed.merge import merge
 from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 from attngym.distributed.ring import ring_attention
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.topologies import TOPOLOGIES
+from attngym.distributed.transport import all_gather
 from attngym.distributed.ulysses import (
     check_ulysses_heads,
     hybrid_attention,
@@ -57,11 +62,14 @@ __all__ = [
     "CopyEngineAllGather",
     "CopyEngineAllToAll",
     "CopyEngineChannel",
+    "Layout",
     "P2PAllGather",
     "P2PAllToAll",
     "P2PChannel",
     "TopologySpec",
+    "all_gather",
     "allgather_attention",
+    "attend_chunk",
     "check_ulysses_heads",
     "hybrid_attention",
     "in_one_nvlink_domain",

@@ -47,7 +47,9 @@ from attngym.distributed.cp import (
 )
 from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.positions import at_positions
+from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
 from attngym.distributed.spec import TopologySpec
+from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
 from attngym.variants.base import Variant
 
 __all__ = ["ALLGATHER", "CPOptions", "CPStats", "allgather_attention", "allgather_transfer_ms"]
@@ -264,9 +266,107 @@ def allgather_transfer_ms(
     return stats.step_wait_ms
 
 
+# ---------------------------------------------------------------------------------------------
+# Simulated and priced (topology.simulate=true; attngym.distributed.simulate, transfer_model).
+
+
+def simulate_allgather(sc: SimulatedCall) -> Simulation:
+    """Every rank's one call (cp.attend) on the keys it would gather (its own shard and the rows
+    the HaloPlan sends), with the mapped variant and block mask the algorithm builds; backward:
+    that call's own. Also the ranks of PyTorch's scheme, the same calls with whole shards
+    gathered (Simulation.extra["torch_cp"])."""
+    ranks = SequenceRanks(sc)
+    works, whole_shards, sent, buffers = [], [], 0, 0
+    for r in range(sc.world_size):
+        work, received, buffer = _simulated_rank(ranks, r, sc.clock)
+        works.append(work)
+        sent, buffers = max(sent, received), max(buffers, buffer)
+        whole = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
+        whole *= sc.world_size - 1
+        whole_shards.append(dataclasses.replace(work, fwd_bytes=(whole,), bwd_bytes=(whole,)))
+    sim = ranks.simulation(works)
+    sim.bytes_moved, sim.peak_mem_bytes = sent, buffers
+    sim.extra["torch_cp"] = whole_shards
+    return sim
+
+
+def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int, int]:
+    """Rank r's RankWork, the bytes it receives and its gathered buffer's bytes."""
+    P, q_r, ks, vs = ranks.world_size, ranks.qs[r], ranks.ks, ranks.vs
+    call, counted = ranks.call(r), ranks.call(r, counted=True)
+    saved = ranks.saved[r] if ranks.saved is not None else None
+    n = ks[0].shape[2]
+    plan = halo_plan(call, q_r) if P > 1 else HaloPlan(n, (0,))
+    w = plan.width
+    if P > 1 and 0 < w < n:  # this rank's whole shard, then the other ranks' rows
+        others = [p for p in range(P) if p != r]
+        k_all, v_all = (
+            torch.cat([t[r], *(t[p].narrow(2, plan.starts[p], w) for p in others)], dim=2)
+            for t in (ks, vs)
+        )
+    elif P > 1 and w == n:  # the gathered buffer, rank order
+        k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    else:
+        k_all, v_all = ks[r], vs[r]
+    mapped, block_mask = _mapped(call, q_r, plan)
+    for p in range(P):  # the chunk pairs the one call covers, counted as the algorithm does
+        pairs(counted, q_r, p)
+
+    def fwd():
+        with torch.no_grad():
+            attend(call, q_r, k_all, v_all, 0, 0, block_mask, variant=mapped)
+
+    bwd = None
+    if saved is not None:
+        leaves = [t.detach().requires_grad_() for t in (q_r, k_all, v_all)]
+
+        def bwd():
+            with torch.enable_grad():
+                out, _ = attend(call, *leaves, 0, 0, block_mask, variant=mapped)
+                torch.autograd.grad(out, leaves, saved.dout)
+
+    key = ("allgather", tuple(q_r.shape), tuple(k_all.shape), clock.mask_key(block_mask))
+    item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
+    fwd_ms = clock.ms(item, "fwd")
+    both_ms = clock.ms(item, "bwd") if saved is not None else None
+    b, g, _, d = ks[0].shape
+    received = nbytes(2, b, g, w, d, itemsize=ks[0].element_size()) * (P - 1)
+    buffer = nbytes(2, b, g, P * w, d, itemsize=ks[0].element_size())
+    # fwd-and-bwd as one item: the backward item re-runs the forward under autograd (flex's
+    # backward needs its graph), so its time is fwd+bwd; the backward alone is the difference.
+    work = RankWork(
+        fwd_ms=(fwd_ms,),
+        bwd_ms=() if both_ms is None else (max(both_ms - fwd_ms, 0.0),),
+        fwd_bytes=(received,),
+        bwd_bytes=(received,),
+    )
+    return work, received, buffer * (2 if saved is not None else 1)
+
+
+def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+    """The gather, then the call; backward: the call's, then the reduce-scatter (as long as the
+    gather)."""
+    gather = fab.ms("allgather", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
+    total = gather + work.compute_fwd_ms
+    if backward:
+        total += sum(work.bwd_ms) + gather
+    return total
+
+
+def price_allgather(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
+    """The all-gather's call on `fab` (gather_rank_ms), and PyTorch's scheme beside it: the same
+    calls with every rank's whole K/V shard gathered (`torch_cp`)."""
+    ours = predict(gather_rank_ms, sim.ranks, fab, backward)
+    theirs = predict(gather_rank_ms, sim.extra["torch_cp"], fab, backward)
+    return dataclasses.replace(ours, contenders={"torch_cp": theirs})
+
+
 ALLGATHER = TopologySpec(
     name="allgather",
     attention=allgather_attention,
     layouts=LAYOUTS,
+    user_layouts=True,
     timer=allgather_transfer_ms,
+    simulate=simulate_allgather,
+    price=price_allgather,
 )

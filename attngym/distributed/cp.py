@@ -144,6 +144,10 @@ class CPCall:
     world_size: int
     seq_len: int
     stats: CPStats | None
+    # Where its chunk-pair plans come from before they are built one by one: a callable taking
+    # _pair_plan's key and returning (skip, block_mask), or None to build it (the simulated
+    # ranks cut them from one whole-sequence block mask, simulate.GridPlans).
+    plans: Any = None
 
     def chunks(self, rank: int) -> list[tuple[int, int]]:
         """The (global offset, length) chunks of `rank`'s shard."""
@@ -199,7 +203,7 @@ def prepare(
         layout=plan,
         options=options,
         backend=kernels.resolve_backend(options.backend, q.device),
-        backward=_resolve_backward(options),
+        backward=resolve_backward(options),
         rank=dist.get_rank(group),
         world_size=world_size,
         seq_len=seq_len,
@@ -207,7 +211,7 @@ def prepare(
     )
 
 
-def _resolve_backward(options: CPOptions) -> str:
+def resolve_backward(options: CPOptions) -> str:
     """flex | recompute for options.backward. With FLASH, auto means flex and never falls back
     to recompute: FLASH's backward has no lse gradient, which a recompute needs."""
     from attngym.distributed import flex_backward
@@ -238,12 +242,6 @@ _PLANS: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[bool, Any]]] = (
 )
 
 
-# Variant -> where its chunk-pair plans may come from before they are built one by one: a callable
-# taking _pair_plan's key and returning (skip, block_mask), or None to build it. The simulated
-# ranks (attngym.distributed.simulate) cut them from one whole-sequence block mask.
-PLAN_SOURCES: weakref.WeakKeyDictionary[Variant, Any] = weakref.WeakKeyDictionary()
-
-
 def _pair_plan(
     variant: Variant,
     batch: int,
@@ -253,18 +251,18 @@ def _pair_plan(
     block_size: tuple[int, int],
     backend: str,
     device: torch.device,
+    source=None,
 ):
     """(skip, block_mask) for one chunk pair: skip when the variant masks every entry.
 
     backend "reference": the exact dense mask over (B, H) decides and no block mask is kept (the
     mask is small there). "flex": the block mask the kernels use anyway decides, and is kept for
     them; a variant without a mask gets a full block mask (flex's backward op needs one). Memoised
-    in _PLANS.
+    in _PLANS; `source` (CPCall.plans) may supply it first.
     """
     plans = _PLANS.setdefault(variant, {})
     key = (batch, heads, q_chunk, kv_chunk, block_size, backend, device)
     if key not in plans:
-        source = PLAN_SOURCES.get(variant)
         plan = None if source is None else source(*key)
         plans[key] = plan if plan is not None else _build_pair_plan(
             variant, batch, heads, q_chunk, kv_chunk, block_size, backend, device
@@ -441,8 +439,35 @@ def _kv_blocks_used(block_mask) -> tuple[int, int]:
 def _call_plan(call: CPCall, q: torch.Tensor, qc, kc, backend: str):
     """_pair_plan for one chunk pair of this call (q gives batch, heads and device)."""
     return _pair_plan(
-        call.variant, q.shape[0], q.shape[1], qc, kc, call.options.block_size, backend, q.device
-    )
+        call.variant, q.shape[0], q.shape[1], qc, kc, call.options.block_size, backend, q.device,
+        call.plans,
+    )  # fmt: skip
+
+
+def attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: Variant,
+    *,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    options: CPOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a q chunk over a kv chunk at global positions, for a scheme of your own.
+
+    q (B, H, m, D) holds tokens q_offset .., k and v (B, G, n, D) tokens kv_offset ..; the
+    variant is evaluated at those global positions. Flex on CUDA (compiled as `options` say),
+    the differentiable dense reference on CPU. Returns (out (B, H, m, D) in q's dtype, lse
+    (B, H, m) natural log, float32 or float64), both differentiable; a row the mask hides from
+    every key has out 0 and lse -inf, so `merge` of the chunks of all keys is exact.
+    """
+    opts = options if options is not None else CPOptions()
+    return kernels.attend_chunk(
+        q, k, v, variant, q_offset=q_offset, kv_offset=kv_offset, backend=opts.backend,
+        block_size=opts.block_size, kernel_options=opts.kernel_options, scale=opts.scale,
+        compile=opts.compile, compile_mode=opts.compile_mode,
+    )  # fmt: skip
 
 
 def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None):

@@ -7,35 +7,54 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 causal mask every rank then does the same amount of work (the early chunk is cheap,
                 the late one expensive).
     balanced    placed from the variant's block mask: S is cut into n = 2P·m equal pieces
-                (m = 1, 2 or 4, whichever gives the fastest slowest rank), each piece costs the
-                predicted time of its query rows (BLOCK_COSTS: a full block, and a partial one,
-                which evaluates the mask per entry, in units of a full block's time), and a
-                greedy placement (largest piece first, to the least loaded rank that still has
-                room) gives every rank n/P pieces of about equal time. Pieces adjacent on a rank
-                merge into one chunk. For causal it finds zigzag; for packed documents it spreads
-                each document's expensive tail (the designs PyTorch's per-document head-tail and
-                PTRR load balancers follow; those count blocks, this weighs them by what they
-                cost). With `PairKernels` (the ring: one kernel per chunk pair) a piece is
-                priced by the kernels it takes part in, each as long as the slower of its blocks
-                spread over the device and its longest block row or column.
+                (m = 1, 2 or 4), each piece priced by the cost model below, and a greedy
+                placement (largest piece first, to the least loaded rank that still has room)
+                gives every rank n/P pieces; pieces adjacent on a rank merge into one chunk.
+                Each such placement, zigzag and contiguous are then priced as a whole, and the
+                one whose slowest rank is fastest is kept (named "balanced" whichever it is): a
+                piece's price is only a guide (a rank's blocks may straddle its pieces), so
+                balanced is never predicted slower than the fixed layouts. For causal it finds
+                zigzag; for packed documents it spreads each document's expensive tail (the
+                designs PyTorch's per-document head-tail and PTRR load balancers follow; those
+                count blocks, this weighs them by what they cost).
+    module.fn   a user's balancer by import path (is_user_layout; attngym.user_code resolves it):
+                called once per variant with the keywords it names out of BALANCER_ARGUMENTS,
+                it returns each rank's (offset, length) chunks, checked here (see plan).
+
+The cost model (`_TimeModel`, the one home of a layout's predicted time): every block a kernel
+runs costs BLOCK_COSTS (full, partial) in units of a full block's time. Without `PairKernels`
+each rank runs one call, its shard's rows in shard order against the whole sequence's keys in
+position order, cut into blocks of `block_size` from the shard's start; with `PairKernels` (the
+ring) each rank runs one kernel per (its q chunk, any kv chunk) pair, blocks cut from each
+chunk's start, priced as PairKernels says. `time_imbalance` is max over mean of the ranks'
+predicted times (what `balanced` evens out); `load_imbalance` is max over mean of the non-empty
+blocks per rank (the block count the runs report).
 
 A rank's shard is the concatenation of its chunks in that order; `chunks` gives them as
 (global offset, length) pairs, which is what the context-parallel kernels pass as q/kv offsets.
-A `Layout` (from `plan`) holds every rank's chunks; contiguous and zigzag need only (P, S), a
-balanced one needs the variant, so shard/unshard/chunks take either a name with the variant or a
-precomputed Layout. `load_imbalance` is max over mean of the non-empty blocks per rank.
+A `Layout` (from `plan`) holds every rank's chunks; contiguous and zigzag need only (P, S),
+balanced and a user's balancer need the variant, so shard/unshard/chunks take either a name with
+the variant or a precomputed Layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import torch
 
+from attngym.errors import ConfigError
+
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+# The keywords a user's balancer may name (it gets those it names; with **kwargs, all of them).
+BALANCER_ARGUMENTS = ("variant", "block_mask", "seq_len", "world_size", "block_size", "device")
 
 # Pieces per 2P that `balanced` tries, fewest first (more pieces: finer balance, more chunk pairs).
 BALANCE_SPLITS = (1, 2, 4)
@@ -57,12 +76,13 @@ LAUNCH_COST = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class PairKernels:
-    """How `balanced` prices pieces for a scheme that runs one kernel per (q chunk, kv chunk)
-    pair (the ring). Such a kernel runs one program per (batch, head, block row) over `slots`
-    parallel units, so it takes the slower of its blocks spread over the units and its longest
-    block row (its longest column, in the backward), plus a launch: a thin pair whose rows read
-    whole documents costs more than its blocks say. Priced by blocks alone, a ring over packed
-    documents was 1.43x imbalanced in time at a block imbalance of 1.02 (experiments/cp_model).
+    """How the cost model (`balanced`, `time_imbalance`) prices a scheme that runs one kernel
+    per (q chunk, kv chunk) pair (the ring). Such a kernel runs one program per (batch, head,
+    block row) over `slots` parallel units, so it takes the slower of its blocks spread over the
+    units and its longest block row (its longest column, in the backward), plus a launch: a thin
+    pair whose rows read whole documents costs more than its blocks say. Priced by blocks alone,
+    a ring over packed documents was 1.43x imbalanced in time at a block imbalance of 1.02
+    (experiments/cp_model).
 
     Attributes:
         programs: programs per block row, batch x query heads.
@@ -92,17 +112,27 @@ def pair_kernels(batch_heads: int, device: torch.device | str) -> PairKernels | 
     return PairKernels(batch_heads, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def is_user_layout(layout: Any) -> bool:
+    """Whether `layout` names a user's balancer by import path (`module.function`, or
+    `module:function` as attngym.user_code also takes it) rather than a built-in layout."""
+    return isinstance(layout, str) and layout not in LAYOUTS and ("." in layout or ":" in layout)
+
+
 def _check(layout: str, world_size: int) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if not (isinstance(layout, str) and (layout in LAYOUTS or is_user_layout(layout))):
+        raise ValueError(
+            f"layout must be one of {', '.join(LAYOUTS)} or a balancer's import path "
+            f"(module.function); got {layout!r}"
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
 def pieces(layout: str, world_size: int) -> int:
-    """How many equal pieces S is at least cut into: P (contiguous) or 2P (zigzag, balanced)."""
+    """How many equal pieces S is at least cut into: 2P (zigzag, balanced) or P (contiguous, and
+    a user's balancer, which may place any S/P positions on a rank)."""
     _check(layout, world_size)
-    return world_size if layout == "contiguous" else 2 * world_size
+    return 2 * world_size if layout in ("zigzag", "balanced") else world_size
 
 
 def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
@@ -111,7 +141,7 @@ def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
     if seq_len % n:
         raise ValueError(
             f"seq_len={seq_len} must be divisible by {n} for layout={layout!r} with "
-            f"world_size={world_size} ({'P' if layout == 'contiguous' else '2P'} equal chunks)"
+            f"world_size={world_size} ({'P' if n == world_size else '2P'} equal chunks)"
         )
 
 
@@ -145,100 +175,140 @@ def _fixed(layout: str, world_size: int, seq_len: int) -> Layout:
     return Layout(layout, world_size, seq_len, tuple(placement))
 
 
-def row_block_costs(
-    variant, seq_len: int, block: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """(S/block,) non-empty (block x block) key blocks of each query block row of the variant."""
+def _joined(chunks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The chunks in the same order, each one that starts where the previous ends merged into it
+    (the shard is the same tensor, cut into fewer chunk pairs)."""
+    out: list[list[int]] = []
+    for offset, length in chunks:
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1][1] += length
+        else:
+            out.append([offset, length])
+    return tuple((o, n) for o, n in out)
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _block_classes(variant, seq_len: int, block: int, device) -> torch.Tensor:
+    """(S/block, S/block) int8 on the CPU: each (block x block) tile of the variant's whole mask
+    EMPTY, PARTIAL (evaluated per entry) or FULL, from its block mask (exact integers, so every
+    rank prices alike)."""
     from attngym import kernels
 
-    block_mask = kernels.make_block_mask(
-        variant, seq_len, seq_len, block_size=(block, block), device=device
-    )
-    if block_mask is None:  # no mask: every block is kept
-        return torch.full((seq_len // block,), seq_len // block, dtype=torch.long)
-    dense = block_mask.to_dense()  # (1, 1, S/block, S/block)
-    return dense[0, 0].ne(0).sum(-1).cpu()
-
-
-def row_time_costs(
-    variant,
-    seq_len: int,
-    block: int,
-    device: torch.device | str = "cpu",
-    block_costs: tuple[float, float] = BLOCK_COSTS,
-) -> torch.Tensor:
-    """(S/block,) float64: each query block row's predicted time, full blocks at block_costs[0]
-    and partial ones at block_costs[1] (a block mask without full blocks counts every kept block
-    as partial)."""
-    from attngym import kernels
-
-    full_cost, partial_cost = block_costs
+    n = seq_len // block
     block_mask = kernels.make_block_mask(
         variant, seq_len, seq_len, block_size=(block, block), device=device
     )
     if block_mask is None:  # no mask: every block is kept, and full
-        return torch.full((seq_len // block,), full_cost * (seq_len // block), dtype=torch.float64)
-    partial = block_mask.kv_num_blocks[0, 0].to("cpu", torch.float64)
-    full = block_mask.full_kv_num_blocks
-    full = torch.zeros_like(partial) if full is None else full[0, 0].to("cpu", torch.float64)
-    return full * full_cost + partial * partial_cost
-
-
-def piece_pair_costs(
-    variant,
-    seq_len: int,
-    n: int,
-    block: int,
-    kernels: PairKernels,
-    device: torch.device | str = "cpu",
-    block_costs: tuple[float, float] = BLOCK_COSTS,
-) -> torch.Tensor:
-    """(n,) float64: each of n equal pieces' predicted time as the queries of pair kernels
-    against every piece (PairKernels), from the variant's block mask at (block x block)."""
-    from attngym import kernels as kernel_lib
-
-    R = seq_len // block
-    per = R // n
-    block_mask = kernel_lib.make_block_mask(
-        variant, seq_len, seq_len, block_size=(block, block), device=device
-    )
-    if block_mask is None:  # no mask: every block is kept, and full
-        rows = torch.full((R, n), block_costs[0] * per, dtype=torch.float64)
-        cols = rows
-    else:
-        rows = _per_piece(block_mask.kv_num_blocks, block_mask.kv_indices,
-                          block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                          per, n, block_costs)  # fmt: skip
-        cols = _per_piece(block_mask.q_num_blocks, block_mask.q_indices,
-                          block_mask.full_q_num_blocks, block_mask.full_q_indices,
-                          per, n, block_costs)  # fmt: skip
-    rows = rows.view(n, per, n)  # [q piece, its row, kv piece]
-    cols = cols.view(n, per, n).transpose(0, 2)  # [q piece, kv piece's column, kv piece]
-    total = rows.sum(1)
-    longest = torch.maximum(rows.amax(1), cols.amax(1))
-    price = torch.maximum(total * kernels.programs / kernels.slots, longest)
-    return (price + kernels.launch * (total > 0)).sum(1)
-
-
-def _per_piece(num, idx, full_num, full_idx, per: int, n: int, block_costs) -> torch.Tensor:
-    """(rows, n) float64: each block row's kept blocks in each piece, priced at block_costs.
-    Counted in integers (exact, so every rank plans the same placement), priced on the CPU."""
-    out = torch.zeros(num.shape[-1], n, dtype=torch.float64)
-    for count, index, cost in ((num, idx, block_costs[1]), (full_num, full_idx, block_costs[0])):
+        return torch.full((n, n), FULL, dtype=torch.int8)
+    out = torch.zeros(n, n, dtype=torch.int8)
+    for count, index, kind in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL),
+    ):
         if count is None:
             continue
-        count, index = count[0, 0], index[0, 0].long()
-        kept = torch.arange(index.shape[-1], device=index.device) < count.unsqueeze(-1)
-        blocks = torch.zeros(count.shape[-1], n, dtype=torch.long, device=index.device)
-        blocks.scatter_add_(1, index // per, kept.long())
-        out += blocks.cpu().to(torch.float64) * cost
+        count, index = count[0, 0].cpu(), index[0, 0].cpu().long()
+        kept = torch.arange(index.shape[-1]) < count.unsqueeze(-1)
+        rows = torch.arange(n).unsqueeze(-1).expand_as(index)
+        out[rows[kept], index[kept]] = kind
     return out
+
+
+def _kernel_blocks(groups, tile: int, block: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which kernel block each tile of the sequence falls in, when each group's chunks are laid
+    end to end and cut into blocks of `block` positions from the group's start (the last one may
+    be short), and which group each kernel block belongs to.
+
+    Returns:
+        (tiles,) kernel block of each tile (global tile order); (blocks,) group of each block.
+    """
+    per = block // tile
+    block_of = torch.empty(tiles, dtype=torch.long)
+    group_of: list[int] = []
+    for g, chunks in enumerate(groups):
+        rows = torch.cat([torch.arange(o // tile, (o + n) // tile) for o, n in chunks])
+        local = torch.arange(rows.numel()) // per
+        block_of[rows] = len(group_of) + local
+        group_of += [g] * (int(local[-1]) + 1)
+    return block_of, torch.tensor(group_of)
+
+
+@dataclasses.dataclass
+class _TimeModel:
+    """Each rank's predicted time for a placement (module docstring: the cost model), the one
+    price that `balanced` places by and `time_imbalance` and `load_imbalance` report.
+
+    The variant's mask is read once per tile size (the largest that divides the block sizes and
+    every chunk boundary), so blocks that straddle chunks are classed exactly: empty when all
+    their tiles are, full when all are, else partial.
+    """
+
+    variant: Any
+    seq_len: int
+    block_size: tuple[int, int]
+    device: Any
+    kernels: PairKernels | None = None
+    block_costs: tuple[float, float] = BLOCK_COSTS
+    _tiles: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
+
+    def rank_times(self, placement: Sequence[Sequence[tuple[int, int]]]) -> list[float]:
+        """Predicted time of each rank of `placement` (any number of ranks: `balanced` prices
+        single pieces as one-piece ranks), in full-block times."""
+        chunks = [c for rank in placement for c in rank]
+        block_q, block_kv = self.block_size
+        tile = math.gcd(block_q, block_kv, *(x for c in chunks for x in c))
+        if tile not in self._tiles:
+            self._tiles[tile] = _block_classes(self.variant, self.seq_len, tile, self.device)
+        classes = self._tiles[tile]
+        if self.kernels is None:  # one call per rank: its shard against every key in order
+            q_groups, kv_groups = placement, [[(0, self.seq_len)]]
+        else:  # one kernel per (q chunk, kv chunk) pair
+            q_groups = kv_groups = [[c] for c in chunks]
+        tiles = self.seq_len // tile
+        q_block, q_group = _kernel_blocks(q_groups, tile, block_q, tiles)
+        kv_block, kv_group = _kernel_blocks(kv_groups, tile, block_kv, tiles)
+
+        def per_block(x: torch.Tensor) -> torch.Tensor:  # (tiles, tiles) -> (q blocks, kv blocks)
+            cols = torch.zeros(tiles, len(kv_group), dtype=torch.long).index_add_(1, kv_block, x)
+            return torch.zeros(len(q_group), len(kv_group), dtype=torch.long).index_add_(
+                0, q_block, cols
+            )
+
+        size = torch.outer(torch.bincount(q_block), torch.bincount(kv_block))
+        kept = per_block((classes != EMPTY).long()) > 0
+        full = per_block((classes == FULL).long()) == size
+        full_cost, partial_cost = self.block_costs
+        cost = torch.zeros(kept.shape, dtype=torch.float64)
+        cost[kept] = partial_cost
+        cost[full] = full_cost
+        # [q group, kv group]: the blocks' total time, then the pair kernel's price.
+        by_kv = torch.zeros(len(q_group), len(kv_groups), dtype=torch.float64)
+        by_kv.index_add_(1, kv_group, cost)  # [q block, kv group]
+        total = torch.zeros(len(q_groups), len(kv_groups), dtype=torch.float64)
+        total.index_add_(0, q_group, by_kv)
+        if self.kernels is None:
+            return total.sum(1).tolist()
+        by_q = torch.zeros(len(q_groups), len(kv_group), dtype=torch.float64)
+        by_q.index_add_(0, q_group, cost)  # [q group, kv block]
+        rows = q_group.unsqueeze(1).expand_as(by_kv)
+        cols = kv_group.unsqueeze(0).expand_as(by_q)
+        longest = torch.maximum(
+            torch.zeros_like(total).scatter_reduce_(0, rows, by_kv, "amax"),  # a block row
+            torch.zeros_like(total).scatter_reduce_(1, cols, by_q, "amax"),  # a block column
+        )
+        k = self.kernels
+        price = torch.maximum(total * k.programs / k.slots, longest) + k.launch * (total > 0)
+        rank_of = torch.tensor([r for r, rank in enumerate(placement) for _ in rank])
+        times = torch.zeros(len(placement), dtype=torch.float64)
+        return times.index_add_(0, rank_of, price.sum(1)).tolist()
 
 
 def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
     """Pieces per rank: largest first, to the least loaded rank with room (ties: lower index)."""
     per_rank = len(costs) // world_size
-    load = [0] * world_size
+    load = [0.0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min((r for r in range(world_size) if len(owned[r]) < per_rank), key=lambda r: load[r])
@@ -247,55 +317,175 @@ def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
     return [sorted(o) for o in owned]
 
 
-def _merged(indices: list[int], size: int) -> tuple[tuple[int, int], ...]:
-    """(offset, length) chunks of the pieces `indices` (sorted), adjacent pieces merged."""
-    out: list[list[int]] = []
-    for i in indices:
-        if out and out[-1][0] + out[-1][1] == i * size:
-            out[-1][1] += size
-        else:
-            out.append([i * size, size])
-    return tuple((o, n) for o, n in out)
+def _needs_variant(layout: str, variant) -> None:
+    if variant is None:
+        raise ValueError(
+            f"layout={layout!r} is placed from the variant's block mask: pass variant= (or a "
+            "Layout from attngym.distributed.layout.plan)"
+        )
 
 
 def _balanced(
     world_size: int,
     seq_len: int,
     variant,
-    block_size: Sequence[int],
+    block_size: tuple[int, int],
     device,
     block_costs: tuple[float, float] = BLOCK_COSTS,
     kernels: PairKernels | None = None,
 ) -> Layout:
-    if variant is None:
-        raise ValueError(
-            "layout='balanced' is placed from the variant's block mask: pass variant= (or a "
-            "Layout from attngym.distributed.layout.plan)"
-        )
-    check_seq_len(seq_len, world_size, "balanced")
-    best = None
+    _needs_variant("balanced", variant)
+    check_seq_len(seq_len, world_size, "balanced")  # so zigzag and contiguous fit as well
+    model = _TimeModel(variant, seq_len, block_size, device, kernels, block_costs)
+    candidates = []
     for m in BALANCE_SPLITS:
         n = 2 * world_size * m
         if seq_len % n:
             break
         size = seq_len // n
-        block = min(int(block_size[0]), size)
-        if size % block:
-            block = size
-        if kernels is None:
-            rows = row_time_costs(variant, seq_len, block, device, block_costs)
-            rows = rows.view(n, size // block).sum(-1)
-        else:
-            rows = piece_pair_costs(variant, seq_len, n, block, kernels, device, block_costs)
-        owned = _greedy(rows.tolist(), world_size)
-        loads = [sum(rows[i].item() for i in o) for o in owned]
-        # The slowest rank sets the call's time. Priced by blocks the total is the same for
-        # every m; priced per pair kernel more pieces cost more launches and waves.
-        if best is None or max(loads) < best[0] * (1 - 1e-9):
-            best = (max(loads), tuple(_merged(o, size) for o in owned))
-        if max(loads) <= GOOD_ENOUGH * sum(loads) / world_size:
+        guide = model.rank_times([[(i * size, size)] for i in range(n)])
+        owned = _greedy(guide, world_size)
+        placement = tuple(_joined([(i * size, size) for i in o]) for o in owned)
+        times = model.rank_times(placement)
+        candidates.append((max(times), placement))
+        if max(times) <= GOOD_ENOUGH * sum(times) / world_size:
             break
-    return Layout("balanced", world_size, seq_len, best[1])
+    for fixed in ("zigzag", "contiguous"):
+        placement = _fixed(fixed, world_size, seq_len).placement
+        candidates.append((max(model.rank_times(placement)), placement))
+    # The slowest rank sets the call's time; the first of equals wins (fewest pieces).
+    slowest, best = candidates[0]
+    for time, placement in candidates[1:]:
+        if time < slowest * (1 - 1e-9):
+            slowest, best = time, placement
+    return Layout("balanced", world_size, seq_len, best)
+
+
+def _user_balancer(path: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
+    """The function `path` names and the BALANCER_ARGUMENTS it takes, judged before it runs."""
+    from attngym import user_code
+
+    balancer = user_code.resolve(path, key="layout")
+    if not callable(balancer):
+        raise ConfigError("layout", f"{path} is a {type(balancer).__name__}, not a function")
+    try:
+        params = inspect.signature(balancer).parameters.values()
+    except (TypeError, ValueError) as err:
+        raise ConfigError("layout", f"{path} has no signature to read ({err})") from None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return balancer, BALANCER_ARGUMENTS
+    for p in params:
+        if p.kind == p.VAR_POSITIONAL or p.default is not p.empty:
+            continue
+        if p.name not in BALANCER_ARGUMENTS or p.kind == p.POSITIONAL_ONLY:
+            raise ConfigError(
+                "layout",
+                f"{path} requires parameter {p.name!r}"
+                f"{' positional-only' if p.kind == p.POSITIONAL_ONLY else ''}; a balancer is "
+                f"called with the keywords it names out of {', '.join(BALANCER_ARGUMENTS)} (or "
+                "**kwargs)",
+            )
+    keywords = (p.name for p in params if p.kind != p.POSITIONAL_ONLY)
+    return balancer, tuple(name for name in keywords if name in BALANCER_ARGUMENTS)
+
+
+def _user_placement(
+    path: str, world_size: int, seq_len: int, variant, block_size: tuple[int, int], device
+) -> Layout:
+    """Call the user's balancer (once per variant: `plan` memoises) and check what it returns."""
+    from attngym import kernels
+    from attngym.errors import CODE_ERRORS, Interrupted, failure_text
+
+    balancer, takes = _user_balancer(path)
+    given = {
+        "variant": variant,
+        "seq_len": seq_len,
+        "world_size": world_size,
+        "block_size": block_size,
+        "device": torch.device(device),
+    }
+    if "block_mask" in takes:  # the whole sequence's, built only for a balancer that reads it
+        given["block_mask"] = kernels.make_block_mask(
+            variant, seq_len, seq_len, block_size=block_size, device=device
+        )
+    try:
+        placed = balancer(**{name: given[name] for name in takes})
+    except Interrupted:
+        raise
+    except CODE_ERRORS as err:
+        raise ConfigError("layout", f"{path} raised {failure_text(err)}") from err
+    placement = _checked_placement(placed, path, world_size, seq_len)
+    return Layout(path, world_size, seq_len, tuple(_joined(chunks) for chunks in placement))
+
+
+def _checked_placement(placed, path: str, world_size: int, seq_len: int) -> list[list[tuple]]:
+    """A user balancer's return value as per-rank (offset, length) lists, or ConfigError
+    ("layout: <path> ...") naming the first thing wrong with it."""
+
+    def refuse(what: str) -> NoReturn:
+        raise ConfigError("layout", f"{path} {what}")
+
+    if not isinstance(placed, list | tuple):
+        refuse(
+            f"returned a {type(placed).__name__}; a balancer returns one list of (offset, "
+            f"length) pairs per rank, {world_size} lists"
+        )
+    if len(placed) != world_size:
+        refuse(f"returned {len(placed)} rank lists for world_size={world_size}; one per rank")
+    placement = []
+    for r, chunks in enumerate(placed):
+        if not isinstance(chunks, list | tuple):
+            refuse(
+                f"gives rank {r} a {type(chunks).__name__}, not a list of (offset, length) pairs"
+            )
+        placement.append([])
+        for i, chunk in enumerate(chunks):
+            try:
+                if isinstance(chunk, str | bytes | Mapping | set) or len(chunk) != 2:
+                    raise TypeError
+                if any(isinstance(x, bool) for x in chunk):
+                    raise TypeError
+                offset, length = (operator.index(x) for x in chunk)
+            except TypeError:
+                refuse(f"rank {r} chunk {i} is {chunk!r}, not two ints (offset, length)")
+            where = f"rank {r} chunk {i} ({offset}, {length})"
+            if offset < 0:
+                refuse(f"{where} has a negative offset")
+            if length < 1:
+                refuse(f"{where} has length {length}; a chunk holds at least one position")
+            if offset + length > seq_len:
+                refuse(f"{where} ends at {offset + length}, past seq_len={seq_len}")
+            placement[r].append((offset, length))
+    # How many chunks hold each position: +1 at each start, -1 at each end, summed.
+    steps = torch.zeros(seq_len + 1, dtype=torch.long)
+    for chunks in placement:
+        for offset, length in chunks:
+            steps[offset] += 1
+            steps[offset + length] -= 1
+    held = steps.cumsum(0)[:seq_len]
+    wrong = []
+    if bool((held == 0).any()):
+        wrong.append(f"puts position {int((held == 0).nonzero()[0])} in no chunk")
+    if bool((held > 1).any()):
+        twice = int((held > 1).nonzero()[0])
+        holders = [
+            f"rank {r} chunk {i}"
+            for r, chunks in enumerate(placement)
+            for i, (o, n) in enumerate(chunks)
+            if o <= twice < o + n
+        ]
+        wrong.append(f"puts position {twice} in {len(holders)} chunks ({', '.join(holders)})")
+    if wrong:
+        refuse(f"{' and '.join(wrong)}; every position must be held exactly once")
+    share = seq_len // world_size
+    sizes = [sum(n for _, n in chunks) for chunks in placement]
+    if any(size != share for size in sizes):
+        odd = ", ".join(f"rank {r} {size}" for r, size in enumerate(sizes) if size != share)
+        refuse(
+            f"gives {odd} positions; every rank must hold seq_len/world_size = {share} (the "
+            "shards are tensors of one shape)"
+        )
+    return placement
 
 
 def plan(
@@ -308,17 +498,30 @@ def plan(
     block_costs: tuple[float, float] = BLOCK_COSTS,
     kernels: PairKernels | None = None,
 ) -> Layout:
-    """Every rank's chunks for `layout` (a name, or a Layout checked against P and S).
+    """Every rank's chunks for `layout` (a name, a balancer's path, or a Layout checked against
+    P and S).
 
     Args:
-        layout: contiguous | zigzag | balanced, or a Layout made earlier.
+        layout: contiguous | zigzag | balanced, a user's balancer as `module.function`, or a
+            Layout made earlier.
         world_size, seq_len: P and S.
-        variant: the attention variant; `balanced` needs it (its block mask decides).
-        block_size: (q, kv) block size whose non-empty blocks `balanced` evens out.
-        device: where `balanced` builds the block mask (large S: CUDA, see kernels.make_block_mask).
+        variant: the attention variant; `balanced` and a user's balancer need it.
+        block_size: (q, kv) kernel block size the cost model prices (and a balancer is given).
+        device: where the block mask is built (large S: CUDA, see kernels.make_block_mask).
         block_costs: `balanced`'s (full, partial) block time (BLOCK_COSTS; (1, 1) counts blocks).
-        kernels: `balanced` prices pieces per pair kernel (the ring's; see PairKernels), else
-            by the blocks of one call per rank.
+        kernels: `balanced` prices ranks per pair kernel (the ring's; see PairKernels), else by
+            the blocks of one call per rank.
+
+    A user's balancer is called with the keywords it names out of BALANCER_ARGUMENTS: variant,
+    block_mask (the whole sequence's at `block_size`, None for a variant without a mask),
+    seq_len, world_size, block_size ((q, kv) ints) and device (torch.device); it returns one
+    list of (offset, length) pairs per rank, which must hold every position once and S/P on
+    each rank. It is called once per (variant, P, S, path, block_size) in a process; the
+    Layout is named by the path.
+
+    Raises:
+        ValueError: a bad name, P or S; ConfigError (a ValueError, "layout: <path> ...") for a
+            balancer that cannot be imported or called, or whose placement is wrong.
     """
     if isinstance(layout, Layout):
         if (layout.world_size, layout.seq_len) != (world_size, seq_len):
@@ -328,30 +531,54 @@ def plan(
             )
         return layout
     _check(layout, world_size)
+    block_size = (int(block_size[0]), int(block_size[1]))
     if layout == "balanced":
         return _balanced(world_size, seq_len, variant, block_size, device, block_costs, kernels)
+    if is_user_layout(layout):
+        check_seq_len(seq_len, world_size, layout)
+        _needs_variant(layout, variant)
+        return _remembered(
+            variant,
+            (layout, world_size, seq_len, block_size),
+            lambda: _user_placement(layout, world_size, seq_len, variant, block_size, device),
+        )
     return _fixed(layout, world_size, seq_len)
 
 
 def resolve(
-    layout, world_size: int, seq_len: int, variant, device, kernels: PairKernels | None = None
+    layout,
+    world_size: int,
+    seq_len: int,
+    variant,
+    device,
+    kernels: PairKernels | None = None,
+    block_size: Sequence[int] = (128, 128),
 ) -> Layout:
-    """The Layout a context-parallel call uses: `plan` with its defaults, memoised per variant
-    for `balanced` (so a call given the name agrees with `shard(..., variant=)`, which prices by
-    blocks; the run layer plans the ring's with `kernels` and hands that Layout to both; pass a
-    Layout to plan with other block sizes)."""
-    if not isinstance(layout, str) or layout != "balanced":
-        return plan(layout, world_size, seq_len)
-    key = (world_size, seq_len, kernels)
-    memo = _BALANCED.setdefault(variant, {})
+    """The Layout a context-parallel call uses: `plan`, memoised per variant for `balanced` (as
+    a user's balancer always is), so a call given the name agrees with `shard(..., variant=)`,
+    which prices by blocks; the run layer plans the ring's with `kernels` and hands that Layout
+    to both."""
+    if not (isinstance(layout, str) and layout == "balanced"):
+        return plan(layout, world_size, seq_len, variant, block_size, device)
+    _needs_variant(layout, variant)
+    block_size = (int(block_size[0]), int(block_size[1]))
+    return _remembered(
+        variant,
+        (layout, world_size, seq_len, block_size, kernels),
+        lambda: plan(layout, world_size, seq_len, variant, block_size, device, kernels=kernels),
+    )
+
+
+def _remembered(variant, key: tuple, place: Callable[[], Layout]) -> Layout:
+    memo = _PLACED.setdefault(variant, {})
     if key not in memo:
-        memo[key] = plan(layout, world_size, seq_len, variant, device=device, kernels=kernels)
+        memo[key] = place()
     return memo[key]
 
 
-# Variant -> {(P, S, PairKernels or None): Layout}: a balanced placement lives as long as its
-# variant.
-_BALANCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Variant -> {(name or path, P, S, block size[, PairKernels or None]): Layout}: a balanced or a
+# user's placement lives as long as its variant.
+_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def chunks(
@@ -363,12 +590,14 @@ def chunks(
         rank: 0 <= rank < world_size.
         world_size: P.
         seq_len: S, the whole sequence.
-        layout: contiguous | zigzag | balanced (with `variant`), or a Layout.
+        layout: contiguous | zigzag | balanced or a balancer's path (with `variant`), or a
+            Layout.
 
     Returns:
         One pair for contiguous, two for zigzag; lengths sum to S/P.
     """
-    if isinstance(layout, str) and layout == "balanced" and variant is not None:
+    placed_from_mask = layout == "balanced" or is_user_layout(layout)
+    if isinstance(layout, str) and placed_from_mask and variant is not None:
         # The same memoised placement the CP call resolves; built on the GPU where there is one
         # (the whole sequence's block mask; the placement does not depend on the device).
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -441,18 +670,42 @@ def load_imbalance(
     block_size: Sequence[int] = (128, 128),
     device: torch.device | str = "cpu",
 ) -> float:
-    """max over mean of the non-empty (q block, kv block) pairs each rank's queries attend.
+    """Block imbalance: max over mean of the non-empty (q block, kv block) pairs each rank's
+    queries attend (a count, whatever the blocks cost; time_imbalance weighs them).
 
-    Counted on the whole sequence's block mask at square blocks of `block_size[0]`, or of the
-    largest size below it that divides every chunk boundary (small shapes); 1.0 is perfect
-    balance.
+    `layout` is a name, a balancer's path or a Layout. Counted on the whole sequence's block mask
+    at square blocks of `block_size[0]`, or of the largest size below it that divides every
+    chunk boundary (small shapes); 1.0 is perfect balance.
     """
-    placement = plan(layout, world_size, seq_len, variant, block_size, device)
-    block = math.gcd(int(block_size[0]), *(x for c in placement.placement for o, n in c
-                                            for x in (o, n)))  # fmt: skip
-    rows = row_block_costs(variant, seq_len, block, device)
-    loads = [
-        sum(int(rows[o // block : (o + n) // block].sum()) for o, n in placement.chunks(r))
-        for r in range(world_size)
-    ]
-    return max(loads) / max(sum(loads) / world_size, 1e-9)
+    placed = resolve(layout, world_size, seq_len, variant, device, block_size=block_size)
+    block = math.gcd(int(block_size[0]), *(x for c in placed.placement for x in _flat(c)))
+    blocks = _TimeModel(variant, seq_len, (block, block), device, block_costs=(1.0, 1.0))
+    return _max_over_mean(blocks.rank_times(placed.placement))
+
+
+def time_imbalance(
+    layout: str | Layout,
+    variant,
+    world_size: int,
+    seq_len: int,
+    block_size: Sequence[int] = (128, 128),
+    device: torch.device | str = "cpu",
+    kernels: PairKernels | None = None,
+) -> float:
+    """Predicted time imbalance: max over mean of each rank's predicted time under the cost
+    model `balanced` places by (module docstring): BLOCK_COSTS by the blocks of one call per
+    rank, or per pair kernel with `kernels`. `layout` is a name (balanced is planned with
+    `kernels`), a balancer's path or a Layout; 1.0 is perfect balance.
+    """
+    block_size = (int(block_size[0]), int(block_size[1]))
+    placed = resolve(layout, world_size, seq_len, variant, device, kernels, block_size)
+    model = _TimeModel(variant, seq_len, block_size, device, kernels)
+    return _max_over_mean(model.rank_times(placed.placement))
+
+
+def _flat(chunks: Sequence[tuple[int, int]]) -> list[int]:
+    return [x for chunk in chunks for x in chunk]
+
+
+def _max_over_mean(loads: list[float]) -> float:
+    return max(loads) / max(sum(loads) / len(loads), 1e-9)

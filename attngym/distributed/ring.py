@@ -55,10 +55,15 @@ from attngym.distributed.cp import (
     run,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
 from attngym.distributed.spec import TopologySpec
+from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
 from attngym.variants.base import Variant
 
-__all__ = ["RING", "CPOptions", "CPStats", "ring_attention", "ring_transfer_ms"]
+__all__ = [
+    "RING", "CPOptions", "CPStats", "backward_step", "forward_step", "ring_attention",
+    "ring_transfer_ms",
+]  # fmt: skip
 
 
 def _channel(call: CPCall, part_shape, device, dtype: torch.dtype, tag: str, hops: int = -1):
@@ -172,6 +177,32 @@ def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan):
     return out
 
 
+def forward_step(
+    call: CPCall, acc: Accumulator, q: torch.Tensor, k_held, v_held, s: int, i: int, plan: RingPlan
+) -> None:
+    """Ring step i of the forward: this rank's q chunks against the rows of shard s held (the
+    plan's window at step i), folded into `acc`. The ring and its simulation run this."""
+    forward_pairs(call, acc, q, k_held, v_held, s, window=(plan.starts[s][i], plan.widths[i]))
+
+
+def backward_step(
+    call: CPCall, saved: Saved, k_held, v_held, s: int, i: int, plan: RingPlan, dq: GradSum
+) -> tuple[GradSum, GradSum]:
+    """Ring step i of the backward: the pairs of this rank's q against the rows of shard s held,
+    dq added into `dq`; returns the step's dK and dV sums. Step 0 (the own shard): over the whole
+    shard; a later step: over the rows held at step 1 (the width the sums travel in), this step's
+    rows at their offset in them. The ring and its simulation run this."""
+    if i == 0:
+        shape, window, offset = tuple(k_held.shape), None, 0
+    else:
+        shape = (*k_held.shape[:2], plan.widths[1], k_held.shape[3])
+        window, offset = (plan.starts[s][i], plan.widths[i]), plan.starts[s][i] - plan.starts[s][1]
+    sum_dtype, device = saved.lse.dtype, saved.q.device
+    dk, dv = GradSum(shape, sum_dtype, device), GradSum(shape, sum_dtype, device)
+    backward_pairs(call, saved, k_held, v_held, s, dq, dk, dv, window=window, dkv_offset=offset)
+    return dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: CPCall):
@@ -193,8 +224,7 @@ class _RingAttention(torch.autograd.Function):
                 if stats is not None:
                     stats.bytes_sent += sum(t.numel() * t.element_size() for t in part)
             clock.start()
-            window = (plan.starts[s][i], plan.widths[i])
-            forward_pairs(cfg, acc, q, kv[0], kv[1], s, window=window)
+            forward_step(cfg, acc, q, kv[0], kv[1], s, i, plan)
             clock.stop("step_compute_ms")
             if i > 0:
                 _release(hops, i, plan.steps)
@@ -228,9 +258,8 @@ class _RingAttention(torch.autograd.Function):
         # first piece (the own shard's, often the only one but for what comes home).
         masks = "flex" if cfg.backward == "flex" else cfg.backend  # as backward_pairs reads
         dq = GradSum(q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan, masks))
-        dk_own, dv_own = (GradSum(t.shape, sum_dtype, q.device) for t in (k, v))
         kv = (k, v)
-        backward_pairs(cfg, saved, k, v, r, dq, dk_own, dv_own)  # step 0: this rank's own shard
+        dk_own, dv_own = backward_step(cfg, saved, k, v, r, 0, plan, dq)  # this rank's own shard
         if steps == 1:  # no shard leaves its rank
             return dq.total(q.dtype), dk_own.total(k.dtype), dv_own.total(v.dtype), None
         # Contributions of the other ranks to shard s lie in the rows held at step 1; they
@@ -252,12 +281,7 @@ class _RingAttention(torch.autograd.Function):
                 hops[i + 1][0].send(onward, hops[i + 1][1] - 1)
                 if stats is not None:
                     stats.bytes_sent += sum(t.numel() * t.element_size() for t in onward)
-            dk_part, dv_part = (GradSum(wide, sum_dtype, q.device) for _ in range(2))
-            backward_pairs(
-                cfg, saved, kv[0], kv[1], s, dq, dk_part, dv_part,
-                window=(plan.starts[s][i], plan.widths[i]),
-                dkv_offset=plan.starts[s][i] - plan.starts[s][1],
-            )  # fmt: skip
+            dk_part, dv_part = backward_step(cfg, saved, kv[0], kv[1], s, i, plan, dq)
             if i > 1:  # the shard's dK/dV so far, one push behind K/V
                 so_far = chain.recv(i - 1)
                 dk_part.add(0, so_far[0], fresh=False)
@@ -382,7 +406,120 @@ def ring_transfer_ms(transport, k_s: torch.Tensor, timeout_s: float, repeats: in
     return stats.step_wait_ms
 
 
+# ---------------------------------------------------------------------------------------------
+# Simulated and priced (topology.simulate=true; attngym.distributed.simulate, transfer_model).
+
+
+def simulate_ring(sc: SimulatedCall) -> Simulation:
+    """Every rank's ring, one after another: per step i, forward_step against the rows of shard
+    (r - i) mod P it would hold (the same RingPlan, windows and skipped pairs) and backward_step
+    against the whole problem's merged out and lse (the values the real ring merges to)."""
+    ranks = SequenceRanks(sc)
+    works, sent, buffers = [], 0, 0
+    for r in range(sc.world_size):
+        work, rank_sent, rank_buffers = _simulated_rank(ranks, r, sc.clock)
+        works.append(work)
+        sent, buffers = max(sent, rank_sent), max(buffers, rank_buffers)
+    sim = ranks.simulation(works)
+    sim.bytes_moved, sim.peak_mem_bytes = sent, buffers
+    return sim
+
+
+def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int, int]:
+    """Rank r's RankWork, the bytes it sends in a forward and its channels' slots."""
+    P, q_r = ranks.world_size, ranks.qs[r]
+    call, counted = ranks.call(r), ranks.call(r, counted=True)
+    saved = ranks.saved[r] if ranks.saved is not None else None
+    plan = ring_plan(call, q_r)
+    b, g, _, d = ranks.ks[0].shape
+    itemsize = ranks.ks[0].element_size()
+    kv_bytes = [nbytes(2, b, g, w, d, itemsize=itemsize) for w in plan.widths]
+    acc_size = 8 if q_r.dtype == torch.float64 else 4
+    dkv_bytes = nbytes(2, b, g, plan.widths[1], d, itemsize=acc_size) if plan.steps > 1 else 0
+    fwd_ms, bwd_ms, fwd_in, bwd_moving = [], [], [], []
+    for i in range(plan.steps):
+        s = (r - i) % P
+        window = (plan.starts[s][i], plan.widths[i])
+        pairs(counted, q_r, s, window=window)  # counts computed / skipped pairs, as the forward
+        structure = tuple(
+            (qr.stop - qr.start, kr.stop - kr.start, clock.mask_key(bm))
+            for qr, kr, _, _, bm in pairs(call, q_r, s, block_masks="flex", window=window)
+        )
+        # The held rows' sizes matter to the backward's sums too: part of the key.
+        key = ("ring", tuple(q_r.shape), plan.widths[i], plan.widths[min(1, plan.steps - 1)],
+               structure)  # fmt: skip
+
+        def build(s=s, i=i, key=key):
+            return _step_item(call, q_r, ranks.ks[s], ranks.vs[s], s, i, plan, saved, key)
+
+        fwd_ms.append(clock.ms(build, "fwd", key) if structure else 0.0)
+        if saved is not None:
+            bwd_ms.append(clock.ms(build, "bwd", key) if structure else 0.0)
+            onward = kv_bytes[i + 1] if i + 1 < plan.steps else 0
+            bwd_moving.append(onward + (dkv_bytes if i > 0 else 0))
+        fwd_in.append(kv_bytes[i] if i > 0 else 0)
+    slots = 2 * kv_bytes[1] if plan.steps > 1 else 0
+    work = RankWork(
+        fwd_ms=tuple(fwd_ms),
+        bwd_ms=tuple(bwd_ms),
+        fwd_bytes=tuple(fwd_in),
+        bwd_bytes=tuple(bwd_moving),
+        tail_bwd_bytes=dkv_bytes if saved is not None else 0,
+    )
+    return work, sum(kv_bytes[1 : plan.steps]), slots + (2 * dkv_bytes if saved else 0)
+
+
+def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
+    """Ring step i of rank call.rank as an Item: its forward_step and backward_step on the rows
+    it holds, the sums written out as the ring's step writes them."""
+    start, width = plan.starts[s][i], plan.widths[i]
+    k_h, v_h = (t.narrow(2, start, width).contiguous() for t in (k_s, v_s))
+    acc = Accumulator.of(call, q_r, v_s.shape[-1])
+
+    def fwd():
+        with torch.no_grad():
+            forward_step(call, acc, q_r, k_h, v_h, s, i, plan)
+
+    bwd = None
+    if saved is not None:
+
+        def bwd():
+            with torch.no_grad():
+                dq = GradSum(q_r.shape, saved.lse.dtype, q_r.device)
+                dk, dv = backward_step(call, saved, k_h, v_h, s, i, plan, dq)
+                out_dtype = k_s.dtype if i == 0 else saved.lse.dtype
+                for grad, dtype in ((dq, q_r.dtype), (dk, out_dtype), (dv, out_dtype)):
+                    grad.total(dtype)
+
+    masks = tuple(bm for *_, bm in pairs(call, q_r, s, block_masks="flex", window=(start, width)))
+    return Item(key=key, fwd=fwd, bwd=bwd, block_masks=masks)
+
+
+def ring_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+    """Per step, max(compute of step i, transfer of step i + 1's data), summed; backward: each
+    step's compute against its K/V and dK/dV pushes, then the last dK/dV push home.
+
+    fwd_bytes[i] is what arrives for step i (fwd_bytes[0] = 0: the own shard); bwd_bytes[i] what
+    moves during backward step i.
+    """
+    steps = len(work.fwd_ms)
+    total = 0.0
+    for i in range(steps):
+        nxt = work.fwd_bytes[i + 1] if i + 1 < steps else 0.0
+        total += max(work.fwd_ms[i], fab.ms("channel", nxt))
+    if backward:
+        for i, compute in enumerate(work.bwd_ms):
+            total += max(compute, fab.ms("channel", work.bwd_bytes[i]) if work.bwd_bytes else 0)
+        total += fab.ms("channel", work.tail_bwd_bytes)
+    return total
+
+
+def price_ring(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
+    """The ring's call on `fab`: each rank's steps overlapped with its pushes (ring_rank_ms)."""
+    return predict(ring_rank_ms, sim.ranks, fab, backward)
+
+
 RING = TopologySpec(
-    name="ring", attention=ring_attention, layouts=LAYOUTS, timer=ring_transfer_ms,
-    pair_kernels=True,
+    name="ring", attention=ring_attention, layouts=LAYOUTS, user_layouts=True,
+    timer=ring_transfer_ms, pair_kernels=True, simulate=simulate_ring, price=price_ring,
 )  # fmt: skip

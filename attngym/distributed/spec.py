@@ -1,10 +1,12 @@
-"""What the rest of attngym knows of a context-parallel topology: one `TopologySpec` per algorithm.
+"""What the rest of attngym knows of a context-parallel topology: one `TopologySpec` per scheme.
 
-Each algorithm module states its own (ring.RING, allgather.ALLGATHER, ulysses.ULYSSES and
-ulysses.HYBRID): the library function, the layouts and topology.* options it takes, the rules a
-config must meet before any rank starts, how its step's transfer is timed alone and how many
-sequence shards its ranks attend apart. attngym.distributed.topologies lists them, and the config
-checks, the context-parallel task, the scripts and the tests ask that table, never the name.
+Each scheme's module states its own (ring.RING, allgather.ALLGATHER, ulysses.ULYSSES and
+ulysses.HYBRID; a user's scheme through attngym.distributed.custom): the library function, the
+layouts and the typed options it takes, the rules a config must meet before any rank starts, how
+its step's transfer is timed alone, how many sequence shards its ranks attend apart, and how its
+ranks are simulated and priced. attngym.distributed.topologies lists them, and the config checks,
+the context-parallel task, the simulated ranks, the scripts and the tests ask that table, never
+the name.
 
 Importing this module is light (no torch): the checks need no hardware and no process group.
 """
@@ -17,20 +19,25 @@ from typing import Any
 
 from attngym.errors import ConfigError, choice_error
 
-# (heads=, kv_heads=, seq_len=, world_size=, layout=, options=) -> None; raises ConfigError.
+# (heads=, kv_heads=, seq_len=, world_size=, layout=, options=, simulate=) -> None; raises
+# ConfigError naming the dotted key.
 Rule = Callable[..., None]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TopologySpec:
-    """One context-parallel algorithm as the run layer sees it.
+    """One context-parallel scheme as the run layer sees it.
 
     Attributes:
         name: the topology.kind that selects it (and its task's name).
-        attention: the library function: (q, k, v, variant, *, group, transport, layout,
-            options or CPOptions fields as keywords, stats, **this spec's options) -> out shard.
-        layouts: the layouts it takes (attngym.distributed.layout).
-        options: its own topology.* keys, passed to `attention` as keywords of the same name.
+        attention: the library function, called on every rank with this rank's shards:
+            (q, k, v, variant, *, group, layout, transport, options (CPOptions), stats,
+            **its options) -> this rank's output shard, differentiable.
+        layouts: the layouts it takes by name (attngym.distributed.layout).
+        user_layouts: it also takes a user's balancer (topology.layout=module.function).
+        options: its own typed config, a dataclass whose fields are `topology.options.<field>`
+            (checked by the config's walker from their types) and reach `attention` as keywords
+            of the same name; None: it has none.
         rules: its config rules beyond the layout and the sequence length (see `check`).
         timer: (transport, k_s, timeout_s, repeats) -> ms of each step's transfer alone, on the
             ranks (collective); None where no one step moves the data alone (hybrid).
@@ -39,16 +46,50 @@ class TopologySpec:
         pair_kernels: it runs one kernel per (q chunk, kv chunk) pair, so its `balanced`
             placement prices pieces per pair kernel (layout.PairKernels); else by the blocks of
             one call per rank.
+        simulate: (simulate.SimulatedCall) -> simulate.Simulation: every rank's work, timed on
+            one device through the call's clock; None: it cannot be simulated.
+        price: (Simulation, transfer_model.Fabric, backward) -> transfer_model.Prediction: the
+            call on a fabric, its transfers overlapped as the scheme overlaps them.
+        binder: (scheme, scheme_args) -> the TopologySpec a run of those settings uses (the
+            `custom` entry binds a user's scheme); None: this spec itself.
     """
 
     name: str
     attention: Callable[..., Any]
     layouts: tuple[str, ...]
-    options: tuple[str, ...] = ()
+    user_layouts: bool = False
+    options: type | None = None
     rules: tuple[Rule, ...] = ()
     timer: Callable[..., list[float]] | None = None
     shards: Callable[[Any], int] | None = None
     pair_kernels: bool = False
+    simulate: Callable[..., Any] | None = None
+    price: Callable[..., Any] | None = None
+    binder: Callable[..., TopologySpec] | None = None
+
+    def bind(
+        self, scheme: Any = None, scheme_args: Mapping[str, Any] | None = None
+    ) -> TopologySpec:
+        """The spec a run with topology.scheme / topology.scheme_args uses (read by `custom`
+        only; the built-ins ignore them, so one sweep may set them for every topology)."""
+        if self.binder is None:
+            return self
+        return self.binder(scheme, dict(scheme_args or {}))
+
+    def option_values(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        """This spec's options from topology.options (already type-checked), its defaults for
+        those left out; keys of other topologies' options are not its business."""
+        if self.options is None:
+            return {}
+        given = given or {}
+        fields = [f.name for f in dataclasses.fields(self.options)]
+        return dataclasses.asdict(self.options(**{k: given[k] for k in fields if k in given}))
+
+    def takes_layout(self, layout: Any) -> bool:
+        """Whether `layout` (a name, or a user's balancer path) is one this scheme takes."""
+        from attngym.distributed.layout import is_user_layout
+
+        return layout in self.layouts or (self.user_layouts and is_user_layout(layout))
 
     def check(
         self,
@@ -59,6 +100,7 @@ class TopologySpec:
         world_size: int | None,
         layout: str,
         options: Mapping[str, Any],
+        simulate: bool = False,
     ) -> None:
         """Every rule of this topology that needs no hardware and no process group.
 
@@ -68,18 +110,29 @@ class TopologySpec:
             world_size: topology.world_size; None while it is `auto` (the rules that need it
                 are judged once it is resolved).
             layout: topology.layout.
-            options: topology.<key> for this spec's `options` (a key left out takes the
-                function's default; keys it does not name are not its business).
+            options: topology.options (this spec's keys; a key left out takes its default).
+            simulate: topology.simulate.
 
         Raises:
             ConfigError: naming the dotted key (topology.layout, shape.heads, shape.kv_heads,
-                topology.a2a_size, topology.across, shape.seq_len), the value and what is allowed.
+                topology.options.<key>, topology.simulate, shape.seq_len), the value and what
+                is allowed.
         """
-        if layout not in self.layouts:
+        if not self.takes_layout(layout):
+            allowed = (*self.layouts, "module.function") if self.user_layouts else self.layouts
             raise ConfigError(
-                "topology.layout", choice_error(f"layout for {self.name}", layout, self.layouts)
+                "topology.layout", choice_error(f"layout for {self.name}", layout, allowed)
             )
-        mine = {key: options[key] for key in self.options if key in options}
+        if simulate and (self.simulate is None or self.price is None):
+            missing = " and ".join(
+                name for name in ("simulate", "price") if getattr(self, name) is None
+            )
+            raise ConfigError(
+                "topology.simulate",
+                f"topology {self.name} declares no {missing}: simulated ranks need a "
+                "TopologySpec with simulate= and price= (README: Your own scheme)",
+            )
+        mine = self.option_values(options)
         for rule in self.rules:
             rule(
                 heads=heads,
@@ -88,6 +141,7 @@ class TopologySpec:
                 world_size=world_size,
                 layout=layout,
                 options=mine,
+                simulate=simulate,
             )
         if world_size is not None:
             from attngym.distributed.layout import check_seq_len
@@ -98,17 +152,28 @@ class TopologySpec:
                 raise ConfigError("shape.seq_len", str(err)) from None
 
     def placement(
-        self, layout: str, world_size: int, seq_len: int, variant, *, batch_heads: int, device
+        self,
+        layout: str,
+        world_size: int,
+        seq_len: int,
+        variant,
+        *,
+        batch_heads: int,
+        device,
+        block_size=(128, 128),
     ) -> Any:
-        """What this topology's calls and the run's shards are given for `layout`: the name, or
-        for `balanced` the one Layout planned for this topology's kernels (a call given the name
-        would plan by blocks; shard, unshard and the call must see the same placement)."""
-        if layout != "balanced":
+        """What this topology's calls and the run's shards are given for `layout`: the name of
+        contiguous or zigzag, or the one Layout planned for this topology (balanced, priced for
+        its kernels; a user's balancer, called once): shard, unshard and the call must see the
+        same placement."""
+        if layout in ("contiguous", "zigzag"):
             return layout
         from attngym.distributed import layout as layouts
 
         kernels = layouts.pair_kernels(batch_heads, device) if self.pair_kernels else None
-        return layouts.resolve(layout, world_size, seq_len, variant, device, kernels)
+        return layouts.resolve(
+            layout, world_size, seq_len, variant, device, kernels, block_size=block_size
+        )
 
     def transfer_ms(self, transport, k_s, timeout_s: float, repeats: int) -> list[float] | None:
         """Each step's transfer alone, in ms, `repeats` times over (collective on the ranks), with
@@ -119,7 +184,7 @@ class TopologySpec:
         return self.timer(transport, k_s, timeout_s, repeats)
 
     def sequence_shards(self, settings: Any) -> int:
-        """How many shards of the sequence the ranks attend apart (load_imbalance is judged among
+        """How many shards of the sequence the ranks attend apart (the imbalance is judged among
         them), from the run's settings; on the ranks, and collective for hybrid. 1: every rank
         attends the whole sequence for some heads, balanced whatever the layout."""
         if self.shards is None:

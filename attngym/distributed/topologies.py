@@ -5,20 +5,23 @@ under kind "topology" as the spec object itself (`registry.get("topology", "ring
 not a factory, so `registry.build` does not apply). The context-parallel task registers one task
 per name here, and the config checks a topology through its spec.
 
-A new topology: its module in attngym/distributed/ exporting its function and its spec, one line
-in TOPOLOGIES here, its conf/topology/<name>.yaml, and its tests.
+A new topology: its module in attngym/distributed/ exporting its function and its spec (its
+options, rules, simulation and pricing with it), one entry in TOPOLOGIES here, its
+conf/topology/<name>.yaml, and its tests. `custom` is a user's scheme, bound from
+topology.scheme (TopologySpec.bind; attngym.distributed.custom).
 """
 
 from __future__ import annotations
 
 from attngym import registry
 from attngym.distributed.allgather import ALLGATHER
+from attngym.distributed.custom import CUSTOM
 from attngym.distributed.ring import RING
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.ulysses import HYBRID, ULYSSES
 
 TOPOLOGIES: dict[str, TopologySpec] = {
-    spec.name: spec for spec in (RING, ALLGATHER, ULYSSES, HYBRID)
+    spec.name: spec for spec in (RING, ALLGATHER, ULYSSES, HYBRID, CUSTOM)
 }
 
 for _spec in TOPOLOGIES.values():

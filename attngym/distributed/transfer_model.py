@@ -1,21 +1,12 @@
 """How long a context-parallel call takes on P ranks, from per-rank compute and a transfer model.
 
-The simulated ranks (attngym.distributed.simulate) time each rank's compute on one device; this
-module adds the transfers and each topology's overlap, and names what limits the call:
-
-    ring       per step, the slower of the step's compute and the transfer of the next step's K/V
-               (backward: that K/V and the dK/dV push), summed; then the last dK/dV push home.
-    allgather  the gather, then the one call (backward: the call's backward, then the
-               reduce-scatter of dK/dV).
-    ulysses    the all-to-all of q, k, v, the call, the all-to-all of the output (backward: the
-               same exchanges in reverse around the call's backward).
-    hybrid     the in-group all-to-alls around the across algorithm (ring or allgather) of the
-               groups.
-    torch_cp   PyTorch's scheme: every rank's whole K/V shard all-gathered, one call per rank.
-
-The call ends when its slowest rank ends: the prediction is the largest rank time. Ranks are
-modelled independently (a rank never waits for a slower neighbour), which is exact for the
-gather-then-compute schemes and optimistic for a ring whose ranks are unevenly loaded.
+The simulated ranks (attngym.distributed.simulate) time each rank's compute on one device; each
+scheme prices its ranks (its TopologySpec's `price`: how its transfers overlap its compute, a
+rank-time function of its own module given to `predict`) on a `Fabric` from this module, which
+names what limits the call. The call ends when its slowest rank ends: the prediction is the
+largest rank time. Ranks are modelled independently (a rank never waits for a slower neighbour),
+which is exact for the gather-then-compute schemes and optimistic for a ring whose ranks are
+unevenly loaded.
 
 A `Fabric` turns bytes into milliseconds per transfer pattern (channel: one ring step,
 point to point; allgather; alltoall), indexed by the bytes one rank receives. `FABRICS` holds the
@@ -27,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 Pattern = Literal["channel", "allgather", "alltoall"]
@@ -197,47 +188,8 @@ class RankWork:
         return sum(self.fwd_ms) + sum(self.bwd_ms)
 
 
-def ring_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
-    """Per step, max(compute of step i, transfer of step i + 1's data), summed (module docstring).
-
-    fwd_bytes[i] is what arrives for step i (fwd_bytes[0] = 0: the own shard); bwd_bytes[i] what
-    moves during backward step i.
-    """
-    steps = len(work.fwd_ms)
-    total = 0.0
-    for i in range(steps):
-        nxt = work.fwd_bytes[i + 1] if i + 1 < steps else 0.0
-        total += max(work.fwd_ms[i], fab.ms("channel", nxt))
-    if backward:
-        for i, compute in enumerate(work.bwd_ms):
-            total += max(compute, fab.ms("channel", work.bwd_bytes[i]) if work.bwd_bytes else 0)
-        total += fab.ms("channel", work.tail_bwd_bytes)
-    return total
-
-
-def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
-    """allgather and torch_cp: the gather, then the call; backward: the call's, then the
-    reduce-scatter (as long as the gather)."""
-    gather = fab.ms("allgather", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
-    total = gather + work.compute_fwd_ms
-    if backward:
-        total += sum(work.bwd_ms) + gather
-    return total
-
-
-def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
-    """ulysses: q/k/v exchange, call, output exchange; backward: the output gradient's exchange,
-    the call's backward, the q/k/v gradients' exchange."""
-    into = fab.ms("alltoall", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
-    back = fab.ms("alltoall", work.tail_fwd_bytes)
-    total = into + work.compute_fwd_ms + back
-    if backward:
-        total += back + sum(work.bwd_ms) + into
-    return total
-
-
-RANK_TIME = {"ring": ring_rank_ms, "allgather": gather_rank_ms, "torch_cp": gather_rank_ms,
-             "ulysses": alltoall_rank_ms}  # fmt: skip
+# (a rank's work, the fabric, with a backward) -> that rank's time in ms.
+RankTime = Callable[["RankWork", Fabric, bool], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +204,8 @@ class Prediction:
         bottleneck: compute (balanced compute within BOTTLENECK_SHARE of the call), transfer
             (the exposed transfer is the larger loss) or imbalance (the slowest rank's extra
             compute over the mean is).
+        contenders: predictions of other schemes with the same compute, by name (the
+            all-gather's: PyTorch's own flex CP, `torch_cp`, whole K/V shards gathered).
     """
 
     fwd_ms: float
@@ -259,6 +213,7 @@ class Prediction:
     rank_ms: tuple[float, ...]
     rank_compute_ms: tuple[float, ...]
     bottleneck: Bottleneck
+    contenders: Mapping[str, Prediction] = dataclasses.field(default_factory=dict)
 
     @property
     def time_imbalance(self) -> float:
@@ -277,9 +232,10 @@ def bottleneck(total_ms: float, compute_ms: Sequence[float]) -> Bottleneck:
     return "transfer" if exposed >= imbalance else "imbalance"
 
 
-def predict(scheme: str, ranks: Sequence[RankWork], fab: Fabric, backward: bool) -> Prediction:
-    """The call of `ranks` under `scheme` (ring | allgather | ulysses | torch_cp) on `fab`."""
-    rank_time = RANK_TIME[scheme]
+def predict(
+    rank_time: RankTime, ranks: Sequence[RankWork], fab: Fabric, backward: bool
+) -> Prediction:
+    """The call of `ranks`, each rank's time given by its scheme's `rank_time`, on `fab`."""
     fwd = [rank_time(w, fab, False) for w in ranks]
     both = [rank_time(w, fab, True) for w in ranks] if backward else None
     compute = [w.compute_fwd_bwd_ms if backward else w.compute_fwd_ms for w in ranks]
@@ -290,22 +246,4 @@ def predict(scheme: str, ranks: Sequence[RankWork], fab: Fabric, backward: bool)
         rank_ms=tuple(totals),
         rank_compute_ms=tuple(compute),
         bottleneck=bottleneck(max(totals), compute),
-    )
-
-
-def compose_hybrid(
-    across: Prediction, exchange: RankWork, fab: Fabric, backward: bool
-) -> Prediction:
-    """hybrid: the in-group all-to-alls (`exchange`: their bytes, no compute) around the across
-    algorithm's call (`across`, predicted over the groups with the group's head slice)."""
-    extra_fwd = alltoall_rank_ms(exchange, fab, False)
-    extra_both = alltoall_rank_ms(exchange, fab, True)
-    add = extra_both if backward else extra_fwd
-    totals = tuple(t + add for t in across.rank_ms)
-    return Prediction(
-        fwd_ms=across.fwd_ms + extra_fwd,
-        fwd_bwd_ms=None if across.fwd_bwd_ms is None else across.fwd_bwd_ms + extra_both,
-        rank_ms=totals,
-        rank_compute_ms=across.rank_compute_ms,
-        bottleneck=bottleneck(max(totals), across.rank_compute_ms),
     )

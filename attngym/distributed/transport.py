@@ -167,3 +167,24 @@ def clear_cache() -> None:
     """Forget cached channels, all-gathers and resolutions (before a group is destroyed)."""
     _CACHE.clear()
     _RESOLVED.clear()
+
+
+def all_gather(
+    parts: list[torch.Tensor], *, group=None, transport: str = "auto", timeout_s: float = 60.0
+) -> torch.Tensor:
+    """Every rank's `parts` (tensors of one shape (B, G, n, D)) gathered along the sequence in
+    rank order: one (len(parts), B, G, P·n, D) tensor, differentiable (its backward reduce-
+    scatters the gradients home). The all-gather the built-in schemes use, for a scheme of
+    your own; collective over `group` (default: the world), on the resolved `transport`."""
+    like = parts[0]
+    chosen = resolve_transport(transport, like.device, group)
+    gather = cached(
+        chosen.allgather, tuple(like.shape), len(parts), 2, dtype=like.dtype, device=like.device,
+        timeout_s=timeout_s, group=group,
+    )  # fmt: skip
+    gather.start(list(parts))
+    out = gather.wait(list(parts))
+    saved = torch.is_grad_enabled() and any(p.requires_grad for p in parts)
+    if getattr(gather, "OUTPUT_REUSED", True) and saved:
+        out = out.clone()  # the transport's buffer belongs to its next call; autograd keeps this
+    return out

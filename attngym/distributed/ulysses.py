@@ -30,9 +30,10 @@ sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
 import torch
@@ -40,8 +41,16 @@ import torch
 from attngym import kernels
 from attngym.distributed import layout as layouts
 from attngym.distributed.cp import CPOptions, CPStats, StepClock, check_shards, options_from
+from attngym.distributed.simulate import Item, SimulatedCall, Simulation
 from attngym.distributed.spec import TopologySpec
-from attngym.errors import ConfigError, choice_error
+from attngym.distributed.transfer_model import (
+    Fabric,
+    Prediction,
+    RankWork,
+    bottleneck,
+    predict,
+)
+from attngym.errors import ConfigError
 from attngym.variants.base import Variant
 
 # The algorithm among hybrid attention's groups (ranks holding the same head slice).
@@ -490,10 +499,169 @@ def alltoall_transfer_ms(
     return stats.step_wait_ms
 
 
+# ---------------------------------------------------------------------------------------------
+# Simulated and priced (topology.simulate=true; attngym.distributed.simulate, transfer_model).
+
+
+def simulate_ulysses(sc: SimulatedCall) -> Simulation:
+    """Every rank's one call on its head slice of the whole sequence (K/V heads repeated up to
+    lcm(G, P) as the all-to-all does), with the head-shifted variant and block mask of
+    ulysses_attention; the exchanges' bytes as _exchange counts them."""
+    q, k, v, P, opts, clock = sc.q, sc.k, sc.v, sc.world_size, sc.options, sc.clock
+    b, h, seq_len, d = q.shape
+    check_ulysses_heads(h, k.shape[1], P)
+    backend = kernels.resolve_backend(opts.backend, q.device)
+    replicas = math.lcm(k.shape[1], P) // k.shape[1]
+    k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
+    hp, rp = h // P, k_rep.shape[1] // P
+    itemsize = q.element_size()
+    works, sent, peak = [], 0, 0
+    for r in range(P):
+        q_h, k_h, v_h = (
+            t[:, r * n : (r + 1) * n].contiguous() for t, n in ((q, hp), (k_rep, rp), (v_rep, rp))
+        )
+        heads = hp if kernels.offsets_as_tables(opts.kernel_options) else None
+        shifted, block_mask = _plan(
+            sc.variant, r * hp, heads, seq_len, opts.block_size, backend, q.device
+        )
+
+        def attend(*qkv, shifted=shifted, block_mask=block_mask):
+            return kernels.attend_chunk(
+                *qkv, shifted, backend=backend, block_size=opts.block_size,
+                block_mask=block_mask, kernel_options=opts.kernel_options, scale=opts.scale,
+                compile=opts.compile, compile_mode=opts.compile_mode,
+            )[0]  # fmt: skip
+
+        def fwd(attend=attend, qkv=(q_h, k_h, v_h)):
+            with torch.no_grad():
+                attend(*qkv)
+
+        bwd = None
+        if sc.grad_out is not None:
+            g_h = sc.grad_out[:, r * hp : (r + 1) * hp].contiguous()
+            leaves = [t.detach().requires_grad_() for t in (q_h, k_h, v_h)]
+
+            def bwd(attend=attend, leaves=leaves, g_h=g_h):
+                with torch.enable_grad():
+                    torch.autograd.grad(attend(*leaves), leaves, g_h)
+
+        key = ("ulysses", tuple(q_h.shape), tuple(k_h.shape), clock.mask_key(block_mask))
+        item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
+        fwd_ms = clock.ms(item, "fwd")
+        both = clock.ms(item, "bwd") if sc.grad_out is not None else None
+        qkv_bytes, out_bytes = _exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, itemsize)
+        sent = max(sent, (qkv_bytes + out_bytes) * (P - 1) // P)
+        works.append(
+            RankWork(
+                fwd_ms=(fwd_ms,),
+                bwd_ms=() if both is None else (max(both - fwd_ms, 0.0),),
+                fwd_bytes=(qkv_bytes * (P - 1) / P,),
+                tail_fwd_bytes=out_bytes * (P - 1) / P,
+            )
+        )
+        heads_whole = (hp + 2 * rp) * b * seq_len * d * itemsize
+        peak = max(peak, heads_whole + b * hp * seq_len * d * itemsize)
+    return Simulation(P, works, 1, pairs_computed=P, bytes_moved=sent, peak_mem_bytes=peak)
+
+
+def _exchange_bytes(b: int, h: int, kv_heads: int, shard: int, d: int, itemsize: int):
+    """(q, k, v out; the output back) bytes of one rank's shard, as _exchange counts them, K/V
+    heads repeated to `kv_heads`."""
+    qkv = (b * h * shard * d + 2 * b * kv_heads * shard * d) * itemsize
+    return qkv, b * h * shard * d * itemsize
+
+
+def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+    """q/k/v exchange, call, output exchange; backward: the output gradient's exchange, the
+    call's backward, the q/k/v gradients' exchange."""
+    into = fab.ms("alltoall", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
+    back = fab.ms("alltoall", work.tail_fwd_bytes)
+    total = into + work.compute_fwd_ms + back
+    if backward:
+        total += back + sum(work.bwd_ms) + into
+    return total
+
+
+def price_ulysses(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
+    """Ulysses' call on `fab`: the all-to-alls around the one call (alltoall_rank_ms)."""
+    return predict(alltoall_rank_ms, sim.ranks, fab, backward)
+
+
+def _across(options: Mapping[str, Any]) -> TopologySpec:
+    """The spec of hybrid's algorithm among the groups (a composition calls the other scheme's
+    public pieces, importing its module directly)."""
+    if options["across"] == "ring":
+        from attngym.distributed.ring import RING
+
+        return RING
+    from attngym.distributed.allgather import ALLGATHER
+
+    return ALLGATHER
+
+
+def simulate_hybrid(sc: SimulatedCall) -> Simulation:
+    """The across scheme over the P / a2a_size groups on one group's head slice (H / a2a_size
+    heads; every member of a group does the same work), and the in-group exchange's bytes as
+    Ulysses counts them over a2a_size ranks; one group: Ulysses itself."""
+    P, a2a_size = sc.world_size, sc.scheme_options["a2a_size"]
+    if a2a_size is None or P % a2a_size:
+        raise ValueError(
+            f"a2a_size: simulated hybrid needs a divisor of world_size={P} (no NVLink domains to "
+            f"take it from), got {a2a_size!r}"
+        )
+    b, h, seq_len, d = sc.q.shape
+    check_ulysses_heads(h, sc.k.shape[1], a2a_size)
+    groups = P // a2a_size
+    if groups == 1:
+        return simulate_ulysses(sc.replace(world_size=a2a_size))
+    replicas = math.lcm(sc.k.shape[1], a2a_size) // sc.k.shape[1]
+    k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (sc.k, sc.v))
+    ha, ra = h // a2a_size, k_rep.shape[1] // a2a_size
+    across = _across(sc.scheme_options)
+    inner = across.simulate(
+        sc.replace(
+            q=sc.q[:, :ha].contiguous(), k=k_rep[:, :ra].contiguous(),
+            v=v_rep[:, :ra].contiguous(), world_size=groups,
+            grad_out=None if sc.grad_out is None else sc.grad_out[:, :ha].contiguous(),
+            scheme_options=across.option_values({}),
+        )
+    )  # fmt: skip
+    qkv, out = _exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, sc.q.element_size())
+    keep = (a2a_size - 1) / a2a_size
+    inner.extra["exchange"] = RankWork(
+        fwd_ms=(), fwd_bytes=(qkv * keep,), tail_fwd_bytes=out * keep
+    )
+    inner.extra["across"] = across
+    inner.bytes_moved += int((qkv + out) * keep)
+    inner.pairs_computed *= a2a_size
+    inner.pairs_skipped *= a2a_size
+    inner.world_size = P
+    return inner
+
+
+def price_hybrid(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
+    """The in-group all-to-alls (their bytes, no compute) around the across scheme's call,
+    priced as that scheme prices it over the groups; one group: Ulysses' price."""
+    if "across" not in sim.extra:
+        return price_ulysses(sim, fab, backward)
+    across = sim.extra["across"].price(sim, fab, backward)
+    exchange = sim.extra["exchange"]
+    extra_fwd = alltoall_rank_ms(exchange, fab, False)
+    extra_both = alltoall_rank_ms(exchange, fab, True)
+    totals = tuple(t + (extra_both if backward else extra_fwd) for t in across.rank_ms)
+    return Prediction(
+        fwd_ms=across.fwd_ms + extra_fwd,
+        fwd_bwd_ms=None if across.fwd_bwd_ms is None else across.fwd_bwd_ms + extra_both,
+        rank_ms=totals,
+        rank_compute_ms=across.rank_compute_ms,
+        bottleneck=bottleneck(max(totals), across.rank_compute_ms),
+    )
+
+
 def _config_error(err: ValueError) -> ConfigError:
     """A check's "key: message" ValueError as the ConfigError of its config key."""
     key, _, message = str(err).partition(": ")
-    return ConfigError(f"topology.{key}" if key == "a2a_size" else f"shape.{key}", message)
+    return ConfigError(f"topology.options.{key}" if key == "a2a_size" else f"shape.{key}", message)
 
 
 def _heads_split(*, heads: int, kv_heads: int | None, world_size: int | None, **_: Any) -> None:
@@ -506,32 +674,48 @@ def _heads_split(*, heads: int, kv_heads: int | None, world_size: int | None, **
         raise _config_error(err) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class HybridOptions:
+    """hybrid's own options: topology.options.<field>, hybrid_attention's keywords."""
+
+    a2a_size: int | None = None
+    """Ranks per all-to-all group, consecutive ranks dividing world_size and shape.heads; None
+    takes one NVLink domain per group, found on the ranks."""
+    across: Across = "ring"
+    """The algorithm among the groups (the ranks holding the same head slice)."""
+
+
 def _hybrid_groups_split(
-    *, heads: int, kv_heads: int | None, world_size: int | None, options: dict, **_: Any
+    *,
+    heads: int,
+    kv_heads: int | None,
+    world_size: int | None,
+    options: Mapping[str, Any],
+    simulate: bool,
+    **_: Any,
 ) -> None:
-    """Hybrid: `across` is an algorithm among the groups; the all-to-all groups split the ranks
-    and the query heads evenly (K/V heads are repeated as Ulysses does). a2a_size None is judged
-    on the ranks, where the NVLink domains are known (hybrid_sequence_shards)."""
-    across = options.get("across", "ring")
-    if across not in ACROSS:
-        raise ConfigError("topology.across", choice_error("across", across, ACROSS))
-    a2a_size = options.get("a2a_size")
+    """Hybrid: the all-to-all groups split the ranks and the query heads evenly (K/V heads are
+    repeated as Ulysses does). a2a_size None is judged on the ranks, where the NVLink domains
+    are known (hybrid_sequence_shards); simulated ranks have none to take it from."""
+    a2a_size = options["a2a_size"]
+    key = "topology.options.a2a_size"
     if a2a_size is None:
+        if simulate:
+            raise ConfigError(
+                key,
+                "topology.simulate=true with topology=hybrid needs the group size, got null "
+                "(there are no NVLink domains to take it from)",
+            )
         return
-    if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1:
-        raise ConfigError(
-            "topology.a2a_size",
-            f"must be a positive integer or null (one NVLink domain per group), got {a2a_size!r}",
-        )
     if world_size is not None and world_size % a2a_size:
         raise ConfigError(
-            "topology.a2a_size",
+            key,
             f"{a2a_size} does not divide topology.world_size={world_size}; use a divisor of "
             f"{world_size} (or null: one NVLink domain per group)",
         )
     if heads % a2a_size:
         raise ConfigError(
-            "topology.a2a_size",
+            key,
             f"{a2a_size} does not divide shape.heads={heads}; each group splits the heads over "
             "its ranks, use a common divisor of the heads and the world size",
         )
@@ -547,9 +731,10 @@ def hybrid_sequence_shards(settings: Any) -> int:
     domains or the heads refuse is a ConfigError on every rank alike (exit 2, as before launch)."""
     import torch.distributed as dist
 
-    shape, topo = settings.shape, settings.topology
+    shape = settings.shape
+    options = HYBRID.option_values(settings.topology.options)
     try:
-        a2a_group, across_group = hybrid_groups(topo.a2a_size)
+        a2a_group, across_group = hybrid_groups(options["a2a_size"])
         check_ulysses_heads(shape.heads, shape.kv_heads, dist.get_world_size(a2a_group))
     except ValueError as err:
         raise _config_error(err) from None
@@ -563,6 +748,8 @@ ULYSSES = TopologySpec(
     rules=(_heads_split,),
     timer=alltoall_transfer_ms,
     shards=lambda settings: 1,
+    simulate=simulate_ulysses,
+    price=price_ulysses,
 )
 # Two levels of transfers (all-to-all in a group, ring or all-gather across): no one step to time
 # alone.
@@ -570,7 +757,9 @@ HYBRID = TopologySpec(
     name="hybrid",
     attention=hybrid_attention,
     layouts=HEAD_PARALLEL_LAYOUTS,
-    options=("a2a_size", "across"),
+    options=HybridOptions,
     rules=(_hybrid_groups_split,),
     shards=hybrid_sequence_shards,
+    simulate=simulate_hybrid,
+    price=price_hybrid,
 )

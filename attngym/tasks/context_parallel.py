@@ -78,6 +78,7 @@ import torch
 from attngym import kernels, registry, timeline
 from attngym.config import Settings
 from attngym.device import sync
+from attngym.distributed.cp import CPOptions
 from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
@@ -96,15 +97,34 @@ SINGLE_CPU_MAX_BYTES = 2 * 2**30
 TORCH_CP = "torch_cp"
 
 
-def _spec(kind: str) -> TopologySpec:
-    """The topology's spec (attngym.distributed.topologies), from the registry."""
-    return registry.get("topology", kind)
+def spec_of(settings: Settings) -> TopologySpec:
+    """The run's topology spec (attngym.distributed.topologies, from the registry; `custom`
+    bound to topology.scheme)."""
+    topo = settings.topology
+    return registry.get("topology", topo.kind).bind(topo.scheme, topo.scheme_args)
 
 
 def _options(settings: Settings) -> dict[str, Any]:
-    """topology.<key> of the topology's own options (its attention function's keywords)."""
+    """The topology's own options (its attention function's keywords), its defaults filled."""
+    return spec_of(settings).option_values(settings.topology.options)
+
+
+def cp_options(settings: Settings) -> CPOptions:
+    """The run's kernel choices, as every scheme's call takes them."""
+    return CPOptions(
+        block_size=tuple(settings.block_size),
+        kernel_options=settings.kernel_options or None,
+        timeout_s=settings.topology.timeout_s,
+        compile=settings.compile,
+        compile_mode=settings.compile_mode,
+    )
+
+
+def _scheme_metrics(settings: Settings) -> dict[str, Any]:
+    """The topology's options, and a custom topology's scheme path, as metrics."""
     topo = settings.topology
-    return {key: getattr(topo, key) for key in _spec(topo.kind).options}
+    bound = registry.get("topology", topo.kind).binder is not None
+    return {**_options(settings), **({"scheme": topo.scheme} if bound else {})}
 
 
 def check_hardware(settings: Settings) -> None:
@@ -116,27 +136,35 @@ def check_hardware(settings: Settings) -> None:
     on `topology.transport`; ranks outside one NVLink domain with copy_engine, and a hybrid group
     size taken from the NVLink domains, are judged on the ranks.
     """
+    from attngym import user_code
+    from attngym.distributed import custom as custom_scheme
     from attngym.distributed.transport import check_transport
     from attngym.variants import custom
 
+    shape, topo = settings.shape, settings.topology
     in_process = custom.in_this_process_only(settings.attention)
-    if in_process is not None:  # the ranks rebuild the variant by import path
+    for key, path in (("topology.scheme", topo.scheme), ("topology.layout", topo.layout)):
+        if in_process is None and user_code.lives_in_this_process(path):
+            in_process = key
+    if in_process is not None:  # the ranks rebuild what a path names by importing it
         raise ConfigError(
             in_process,
             "the callable lives only in this process, and context-parallel ranks start as new "
-            "processes that import the variant by path: define it at the top of a module "
-            "(mymasks.py) and pass its path (mymasks.NAME), or pass its factory's path and args",
+            "processes that import it by path: define it at the top of a module (mymasks.py) "
+            "and pass its path (mymasks.NAME), or pass its factory's path and args",
         )
-    shape, topo = settings.shape, settings.topology
-    _spec(topo.kind).check(
+    spec = spec_of(settings)
+    spec.check(
         heads=shape.heads,
         kv_heads=shape.kv_heads,
         seq_len=shape.seq_len,
         world_size=topo.world_size,
         layout=topo.layout,
-        options=_options(settings),
+        options=topo.options,
     )
     check_transport(topo.transport, settings.device, key="topology.transport")
+    if registry.get("topology", topo.kind).binder is not None:
+        custom_scheme.probe(spec, topo.scheme)
 
 
 def run_context_parallel(
@@ -153,7 +181,7 @@ def run_context_parallel(
         return run_simulated(settings, kind, metrics, one_device=whole_problem_ms)
     check_hardware(settings)
     metrics.update(settings.describe())
-    metrics.update(_options(settings))
+    metrics.update(_scheme_metrics(settings))
     with timeline.phase("ranks_start"):  # what rank 0's own phases do not cover
         metrics.update(
             launch(
@@ -179,24 +207,26 @@ def _register(kind: str) -> None:
     ) -> dict[str, Any]:
         return run_context_parallel(settings, run_dir, kind, metrics)
 
-    run.__doc__ = (
-        f"{_spec(kind).attention.__name__} over topology.world_size ranks (module docstring)."
-    )
+    run.__doc__ = f"topology {kind} over topology.world_size ranks (module docstring)."
 
 
 for _kind in registry.names("topology"):
     _register(_kind)
 
 
+def rank_device(settings: Settings) -> torch.device:
+    """This process's device for the run: its current GPU (a rank's, which launch sets), else
+    the CPU."""
+    if settings.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
     from attngym.distributed.transport import clear_cache, resolve_transport
 
     topo = settings.topology
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if settings.device == "cuda"
-        else torch.device("cpu")
-    )
+    device = rank_device(settings)
     resolved = resolve_transport(topo.transport, device, key="topology.transport")
     log.info("%s attention: rank %d of %d, transport %s", kind, rank, world_size, resolved.name)
     job = RankJob(
@@ -278,7 +308,8 @@ class RankJob:
     mask)."""
 
     def __init__(self, settings, kind, rank, world_size, device, transport, wait_group):
-        self.settings, self.kind, self.spec = settings, kind, _spec(kind)
+        self.settings, self.kind, self.spec = settings, kind, spec_of(settings)
+        self.options = cp_options(settings)
         self.rank, self.world_size, self.device = rank, world_size, device
         self.transport, self.wait_group = transport, wait_group
         self.dtype = torch_dtype(settings.dtype)
@@ -306,6 +337,7 @@ class RankJob:
         return self.spec.placement(
             self.settings.topology.layout, self.world_size, self.seq_len, self.variant,
             batch_heads=shape.batch * shape.heads, device=self.device,
+            block_size=self.settings.block_size,
         )  # fmt: skip
 
     def mine(self, t: torch.Tensor) -> torch.Tensor:
@@ -327,19 +359,15 @@ class RankJob:
 
     def attend(self, stats=None) -> torch.Tensor:
         """attngym's context-parallel call of this rank's shards."""
-        s = self.settings
         return self.spec.attention(
             *self.qkv,
             self.variant,
+            group=None,
             stats=stats,
             transport=self.transport.name,
             layout=self.layout,
-            block_size=tuple(s.block_size),
-            kernel_options=s.kernel_options or None,
-            timeout_s=s.topology.timeout_s,
-            compile=s.compile,
-            compile_mode=s.compile_mode,
-            **_options(s),
+            options=self.options,
+            **_options(self.settings),
         )
 
     def max_over_ranks(self, value: int) -> int:
@@ -356,9 +384,6 @@ def shard(job: RankJob) -> dict[str, Any]:
     """Draw the whole inputs on the CPU (the same draw on every rank), keep this rank's shards on
     its device; rank 0 keeps the whole inputs on its CPU, rounded to the run dtype like the
     shards. Reports load_imbalance."""
-    from attngym.distributed import layout as layouts
-    from attngym.distributed import load_imbalance
-
     s = job.settings
     # First: hybrid resolves its groups here and refuses a bad group size before any tensor.
     shards = job.spec.sequence_shards(s)
@@ -376,12 +401,28 @@ def shard(job: RankJob) -> dict[str, Any]:
         repeats=s.benchmark.repeats,
         max_over_ranks=job.max_over_ranks,
     )
+    return placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device)
+
+
+def placement_imbalance(spec, settings: Settings, layout, variant, shards: int, device) -> dict:
+    """load_imbalance (blocks) and load_time_imbalance (the placement's predicted time for this
+    scheme's kernels) of the placement the CP call uses among `shards` sequence shards (1.0 for
+    head-parallel schemes, whose every rank attends the whole sequence)."""
+    from attngym.distributed import layout as layouts
+
     if shards == 1:
-        return {"load_imbalance": 1.0}
-    # The placement the CP call uses, counted at the run's block size.
-    used = layouts.plan(job.layout, shards, job.seq_len)
-    imbalance = load_imbalance(used, job.variant, shards, job.seq_len, s.block_size, job.device)
-    return {"load_imbalance": imbalance}
+        return {"load_imbalance": 1.0, "load_time_imbalance": 1.0}
+    shape, seq_len = settings.shape, settings.shape.seq_len
+    used = layouts.plan(layout, shards, seq_len)
+    kernels = layouts.pair_kernels(shape.batch * shape.heads, device) if spec.pair_kernels else None
+    return {
+        "load_imbalance": layouts.load_imbalance(
+            used, variant, shards, seq_len, settings.block_size, device
+        ),
+        "load_time_imbalance": layouts.time_imbalance(
+            used, variant, shards, seq_len, settings.block_size, device, kernels
+        ),
+    }
 
 
 def first_call(job: RankJob) -> dict[str, Any]:
@@ -668,7 +709,7 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
         job.variant,
         batch=shape.batch,
         heads=shape.heads,
-        kv_heads=shape.kv_heads or shape.heads,
+        kv_heads=shape.kv_heads,
         seq_len=job.seq_len,
         layout=s.topology.layout,
         device=job.device,

@@ -46,37 +46,38 @@ def fabric_of(settings: Settings):
 def run_simulated(
     settings: Settings, kind: str, metrics: dict[str, Any], one_device: Callable[..., dict]
 ) -> dict[str, Any]:
-    """Simulate `kind` over topology.world_size ranks on this device; fill and return metrics.
+    """Simulate the run's topology over topology.world_size ranks on this device; fill and
+    return metrics. What the scheme computes on each rank, and how its transfers overlap, are
+    its TopologySpec's (`simulate`, `price`).
 
     one_device: (settings, kind, (q, k, v, grad_out), device, do_bwd) -> {pass: median ms} of
     the whole problem on this device (the CP task's one-device phase), {} when skipped.
     """
-    from attngym import registry
-    from attngym.distributed import CPOptions, load_imbalance
-    from attngym.distributed import layout as layouts
     from attngym.distributed.simulate import bench_timer, simulate
-    from attngym.distributed.transfer_model import compose_hybrid, predict
+    from attngym.tasks.context_parallel import (
+        _scheme_metrics,
+        cp_options,
+        placement_imbalance,
+        rank_device,
+        spec_of,
+    )
 
     s, topo = settings, settings.topology
-    spec = registry.get("topology", kind)
-    options = {key: getattr(topo, key) for key in spec.options}
+    spec = spec_of(s)
     spec.check(
         heads=s.shape.heads,
         kv_heads=s.shape.kv_heads,
         seq_len=s.shape.seq_len,
         world_size=topo.world_size,
         layout=topo.layout,
-        options=options,
+        options=topo.options,
+        simulate=True,
     )
     fab = fabric_of(s)
     metrics.update(s.describe())
-    metrics.update(options)
+    metrics.update(_scheme_metrics(s))
     metrics.update({"simulate": True, "fabric": fab.name})
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if s.device == "cuda"
-        else torch.device("cpu")
-    )
+    device = rank_device(s)
     dtype = torch_dtype(s.dtype)
     do_bwd = "bwd" in s.passes
     q, k, v, grad_out = (
@@ -84,26 +85,12 @@ def run_simulated(
     )
     variant = s.variant.to(device)
     P = topo.world_size
-    seq_shards = {"ulysses": 1, "hybrid": P // (topo.a2a_size or P)}.get(kind, P)
     # The placement a real run would use (balanced: planned for this topology's kernels).
     layout = spec.placement(topo.layout, P, s.shape.seq_len, variant,
-                            batch_heads=s.shape.batch * s.shape.heads, device=device)  # fmt: skip
-    if seq_shards > 1 and kind != "hybrid":
-        used = layouts.plan(layout, P, s.shape.seq_len)
-        metrics["load_imbalance"] = load_imbalance(
-            used, variant, P, s.shape.seq_len, s.block_size, device
-        )
-    else:
-        metrics["load_imbalance"] = 1.0
-    cp_options = CPOptions(
-        block_size=tuple(s.block_size),
-        kernel_options=s.kernel_options or None,
-        timeout_s=topo.timeout_s,
-        compile=s.compile,
-        compile_mode=s.compile_mode,
-    )
+                            batch_heads=s.shape.batch * s.shape.heads, device=device,
+                            block_size=s.block_size)  # fmt: skip
     sim = simulate(
-        kind,
+        spec,
         q,
         k,
         v,
@@ -111,15 +98,12 @@ def run_simulated(
         variant,
         world_size=P,
         layout=layout,
-        options=cp_options,
-        a2a_size=topo.a2a_size,
-        across=topo.across,
+        options=cp_options(s),
+        scheme_options=topo.options,
         timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats),
     )
-    scheme = sim.scheme
-    prediction = predict(scheme, sim.ranks, fab, do_bwd)
-    if kind == "hybrid" and sim.exchange is not None:
-        prediction = compose_hybrid(prediction, sim.exchange, fab, do_bwd)
+    metrics.update(placement_imbalance(spec, s, layout, variant, sim.sequence_shards, device))
+    prediction = spec.price(sim, fab, do_bwd)
     metrics.update(
         {
             "pairs_computed": sim.pairs_computed,
@@ -140,15 +124,9 @@ def run_simulated(
             "sim_s": sim.wall_s,
         }
     )
-    if kind == "allgather":
-        whole = _whole_shard_bytes(s, dtype)
-        ranks = [
-            type(w)(fwd_ms=w.fwd_ms, bwd_ms=w.bwd_ms, fwd_bytes=(whole,), bwd_bytes=(whole,))
-            for w in sim.ranks
-        ]
-        theirs = predict("torch_cp", ranks, fab, do_bwd)
-        metrics["predicted_torch_cp_fwd_ms"] = theirs.fwd_ms
-        metrics["predicted_torch_cp_fwd_bwd_ms"] = theirs.fwd_bwd_ms
+    for name, theirs in prediction.contenders.items():
+        metrics[f"predicted_{name}_fwd_ms"] = theirs.fwd_ms
+        metrics[f"predicted_{name}_fwd_bwd_ms"] = theirs.fwd_bwd_ms
     log.info(
         "simulated %s over %d ranks: %d items, %d timed, %.1f s; predicted fwd %.3f ms, "
         "fwd+bwd %s ms (%s-bound) on %s",
@@ -166,14 +144,6 @@ def run_simulated(
         single = one_device(s, kind, (q, k, v, grad_out), device, do_bwd)
         metrics.update(_efficiency(single, P, prediction))
     return metrics
-
-
-def _whole_shard_bytes(s: Settings, dtype: torch.dtype) -> float:
-    """What one rank receives when every rank's whole K/V shard is gathered (torch_cp)."""
-    shape, P = s.shape, s.topology.world_size
-    kv_heads = shape.kv_heads or shape.heads
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape.batch * kv_heads * (shape.seq_len // P) * shape.head_dim * itemsize * (P - 1)
 
 
 def _efficiency(single: dict[str, float], world_size: int, prediction) -> dict[str, Any]:

@@ -42,7 +42,7 @@ if has overhead; then  # KINDS, MASKS and PROFILE (0: no cp_profile) narrow it
                    [causal]="attention=causal" [document]="attention=document")
   first=1
   for kind in ${KINDS:-ring allgather ulysses hybrid}; do
-    extra=""; [ $kind = hybrid ] && extra="topology.a2a_size=1"
+    extra=""; [ $kind = hybrid ] && extra="topology.options.a2a_size=1"
     for mask in ${MASKS:-window causal document}; do
       t ws1_${kind}_$mask $BASE topology=$kind $extra ${MASK[$mask]} || [ $first = 0 ] \
         || { echo "the first run failed: overhead stopped" | tee -a $OUT/summary.txt; break 2; }

@@ -312,7 +312,7 @@ def test_hybrid_task_on_four_ranks_matches_the_reference(tmp_path):
     topology=hybrid is checked in tests/test_config.py."""
     from attngym import registry
 
-    settings = _settings(kind="hybrid", world_size=4, a2a_size=2)
+    settings = _settings(kind="hybrid", world_size=4, options={"a2a_size": 2})
     settings.validate_rows = 64
     metrics = registry.get("task", "hybrid")(settings, tmp_path)
     assert metrics["validation"] == "ok"

@@ -102,7 +102,9 @@ def test_zigzag_chunks_balance_causal_work():
 def test_layout_rejects_bad_values_by_name():
     x = torch.randn(1, 1, 12, 2)
     with pytest.raises(
-        ValueError, match="layout must be one of contiguous, zigzag, balanced; got 'zigzg'"
+        ValueError,
+        match=r"layout must be one of contiguous, zigzag, balanced or a balancer's import path "
+        r"\(module.function\); got 'zigzg'",
     ):
         shard(x, 0, 2, "zigzg")
     with pytest.raises(ValueError, match=r"seq_len=12 must be divisible by 8"):

@@ -18,7 +18,10 @@ from attngym.config import Benchmark, Settings, Shape, Topology
 from attngym.distributed import CPOptions
 from attngym.distributed import layout as layouts
 from attngym.distributed import transfer_model as tm
+from attngym.distributed.allgather import gather_rank_ms
+from attngym.distributed.ring import RING, ring_rank_ms
 from attngym.distributed.simulate import simulate
+from attngym.distributed.ulysses import HYBRID, alltoall_rank_ms, price_hybrid
 from attngym.inputs import make_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +80,7 @@ def test_identical_work_is_timed_once():
                              torch.float32)  # fmt: skip
     calls: list = []
     sim = simulate(
-        "ring",
+        RING,
         q,
         k,
         v,
@@ -103,10 +106,10 @@ def test_ring_arithmetic_on_hand_made_numbers():
         tail_bwd_bytes=0.5e6,
     )
     # fwd: max(2, 2) + max(3, 5) + max(1, 0) = 8; bwd: max(4, 1) + max(1, 3) + max(1, 0) + 0.5.
-    assert tm.ring_rank_ms(work, fab, False) == pytest.approx(8.0)
-    assert tm.ring_rank_ms(work, fab, True) == pytest.approx(8.0 + 8.5)
+    assert ring_rank_ms(work, fab, False) == pytest.approx(8.0)
+    assert ring_rank_ms(work, fab, True) == pytest.approx(8.0 + 8.5)
     other = tm.RankWork(fwd_ms=(1.0, 1.0, 1.0), fwd_bytes=(0, 0, 0))
-    pred = tm.predict("ring", [work, other], fab, backward=False)
+    pred = tm.predict(ring_rank_ms, [work, other], fab, backward=False)
     assert pred.fwd_ms == pytest.approx(8.0)  # the slowest rank
     assert pred.time_imbalance == pytest.approx(6.0 / 4.5)
     assert pred.bottleneck == "transfer"  # 8 - 6 exposed against 6 - 4.5 of imbalance
@@ -115,16 +118,19 @@ def test_ring_arithmetic_on_hand_made_numbers():
 def test_gather_and_alltoall_arithmetic_and_the_bottleneck():
     fab = tm.linear_fabric("toy", "test", gbps=1.0, latency_us=100.0)  # 0.1 ms + 1 ms per MB
     work = tm.RankWork(fwd_ms=(10.0,), bwd_ms=(20.0,), fwd_bytes=(4e6,), tail_fwd_bytes=1e6)
-    assert tm.gather_rank_ms(work, fab, False) == pytest.approx(4.1 + 10)
-    assert tm.gather_rank_ms(work, fab, True) == pytest.approx(4.1 + 10 + 20 + 4.1)
-    assert tm.alltoall_rank_ms(work, fab, False) == pytest.approx(4.1 + 10 + 1.1)
-    assert tm.alltoall_rank_ms(work, fab, True) == pytest.approx(2 * (4.1 + 1.1) + 30)
+    assert gather_rank_ms(work, fab, False) == pytest.approx(4.1 + 10)
+    assert gather_rank_ms(work, fab, True) == pytest.approx(4.1 + 10 + 20 + 4.1)
+    assert alltoall_rank_ms(work, fab, False) == pytest.approx(4.1 + 10 + 1.1)
+    assert alltoall_rank_ms(work, fab, True) == pytest.approx(2 * (4.1 + 1.1) + 30)
     assert tm.bottleneck(10.2, [10.0, 10.0]) == "compute"
     assert tm.bottleneck(15.0, [10.0, 10.0]) == "transfer"
     assert tm.bottleneck(10.0, [10.0, 6.0]) == "imbalance"
-    hybrid = tm.compose_hybrid(
-        tm.predict("allgather", [work], fab, True), tm.RankWork((), fwd_bytes=(1e6,)), fab, True
-    )
+    from attngym.distributed.allgather import ALLGATHER
+    from attngym.distributed.simulate import Simulation
+
+    across = Simulation(1, [work], 1, extra={"torch_cp": [work]})
+    across.extra.update(across=ALLGATHER, exchange=tm.RankWork((), fwd_bytes=(1e6,)))
+    hybrid = price_hybrid(across, fab, True)
     assert hybrid.fwd_bwd_ms == pytest.approx(38.2 + 2 * 1.1)  # the all-to-all in, twice
 
 
@@ -188,9 +194,9 @@ def test_balanced_layout_evens_time_on_unequal_documents_at_eight_ranks():
         ("blocks", layouts.plan("balanced", P, S, docs, block_costs=(1.0, 1.0))),
         ("zigzag", "zigzag"),
     ):
-        sim = simulate("ring", q, k, v, None, docs, world_size=P, layout=layout,
+        sim = simulate(RING, q, k, v, None, docs, world_size=P, layout=layout,
                        options=CPOptions(block_size=(128, 128)), timer=_priced)  # fmt: skip
-        imbalance[name] = tm.predict("ring", sim.ranks, tm.fabric("h200_nvlink"), False)
+        imbalance[name] = tm.predict(ring_rank_ms, sim.ranks, tm.fabric("h200_nvlink"), False)
         imbalance[name] = imbalance[name].time_imbalance
     assert imbalance["time"] < 1.03, imbalance
     assert imbalance["time"] < imbalance["blocks"] - 0.1 < imbalance["zigzag"], imbalance
@@ -233,10 +239,10 @@ def test_ring_placement_priced_per_pair_kernel_speeds_its_slowest_rank():
     slowest = {}
     for name, layout in (("pairs", pair_priced), ("blocks", layouts.plan("balanced", P, S, docs)),
                          ("zigzag", "zigzag")):  # fmt: skip
-        sim = simulate("ring", q, k, v, None, docs, world_size=P, layout=layout,
+        sim = simulate(RING, q, k, v, None, docs, world_size=P, layout=layout,
                        options=CPOptions(block_size=(128, 128)),
                        timer=_wave_priced(heads, slots))  # fmt: skip
-        slowest[name] = max(tm.predict("ring", sim.ranks, tm.fabric("h200_nvlink"), False)
+        slowest[name] = max(tm.predict(ring_rank_ms, sim.ranks, tm.fabric("h200_nvlink"), False)
                             .rank_compute_ms)  # fmt: skip
     assert slowest["pairs"] < 0.7 * min(slowest["blocks"], slowest["zigzag"]), slowest
     by_blocks = layouts.plan("balanced", P, S, docs)
@@ -297,15 +303,16 @@ def test_hybrid_is_the_across_scheme_over_the_groups_plus_the_in_group_exchange(
     q, k, v, g = make_inputs(Shape(batch=1, heads=4, seq_len=1024, head_dim=8), 0, "cpu",
                              torch.float32)  # fmt: skip
     calls: list = []
-    sim = simulate("hybrid", q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
-                   options=CPOptions(block_size=(128, 128)), a2a_size=2,
+    sim = simulate(HYBRID, q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
+                   options=CPOptions(block_size=(128, 128)), scheme_options={"a2a_size": 2},
                    timer=_counting_timer(calls))  # fmt: skip
-    assert sim.scheme == "ring" and len(sim.ranks) == 2 and sim.world_size == 4
+    assert sim.extra["across"] is RING and len(sim.ranks) == 2 and sim.world_size == 4
+    assert sim.sequence_shards == 2
     shard = 1 * 4 * (1024 // 4) * 8 * 4  # one rank's q (or k, v, out) bytes, float32
-    assert sim.exchange.fwd_bytes == (3 * shard / 2,)
-    assert sim.exchange.tail_fwd_bytes == shard / 2
+    assert sim.extra["exchange"].fwd_bytes == (3 * shard / 2,)
+    assert sim.extra["exchange"].tail_fwd_bytes == shard / 2
     with pytest.raises(ValueError, match="a2a_size"):
-        simulate("hybrid", q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
+        simulate(HYBRID, q, k, v, g, variants.get("causal"), world_size=4, layout="zigzag",
                  timer=_counting_timer([]))  # fmt: skip
 
 
