@@ -58,9 +58,8 @@ def _path_of(fn: Any, kind: str) -> str:
     if isinstance(fn, str):
         return fn
     if not callable(fn):
-        raise ConfigError(
-            f"attention.{kind}", f"must be a callable or an import path, got {type(fn).__name__}"
-        )
+        key = "topology.scheme" if kind == "scheme" else f"attention.{kind}"
+        raise ConfigError(key, f"must be a callable or an import path, got {type(fn).__name__}")
     own = _own_path(fn)
     if own is not None:
         return own
@@ -104,6 +103,8 @@ def run(
     mask_args: Mapping[str, Any] | None = None,
     score_args: Mapping[str, Any] | None = None,
     variant: Any = None,
+    scheme: Callable[..., Any] | str | None = None,
+    scheme_args: Mapping[str, Any] | None = None,
     overrides: Sequence[str] = (),
     run_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
@@ -116,6 +117,8 @@ def run(
         mask_args, score_args: a factory's arguments.
         variant: an attngym Variant instead of the callbacks (its buffers move to the run's
             device); its name labels the run.
+        scheme, scheme_args: your context-parallel scheme (or its factory, with its arguments)
+            as an object or an import path: `topology=custom` (attngym.distributed.custom).
         overrides: the command line's override strings, e.g. ["shape.seq_len=4096",
             "topology=ring"]; a sweep (-m) is the command line's.
         run_dir: the run folder; default outputs/<date>/<time>-<pid> as on the command line.
@@ -151,6 +154,10 @@ def run(
                 extra.append(f"attention.{kind}_mod={_value(_path_of(fn, f'{kind}_mod'))}")
             for key, value in (args or {}).items():
                 extra.append(f"attention.{kind}_args.{key}={_value(value)}")
+    if scheme is not None:
+        extra += ["topology=custom", f"topology.scheme={_value(_path_of(scheme, 'scheme'))}"]
+        for key, value in (scheme_args or {}).items():
+            extra.append(f"topology.scheme_args.{key}={_value(value)}")
     if run_dir is None:
         now = datetime.datetime.now()
         run_dir = Path("outputs", f"{now:%Y-%m-%d}", f"{now:%H-%M-%S-%f}-{os.getpid()}")

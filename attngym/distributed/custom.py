@@ -86,8 +86,8 @@ def _keywords(fn: Callable[..., Any], path: str) -> tuple[str, ...]:
         raise ConfigError(
             KEY,
             f"{path} requires keyword {unknown[0]!r}, which attngym does not pass (it passes "
-            f"group, layout and {', '.join(OPTIONAL)}); give it a default, or bind it with a "
-            f"factory and {ARGS_KEY}",
+            f"group, layout, {', '.join(OPTIONAL[:-1])} and {OPTIONAL[-1]}); give it a default, "
+            f"or bind it with a factory and {ARGS_KEY}",
         )
     return tuple(k for k in OPTIONAL if open_keywords or k in names)
 
@@ -155,7 +155,9 @@ def _bound(path: str, args: Mapping[str, Any]) -> TopologySpec:
         return obj
     if not callable(obj):
         raise ConfigError(
-            KEY, f"{path} is a {type(obj).__name__}, not a scheme function or a TopologySpec"
+            KEY,
+            f"{path} is not callable ({type(obj).__name__}): name a scheme function or a "
+            "TopologySpec",
         )
     return TopologySpec(
         name="custom",

@@ -200,7 +200,9 @@ def run_context_parallel(
     return metrics
 
 
-def _register(kind: str) -> None:
+def register_task(kind: str) -> None:
+    """Register the context-parallel task of topology `kind` (a registered TopologySpec)."""
+
     @registry.register("task", kind)
     def run(
         settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
@@ -211,7 +213,7 @@ def _register(kind: str) -> None:
 
 
 for _kind in registry.names("topology"):
-    _register(_kind)
+    register_task(_kind)
 
 
 def rank_device(settings: Settings) -> torch.device:
