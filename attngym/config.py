@@ -601,6 +601,7 @@ def check_key(key: str) -> None:
     known = known_keys()
     if key in known or any(k.startswith(f"{key}.") for k in known):
         return
+    known += [f"topology.options.{name}" for name in _option_names()]  # what a key may mean
     leaves = {k.rsplit(".", 1)[-1]: k for k in known}
     leaf = key.rsplit(".", 1)[-1]
     hint = leaves.get(leaf) or closest(key, known) or leaves.get(closest(leaf, leaves) or "")
@@ -709,17 +710,16 @@ def _topology_rules(data: dict[str, Any]) -> None:
         raise ConfigError("topology.layout", choice_error("layout", layout, layouts))
 
 
+def _option_names() -> list[str]:
+    """Every topology's option names (their specs' options dataclasses)."""
+    specs = _topology_specs().values()
+    return sorted({f.name for s in specs if s.options for f in dataclasses.fields(s.options)})
+
+
 def _check_option_keys(options: Mapping[str, Any]) -> None:
     """Every key of topology.options is some topology's option (a sweep may set one topology's
     options for all); else the one it most likely means."""
-    known = sorted(
-        {
-            f.name
-            for s in _topology_specs().values()
-            if s.options
-            for f in dataclasses.fields(s.options)
-        }
-    )
+    known = _option_names()
     for key in options:
         if key not in known:
             hint = closest(key, known)

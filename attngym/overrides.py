@@ -182,7 +182,7 @@ def _group_dirs(conf_dirs: Iterable[Path] = (CONF_DIR,)) -> set[str]:
     }
 
 
-def _options(group: str, conf_dirs: Iterable[Path] = (CONF_DIR,)) -> list[str]:
+def group_options(group: str, conf_dirs: Iterable[Path] = (CONF_DIR,)) -> list[str]:
     return sorted({p.stem for d in conf_dirs for p in (d / group).glob("*.yaml")})
 
 
@@ -346,7 +346,7 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
     if "(" in value or "[" in value or "$" in value:  # choice(...), range(...), globs: Hydra's
         return arg
     items = [v.strip().strip("'\"") for v in value.split(",")]
-    options = _options(match["group"], conf_dirs)
+    options = group_options(match["group"], conf_dirs)
     for item in items:
         if item not in options and item != "null":
             raise ConfigError(match["group"], choice_error("option", item, options))

@@ -70,4 +70,4 @@ def test_group_listing_and_hydra_read_the_same_package():
     with initialize_config_module(overrides.CONF_PACKAGE, version_base="1.3"):
         cfg = compose("config", overrides=["attention=sliding_window"])
     assert cfg.attention.window_size > 0
-    assert "sliding_window" in overrides._options("attention")
+    assert "sliding_window" in overrides.group_options("attention")

@@ -26,9 +26,14 @@ runs costs BLOCK_COSTS (full, partial) in units of a full block's time. Without 
 each rank runs one call, its shard's rows in shard order against the whole sequence's keys in
 position order, cut into blocks of `block_size` from the shard's start; with `PairKernels` (the
 ring) each rank runs one kernel per (its q chunk, any kv chunk) pair, blocks cut from each
-chunk's start, priced as PairKernels says. `time_imbalance` is max over mean of the ranks'
-predicted times (what `balanced` evens out); `load_imbalance` is max over mean of the non-empty
-blocks per rank (the block count the runs report).
+chunk's start, priced as PairKernels says. Two measures, named apart:
+
+    time_imbalance  predicted time imbalance: max over mean of the ranks' predicted times under
+                    this model (with PairKernels a layout's total varies with its launches and
+                    waves, so the fastest slowest rank, which `balanced` keeps, may be less even
+                    than zigzag's).
+    load_imbalance  block imbalance: max over mean of the non-empty blocks per rank, a count
+                    whatever the blocks cost (the runs' load_imbalance metric).
 
 A rank's shard is the concatenation of its chunks in that order; `chunks` gives them as
 (global offset, length) pairs, which is what the context-parallel kernels pass as q/kv offsets.
@@ -271,14 +276,14 @@ class _TimeModel:
         kv_block, kv_group = _kernel_blocks(kv_groups, tile, block_kv, tiles)
 
         def per_block(x: torch.Tensor) -> torch.Tensor:  # (tiles, tiles) -> (q blocks, kv blocks)
-            cols = torch.zeros(tiles, len(kv_group), dtype=torch.long).index_add_(1, kv_block, x)
-            return torch.zeros(len(q_group), len(kv_group), dtype=torch.long).index_add_(
+            cols = torch.zeros(tiles, len(kv_group), dtype=torch.int32).index_add_(1, kv_block, x)
+            return torch.zeros(len(q_group), len(kv_group), dtype=torch.int32).index_add_(
                 0, q_block, cols
             )
 
         size = torch.outer(torch.bincount(q_block), torch.bincount(kv_block))
-        kept = per_block((classes != EMPTY).long()) > 0
-        full = per_block((classes == FULL).long()) == size
+        kept = per_block((classes != EMPTY).int()) > 0
+        full = per_block((classes == FULL).int()) == size
         full_cost, partial_cost = self.block_costs
         cost = torch.zeros(kept.shape, dtype=torch.float64)
         cost[kept] = partial_cost
@@ -320,8 +325,8 @@ def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
 def _needs_variant(layout: str, variant) -> None:
     if variant is None:
         raise ValueError(
-            f"layout={layout!r} is placed from the variant's block mask: pass variant= (or a "
-            "Layout from attngym.distributed.layout.plan)"
+            f"layout={layout!r} is placed from the variant: pass variant= (or a Layout from "
+            "attngym.distributed.layout.plan)"
         )
 
 
@@ -355,9 +360,9 @@ def _balanced(
         candidates.append((max(model.rank_times(placement)), placement))
     # The slowest rank sets the call's time; the first of equals wins (fewest pieces).
     slowest, best = candidates[0]
-    for time, placement in candidates[1:]:
-        if time < slowest * (1 - 1e-9):
-            slowest, best = time, placement
+    for its_slowest, placement in candidates[1:]:
+        if its_slowest < slowest * (1 - 1e-9):
+            slowest, best = its_slowest, placement
     return Layout("balanced", world_size, seq_len, best)
 
 
@@ -367,7 +372,7 @@ def _user_balancer(path: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
 
     balancer = user_code.resolve(path, key="layout")
     if not callable(balancer):
-        raise ConfigError("layout", f"{path} is a {type(balancer).__name__}, not a function")
+        raise ConfigError("layout", f"{path} is not callable ({type(balancer).__name__})")
     try:
         params = inspect.signature(balancer).parameters.values()
     except (TypeError, ValueError) as err:
@@ -431,7 +436,10 @@ def _checked_placement(placed, path: str, world_size: int, seq_len: int) -> list
             f"length) pairs per rank, {world_size} lists"
         )
     if len(placed) != world_size:
-        refuse(f"returned {len(placed)} rank lists for world_size={world_size}; one per rank")
+        refuse(
+            f"returned a list of {len(placed)} for world_size={world_size}; a balancer returns "
+            "one list per rank"
+        )
     placement = []
     for r, chunks in enumerate(placed):
         if not isinstance(chunks, list | tuple):
@@ -557,7 +565,8 @@ def resolve(
     """The Layout a context-parallel call uses: `plan`, memoised per variant for `balanced` (as
     a user's balancer always is), so a call given the name agrees with `shard(..., variant=)`,
     which prices by blocks; the run layer plans the ring's with `kernels` and hands that Layout
-    to both."""
+    to both. `block_size` is the kernels' (q, kv), which the cost model prices and a user's
+    balancer is given."""
     if not (isinstance(layout, str) and layout == "balanced"):
         return plan(layout, world_size, seq_len, variant, block_size, device)
     _needs_variant(layout, variant)
@@ -596,8 +605,8 @@ def chunks(
     Returns:
         One pair for contiguous, two for zigzag; lengths sum to S/P.
     """
-    placed_from_mask = layout == "balanced" or is_user_layout(layout)
-    if isinstance(layout, str) and placed_from_mask and variant is not None:
+    placed_from_variant = layout == "balanced" or is_user_layout(layout)
+    if isinstance(layout, str) and placed_from_variant and variant is not None:
         # The same memoised placement the CP call resolves; built on the GPU where there is one
         # (the whole sequence's block mask; the placement does not depend on the device).
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -619,7 +628,8 @@ def shard(
     Args:
         x: the whole tensor, e.g. q_BHSD with S at `dim`.
         rank, world_size: which shard of how many.
-        layout: contiguous | zigzag | balanced (with `variant`), or a Layout.
+        layout: contiguous | zigzag | balanced or a balancer's path (with `variant`), or a
+            Layout.
         dim: the sequence dimension.
 
     Returns:
@@ -639,7 +649,8 @@ def unshard(
 
     Args:
         shards: P tensors (…, S/P, …), shard r from rank r.
-        layout: the layout they were cut with (a name, with `variant` for balanced, or a Layout).
+        layout: the layout they were cut with (a name or a balancer's path, with `variant`
+            for balanced and a path, or a Layout).
         dim: the sequence dimension.
 
     Returns:
@@ -678,7 +689,8 @@ def load_imbalance(
     chunk boundary (small shapes); 1.0 is perfect balance.
     """
     placed = resolve(layout, world_size, seq_len, variant, device, block_size=block_size)
-    block = math.gcd(int(block_size[0]), *(x for c in placed.placement for x in _flat(c)))
+    bounds = (x for rank in placed.placement for chunk in rank for x in chunk)
+    block = math.gcd(int(block_size[0]), *bounds)
     blocks = _TimeModel(variant, seq_len, (block, block), device, block_costs=(1.0, 1.0))
     return _max_over_mean(blocks.rank_times(placed.placement))
 
@@ -701,10 +713,6 @@ def time_imbalance(
     placed = resolve(layout, world_size, seq_len, variant, device, kernels, block_size)
     model = _TimeModel(variant, seq_len, block_size, device, kernels)
     return _max_over_mean(model.rank_times(placed.placement))
-
-
-def _flat(chunks: Sequence[tuple[int, int]]) -> list[int]:
-    return [x for chunk in chunks for x in chunk]
 
 
 def _max_over_mean(loads: list[float]) -> float:

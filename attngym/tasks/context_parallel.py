@@ -120,7 +120,7 @@ def cp_options(settings: Settings) -> CPOptions:
     )
 
 
-def _scheme_metrics(settings: Settings) -> dict[str, Any]:
+def scheme_metrics(settings: Settings) -> dict[str, Any]:
     """The topology's options, and a custom topology's scheme path, as metrics."""
     topo = settings.topology
     bound = registry.get("topology", topo.kind).binder is not None
@@ -181,7 +181,7 @@ def run_context_parallel(
         return run_simulated(settings, kind, metrics, one_device=whole_problem_ms)
     check_hardware(settings)
     metrics.update(settings.describe())
-    metrics.update(_scheme_metrics(settings))
+    metrics.update(scheme_metrics(settings))
     with timeline.phase("ranks_start"):  # what rank 0's own phases do not cover
         metrics.update(
             launch(

@@ -55,10 +55,10 @@ def run_simulated(
     """
     from attngym.distributed.simulate import bench_timer, simulate
     from attngym.tasks.context_parallel import (
-        _scheme_metrics,
         cp_options,
         placement_imbalance,
         rank_device,
+        scheme_metrics,
         spec_of,
     )
 
@@ -75,7 +75,7 @@ def run_simulated(
     )
     fab = fabric_of(s)
     metrics.update(s.describe())
-    metrics.update(_scheme_metrics(s))
+    metrics.update(scheme_metrics(s))
     metrics.update({"simulate": True, "fabric": fab.name})
     device = rank_device(s)
     dtype = torch_dtype(s.dtype)

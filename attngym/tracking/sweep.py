@@ -511,11 +511,11 @@ def count_jobs(config: Any) -> int | None:
         grid = grid_overrides(config, typed=False)
         from hydra.core.override_parser.types import Glob
 
-        from attngym.overrides import _options
+        from attngym.overrides import group_options
 
         for override in OverridesParser.create().parse_overrides(grid):
             if isinstance(override.value(), Glob):  # group options by pattern (the gallery)
-                total *= len(override.value().filter(_options(override.key_or_group)))
+                total *= len(override.value().filter(group_options(override.key_or_group)))
             elif override.is_sweep_override():
                 total *= len(list(override.sweep_string_iterator()))
         return total
