@@ -148,7 +148,7 @@ def test_every_key_the_cp_task_writes_is_in_the_table(tmp_path):
     assert metrics["validation"] == "ok" and metrics["torch_cp_status"] == "ok"
     assert _unknown(metrics) == []
     for kind in registry.names("topology"):
-        assert _unknown(registry.get("topology", kind).options) == []
+        assert _unknown(registry.get("topology", kind).option_values({})) == []
 
 
 def test_described_kernel_options_are_in_the_table():
