@@ -752,7 +752,7 @@ def test_hybrid_groups_checked_against_the_resolved_world_size(hydra_ctx):
         )
     )
     topo = settings.topology
-    assert (topo.kind, topo.world_size, topo.a2a_size, topo.across) == (
+    assert (topo.kind, topo.world_size, topo.options["a2a_size"], topo.options["across"]) == (
         "hybrid",
         2,
         2,
@@ -816,18 +816,36 @@ def test_a_tracker_parameter_is_checked_by_its_factory():
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeOptions:
+    """The fake topology's own options, typed as a spec states them."""
+
+    stripes: int | None = None
+
+
 @dataclasses.dataclass
 class FakeSpec:
-    """A topology as attngym.distributed's table states one: layouts, options, rules."""
+    """A topology as attngym.distributed's table states one: layouts, typed options, rules."""
 
     layouts: tuple = ("contiguous", "stripes")
-    options: tuple = ("a2a_size",)
+    options: type = FakeOptions
+    binder: None = None
     seen: list = dataclasses.field(default_factory=list)
 
-    def check(self, *, heads, kv_heads, seq_len, world_size, layout, options):
+    def bind(self, scheme=None, scheme_args=None):
+        return self
+
+    def takes_layout(self, layout):
+        return layout in self.layouts
+
+    def option_values(self, given):
+        return dataclasses.asdict(FakeOptions(**(given or {})))
+
+    def check(self, *, heads, kv_heads, seq_len, world_size, layout, options, simulate=False):
         from attngym.errors import choice_error
 
-        self.seen.append({"world_size": world_size, "layout": layout, "options": options})
+        mine = self.option_values(options)
+        self.seen.append({"world_size": world_size, "layout": layout, "options": mine})
         if layout not in self.layouts:
             raise ConfigError(
                 "topology.layout", choice_error("layout for fake", layout, self.layouts)
@@ -861,13 +879,19 @@ def fake_topology(monkeypatch):
 def test_a_topology_is_judged_by_its_spec(fake_topology):
     """The spec gets the shape, the layout and its own options, world_size None while it is
     auto and the resolved count after; its refusals reach the user with their key."""
-    topo = {"kind": "fake", "layout": "stripes", "a2a_size": 2}
+    topo = {"kind": "fake", "layout": "stripes", "options": {"stripes": 2}}
     check_config(_with("topology", topo))
     assert fake_topology.seen[-1] == {
         "world_size": None,
         "layout": "stripes",
-        "options": {"a2a_size": 2},
+        "options": {"stripes": 2},
     }
+    with pytest.raises(ConfigError, match="must be a positive integer") as info:
+        check_config(_with("topology", {**topo, "options": {"stripes": "two"}}))
+    assert info.value.key == "topology.options.stripes"
+    with pytest.raises(ConfigError, match="did you mean topology.options.stripes") as info:
+        check_config(_with("topology", {**topo, "options": {"strips": 2}}))
+    assert info.value.key == "topology.options.strips"
     settings = from_config({**_with("topology", topo), "device": {"name": "cpu"}})
     assert fake_topology.seen[-1]["world_size"] == 2 == settings.topology.world_size  # CPU
     assert settings.describe()["layout"] == "stripes"
@@ -905,15 +929,18 @@ def test_one_device_takes_one_rank_and_any_topologys_layout(fake_topology):
 
 
 def test_every_topology_spec_fits_the_typed_topology():
-    """Each context-parallel task has a spec, whose options are Topology fields (the keys a
-    config writes) and whose layouts take the typed default."""
+    """Each context-parallel task has a spec, whose options are a dataclass of its own (the
+    keys topology.options.* a config writes, none a Topology field) and whose layouts take the
+    typed default."""
     from attngym import config
 
     fields = {f.name: f for f in dataclasses.fields(config.Topology)}
     specs = config._topology_specs()
     assert set(specs) == set(registry.names("task")) - {"single"}
     for kind, spec in specs.items():
-        assert set(spec.options) <= set(fields), kind
+        if spec.options is not None:
+            assert dataclasses.is_dataclass(spec.options), kind
+            assert not {f.name for f in dataclasses.fields(spec.options)} & set(fields), kind
         assert fields["layout"].default in spec.layouts, kind
 
 

@@ -200,12 +200,7 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     assert (
         registry.names("topology")
         == sorted(TOPOLOGIES)
-        == [
-            "allgather",
-            "hybrid",
-            "ring",
-            "ulysses",
-        ]
+        == ["allgather", "custom", "hybrid", "ring", "ulysses"]
     )
     for name, spec in TOPOLOGIES.items():
         assert registry.get("topology", name) is spec and spec.name == name
@@ -214,7 +209,9 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
         module = sys.modules[spec.attention.__module__]
         assert module.__name__.startswith("attngym.distributed.")
         assert getattr(module, spec.attention.__name__) is spec.attention
-    assert registry.get("topology", "hybrid").options == ("a2a_size", "across")
+    from attngym.distributed.ulysses import HybridOptions
+
+    assert registry.get("topology", "hybrid").options is HybridOptions
     assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag")
     with pytest.raises(ValueError, match=r"unknown topology 'rnig'.*did you mean 'ring'"):
         registry.get("topology", "rnig")

@@ -21,7 +21,7 @@ def test_shard_unshard_round_trip(rng, name, world_size):
 
 def _loads(placement, variant, seq_len, block):
     """Non-empty (block x block) pairs per rank, counted from the dense mask (independent of
-    layout.row_block_costs)."""
+    the layout's cost model)."""
     pos = torch.arange(seq_len)
     keep = reference.dense_mask(variant.mask_mod, 1, 1, pos, pos)[0, 0]
     nb = seq_len // block
@@ -57,6 +57,76 @@ def test_balanced_layout_evens_out_non_empty_blocks():
         for p in layout.plan("balanced", P, S, docs, block).positions(r).tolist()
     )
     assert covered == list(range(S))
+
+
+def _block_price(keep, block_q, block_kv):
+    """(rows, cols) float64 block times of one kernel over the dense `keep`, blocks cut from its
+    first row and column (the last ones may be short), at layout.BLOCK_COSTS."""
+    full_cost, partial_cost = layout.BLOCK_COSTS
+    rows = [r.split(block_kv, dim=1) for r in keep.split(block_q, dim=0)]
+    return torch.tensor(
+        [[full_cost if b.all() else partial_cost if b.any() else 0.0 for b in r] for r in rows],
+        dtype=torch.float64,
+    )
+
+
+def _predicted(placed, variant, block_size, kernels=None):
+    """Each rank's predicted time from the dense mask, written apart from layout._TimeModel: one
+    call per rank (its shard's rows in order against every key), or one kernel per chunk pair
+    priced as PairKernels says."""
+    S = placed.seq_len
+    keys = torch.arange(S)
+    times = []
+    for r in range(placed.world_size):
+        if kernels is None:
+            keep = reference.dense_mask(variant.mask_mod, 1, 1, placed.positions(r), keys)[0, 0]
+            times.append(float(_block_price(keep, *block_size).sum()))
+            continue
+        total = 0.0
+        for qo, qn in placed.chunks(r):
+            for kv_rank in range(placed.world_size):
+                for ko, kn in placed.chunks(kv_rank):
+                    q_pos, kv_pos = torch.arange(qo, qo + qn), torch.arange(ko, ko + kn)
+                    keep = reference.dense_mask(variant.mask_mod, 1, 1, q_pos, kv_pos)[0, 0]
+                    price = _block_price(keep, *block_size)
+                    if price.sum() > 0:
+                        longest = max(price.sum(1).max(), price.sum(0).max())
+                        waves = price.sum() * kernels.programs / kernels.slots
+                        total += float(max(waves, longest)) + kernels.launch
+        times.append(total)
+    return times
+
+
+@pytest.mark.parametrize("block_size", [(8, 8), (8, 4)])
+def test_time_imbalance_is_each_ranks_predicted_time_from_the_dense_mask(rng, block_size):
+    """Chunks of 12 tokens straddle the 8-token blocks: a block is full only where all its
+    entries are kept, and the ring's kernels cut blocks from each chunk's start."""
+    docs = variants.get("document", doc_lengths=_document_lengths(rng, 48, 3))
+    placed = layout.Layout("mine", 2, 48, (((0, 12), (36, 12)), ((12, 24),)))
+    for kernels in (None, layout.PairKernels(programs=3, slots=2)):
+        times = _predicted(placed, docs, block_size, kernels)
+        got = layout.time_imbalance(placed, docs, 2, 48, block_size, kernels=kernels)
+        assert got == pytest.approx(max(times) / (sum(times) / 2), rel=1e-12), (kernels, times)
+    # Balanced places by that price: its slowest rank is no slower than zigzag's or contiguous's.
+    for kernels in (None, layout.PairKernels(programs=3, slots=2)):
+        slowest = {
+            name: max(
+                _predicted(
+                    layout.plan(name, 2, 48, docs, block_size, kernels=kernels),
+                    docs,
+                    block_size,
+                    kernels,
+                )
+            )  # fmt: skip
+            for name in ("balanced", "zigzag", "contiguous")
+        }
+        assert slowest["balanced"] <= min(slowest["zigzag"], slowest["contiguous"]), slowest
+
+
+def _document_lengths(rng, seq_len, count):
+    cuts = (torch.randperm(seq_len - 1, generator=rng)[: count - 1] + 1).sort().values.tolist()
+    edges = [0, *cuts, seq_len]
+    return [b - a for a, b in zip(edges, edges[1:], strict=False)]
 
 
 def test_balanced_layout_needs_the_variant_and_a_matching_plan():
