@@ -406,7 +406,8 @@ def _graphed(attend, qkv, grad_out) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=registry.names("topology"), default="ring")
+    kinds = [k for k in registry.names("topology") if registry.get("topology", k).binder is None]
+    parser.add_argument("--kind", choices=kinds, default="ring")
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--layout", choices=list(LAYOUTS), default="zigzag")
     parser.add_argument("--variant", choices=list(VARIANTS), default="causal")
@@ -429,7 +430,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--cuda-graph: CUDA graphs need --device cuda")
     world = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 1)
     spec = registry.get("topology", args.kind)
-    options = {key: getattr(args, key) for key in spec.options}
+    # hybrid's options from its flags; a topology takes the keys of its own options dataclass
+    options = spec.option_values({"a2a_size": args.a2a_size, "across": args.across})
     try:
         spec.check(
             heads=args.heads,

@@ -15,7 +15,7 @@ import torch
 
 from attngym import kernels, reference, variants
 from attngym.distributed import flex_backward
-from attngym.distributed.cp import _resolve_backward
+from attngym.distributed.cp import resolve_backward
 
 TOL = 1e-10
 S, HALF = 32, 16
@@ -145,7 +145,7 @@ def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
         )
         got = flex_backward.pair_grads(call, saved, slice(0, 4), t, t, (0, 4), (0, 4), None)
         assert got == want, (backward, options)
-        resolved = _resolve_backward(call.options)
+        resolved = resolve_backward(call.options)
         assert resolved == ("recompute" if want is None else "flex"), (backward, options)
 
 
@@ -159,5 +159,5 @@ def test_flash_refuses_the_recompute_backward(monkeypatch):
     CPOptions(backward="recompute", kernel_options={"BACKEND": "TRITON"})
     monkeypatch.setattr(flex_backward, "available", lambda: (False, "no such op"))
     with pytest.raises(ValueError, match="FLASH needs flex's backward op .*no such op"):
-        _resolve_backward(CPOptions(kernel_options={"BACKEND": "FLASH"}))
-    assert _resolve_backward(CPOptions()) == "recompute"
+        resolve_backward(CPOptions(kernel_options={"BACKEND": "FLASH"}))
+    assert resolve_backward(CPOptions()) == "recompute"
