@@ -722,12 +722,8 @@ def _check_option_keys(options: Mapping[str, Any]) -> None:
     known = _option_names()
     for key in options:
         if key not in known:
-            hint = closest(key, known)
-            suffix = f"; did you mean topology.options.{hint}?" if hint else ""
-            allowed = ", ".join(known) or "none"
             raise ConfigError(
-                f"topology.options.{key}",
-                f"no topology has this option (they have: {allowed}){suffix}",
+                f"topology.options.{key}", choice_error("topology option", key, known)
             )
 
 

@@ -171,9 +171,14 @@ class TopologySpec:
         from attngym.distributed import layout as layouts
 
         kernels = layouts.pair_kernels(batch_heads, device) if self.pair_kernels else None
-        return layouts.resolve(
-            layout, world_size, seq_len, variant, device, kernels, block_size=block_size
-        )
+        try:
+            return layouts.resolve(
+                layout, world_size, seq_len, variant, device, kernels, block_size=block_size
+            )
+        except ConfigError as err:  # a user's balancer: named by its config key
+            if err.key != "layout":
+                raise
+            raise ConfigError("topology.layout", str(err).removeprefix("layout: ")) from None
 
     def transfer_ms(self, transport, k_s, timeout_s: float, repeats: int) -> list[float] | None:
         """Each step's transfer alone, in ms, `repeats` times over (collective on the ranks), with

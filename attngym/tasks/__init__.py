@@ -13,6 +13,6 @@ not apply (e.g. gradient errors on CPU).
 """
 
 from attngym.tasks import (
-    context_parallel,  # noqa: F401  (registers "ring", "allgather", "ulysses", "hybrid")
+    context_parallel,  # noqa: F401  (registers a task per topology)
     single,  # noqa: F401  (registers "single")
 )

@@ -1,9 +1,10 @@
 """Context-parallel runs: spawn the ranks, then shard, validate, time, instrument, compare.
 
-One task per context-parallel topology (ring, allgather, ulysses, hybrid), registered from the
-topology table (attngym.distributed.topologies): each topology's TopologySpec gives its library
-attention function, its own topology keys, its config rules, its transfer-only timing and how
-many sequence shards its ranks attend apart. Everything else is shared, so the algorithms report
+One task per context-parallel topology (ring, allgather, ulysses, hybrid, and custom: a user's
+scheme), registered from the topology table (attngym.distributed.topologies): each topology's
+TopologySpec (`spec_of`: custom bound to topology.scheme) gives its library attention function,
+its own options, its config rules, its transfer-only timing and how many sequence shards its
+ranks attend apart. Everything else is shared, so the algorithms report
 comparable numbers; first call, timed passes and peak memory are attngym.tasks.phases, the ones
 the single-device task runs (what each timed metric means is written there).
 
@@ -71,60 +72,34 @@ import statistics
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from attngym import kernels, registry, timeline
 from attngym.config import Settings
 from attngym.device import sync
-from attngym.distributed.cp import CPOptions
 from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import pass_metrics
 from attngym.tasks import phases
+from attngym.tasks.cp_setup import (
+    cp_options,
+    placement_imbalance,
+    rank_device,
+    scheme_metrics,
+    scheme_options,
+    spec_of,
+)
 from attngym.validation import RTOL, max_abs_error, rel_error, sample_rows, validate_rows
 from attngym.variants.base import Variant
-
-if TYPE_CHECKING:
-    from attngym.distributed.spec import TopologySpec
 
 log = logging.getLogger(__name__)
 
 # On CPU the one-device comparison is skipped above this many bytes of float64 B·H·S² scores.
 SINGLE_CPU_MAX_BYTES = 2 * 2**30
 TORCH_CP = "torch_cp"
-
-
-def spec_of(settings: Settings) -> TopologySpec:
-    """The run's topology spec (attngym.distributed.topologies, from the registry; `custom`
-    bound to topology.scheme)."""
-    topo = settings.topology
-    return registry.get("topology", topo.kind).bind(topo.scheme, topo.scheme_args)
-
-
-def _options(settings: Settings) -> dict[str, Any]:
-    """The topology's own options (its attention function's keywords), its defaults filled."""
-    return spec_of(settings).option_values(settings.topology.options)
-
-
-def cp_options(settings: Settings) -> CPOptions:
-    """The run's kernel choices, as every scheme's call takes them."""
-    return CPOptions(
-        block_size=tuple(settings.block_size),
-        kernel_options=settings.kernel_options or None,
-        timeout_s=settings.topology.timeout_s,
-        compile=settings.compile,
-        compile_mode=settings.compile_mode,
-    )
-
-
-def scheme_metrics(settings: Settings) -> dict[str, Any]:
-    """The topology's options, and a custom topology's scheme path, as metrics."""
-    topo = settings.topology
-    bound = registry.get("topology", topo.kind).binder is not None
-    return {**_options(settings), **({"scheme": topo.scheme} if bound else {})}
 
 
 def check_hardware(settings: Settings) -> None:
@@ -138,6 +113,7 @@ def check_hardware(settings: Settings) -> None:
     """
     from attngym import user_code
     from attngym.distributed import custom as custom_scheme
+    from attngym.distributed.layout import is_user_layout
     from attngym.distributed.transport import check_transport
     from attngym.variants import custom
 
@@ -165,6 +141,12 @@ def check_hardware(settings: Settings) -> None:
     check_transport(topo.transport, settings.device, key="topology.transport")
     if registry.get("topology", topo.kind).binder is not None:
         custom_scheme.probe(spec, topo.scheme)
+    if is_user_layout(topo.layout):  # a user's balancer, called and its placement checked here
+        spec.placement(
+            topo.layout, topo.world_size, shape.seq_len, settings.variant,
+            batch_heads=shape.batch * shape.heads, device=rank_device(settings),
+            block_size=settings.block_size,
+        )  # fmt: skip
 
 
 def run_context_parallel(
@@ -214,14 +196,6 @@ def register_task(kind: str) -> None:
 
 for _kind in registry.names("topology"):
     register_task(_kind)
-
-
-def rank_device(settings: Settings) -> torch.device:
-    """This process's device for the run: its current GPU (a rank's, which launch sets), else
-    the CPU."""
-    if settings.device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
@@ -369,7 +343,7 @@ class RankJob:
             transport=self.transport.name,
             layout=self.layout,
             options=self.options,
-            **_options(self.settings),
+            **scheme_options(self.settings),
         )
 
     def max_over_ranks(self, value: int) -> int:
@@ -404,27 +378,6 @@ def shard(job: RankJob) -> dict[str, Any]:
         max_over_ranks=job.max_over_ranks,
     )
     return placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device)
-
-
-def placement_imbalance(spec, settings: Settings, layout, variant, shards: int, device) -> dict:
-    """load_imbalance (blocks) and load_time_imbalance (the placement's predicted time for this
-    scheme's kernels) of the placement the CP call uses among `shards` sequence shards (1.0 for
-    head-parallel schemes, whose every rank attends the whole sequence)."""
-    from attngym.distributed import layout as layouts
-
-    if shards == 1:
-        return {"load_imbalance": 1.0, "load_time_imbalance": 1.0}
-    shape, seq_len = settings.shape, settings.shape.seq_len
-    used = layouts.plan(layout, shards, seq_len)
-    kernels = layouts.pair_kernels(shape.batch * shape.heads, device) if spec.pair_kernels else None
-    return {
-        "load_imbalance": layouts.load_imbalance(
-            used, variant, shards, seq_len, settings.block_size, device
-        ),
-        "load_time_imbalance": layouts.time_imbalance(
-            used, variant, shards, seq_len, settings.block_size, device, kernels
-        ),
-    }
 
 
 def first_call(job: RankJob) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def run_simulated(
     the whole problem on this device (the CP task's one-device phase), {} when skipped.
     """
     from attngym.distributed.simulate import bench_timer, simulate
-    from attngym.tasks.context_parallel import (
+    from attngym.tasks.cp_setup import (
         cp_options,
         placement_imbalance,
         rank_device,

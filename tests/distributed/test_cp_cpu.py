@@ -294,15 +294,15 @@ def _transport_worker(rank, world_size, run_dir):
     # (The second run also skips the one-device comparison, as a CPU run too large for it would.)
     import attngym.tasks.context_parallel as ring_task
 
-    spec_of, limit = ring_task._spec, ring_task.SINGLE_CPU_MAX_BYTES
+    spec_of, limit = ring_task.spec_of, ring_task.SINGLE_CPU_MAX_BYTES
     ring = TOPOLOGIES["ring"]
     wrong = dataclasses.replace(ring, attention=lambda *a, **kw: 1.5 * ring.attention(*a, **kw))
-    ring_task._spec = lambda kind: wrong
+    ring_task.spec_of = lambda settings: wrong
     ring_task.SINGLE_CPU_MAX_BYTES = 0
     try:
         out["task_wrong"] = _rank_run(rank, world_size, settings, "ring")
     finally:
-        ring_task._spec = spec_of
+        ring_task.spec_of = spec_of
         ring_task.SINGLE_CPU_MAX_BYTES = limit
     # Under torchrun (the group exists already), ranks other than 0 log to rank<N>.log.
     name = "attngym.tests.torchrun"

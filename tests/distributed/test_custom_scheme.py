@@ -264,3 +264,22 @@ def test_no_module_of_distributed_imports_anothers_private_names():
             ):
                 offences.append(f"{path.name}: {node.value.id}.{node.attr}")
     assert offences == []
+
+
+def test_a_balancers_wrong_placement_is_one_line_before_any_rank(monkeypatch):
+    """check_hardware calls a user's balancer once and names topology.layout for what is wrong."""
+    from attngym.tasks.context_parallel import check_hardware
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    settings = _settings(
+        "mycp.unused", layout="tests.distributed.balancers.drops_the_last_position"
+    )
+    settings.topology.kind = "ring"  # the built-ins ignore topology.scheme
+    with pytest.raises(ConfigError, match="puts position 255 in no chunk") as info:
+        check_hardware(settings)
+    assert info.value.key == "topology.layout" and "\n" not in str(info.value)
+    settings.topology.layout = "tests.distributed.balancers.by_document_work"
+    settings.attention = {"name": "document", "doc_lengths": [100, 60, 96]}
+    settings.variant = None
+    settings.__post_init__()
+    check_hardware(settings)
