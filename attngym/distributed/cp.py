@@ -453,41 +453,33 @@ def attend_chunk(
     q_offset: int = 0,
     kv_offset: int = 0,
     options: CPOptions | None = None,
+    block_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a q chunk over a kv chunk at global positions, for a scheme of your own.
+    """Attention of a q chunk over a kv chunk at global positions: the kernel call of every
+    scheme, attngym's and yours, with one CPOptions for its choices.
 
     q (B, H, m, D) holds tokens q_offset .., k and v (B, G, n, D) tokens kv_offset ..; the
     variant is evaluated at those global positions. Flex on CUDA (compiled as `options` say),
-    the differentiable dense reference on CPU. Returns (out (B, H, m, D) in q's dtype, lse
-    (B, H, m) natural log, float32 or float64), both differentiable; a row the mask hides from
-    every key has out 0 and lse -inf, so `merge` of the chunks of all keys is exact.
+    the differentiable dense reference on CPU; `block_mask`: one built for exactly this pair,
+    reused. Returns (out (B, H, m, D) in q's dtype, lse (B, H, m) natural log, float32 or
+    float64), both differentiable; a row the mask hides from every key has out 0 and lse -inf,
+    so `merge` of the chunks of all keys is exact.
     """
     opts = options if options is not None else CPOptions()
     return kernels.attend_chunk(
         q, k, v, variant, q_offset=q_offset, kv_offset=kv_offset, backend=opts.backend,
-        block_size=opts.block_size, kernel_options=opts.kernel_options, scale=opts.scale,
-        compile=opts.compile, compile_mode=opts.compile_mode,
+        block_size=opts.block_size, block_mask=block_mask, kernel_options=opts.kernel_options,
+        scale=opts.scale, compile=opts.compile, compile_mode=opts.compile_mode,
     )  # fmt: skip
 
 
 def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None):
-    """attngym.kernels.attend_chunk with the call's options (and variant, unless given)."""
-    opts = call.options
-    return kernels.attend_chunk(
-        q,
-        k,
-        v,
-        call.variant if variant is None else variant,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        backend=call.backend,
-        block_size=opts.block_size,
+    """attend_chunk with the call's options (and variant, unless given)."""
+    variant = call.variant if variant is None else variant
+    return attend_chunk(
+        q, k, v, variant, q_offset=q_offset, kv_offset=kv_offset, options=call.options,
         block_mask=block_mask,
-        kernel_options=opts.kernel_options,
-        scale=opts.scale,
-        compile=opts.compile,
-        compile_mode=opts.compile_mode,
-    )
+    )  # fmt: skip
 
 
 class Accumulator:

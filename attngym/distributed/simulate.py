@@ -45,7 +45,14 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
-from attngym.distributed.cp import CPCall, CPOptions, CPStats, Saved, resolve_backward
+from attngym.distributed.cp import (
+    CPCall,
+    CPOptions,
+    CPStats,
+    Saved,
+    attend_chunk,
+    resolve_backward,
+)
 from attngym.distributed.transfer_model import RankWork
 from attngym.variants.base import Variant
 
@@ -325,12 +332,8 @@ class SequenceRanks:
         self.stats = CPStats()
         self.saved = None
         if sc.grad_out is not None:
-            out, lse = kernels.attend_chunk(
-                q, sc.k, sc.v, sc.variant, backend=self.backend, block_size=opts.block_size,
-                block_mask=self.grid.whole if self.backend == "flex" else None,
-                kernel_options=opts.kernel_options, scale=opts.scale, compile=opts.compile,
-                compile_mode=opts.compile_mode,
-            )  # fmt: skip
+            whole = self.grid.whole if self.backend == "flex" else None
+            out, lse = attend_chunk(q, sc.k, sc.v, sc.variant, options=opts, block_mask=whole)
             acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
             self.saved = [
                 Saved(self.qs[r], out.index_select(2, p), lse.index_select(2, p).to(acc_dtype),

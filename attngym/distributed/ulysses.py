@@ -40,7 +40,14 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
-from attngym.distributed.cp import CPOptions, CPStats, StepClock, check_shards, options_from
+from attngym.distributed.cp import (
+    CPOptions,
+    CPStats,
+    StepClock,
+    attend_chunk,
+    check_shards,
+    options_from,
+)
 from attngym.distributed.simulate import Item, SimulatedCall, Simulation
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.transfer_model import (
@@ -261,20 +268,7 @@ def ulysses_attention(
         )
         if stats is not None:
             stats.pairs_computed += 1
-        out_h, _ = kernels.attend_chunk(
-            q_h,
-            k_h,
-            v_h,
-            shifted,
-            backend=resolved,
-            block_size=block,
-            block_mask=block_mask,
-            kernel_options=opts.kernel_options,
-            scale=opts.scale,
-            compile=opts.compile,
-            compile_mode=opts.compile_mode,
-        )
-        return out_h
+        return attend_chunk(q_h, k_h, v_h, shifted, options=opts, block_mask=block_mask)[0]
 
     return _exchange(
         q,
@@ -526,11 +520,7 @@ def simulate_ulysses(sc: SimulatedCall) -> Simulation:
         )
 
         def attend(*qkv, shifted=shifted, block_mask=block_mask):
-            return kernels.attend_chunk(
-                *qkv, shifted, backend=backend, block_size=opts.block_size,
-                block_mask=block_mask, kernel_options=opts.kernel_options, scale=opts.scale,
-                compile=opts.compile, compile_mode=opts.compile_mode,
-            )[0]  # fmt: skip
+            return attend_chunk(*qkv, shifted, options=opts, block_mask=block_mask)[0]
 
         def fwd(attend=attend, qkv=(q_h, k_h, v_h)):
             with torch.no_grad():

@@ -79,6 +79,7 @@ import torch
 from attngym import kernels, registry, timeline
 from attngym.config import Settings
 from attngym.device import sync
+from attngym.distributed.cp import attend_chunk
 from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
@@ -579,19 +580,10 @@ def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> Non
     q, k, v = (t.to(job.device).requires_grad_(do_bwd) for t in job.whole[:3])
     grad_out = job.whole[3].to(job.device)
 
+    block_mask = job.block_mask if job.device.type == "cuda" else None
+
     def call():
-        return kernels.attend_chunk(
-            q,
-            k,
-            v,
-            job.variant,
-            backend="auto",
-            block_size=tuple(s.block_size),
-            block_mask=job.block_mask if job.device.type == "cuda" else None,
-            kernel_options=s.kernel_options or None,
-            compile=s.compile,
-            compile_mode=s.compile_mode,
-        )[0]
+        return attend_chunk(q, k, v, job.variant, options=job.options, block_mask=block_mask)[0]
 
     whole = phases.Rank(
         attend=call,

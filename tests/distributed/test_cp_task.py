@@ -359,6 +359,7 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
 
     from attngym import bench, variants
     from attngym.bench import Timing
+    from attngym.distributed import CPOptions
     from attngym.tasks.context_parallel import one_device
 
     settings = _settings()
@@ -369,6 +370,7 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
         rank=0, settings=settings, seq_len=shape.seq_len, device=torch.device("cpu"),
         timings={"fwd": Timing.from_times([0.5]), "fwd_bwd": done},
         whole=whole, variant=variants.get("causal"), block_mask=None, world_size=2, kind="ring",
+        options=CPOptions(),
     )  # fmt: skip
     for fails_at, want in ((1, {}), (2, {"single_fwd_ms": 1.0, "efficiency": 1.0})):
         calls = []
