@@ -14,9 +14,11 @@ plain dict), so tasks and the library can be driven from a notebook too.
 `Settings` object holds it resolved: `from_config` resolves it together with the config's checks,
 and Settings made directly resolve what they leave `auto` the same way when made.
 
-What a context-parallel topology takes (its layouts, its own topology.* options, its rules) is
-asked of its spec, attngym.distributed's table read through attngym.registry ("topology"); no
-kind is matched by name here. A task kind without a spec runs on one device.
+What a context-parallel topology takes (its layouts, its own options under topology.options,
+typed by its spec's dataclass and checked by the walker, its rules) is asked of its spec,
+attngym.distributed's table read through attngym.registry ("topology"; `custom` bound to
+topology.scheme first); no kind is matched by name here. A task kind without a spec runs on one
+device.
 
 Checking happens in two steps, so that configs stay pure:
 
