@@ -8,11 +8,8 @@
 set -u
 OUT=${1:-${OUT:-/tmp/attngym_h200_newcomer}}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site PYTHONPYCACHEPREFIX=/tmp/pyc
+T_TIMEOUT=200  # seconds a command may take (t, experiments/gpu_env.sh)
+source experiments/gpu_env.sh  # the H200's settings, the wheels of .whl/, t NAME COMMAND
 W=/tmp/w_newcomer && rm -rf $W && mkdir -p $W
 # The Quick start's mymasks.py, as the README writes it.
 python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
@@ -21,7 +18,6 @@ text = open(sys.argv[1]).read().split("## Quick start", 1)[1]
 print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
 PY
 AG="python3 -m attngym logger=none"
-t() { local name=$1; shift; local s=$(date +%s.%N); ( cd $W && timeout 200 "$@" > $OUT/$name.log 2>&1 ); local rc=$?; echo "$name rc=$rc wall_s=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" | tee -a $OUT/summary.txt; }
 t quick_start $AG attention=custom attention.mask_mod=mymasks.checkerboard hydra.run.dir=quick
 t ring1_causal_32k $AG topology=ring topology.world_size=1 shape.seq_len=32768 shape.heads=8 shape.head_dim=128 hydra.run.dir=ring1
 cat > $W/noguard.py <<'PY'
