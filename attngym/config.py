@@ -71,7 +71,7 @@ CPBaseline = Literal["torch_cp"]
 Baseline = Literal[SingleBaseline, CPBaseline]
 # topology.fabric: the links a simulated run's transfers are priced on
 # (attngym.distributed.transfer_model.FABRIC_NAMES, held equal by tests/test_config.py).
-Fabric = Literal["h200_nvlink", "nvl72", "infiniband", "custom"]
+Fabric = Literal["h200_nvlink", "hgx_h200", "nvl72", "nvlink5", "infiniband", "custom"]
 # topology.simulate: the most ranks one simulation takes.
 MAX_SIMULATED_RANKS = 512
 
@@ -263,8 +263,10 @@ class Topology:
     those times and the fabric's transfers (attngym.tasks.cp_simulate)."""
     fabric: Fabric = "h200_nvlink"
     """simulate: the links transfers are priced on. h200_nvlink: measured on two H200s for
-    topology.transport (auto: copy_engine); nvl72, infiniband: stated assumptions; custom:
-    fabric_gbps and fabric_latency_us (attngym.distributed.transfer_model)."""
+    topology.transport (auto: copy_engine), every rank in one NVLink domain; hgx_h200: nodes of
+    8 such GPUs joined by InfiniBand; nvl72: racks of 72 on NVLink 5 joined by InfiniBand;
+    nvlink5, infiniband: one level; custom: fabric_gbps and fabric_latency_us
+    (attngym.distributed.transfer_model states each assumption)."""
     fabric_gbps: float | None = setting(None, check=_number_or_none)
     """fabric=custom: GB/s (1e9 bytes/s) one rank receives."""
     fabric_latency_us: float | None = setting(None, check=_number_or_none)
@@ -684,6 +686,8 @@ def _topology_rules(data: dict[str, Any]) -> None:
     """The topology's own rules (its spec's check: layouts, its options, heads, seq_len against
     the ranks once they are known; a `custom` one bound to its scheme first); one rank, and any
     topology's layout, on one device."""
+    from attngym.distributed.transfer_model import domain_size
+
     topo, shape = data["topology"], data["shape"]
     _check_option_keys(topo["options"])
     kind, world_size, layout = topo["kind"], topo["world_size"], topo["layout"]
@@ -699,6 +703,7 @@ def _topology_rules(data: dict[str, Any]) -> None:
             layout=layout,
             options=topo["options"],
             simulate=topo["simulate"],
+            domain_size=domain_size(topo["fabric"]) if topo["simulate"] else None,
         )
         return
     if world_size not in (1, AUTO):
@@ -761,11 +766,12 @@ def _simulation(data: dict[str, Any]) -> None:
             f"topology.fabric_latency_us, got {topo['fabric_gbps']!r} and "
             f"{topo['fabric_latency_us']!r}",
         )
-    if topo["fabric"] == "h200_nvlink" and topo["transport"] not in (AUTO, "copy_engine", "nccl"):
+    measured = ("h200_nvlink", "hgx_h200")
+    if topo["fabric"] in measured and topo["transport"] not in (AUTO, "copy_engine", "nccl"):
         raise ConfigError(
             "topology.transport",
-            f"fabric=h200_nvlink is measured for copy_engine and nccl (auto: copy_engine), got "
-            f"{topo['transport']!r}",
+            f"fabric={topo['fabric']} is measured for copy_engine and nccl (auto: copy_engine "
+            f"inside one NVLink domain, nccl across), got {topo['transport']!r}",
         )
 
 

@@ -29,6 +29,7 @@ Contract (P ranks, this rank r, an all-gather from `transport`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -150,7 +151,11 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: HaloPlan):
             call.variant, call.layout, call.rank, q.device, positions, tables=tables
         )
         block_mask = None
-        if call.backend == "flex":
+        if call.plans is not None:  # cut from the grid: no mask evaluated for this call
+            block_mask = call.plans.sub_mask(
+                call.layout.positions(call.rank, q.device), positions, mapped.mask_mod
+            )
+        if call.backend == "flex" and block_mask is None:
             block_mask = kernels.make_block_mask(
                 mapped,
                 q.shape[2],
@@ -343,10 +348,10 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     return work, received, buffer * (2 if saved is not None else 1)
 
 
-def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0) -> float:
     """The gather, then the call; backward: the call's, then the reduce-scatter (as long as the
-    gather)."""
-    gather = fab.ms("allgather", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
+    gather). `crossing`: the share gathered from other NVLink domains."""
+    gather = fab.ms("allgather", work.fwd_bytes[0] if work.fwd_bytes else 0.0, crossing)
     total = gather + work.compute_fwd_ms
     if backward:
         total += sum(work.bwd_ms) + gather
@@ -356,8 +361,11 @@ def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
 def price_allgather(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
     """The all-gather's call on `fab` (gather_rank_ms), and PyTorch's scheme beside it: the same
     calls with every rank's whole K/V shard gathered (`torch_cp`)."""
-    ours = predict(gather_rank_ms, sim.ranks, fab, backward)
-    theirs = predict(gather_rank_ms, sim.extra["torch_cp"], fab, backward)
+    rank_ms = functools.partial(
+        gather_rank_ms, crossing=fab.collective_crossing(len(sim.ranks), sim.stride)
+    )
+    ours = predict(rank_ms, sim.ranks, fab, backward)
+    theirs = predict(rank_ms, sim.extra["torch_cp"], fab, backward)
     return dataclasses.replace(ours, contenders={"torch_cp": theirs})
 
 

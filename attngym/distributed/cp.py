@@ -41,6 +41,7 @@ import torch
 
 from attngym import kernels, reference
 from attngym.distributed import layout as layouts
+from attngym.distributed.grid import plans_for
 from attngym.distributed.merge import compiled_merge_into, merge_into, weights
 from attngym.errors import choice_error
 from attngym.variants.base import Variant
@@ -145,8 +146,8 @@ class CPCall:
     seq_len: int
     stats: CPStats | None
     # Where its chunk-pair plans come from before they are built one by one: a callable taking
-    # _pair_plan's key and returning (skip, block_mask), or None to build it (the simulated
-    # ranks cut them from one whole-sequence block mask, simulate.GridPlans).
+    # _pair_plan's key and returning (skip, block_mask), or None to build it (grid.GridPlans:
+    # cut from the whole sequence's block grid, on flex).
     plans: Any = None
 
     def chunks(self, rank: int) -> list[tuple[int, int]]:
@@ -196,18 +197,24 @@ def prepare(
     if variant.device is not None and variant.device != q.device:
         variant = variant.to(q.device)
     plan = layouts.resolve(layout, world_size, seq_len, variant, q.device)
+    backend = kernels.resolve_backend(options.backend, q.device)
     return CPCall(
         variant=variant,
         group=group,
         transport=resolve_transport(transport, q.device, group),
         layout=plan,
         options=options,
-        backend=kernels.resolve_backend(options.backend, q.device),
+        backend=backend,
         backward=resolve_backward(options),
         rank=dist.get_rank(group),
         world_size=world_size,
         seq_len=seq_len,
         stats=stats,
+        # Block masks cut from the whole sequence's grid, evaluated once (any mask); the
+        # reference backend decides skips on the exact mask over (B, H) instead.
+        plans=plans_for(variant, seq_len, options.block_size, q.device)
+        if backend == "flex"
+        else None,
     )
 
 

@@ -197,27 +197,18 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 def _block_classes(variant, seq_len: int, block: int, device) -> torch.Tensor:
     """(S/block, S/block) int8 on the CPU: each (block x block) tile of the variant's whole mask
-    EMPTY, PARTIAL (evaluated per entry) or FULL, from its block mask (exact integers, so every
+    EMPTY, PARTIAL (evaluated per entry) or FULL, from its block grid (exact integers, so every
     rank prices alike)."""
-    from attngym import kernels
+    from attngym.distributed.grid import block_grid
 
     n = seq_len // block
-    block_mask = kernels.make_block_mask(
-        variant, seq_len, seq_len, block_size=(block, block), device=device
-    )
-    if block_mask is None:  # no mask: every block is kept, and full
+    grid = block_grid(variant, seq_len, (block, block), device)
+    if grid is None:  # no mask: every block is kept, and full
         return torch.full((n, n), FULL, dtype=torch.int8)
+    partial, full = (g.cpu() for g in grid)
     out = torch.zeros(n, n, dtype=torch.int8)
-    for count, index, kind in (
-        (block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
-        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL),
-    ):
-        if count is None:
-            continue
-        count, index = count[0, 0].cpu(), index[0, 0].cpu().long()
-        kept = torch.arange(index.shape[-1]) < count.unsqueeze(-1)
-        rows = torch.arange(n).unsqueeze(-1).expand_as(index)
-        out[rows[kept], index[kept]] = kind
+    out[partial] = PARTIAL
+    out[full] = FULL
     return out
 
 

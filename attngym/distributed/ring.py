@@ -33,6 +33,7 @@ evaluated at its global positions (attend_chunk q_offset / kv_offset).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -455,8 +456,10 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         fwd_ms.append(clock.ms(build, "fwd", key) if structure else 0.0)
         if saved is not None:
             bwd_ms.append(clock.ms(build, "bwd", key) if structure else 0.0)
+            # During step i's compute: the K/V of step i + 1 and the dK/dV pushed after step
+            # i - 1 (the last step's push is the tail).
             onward = kv_bytes[i + 1] if i + 1 < plan.steps else 0
-            bwd_moving.append(onward + (dkv_bytes if i > 0 else 0))
+            bwd_moving.append(onward + (dkv_bytes if i > 1 else 0))
         fwd_in.append(kv_bytes[i] if i > 0 else 0)
     slots = 2 * kv_bytes[1] if plan.steps > 1 else 0
     work = RankWork(
@@ -495,28 +498,32 @@ def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
     return Item(key=key, fwd=fwd, bwd=bwd, block_masks=masks)
 
 
-def ring_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+def ring_rank_ms(work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0) -> float:
     """Per step, max(compute of step i, transfer of step i + 1's data), summed; backward: each
-    step's compute against its K/V and dK/dV pushes, then the last dK/dV push home.
+    step's compute against the pushes in flight during it, then the last dK/dV push home.
 
     fwd_bytes[i] is what arrives for step i (fwd_bytes[0] = 0: the own shard); bwd_bytes[i] what
-    moves during backward step i.
+    moves during backward step i; `crossing`: the share of a push that crosses NVLink domains
+    (Fabric.neighbour_crossing).
     """
     steps = len(work.fwd_ms)
     total = 0.0
     for i in range(steps):
         nxt = work.fwd_bytes[i + 1] if i + 1 < steps else 0.0
-        total += max(work.fwd_ms[i], fab.ms("channel", nxt))
+        total += max(work.fwd_ms[i], fab.ms("channel", nxt, crossing))
     if backward:
         for i, compute in enumerate(work.bwd_ms):
-            total += max(compute, fab.ms("channel", work.bwd_bytes[i]) if work.bwd_bytes else 0)
-        total += fab.ms("channel", work.tail_bwd_bytes)
+            moving = work.bwd_bytes[i] if work.bwd_bytes else 0
+            total += max(compute, fab.ms("channel", moving, crossing))
+        total += fab.ms("channel", work.tail_bwd_bytes, crossing)
     return total
 
 
 def price_ring(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
-    """The ring's call on `fab`: each rank's steps overlapped with its pushes (ring_rank_ms)."""
-    return predict(ring_rank_ms, sim.ranks, fab, backward)
+    """The ring's call on `fab`: each rank's steps overlapped with its pushes (ring_rank_ms),
+    every push at the slowest hop's link once the ring leaves an NVLink domain."""
+    crossing = fab.neighbour_crossing(len(sim.ranks), sim.stride)
+    return predict(functools.partial(ring_rank_ms, crossing=crossing), sim.ranks, fab, backward)
 
 
 RING = TopologySpec(

@@ -53,6 +53,7 @@ from attngym.distributed.cp import (
     attend_chunk,
     resolve_backward,
 )
+from attngym.distributed.grid import plans_for
 from attngym.distributed.transfer_model import RankWork
 from attngym.variants.base import Variant
 
@@ -107,6 +108,7 @@ class Simulation:
     world_size: int
     ranks: list[RankWork]
     sequence_shards: int  # shards of the sequence the ranks attend apart (as TopologySpec.shards)
+    stride: int = 1  # global ranks between two of `ranks` (hybrid's across groups: a2a_size)
     pairs_computed: int = 0  # summed over the ranks, as the CP task's instrument phase
     pairs_skipped: int = 0
     bytes_moved: int = 0  # one forward, the most any rank sends (CPStats.bytes_sent)
@@ -168,7 +170,8 @@ class SimulatedCall:
     q: (B, H, S, D) the whole queries; k, v: (B, G, S, D); grad_out: (B, H, S, D), or None for a
     forward-only simulation; variant on q's device; layout: the name or Layout a real call takes;
     options: the kernel choices; scheme_options: the scheme's own (TopologySpec.options);
-    clock: times its items.
+    clock: times its items; domain_size: GPUs per NVLink domain of the fabric priced on (None:
+    one domain), for a scheme whose groups follow the domains (hybrid).
     """
 
     q: torch.Tensor
@@ -181,6 +184,7 @@ class SimulatedCall:
     options: CPOptions
     scheme_options: Mapping[str, Any]
     clock: Clock
+    domain_size: int | None = None
 
     def replace(self, **changes: Any) -> SimulatedCall:
         return dataclasses.replace(self, **changes)
@@ -199,6 +203,7 @@ def simulate(
     options: CPOptions | None = None,
     scheme_options: Mapping[str, Any] | None = None,
     timer: Timer,
+    domain_size: int | None = None,
 ) -> Simulation:
     """Every rank's compute of `spec`'s scheme over `world_size` ranks, timed one after another.
 
@@ -212,6 +217,7 @@ def simulate(
         options: the CP options (backend, block size, kernel options, compile, backward).
         scheme_options: the scheme's own options (its defaults for those left out).
         timer: how an item is timed (bench_timer for the project's timing).
+        domain_size: GPUs per NVLink domain (SimulatedCall.domain_size).
 
     Returns:
         A Simulation with each rank's RankWork (compute per step, bytes per step).
@@ -223,83 +229,13 @@ def simulate(
     variant = variant.to(q.device) if variant.device not in (None, q.device) else variant
     call = SimulatedCall(
         q, k, v, grad_out, variant, world_size, layout, options or CPOptions(),
-        spec.option_values(scheme_options), clock,
+        spec.option_values(scheme_options), clock, domain_size,
     )  # fmt: skip
     sim = spec.simulate(call)
     sim.items, sim.timed = clock.items, len(clock.seen)
     sim.peak_mem_bytes += clock.peak
     sim.wall_s = time.perf_counter() - start
     return sim
-
-
-class GridPlans:
-    """Chunk-pair plans cut from one whole-sequence block mask, a CPCall's `plans`.
-
-    A pair whose chunks start and end on block boundaries has exactly the blocks of the whole
-    mask's sub-grid (full blocks full, partial ones partial), so its BlockMask is built from them
-    (kernels.block_mask_of_grid with the variant's mask at the pair's offsets) instead of
-    evaluating the mask again: the O(P²) pair plans of ring and all-gather cost tensor slicing,
-    not mask evaluation; pairs whose blocks are all full share one BlockMask per shape. Other
-    pairs (unaligned chunks) return None and are built as usual. The skip decision (no kept
-    block) is the flex block mask's, for the reference backend too: like every block mask here
-    it is evaluated at batch 0 and head 0.
-    """
-
-    def __init__(self, variant: Variant, seq_len: int, block_size, device):
-        self.variant, self.block, self.device = variant, tuple(block_size), torch.device(device)
-        self.seq_len = seq_len
-        # (rows, cols) -> the BlockMask of a pair whose blocks are all full: one object for every
-        # such pair, as flex never evaluates the mask on a full block (its mask_mod, at the first
-        # such pair's offsets, is never called).
-        self.all_full: dict[tuple, Any] = {}
-        whole = self.whole = kernels.make_block_mask(
-            variant, seq_len, seq_len, block_size=self.block, device=device
-        )
-        self.usable = whole is not None
-        if not self.usable:  # no mask: every pair full, built as usual
-            return
-        n_kv = -(-seq_len // self.block[1])
-        self.partial = _dense(whole.kv_num_blocks, whole.kv_indices, n_kv)
-        self.full = (
-            torch.zeros_like(self.partial)
-            if whole.full_kv_num_blocks is None
-            else _dense(whole.full_kv_num_blocks, whole.full_kv_indices, n_kv)
-        )
-
-    def __call__(self, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
-        bq, bk = self.block
-        aligned = all(x % bq == 0 for x in q_chunk) and all(x % bk == 0 for x in kv_chunk)
-        inside = max(sum(q_chunk), sum(kv_chunk)) <= self.seq_len
-        same = tuple(block_size) == self.block and torch.device(device) == self.device
-        if not (self.usable and aligned and inside and same):
-            return None
-        rows = slice(q_chunk[0] // bq, (q_chunk[0] + q_chunk[1]) // bq)
-        cols = slice(kv_chunk[0] // bk, (kv_chunk[0] + kv_chunk[1]) // bk)
-        partial, full = self.partial[rows, cols], self.full[rows, cols]
-        if not bool((partial | full).any()):
-            return True, None
-        if backend == "reference":
-            return False, None
-        whole_full = not bool(partial.any()) and bool(full.all())
-        if whole_full and partial.shape in self.all_full:
-            return False, self.all_full[partial.shape]
-        _, mask_mod = kernels.shifted_mods(self.variant, q_chunk[0], kv_chunk[0], device)
-        block_mask = kernels.block_mask_of_grid(
-            partial, full, block_size=self.block, mask_mod=mask_mod,
-            seq_lengths=(q_chunk[1], kv_chunk[1]),
-        )  # fmt: skip
-        if whole_full:
-            self.all_full[partial.shape] = block_mask
-        return False, block_mask
-
-
-def _dense(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """(rows, n_kv) bool: the blocks a (1, 1, rows) count and (1, 1, rows, K) index table keep."""
-    num, idx = num[0, 0].long(), idx[0, 0].long()
-    valid = torch.arange(idx.shape[-1], device=idx.device)[None, :] < num[:, None]
-    out = torch.zeros((idx.shape[0], n_kv + 1), dtype=torch.bool, device=idx.device)
-    out.scatter_(1, torch.where(valid, idx, n_kv), True)
-    return out[:, :n_kv]
 
 
 def nbytes(*shape: int, itemsize: int) -> int:
@@ -324,7 +260,7 @@ class SequenceRanks:
         self.backend = kernels.resolve_backend(opts.backend, q.device)
         self.backward = resolve_backward(opts)
         self.layout = layouts.resolve(sc.layout, sc.world_size, self.seq_len, sc.variant, q.device)
-        self.grid = GridPlans(sc.variant, self.seq_len, opts.block_size, q.device)
+        self.grid = plans_for(sc.variant, self.seq_len, opts.block_size, q.device)
         self.positions = [self.layout.positions(r, q.device) for r in range(sc.world_size)]
         self.qs, self.ks, self.vs = (
             [t.index_select(2, p) for p in self.positions] for t in (q, sc.k, sc.v)

@@ -52,6 +52,9 @@ class TopologySpec:
             call on a fabric, its transfers overlapped as the scheme overlaps them.
         binder: (scheme, scheme_args) -> the TopologySpec a run of those settings uses (the
             `custom` entry binds a user's scheme); None: this spec itself.
+        chooser: (settings, run_dir, metrics) -> (the settings of the topology it picked, that
+            pick's simulation, the simulated inputs), its choice recorded in metrics; the pick
+            then runs (`auto`: attngym.tasks.cp_auto); None: it runs itself.
     """
 
     name: str
@@ -66,6 +69,7 @@ class TopologySpec:
     simulate: Callable[..., Any] | None = None
     price: Callable[..., Any] | None = None
     binder: Callable[..., TopologySpec] | None = None
+    chooser: Callable[..., Any] | None = None
 
     def bind(
         self, scheme: Any = None, scheme_args: Mapping[str, Any] | None = None
@@ -101,6 +105,7 @@ class TopologySpec:
         layout: str,
         options: Mapping[str, Any],
         simulate: bool = False,
+        domain_size: int | None = None,
     ) -> None:
         """Every rule of this topology that needs no hardware and no process group.
 
@@ -112,6 +117,7 @@ class TopologySpec:
             layout: topology.layout.
             options: topology.options (this spec's keys; a key left out takes its default).
             simulate: topology.simulate.
+            domain_size: simulate: GPUs per NVLink domain of topology.fabric (None: one domain).
 
         Raises:
             ConfigError: naming the dotted key (topology.layout, shape.heads, shape.kv_heads,
@@ -123,7 +129,7 @@ class TopologySpec:
             raise ConfigError(
                 "topology.layout", choice_error(f"layout for {self.name}", layout, allowed)
             )
-        if simulate and (self.simulate is None or self.price is None):
+        if simulate and self.chooser is None and (self.simulate is None or self.price is None):
             missing = " and ".join(
                 name for name in ("simulate", "price") if getattr(self, name) is None
             )
@@ -142,8 +148,9 @@ class TopologySpec:
                 layout=layout,
                 options=mine,
                 simulate=simulate,
+                domain_size=domain_size,
             )
-        if world_size is not None:
+        if world_size is not None and self.chooser is None:  # a chooser's picks check theirs
             from attngym.distributed.layout import check_seq_len
 
             try:

@@ -8,20 +8,22 @@ per name here, and the config checks a topology through its spec.
 A new topology: its module in attngym/distributed/ exporting its function and its spec (its
 options, rules, simulation and pricing with it), one entry in TOPOLOGIES here, its
 conf/topology/<name>.yaml, and its tests. `custom` is a user's scheme, bound from
-topology.scheme (TopologySpec.bind; attngym.distributed.custom).
+topology.scheme (TopologySpec.bind; attngym.distributed.custom); `auto` picks one of the others
+and runs it (TopologySpec.chooser; attngym.distributed.auto).
 """
 
 from __future__ import annotations
 
 from attngym import registry
 from attngym.distributed.allgather import ALLGATHER
+from attngym.distributed.auto import AUTO
 from attngym.distributed.custom import CUSTOM
 from attngym.distributed.ring import RING
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.ulysses import HYBRID, ULYSSES
 
 TOPOLOGIES: dict[str, TopologySpec] = {
-    spec.name: spec for spec in (RING, ALLGATHER, ULYSSES, HYBRID, CUSTOM)
+    spec.name: spec for spec in (RING, ALLGATHER, ULYSSES, HYBRID, CUSTOM, AUTO)
 }
 
 for _spec in TOPOLOGIES.values():

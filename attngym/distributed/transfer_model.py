@@ -9,8 +9,12 @@ which is exact for the gather-then-compute schemes and optimistic for a ring who
 unevenly loaded.
 
 A `Fabric` turns bytes into milliseconds per transfer pattern (channel: one ring step,
-point to point; allgather; alltoall), indexed by the bytes one rank receives. `FABRICS` holds the
-measured one (two H200s, per transport) and named assumptions; `custom_fabric` a user's numbers.
+point to point; allgather; alltoall), indexed by the bytes one rank receives. A two-level fabric
+is a real cluster: NVLink domains of `domain_size` GPUs (8 on an HGX H100/H200 node, 72 on a
+GB200 NVL72 rack) joined by `across` (InfiniBand or RoCE); a transfer whose bytes partly come
+from another domain takes the longer of its two parts (`crossing`, the share from outside, is
+each scheme's to say: `neighbour_crossing`, `collective_crossing`). `fabric` names the measured
+one (two H200s, per transport), the stated assumptions and a user's numbers (custom).
 Pure Python: no torch.
 """
 
@@ -69,9 +73,36 @@ class Fabric:
     name: str
     source: str
     curves: Mapping[str, tuple[tuple[float, float], ...]]
+    domain_size: int | None = None
+    """GPUs per NVLink domain; None: every rank in one domain (a one-level fabric)."""
+    across: Fabric | None = None
+    """The links between domains (two-level fabrics)."""
 
-    def ms(self, pattern: Pattern, received_bytes: float) -> float:
-        """The time of one transfer in which one rank receives `received_bytes` (0: none, 0 ms)."""
+    def ms(self, pattern: Pattern, received_bytes: float, crossing: float = 0.0) -> float:
+        """The time of one transfer in which one rank receives `received_bytes` (0: none, 0 ms),
+        `crossing` of them from another domain: the NVLink part and the part across run at once,
+        the longer one counts (a one-level fabric ignores `crossing`)."""
+        if self.across is None or crossing <= 0:
+            return self._inside(pattern, received_bytes)
+        outside = self.across.ms(pattern, received_bytes * crossing)
+        return max(self._inside(pattern, received_bytes * (1 - crossing)), outside)
+
+    def neighbour_crossing(self, world_size: int, stride: int = 1) -> float:
+        """The share of a neighbour exchange (a ring step) that crosses domains, for ranks
+        `stride` apart: 1 once the ring leaves one domain (a relay goes at its slowest hop)."""
+        if self.domain_size is None or world_size * stride <= self.domain_size:
+            return 0.0
+        return 1.0
+
+    def collective_crossing(self, world_size: int, stride: int = 1) -> float:
+        """The share a rank receives from other domains in a collective (all-gather, all-to-all)
+        over `world_size` ranks `stride` apart, NVLink domains of consecutive ranks."""
+        if self.domain_size is None or world_size <= 1:
+            return 0.0
+        inside = min(world_size, max(1, self.domain_size // stride))
+        return (world_size - inside) / (world_size - 1)
+
+    def _inside(self, pattern: Pattern, received_bytes: float) -> float:
         if received_bytes <= 0:
             return 0.0
         points = self.curves[pattern]
@@ -103,22 +134,44 @@ def measured_fabric(transport: str) -> Fabric:
 # The named fabrics besides the measured one: stated assumptions, not measurements.
 NAMED_FABRICS: dict[str, tuple[float, float, str]] = {
     # GB/s received per GPU, latency in us, and why.
-    "nvl72": (
+    "nvlink5": (
         730.0,
         20.0,
-        "assumed: GB200 NVL72, NVLink 5 at 900 GB/s each way per GPU (NVIDIA's datasheet) at "
-        "the 81 % the two-H200 copy-engine channel reached of NVLink 4's 450 GB/s (366 GB/s at "
-        "1 GiB); 20 us per transfer",
+        "assumed: NVLink 5 at 900 GB/s each way per GPU (NVIDIA's GB200 datasheet) at the 81 % "
+        "the two-H200 copy-engine channel reached of NVLink 4's 450 GB/s (366 GB/s at 1 GiB); "
+        "20 us per transfer",
     ),
     "infiniband": (
         45.0,
         25.0,
-        "assumed: one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s each way) at 90 %; 25 us "
-        "per transfer (NCCL over IB)",
+        "assumed: one 400 Gb/s NDR InfiniBand (or RoCE) port per GPU (50 GB/s each way) at 90 %; "
+        "25 us per transfer (NCCL over IB)",
     ),
 }
-FABRIC_NAMES = ("h200_nvlink", *NAMED_FABRICS, "custom")
+# Real clusters: (the fabric inside a domain, GPUs per domain, the fabric between domains, why).
+TWO_LEVEL: dict[str, tuple[str, int, str, str]] = {
+    "hgx_h200": (
+        "h200_nvlink",
+        8,
+        "infiniband",
+        "HGX H200 nodes: 8 GPUs on NVLink 4 (measured, h200_nvlink), one NDR port per GPU "
+        "between nodes (assumed, infiniband)",
+    ),
+    "nvl72": (
+        "nvlink5",
+        72,
+        "infiniband",
+        "GB200 NVL72 racks: 72 GPUs on NVLink 5 (assumed, nvlink5), one NDR port per GPU "
+        "between racks (assumed, infiniband)",
+    ),
+}
+FABRIC_NAMES = ("h200_nvlink", *TWO_LEVEL, *NAMED_FABRICS, "custom")
 MEASURED_TRANSPORTS = tuple(H200_MEASURED)
+
+
+def domain_size(name: str) -> int | None:
+    """GPUs per NVLink domain of the fabric `name` (None: one domain, whatever the ranks)."""
+    return TWO_LEVEL[name][1] if name in TWO_LEVEL else None
 
 
 def fabric(
@@ -127,8 +180,10 @@ def fabric(
     gbps: float | None = None,
     latency_us: float | None = None,
 ) -> Fabric:
-    """The Fabric `name` (FABRIC_NAMES): h200_nvlink is measured per `transport`; custom takes
-    `gbps` and `latency_us`.
+    """The Fabric `name` (FABRIC_NAMES): h200_nvlink is measured per `transport` (every rank in
+    one NVLink domain); hgx_h200 and nvl72 are two-level (TWO_LEVEL: the run's transport inside a
+    domain where measured); nvlink5 and infiniband one level, assumed; custom takes `gbps` and
+    `latency_us`.
 
     Raises:
         ValueError: an unknown name, a transport with no measurement, or custom without both
@@ -141,6 +196,14 @@ def fabric(
                 f"{transport!r}"
             )
         return measured_fabric(transport)
+    if name in TWO_LEVEL:
+        inner_name, size, across_name, why = TWO_LEVEL[name]
+        inner = fabric(inner_name, transport)
+        across = fabric(across_name)
+        source = f"{why}; inside: {inner.source}; across: {across.source}"
+        return dataclasses.replace(
+            inner, name=f"{name}/{inner.name}", source=source, domain_size=size, across=across
+        )
     if name in NAMED_FABRICS:
         bw, lat, why = NAMED_FABRICS[name]
         return linear_fabric(name, why, bw, lat)

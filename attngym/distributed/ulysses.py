@@ -31,6 +31,7 @@ sequence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
@@ -561,11 +562,12 @@ def _exchange_bytes(b: int, h: int, kv_heads: int, shard: int, d: int, itemsize:
     return qkv, b * h * shard * d * itemsize
 
 
-def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
+def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0) -> float:
     """q/k/v exchange, call, output exchange; backward: the output gradient's exchange, the
-    call's backward, the q/k/v gradients' exchange."""
-    into = fab.ms("alltoall", work.fwd_bytes[0] if work.fwd_bytes else 0.0)
-    back = fab.ms("alltoall", work.tail_fwd_bytes)
+    call's backward, the q/k/v gradients' exchange. `crossing`: the share exchanged with other
+    NVLink domains."""
+    into = fab.ms("alltoall", work.fwd_bytes[0] if work.fwd_bytes else 0.0, crossing)
+    back = fab.ms("alltoall", work.tail_fwd_bytes, crossing)
     total = into + work.compute_fwd_ms + back
     if backward:
         total += back + sum(work.bwd_ms) + into
@@ -574,7 +576,8 @@ def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool) -> float:
 
 def price_ulysses(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
     """Ulysses' call on `fab`: the all-to-alls around the one call (alltoall_rank_ms)."""
-    return predict(alltoall_rank_ms, sim.ranks, fab, backward)
+    crossing = fab.collective_crossing(len(sim.ranks))
+    return predict(functools.partial(alltoall_rank_ms, crossing=crossing), sim.ranks, fab, backward)
 
 
 def _across(options: Mapping[str, Any]) -> TopologySpec:
@@ -593,7 +596,8 @@ def simulate_hybrid(sc: SimulatedCall) -> Simulation:
     """The across scheme over the P / a2a_size groups on one group's head slice (H / a2a_size
     heads; every member of a group does the same work), and the in-group exchange's bytes as
     Ulysses counts them over a2a_size ranks; one group: Ulysses itself."""
-    P, a2a_size = sc.world_size, sc.scheme_options["a2a_size"]
+    P = sc.world_size
+    a2a_size = simulated_a2a_size(sc.scheme_options["a2a_size"], P, sc.domain_size)
     if a2a_size is None or P % a2a_size:
         raise ValueError(
             f"a2a_size: simulated hybrid needs a divisor of world_size={P} (no NVLink domains to "
@@ -622,11 +626,21 @@ def simulate_hybrid(sc: SimulatedCall) -> Simulation:
         fwd_ms=(), fwd_bytes=(qkv * keep,), tail_fwd_bytes=out * keep
     )
     inner.extra["across"] = across
+    inner.extra["a2a_size"] = a2a_size
+    inner.stride = a2a_size  # the across scheme's ranks, a2a_size apart
     inner.bytes_moved += int((qkv + out) * keep)
     inner.pairs_computed *= a2a_size
     inner.pairs_skipped *= a2a_size
     inner.world_size = P
     return inner
+
+
+def simulated_a2a_size(a2a_size: int | None, world_size: int, domain_size: int | None):
+    """The group size simulated: the one given, else one NVLink domain of the fabric (all the
+    ranks when they fit in one), else None."""
+    if a2a_size is not None or domain_size is None:
+        return a2a_size
+    return min(world_size, domain_size)
 
 
 def price_hybrid(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
@@ -636,8 +650,9 @@ def price_hybrid(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
         return price_ulysses(sim, fab, backward)
     across = sim.extra["across"].price(sim, fab, backward)
     exchange = sim.extra["exchange"]
-    extra_fwd = alltoall_rank_ms(exchange, fab, False)
-    extra_both = alltoall_rank_ms(exchange, fab, True)
+    crossing = fab.collective_crossing(sim.extra["a2a_size"])
+    extra_fwd = alltoall_rank_ms(exchange, fab, False, crossing)
+    extra_both = alltoall_rank_ms(exchange, fab, True, crossing)
     totals = tuple(t + (extra_both if backward else extra_fwd) for t in across.rank_ms)
     return Prediction(
         fwd_ms=across.fwd_ms + extra_fwd,
@@ -682,19 +697,24 @@ def _hybrid_groups_split(
     world_size: int | None,
     options: Mapping[str, Any],
     simulate: bool,
+    domain_size: int | None = None,
     **_: Any,
 ) -> None:
     """Hybrid: the all-to-all groups split the ranks and the query heads evenly (K/V heads are
     repeated as Ulysses does). a2a_size None is judged on the ranks, where the NVLink domains
-    are known (hybrid_sequence_shards); simulated ranks have none to take it from."""
-    a2a_size = options["a2a_size"]
+    are known (hybrid_sequence_shards); simulated ranks take the fabric's domain (domain_size)
+    or need it given."""
     key = "topology.options.a2a_size"
+    a2a_size = options["a2a_size"]
+    if simulate and world_size is not None:
+        a2a_size = simulated_a2a_size(a2a_size, world_size, domain_size)
     if a2a_size is None:
         if simulate:
             raise ConfigError(
                 key,
                 "topology.simulate=true with topology=hybrid needs the group size, got null "
-                "(there are no NVLink domains to take it from)",
+                "(topology.fabric has no NVLink domains to take it from: give it, or use "
+                "fabric=hgx_h200 or nvl72)",
             )
         return
     if world_size is not None and world_size % a2a_size:

@@ -87,6 +87,7 @@ from attngym.metrics import pass_metrics
 from attngym.tasks import phases
 from attngym.tasks.cp_setup import (
     cp_options,
+    kv_needed,
     placement_imbalance,
     rank_device,
     scheme_metrics,
@@ -158,6 +159,15 @@ def run_context_parallel(
     from attngym.distributed.launch import launch
 
     metrics = {} if metrics is None else metrics
+    chooser = registry.get("topology", kind).chooser
+    if chooser is not None:  # auto: the model picks a topology, which then runs
+        with timeline.phase("auto_choice"):
+            settings, result, inputs = chooser(settings, run_dir, metrics)
+        kind = settings.topology.kind
+        if settings.topology.simulate:  # the pick's simulation is the run's
+            from attngym.tasks.cp_simulate import simulated_metrics
+
+            return simulated_metrics(settings, kind, metrics, result, inputs, whole_problem_ms)
     if settings.topology.simulate:  # one process, every rank's compute in turn, predicted
         from attngym.tasks.cp_simulate import run_simulated
 
@@ -378,7 +388,10 @@ def shard(job: RankJob) -> dict[str, Any]:
         repeats=s.benchmark.repeats,
         max_over_ranks=job.max_over_ranks,
     )
-    return placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device)
+    return {
+        **placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device),
+        **kv_needed(s, job.layout, job.variant, shards, job.device),
+    }
 
 
 def first_call(job: RankJob) -> dict[str, Any]:

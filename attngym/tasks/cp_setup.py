@@ -11,6 +11,7 @@ import torch
 from attngym import registry
 from attngym.config import Settings
 from attngym.distributed.cp import CPOptions
+from attngym.inputs import torch_dtype
 
 if TYPE_CHECKING:
     from attngym.distributed.spec import TopologySpec
@@ -73,3 +74,21 @@ def placement_imbalance(spec, settings: Settings, layout, variant, shards: int, 
             used, variant, shards, seq_len, settings.block_size, device, kernels
         ),
     }
+
+
+def kv_needed(settings: Settings, layout, variant, shards: int, device) -> dict:
+    """bytes_needed: the most K/V bytes any rank's queries read from other ranks' shards (whole
+    blocks of the mask), beside bytes_moved; None for head-parallel schemes (every rank attends
+    the whole sequence) and layouts whose chunks are not whole blocks."""
+    from attngym.distributed import layout as layouts
+    from attngym.distributed.grid import kv_bytes_needed
+
+    shape = settings.shape
+    if shards != settings.topology.world_size:
+        return {"bytes_needed": None}
+    itemsize = torch.empty((), dtype=torch_dtype(settings.dtype)).element_size()
+    kv_heads = shape.kv_heads or shape.heads
+    row = 2 * shape.batch * kv_heads * shape.head_dim * itemsize
+    used = layouts.plan(layout, shards, shape.seq_len)
+    needed = kv_bytes_needed(variant, used, settings.block_size, device, kv_row_bytes=row)
+    return {"bytes_needed": needed}

@@ -34,13 +34,70 @@ from attngym.inputs import make_inputs, torch_dtype
 log = logging.getLogger(__name__)
 
 
-def fabric_of(settings: Settings):
-    """The run's Fabric (attngym.distributed.transfer_model.fabric), named by topology.fabric."""
-    from attngym.distributed.transfer_model import fabric
+def fabric_of(settings: Settings, transport: str | None = None):
+    """The run's Fabric (attngym.distributed.transfer_model.fabric), named by topology.fabric,
+    for `transport` (default topology.transport; auto: the copy engine inside one NVLink
+    domain, NCCL once the ranks span domains, as a real run resolves it)."""
+    from attngym.distributed.transfer_model import domain_size, fabric
 
     topo = settings.topology
-    transport = "copy_engine" if topo.transport in (AUTO, "gloo") else topo.transport
+    transport = topo.transport if transport is None else transport
+    if transport in (AUTO, "gloo"):
+        size = domain_size(topo.fabric)
+        spans = size is not None and topo.world_size > size
+        transport = "nccl" if spans else "copy_engine"
     return fabric(topo.fabric, transport, topo.fabric_gbps, topo.fabric_latency_us)
+
+
+def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device):
+    """The ranks of `spec`'s scheme over topology.world_size on this device (its rules checked
+    first, ConfigError naming the key): (Simulation, the Layout it ran, the variant on device)."""
+    from attngym.distributed.simulate import bench_timer, simulate
+    from attngym.distributed.transfer_model import domain_size
+    from attngym.tasks.cp_setup import cp_options
+
+    s, topo = settings, settings.topology
+    spec.check(
+        heads=s.shape.heads,
+        kv_heads=s.shape.kv_heads,
+        seq_len=s.shape.seq_len,
+        world_size=topo.world_size,
+        layout=topo.layout,
+        options=topo.options,
+        simulate=True,
+        domain_size=domain_size(topo.fabric),
+    )
+    q, k, v, grad_out = inputs
+    variant = s.variant.to(device)
+    P = topo.world_size
+    # The placement a real run would use (balanced: planned for this topology's kernels).
+    layout = spec.placement(topo.layout, P, s.shape.seq_len, variant,
+                            batch_heads=s.shape.batch * s.shape.heads, device=device,
+                            block_size=s.block_size)  # fmt: skip
+    sim = simulate(
+        spec,
+        q,
+        k,
+        v,
+        grad_out if "bwd" in s.passes else None,
+        variant,
+        world_size=P,
+        layout=layout,
+        options=cp_options(s),
+        scheme_options=topo.options,
+        timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats),
+        domain_size=domain_size(topo.fabric),
+    )
+    return sim, layout, variant
+
+
+def simulation_inputs(settings: Settings, device) -> tuple[torch.Tensor, ...]:
+    """The run's seeded whole inputs (q, k, v, grad_out) on `device`, in the run's dtype."""
+    dtype = torch_dtype(settings.dtype)
+    return tuple(
+        t.to(device=device, dtype=dtype)
+        for t in make_inputs(settings.shape, settings.seed, "cpu", torch.float32)
+    )
 
 
 def run_simulated(
@@ -53,9 +110,24 @@ def run_simulated(
     one_device: (settings, kind, (q, k, v, grad_out), device, do_bwd) -> {pass: median ms} of
     the whole problem on this device (the CP task's one-device phase), {} when skipped.
     """
-    from attngym.distributed.simulate import bench_timer, simulate
+    from attngym.tasks.cp_setup import rank_device, spec_of
+
+    device = rank_device(settings)
+    inputs = simulation_inputs(settings, device)
+    spec = spec_of(settings)
+    sim, layout, variant = simulated(settings, spec, inputs, device)
+    fab = fabric_of(settings)
+    prediction = spec.price(sim, fab, "bwd" in settings.passes)
+    return simulated_metrics(
+        settings, kind, metrics, (sim, layout, variant, fab, prediction), inputs, one_device
+    )
+
+
+def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> dict[str, Any]:
+    """Fill `metrics` with a simulated run's result (Simulation, Layout, variant, Fabric,
+    Prediction) and, unless topology.compare_one_device is false, the one-device comparison."""
     from attngym.tasks.cp_setup import (
-        cp_options,
+        kv_needed,
         placement_imbalance,
         rank_device,
         scheme_metrics,
@@ -63,47 +135,13 @@ def run_simulated(
     )
 
     s, topo = settings, settings.topology
-    spec = spec_of(s)
-    spec.check(
-        heads=s.shape.heads,
-        kv_heads=s.shape.kv_heads,
-        seq_len=s.shape.seq_len,
-        world_size=topo.world_size,
-        layout=topo.layout,
-        options=topo.options,
-        simulate=True,
-    )
-    fab = fabric_of(s)
+    sim, layout, variant, fab, prediction = result
+    device = rank_device(s)
     metrics.update(s.describe())
     metrics.update(scheme_metrics(s))
     metrics.update({"simulate": True, "fabric": fab.name})
-    device = rank_device(s)
-    dtype = torch_dtype(s.dtype)
-    do_bwd = "bwd" in s.passes
-    q, k, v, grad_out = (
-        t.to(device=device, dtype=dtype) for t in make_inputs(s.shape, s.seed, "cpu", torch.float32)
-    )
-    variant = s.variant.to(device)
-    P = topo.world_size
-    # The placement a real run would use (balanced: planned for this topology's kernels).
-    layout = spec.placement(topo.layout, P, s.shape.seq_len, variant,
-                            batch_heads=s.shape.batch * s.shape.heads, device=device,
-                            block_size=s.block_size)  # fmt: skip
-    sim = simulate(
-        spec,
-        q,
-        k,
-        v,
-        grad_out if do_bwd else None,
-        variant,
-        world_size=P,
-        layout=layout,
-        options=cp_options(s),
-        scheme_options=topo.options,
-        timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats),
-    )
-    metrics.update(placement_imbalance(spec, s, layout, variant, sim.sequence_shards, device))
-    prediction = spec.price(sim, fab, do_bwd)
+    metrics.update(placement_imbalance(spec_of(s), s, layout, variant, sim.sequence_shards, device))
+    metrics.update(kv_needed(s, layout, variant, sim.sequence_shards, device))
     metrics.update(
         {
             "pairs_computed": sim.pairs_computed,
@@ -131,7 +169,7 @@ def run_simulated(
         "simulated %s over %d ranks: %d items, %d timed, %.1f s; predicted fwd %.3f ms, "
         "fwd+bwd %s ms (%s-bound) on %s",
         kind,
-        P,
+        topo.world_size,
         sim.items,
         sim.timed,
         sim.wall_s,
@@ -141,8 +179,8 @@ def run_simulated(
         fab.name,
     )
     if topo.compare_one_device:
-        single = one_device(s, kind, (q, k, v, grad_out), device, do_bwd)
-        metrics.update(_efficiency(single, P, prediction))
+        single = one_device(s, kind, inputs, device, "bwd" in s.passes)
+        metrics.update(_efficiency(single, topo.world_size, prediction))
     return metrics
 
 

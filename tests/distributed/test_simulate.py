@@ -129,7 +129,7 @@ def test_gather_and_alltoall_arithmetic_and_the_bottleneck():
     from attngym.distributed.simulate import Simulation
 
     across = Simulation(1, [work], 1, extra={"torch_cp": [work]})
-    across.extra.update(across=ALLGATHER, exchange=tm.RankWork((), fwd_bytes=(1e6,)))
+    across.extra.update(across=ALLGATHER, exchange=tm.RankWork((), fwd_bytes=(1e6,)), a2a_size=2)
     hybrid = price_hybrid(across, fab, True)
     assert hybrid.fwd_bwd_ms == pytest.approx(38.2 + 2 * 1.1)  # the all-to-all in, twice
 
@@ -160,13 +160,34 @@ def test_fabric_names_agree_with_the_config_and_bad_ones_are_refused():
 
     assert get_args(Fabric) == tm.FABRIC_NAMES
     assert tm.fabric("custom", gbps=100, latency_us=5).ms("allgather", 1e8) == pytest.approx(1.005)
-    assert tm.fabric("nvl72").source.startswith("assumed")
+    assert tm.fabric("nvlink5").source.startswith("assumed")
     with pytest.raises(ValueError, match="fabric_gbps, fabric_latency_us"):
         tm.fabric("custom", gbps=None, latency_us=5)
     with pytest.raises(ValueError, match="transport: h200_nvlink is measured"):
         tm.fabric("h200_nvlink", "gloo")
     with pytest.raises(ValueError, match="fabric: expected one of"):
         tm.fabric("ethernet")
+
+
+def test_two_level_fabric_prices_what_crosses_domains_on_the_slower_link():
+    hgx = tm.fabric("hgx_h200", "nccl")
+    inside = tm.fabric("h200_nvlink", "nccl")
+    ib = tm.fabric("infiniband")
+    assert hgx.domain_size == 8 and hgx.across == ib and "assumed" in hgx.source
+    size = 64 * tm.MIB
+    assert hgx.ms("channel", size) == inside.ms("channel", size)  # nothing crosses
+    assert hgx.ms("channel", size, 1.0) == pytest.approx(ib.ms("channel", size))
+    # A collective over 64 ranks, 8 per node: 56 of 63 peers' bytes come over InfiniBand.
+    share = hgx.collective_crossing(64)
+    assert share == pytest.approx(56 / 63)
+    assert hgx.ms("allgather", size, share) == pytest.approx(
+        max(inside.ms("allgather", size * 7 / 63), ib.ms("allgather", size * 56 / 63))
+    )
+    assert hgx.collective_crossing(8) == 0.0 and hgx.neighbour_crossing(8) == 0.0
+    assert hgx.neighbour_crossing(16) == 1.0
+    assert hgx.collective_crossing(8, stride=8) == 1.0  # hybrid's across groups: one per node
+    assert tm.fabric("h200_nvlink").collective_crossing(64) == 0.0  # one level: one domain
+    assert tm.domain_size("nvl72") == 72 and tm.domain_size("h200_nvlink") is None
 
 
 def _priced(item, which):

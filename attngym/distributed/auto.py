@@ -1,0 +1,57 @@
+"""`topology=auto`: the model picks the scheme, layout and transport, then that one runs.
+
+Given the variant, shape, world size and fabric, every candidate (a built-in scheme and a layout
+it takes) whose rules accept the run is simulated on the one device (its ranks' exact compute,
+attngym.distributed.simulate) and priced on topology.fabric for each transport (the measured
+ones on an H200 fabric), and the fastest predicted call (forward+backward where the run has a
+backward) runs: its prediction is the run's with topology.simulate=true, else its real ranks
+start and the pick is recorded beside their measurement. attngym.tasks.cp_auto does the choosing;
+this module states the topology (its options and its spec).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from attngym.distributed.layout import LAYOUTS
+from attngym.distributed.spec import TopologySpec
+
+Candidate = Literal["ring", "allgather", "ulysses", "hybrid"]
+CandidateLayout = Literal["contiguous", "zigzag", "balanced"]
+CandidateTransport = Literal["copy_engine", "nccl"]
+CANDIDATES: tuple[str, ...] = ("ring", "allgather", "ulysses", "hybrid")
+PICK = "auto"  # topology.layout=auto: the layout is chosen too
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoOptions:
+    """auto's own options: topology.options.<field>; an empty list means every one."""
+
+    candidates: tuple[Candidate, ...] = ()
+    """The schemes to simulate (default: ring, allgather, ulysses, hybrid)."""
+    layouts: tuple[CandidateLayout, ...] = ()
+    """The layouts to try, each with the schemes that take it (default: every one; a
+    topology.layout other than auto fixes it)."""
+    transports: tuple[CandidateTransport, ...] = ()
+    """The transports to price (default: both measured ones on h200_nvlink and hgx_h200 while
+    the ranks fit in one NVLink domain, NCCL beyond; the device's on real CPU ranks)."""
+
+
+def _runs_the_pick(*_: Any, **__: Any) -> Any:
+    raise RuntimeError("topology=auto runs the scheme it picks (attngym.tasks.cp_auto)")
+
+
+def _choose(settings, run_dir, metrics):
+    from attngym.tasks.cp_auto import choose
+
+    return choose(settings, run_dir, metrics)
+
+
+AUTO = TopologySpec(
+    name="auto",
+    attention=_runs_the_pick,
+    layouts=(PICK, *LAYOUTS),
+    options=AutoOptions,
+    chooser=_choose,
+)

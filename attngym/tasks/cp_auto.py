@@ -1,0 +1,141 @@
+"""`topology=auto` (attngym.distributed.auto): simulate the candidates, price them, pick one.
+
+Each candidate scheme and layout is simulated once on this device (cp_simulate.simulated: the
+same ranks, plans and kernels a `topology.simulate=true` run of it times) and priced on the run's
+fabric for each transport; the fastest predicted is the pick. The run records
+
+    auto_pick, auto_pick_ms        the pick (scheme/layout/transport) and its predicted time
+    auto_runner_up, auto_runner_up_ms   the next fastest
+    auto_why                       one line: the pick's time, what bounds it, the margin
+    auto_candidates, auto_s        how many candidates were priced, the choice's wall time
+
+and auto.json in the run folder holds every candidate's prediction (and why a scheme was left
+out: its rules refused the run, e.g. Ulysses with more ranks than heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from attngym import registry
+from attngym.config import AUTO, Settings
+from attngym.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Fabrics measured per transport: both are priced while the ranks fit in one NVLink domain.
+MEASURED = {"h200_nvlink": ("copy_engine", "nccl"), "hgx_h200": ("copy_engine", "nccl")}
+
+
+def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
+    """The pick for this run: (its settings, its simulation (Simulation, Layout, variant,
+    Fabric, Prediction), the simulated inputs); the choice goes into `metrics` and auto.json.
+
+    Raises:
+        ConfigError(topology.options.candidates): no candidate accepts the run.
+    """
+    from attngym.distributed.auto import CANDIDATES, PICK
+    from attngym.distributed.layout import LAYOUTS
+    from attngym.tasks.cp_setup import rank_device
+    from attngym.tasks.cp_simulate import fabric_of, simulated, simulation_inputs
+
+    start = time.perf_counter()
+    topo = settings.topology
+    opts = registry.get("topology", "auto").option_values(topo.options)
+    device = rank_device(settings)
+    inputs = simulation_inputs(settings, device)
+    do_bwd = "bwd" in settings.passes
+    rows, left_out, results = [], {}, {}
+    for name in opts["candidates"] or CANDIDATES:
+        spec = registry.get("topology", name)
+        wanted = opts["layouts"] or LAYOUTS if topo.layout == PICK else (topo.layout,)
+        for layout in (x for x in wanted if spec.takes_layout(x)):
+            candidate = _candidate(settings, name, layout, topo.transport)
+            try:
+                result = simulated(candidate, spec, inputs, device)
+            except ConfigError as err:  # this scheme's rules refuse the run
+                left_out[f"{name}/{layout}"] = str(err)
+                continue
+            for transport in _transports(settings, opts["transports"]):
+                fab = fabric_of(candidate, transport)
+                prediction = spec.price(result[0], fab, do_bwd)
+                ms = prediction.fwd_bwd_ms if do_bwd else prediction.fwd_ms
+                rows.append((ms, name, layout, transport, prediction, fab))
+                results[name, layout, transport] = (*result, fab, prediction)
+    if not rows:
+        raise ConfigError(
+            "topology.options.candidates",
+            f"no candidate accepts this run: {json.dumps(left_out)}",
+        )
+    rows.sort(key=lambda row: row[0])
+    best, second = rows[0], rows[1] if len(rows) > 1 else None
+    pick = "/".join(best[1:4])
+    metrics.update(
+        {
+            "auto_pick": pick,
+            "auto_pick_ms": best[0],
+            "auto_runner_up": None if second is None else "/".join(second[1:4]),
+            "auto_runner_up_ms": None if second is None else second[0],
+            "auto_why": _why(best, second),
+            "auto_candidates": len(rows),
+            "auto_s": time.perf_counter() - start,
+        }
+    )
+    log.info("topology=auto picked %s: %s", pick, metrics["auto_why"])
+    if run_dir is not None:
+        table = [
+            {"scheme": n, "layout": lay, "transport": tr, "predicted_ms": ms,
+             "bottleneck": p.bottleneck, "time_imbalance": p.time_imbalance, "fabric": f.name}
+            for ms, n, lay, tr, p, f in rows
+        ]  # fmt: skip
+        (Path(run_dir) / "auto.json").write_text(
+            json.dumps({"pick": pick, "candidates": table, "left_out": left_out}, indent=1)
+        )
+    _, name, layout, transport, _, _ = best
+    picked = _candidate(settings, name, layout, transport)
+    picked.topology.simulate = topo.simulate
+    return picked, results[name, layout, best[3]], inputs
+
+
+def _candidate(settings: Settings, name: str, layout: str, transport: str) -> Settings:
+    """The run's settings with topology `name`, `layout` and `transport`, its own options at
+    their defaults (hybrid's groups: the fabric's NVLink domain), simulated."""
+    topo = dataclasses.replace(
+        settings.topology, kind=name, layout=layout, transport=transport, options={},
+        simulate=True,
+    )  # fmt: skip
+    return dataclasses.replace(settings, topology=topo)
+
+
+def _transports(settings: Settings, given) -> tuple[str, ...]:
+    """The transports to price: `given`; else on a fabric measured per transport both measured
+    ones while the ranks fit in one NVLink domain (NCCL beyond); on real CPU ranks gloo; else
+    the run's."""
+    from attngym.distributed.transfer_model import domain_size
+
+    topo = settings.topology
+    if not topo.simulate and settings.device == "cpu":
+        return ("gloo",)
+    if given:
+        return tuple(given)
+    if topo.transport != AUTO or topo.fabric not in MEASURED:
+        return (topo.transport,)
+    size = domain_size(topo.fabric)
+    return ("nccl",) if size is not None and topo.world_size > size else MEASURED[topo.fabric]
+
+
+def _why(best, second) -> str:
+    ms, name, layout, transport, prediction, fab = best
+    line = (
+        f"{name} {layout} over {transport}: {ms:.3f} ms predicted on {fab.name} "
+        f"({prediction.bottleneck}-bound, time imbalance {prediction.time_imbalance:.2f})"
+    )
+    if second is None:
+        return f"{line}; the only candidate"
+    margin = second[0] / ms - 1 if ms > 0 else 0.0
+    return f"{line}; {margin:.1%} faster than {second[1]} {second[2]} over {second[3]}"
