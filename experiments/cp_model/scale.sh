@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
+# user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
+# bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
+# PHASE: real plan auto big (default: all; each fits one 10-minute call but big, the last). T_TIMEOUT bounds one run (default 300 s).
+set -u
+OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
+WHAT=" ${*:-real plan auto big} "
+mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
+export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
+python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
+PY
+AG="python3 -m attngym logger=none"
+SHAPE="shape.batch=1 shape.heads=8 shape.head_dim=128"
+has() { [[ $WHAT == *" $1 "* ]]; }
+if has real; then  # two ranks on the one GPU: validated fwd+bwd against float64
+  export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  t ring_user_32k $AG topology=ring topology.world_size=2 topology.layout=balanced $SHAPE \
+    attention=custom attention.mask_mod=mymasks.checkerboard shape.seq_len=32768 hydra.run.dir=ring_user_32k
+  t allgather_user_16k $AG topology=allgather topology.world_size=2 $SHAPE \
+    attention=custom attention.mask_mod=mymasks.checkerboard shape.seq_len=16384 hydra.run.dir=allgather_user_16k
+  t auto_documents_16k $AG topology=auto topology.world_size=2 $SHAPE attention=document \
+    shape.seq_len=16384 hydra.run.dir=auto_documents_16k
+  t auto_window_16k $AG topology=auto topology.world_size=2 $SHAPE attention=sliding_window \
+    shape.seq_len=16384 hydra.run.dir=auto_window_16k
+  unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
+fi
+if has plan; then  # the grid, the placement and every rank's plans for a user's mask, 128K, P=8
+  t plan_user_128k python3 -c "
+import time, torch, mymasks
+from attngym.variants.base import Variant
+from attngym.distributed import grid, layout
+v = Variant(name='checkerboard', mask_mod=mymasks.checkerboard).to('cuda')
+t0 = time.perf_counter(); grid.block_grid(v, 131072, (128, 128), 'cuda'); torch.cuda.synchronize()
+t1 = time.perf_counter()
+lay = layout.plan('balanced', 8, 131072, v, device='cuda')
+t2 = time.perf_counter()
+plans = grid.plans_for(v, 131072, (128, 128), 'cuda')
+n = 0
+for r in range(8):
+    for qc in lay.chunks(r):
+        for p in range(8):
+            for kc in lay.chunks(p):
+                plans(1, 8, qc, kc, (128, 128), 'flex', torch.device('cuda')); n += 1
+torch.cuda.synchronize(); t3 = time.perf_counter()
+print(f'grid {t1-t0:.2f} s, balanced placement {t2-t1:.2f} s, {n} pair plans {t3-t2:.2f} s')"
+fi
+if has auto; then  # the model's pick on the scaling rows (every candidate in auto.json)
+  SIM="$AG topology=auto topology.simulate=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072"
+  t auto_window_p2 $SIM $WIN topology.world_size=2 hydra.run.dir=auto_window_p2
+  t auto_window_p8 $SIM $WIN topology.world_size=8 hydra.run.dir=auto_window_p8
+fi
+if has big; then  # documents at P=8, causal on 64 ranks of 8-GPU nodes
+  SIM="$AG topology=auto topology.simulate=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  T_TIMEOUT=420 t auto_documents_p8 $SIM attention=document shape.seq_len=131072 \
+    topology.world_size=8 hydra.run.dir=auto_documents_p8
+  t auto_causal_128k_p64 $SIM attention=causal shape.seq_len=131072 topology.world_size=64 \
+    topology.fabric=hgx_h200 'topology.options.candidates=[ring,allgather,hybrid]' \
+    'topology.options.layouts=[zigzag]' hydra.run.dir=auto_causal_128k_p64
+  T_TIMEOUT=480 t auto_causal_1m_p64 $SIM attention=causal shape.seq_len=1048576 \
+    topology.world_size=64 topology.fabric=hgx_h200 topology.compare_one_device=false \
+    'topology.options.candidates=[ring,hybrid]' 'topology.options.layouts=[zigzag]' \
+    benchmark.repeats=2 hydra.run.dir=auto_causal_1m_p64
+fi
+for d in "$W"/*/; do  # metrics and auto.json of every run
+  [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
+  [ -f "$d/auto.json" ] && cp "$d/auto.json" "$OUT/$(basename $d).auto.json"
+done
+cat "$OUT/summary.txt"
+tar -C "$OUT" -czf /tmp/scale.tgz . && rm -rf "$OUT"/* && mv /tmp/scale.tgz "$OUT/"
