@@ -113,14 +113,16 @@ def _candidate(settings: Settings, name: str, layout: str, transport: str) -> Se
 
 
 def _transports(settings: Settings, given) -> tuple[str, ...]:
-    """The transports to price: `given`; else on a fabric measured per transport both measured
-    ones while the ranks fit in one NVLink domain (NCCL beyond); on real CPU ranks gloo; else
-    the run's."""
+    """The transports to price: on real ranks only those that can run there (gloo on CPUs, the
+    copy engine where ranks share a GPU); else `given`; else on a fabric measured per transport
+    both measured ones while the ranks fit in one NVLink domain (NCCL beyond); else the run's."""
     from attngym.distributed.transfer_model import domain_size
 
     topo = settings.topology
     if not topo.simulate and settings.device == "cpu":
         return ("gloo",)
+    if not topo.simulate and topo.world_size > _gpus():  # ranks share GPUs: no NCCL group
+        return ("copy_engine",)
     if given:
         return tuple(given)
     if topo.transport != AUTO or topo.fabric not in MEASURED:
@@ -139,3 +141,9 @@ def _why(best, second) -> str:
         return f"{line}; the only candidate"
     margin = second[0] / ms - 1 if ms > 0 else 0.0
     return f"{line}; {margin:.1%} faster than {second[1]} {second[2]} over {second[3]}"
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
