@@ -841,7 +841,10 @@ class FakeSpec:
     def option_values(self, given):
         return dataclasses.asdict(FakeOptions(**(given or {})))
 
-    def check(self, *, heads, kv_heads, seq_len, world_size, layout, options, simulate=False):
+    def check(
+        self, *, heads, kv_heads, seq_len, world_size, layout, options, simulate=False,
+        domain_size=None,
+    ):  # fmt: skip
         from attngym.errors import choice_error
 
         mine = self.option_values(options)

@@ -200,7 +200,7 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     assert (
         registry.names("topology")
         == sorted(TOPOLOGIES)
-        == ["allgather", "custom", "hybrid", "ring", "ulysses"]
+        == ["allgather", "auto", "custom", "hybrid", "ring", "ulysses"]
     )
     for name, spec in TOPOLOGIES.items():
         assert registry.get("topology", name) is spec and spec.name == name

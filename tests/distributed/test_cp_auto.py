@@ -1,0 +1,65 @@
+"""topology=auto and the block grid: the model's pick runs validated, what it records, and the
+grid every plan is cut from (any mask, evaluated once)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attngym.distributed import grid, layout
+from attngym.variants.base import Variant
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _checkerboard(b, h, q_idx, kv_idx):
+    return (q_idx // 96 + kv_idx // 160) % 3 != 0
+
+
+def test_sub_mask_is_create_block_mask_of_the_mapped_user_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    user = Variant(name="user", mask_mod=_checkerboard)
+    plans = grid.plans_for(user, 2048, (128, 128), "cpu")
+    q_pos = torch.cat([torch.arange(256, 768), torch.arange(1536, 1792)])
+    kv_pos = torch.cat([torch.arange(0, 384), torch.arange(1024, 1280)])
+
+    def mapped(b, h, q, kv):
+        return _checkerboard(b, h, q_pos[q], kv_pos[kv])
+
+    cut = plans.sub_mask(q_pos, kv_pos, mapped)
+    built = create_block_mask(mapped, None, None, q_pos.numel(), kv_pos.numel(), device="cpu")
+    assert torch.equal(cut.to_dense(), built.to_dense())
+    assert plans.sub_mask(q_pos + 1, kv_pos, mapped) is None  # not whole blocks: built instead
+
+
+def test_bytes_needed_counts_the_blocks_other_ranks_hold_that_the_mask_reads():
+    from attngym.variants.sliding_window import sliding_window
+
+    window = sliding_window(256).to("cpu")
+    lay = layout.plan("contiguous", 4, 4096)
+    # A causal window of 256 reads 256 rows of the previous rank: 2 blocks of 128.
+    assert grid.kv_bytes_needed(window, lay, (128, 128), "cpu", kv_row_bytes=10) == 256 * 10
+    full = Variant(name="full")  # no mask: every other rank's whole shard
+    assert grid.kv_bytes_needed(full, lay, (128, 128), "cpu", kv_row_bytes=1) == 3 * 1024
+
+
+def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_path):
+    import attngym
+
+    m = attngym.run(
+        overrides=["topology=auto", "topology.world_size=2", "attention=document",
+                   "shape.seq_len=512", "logger=none"],
+        run_dir=tmp_path / "real",
+    )  # fmt: skip
+    assert m["validation"] == "ok" and m["topology"] in ("ring", "allgather", "ulysses")
+    assert m["transport"] == "gloo" and m["auto_pick"].endswith("/gloo")
+    assert m["auto_pick"].startswith(f"{m['topology']}/{m['layout']}")
+    assert m["auto_runner_up"] and m["auto_runner_up_ms"] >= m["auto_pick_ms"]
+    assert "faster than" in m["auto_why"] and m["bytes_needed"] is not None
+    table = json.loads((tmp_path / "real" / "auto.json").read_text())
+    assert table["pick"] == m["auto_pick"] and len(table["candidates"]) == m["auto_candidates"]
+    ms = [c["predicted_ms"] for c in table["candidates"]]
+    assert ms == sorted(ms)
