@@ -686,8 +686,6 @@ def _topology_rules(data: dict[str, Any]) -> None:
     """The topology's own rules (its spec's check: layouts, its options, heads, seq_len against
     the ranks once they are known; a `custom` one bound to its scheme first); one rank, and any
     topology's layout, on one device."""
-    from attngym.distributed.transfer_model import domain_size
-
     topo, shape = data["topology"], data["shape"]
     _check_option_keys(topo["options"])
     kind, world_size, layout = topo["kind"], topo["world_size"], topo["layout"]
@@ -703,7 +701,7 @@ def _topology_rules(data: dict[str, Any]) -> None:
             layout=layout,
             options=topo["options"],
             simulate=topo["simulate"],
-            domain_size=domain_size(topo["fabric"]) if topo["simulate"] else None,
+            fabric=topo["fabric"] if topo["simulate"] else None,
         )
         return
     if world_size not in (1, AUTO):

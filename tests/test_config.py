@@ -843,7 +843,7 @@ class FakeSpec:
 
     def check(
         self, *, heads, kv_heads, seq_len, world_size, layout, options, simulate=False,
-        domain_size=None,
+        fabric=None,
     ):  # fmt: skip
         from attngym.errors import choice_error
 

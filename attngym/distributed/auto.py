@@ -6,7 +6,7 @@ attngym.distributed.simulate) and priced on topology.fabric for each transport (
 ones on an H200 fabric), and the fastest predicted call (forward+backward where the run has a
 backward) runs: its prediction is the run's with topology.simulate=true, else its real ranks
 start and the pick is recorded beside their measurement. attngym.tasks.cp_auto does the choosing;
-this module states the topology (its options and its spec).
+this module states the topology (its options and its spec, which `chooses`).
 """
 
 from __future__ import annotations
@@ -42,16 +42,10 @@ def _runs_the_pick(*_: Any, **__: Any) -> Any:
     raise RuntimeError("topology=auto runs the scheme it picks (attngym.tasks.cp_auto)")
 
 
-def _choose(settings, run_dir, metrics):
-    from attngym.tasks.cp_auto import choose
-
-    return choose(settings, run_dir, metrics)
-
-
 AUTO = TopologySpec(
     name="auto",
     attention=_runs_the_pick,
     layouts=(PICK, *LAYOUTS),
     options=AutoOptions,
-    chooser=_choose,
+    chooses=True,
 )

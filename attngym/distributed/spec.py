@@ -52,9 +52,9 @@ class TopologySpec:
             call on a fabric, its transfers overlapped as the scheme overlaps them.
         binder: (scheme, scheme_args) -> the TopologySpec a run of those settings uses (the
             `custom` entry binds a user's scheme); None: this spec itself.
-        chooser: (settings, run_dir, metrics) -> (the settings of the topology it picked, that
-            pick's simulation, the simulated inputs), its choice recorded in metrics; the pick
-            then runs (`auto`: attngym.tasks.cp_auto); None: it runs itself.
+        chooses: it picks another topology for each run, which then runs (`auto`: the run
+            layer's attngym.tasks.cp_auto simulates and prices the candidates); its own
+            `attention` is never called.
     """
 
     name: str
@@ -69,7 +69,7 @@ class TopologySpec:
     simulate: Callable[..., Any] | None = None
     price: Callable[..., Any] | None = None
     binder: Callable[..., TopologySpec] | None = None
-    chooser: Callable[..., Any] | None = None
+    chooses: bool = False
 
     def bind(
         self, scheme: Any = None, scheme_args: Mapping[str, Any] | None = None
@@ -105,7 +105,7 @@ class TopologySpec:
         layout: str,
         options: Mapping[str, Any],
         simulate: bool = False,
-        domain_size: int | None = None,
+        fabric: str | None = None,
     ) -> None:
         """Every rule of this topology that needs no hardware and no process group.
 
@@ -117,7 +117,7 @@ class TopologySpec:
             layout: topology.layout.
             options: topology.options (this spec's keys; a key left out takes its default).
             simulate: topology.simulate.
-            domain_size: simulate: GPUs per NVLink domain of topology.fabric (None: one domain).
+            fabric: simulate: topology.fabric (its NVLink domains size hybrid's groups).
 
         Raises:
             ConfigError: naming the dotted key (topology.layout, shape.heads, shape.kv_heads,
@@ -129,7 +129,7 @@ class TopologySpec:
             raise ConfigError(
                 "topology.layout", choice_error(f"layout for {self.name}", layout, allowed)
             )
-        if simulate and self.chooser is None and (self.simulate is None or self.price is None):
+        if simulate and not self.chooses and (self.simulate is None or self.price is None):
             missing = " and ".join(
                 name for name in ("simulate", "price") if getattr(self, name) is None
             )
@@ -138,6 +138,8 @@ class TopologySpec:
                 f"topology {self.name} declares no {missing}: simulated ranks need a "
                 "TopologySpec with simulate= and price= (README: Your own scheme)",
             )
+        from attngym.distributed.transfer_model import domain_size
+
         mine = self.option_values(options)
         for rule in self.rules:
             rule(
@@ -148,9 +150,9 @@ class TopologySpec:
                 layout=layout,
                 options=mine,
                 simulate=simulate,
-                domain_size=domain_size,
+                domain_size=None if fabric is None else domain_size(fabric),
             )
-        if world_size is not None and self.chooser is None:  # a chooser's picks check theirs
+        if world_size is not None and not self.chooses:  # the picks check theirs
             from attngym.distributed.layout import check_seq_len
 
             try:

@@ -9,7 +9,7 @@ A new topology: its module in attngym/distributed/ exporting its function and it
 options, rules, simulation and pricing with it), one entry in TOPOLOGIES here, its
 conf/topology/<name>.yaml, and its tests. `custom` is a user's scheme, bound from
 topology.scheme (TopologySpec.bind; attngym.distributed.custom); `auto` picks one of the others
-and runs it (TopologySpec.chooser; attngym.distributed.auto).
+and runs it (TopologySpec.chooses; attngym.distributed.auto, attngym.tasks.cp_auto).
 """
 
 from __future__ import annotations

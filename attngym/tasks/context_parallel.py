@@ -159,10 +159,11 @@ def run_context_parallel(
     from attngym.distributed.launch import launch
 
     metrics = {} if metrics is None else metrics
-    chooser = registry.get("topology", kind).chooser
-    if chooser is not None:  # auto: the model picks a topology, which then runs
+    if registry.get("topology", kind).chooses:  # auto: the model picks a topology to run
+        from attngym.tasks.cp_auto import choose
+
         with timeline.phase("auto_choice"):
-            settings, result, inputs = chooser(settings, run_dir, metrics)
+            settings, result, inputs = choose(settings, run_dir, metrics)
         kind = settings.topology.kind
         if settings.topology.simulate:  # the pick's simulation is the run's
             from attngym.tasks.cp_simulate import simulated_metrics

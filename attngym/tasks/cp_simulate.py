@@ -65,7 +65,7 @@ def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device
         layout=topo.layout,
         options=topo.options,
         simulate=True,
-        domain_size=domain_size(topo.fabric),
+        fabric=topo.fabric,
     )
     q, k, v, grad_out = inputs
     variant = s.variant.to(device)
