@@ -697,6 +697,55 @@ class GradSum:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """This rank's whole q shard against the K/V rows of one shard held, as one kernel call: the
+    variant read at both sides' global positions (positions.at_positions) and its block mask
+    (cut from the grid where the call has one; full when the variant has no mask)."""
+
+    variant: Variant
+    block_mask: Any
+
+
+# Variant -> {(layout, rank, kv rank, window, B, H, block size, backend, device, tables):
+# StepCall or None (no pair: nothing to compute)}.
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_call(call: CPCall, q: torch.Tensor, kv_rank: int, window=None) -> StepCall | None:
+    """kv_rank's pairs (the `window` of its shard held, as `pairs`) as one call, or None when
+    every pair is masked. Memoised per variant."""
+    from attngym.distributed.positions import at_positions
+
+    tables = kernels.offsets_as_tables(call.options.kernel_options)
+    key = (call.layout, call.rank, kv_rank, window, *q.shape[:2], call.options.block_size,
+           call.backend, q.device, tables)  # fmt: skip
+    per = _STEPS.setdefault(call.variant, {})
+    if key not in per:
+        step = None
+        if pairs(call, q, kv_rank, block_masks=call.backend, window=window):
+            q_pos = call.layout.positions(call.rank, q.device)
+            kv_pos = call.layout.positions(kv_rank, q.device)
+            if window is not None:
+                kv_pos = kv_pos[window[0] : window[0] + window[1]]
+            name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.kv{kv_rank}"
+            mapped = at_positions(
+                call.variant, q_pos, kv_pos, q.device, name, offsets_as_tables=tables
+            )
+            block_mask = None
+            if call.plans is not None:
+                block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
+            flex = "flex" in (call.backend, call.backward)  # flex's backward needs one too
+            if block_mask is None and flex:
+                block_mask = kernels.make_block_mask(
+                    mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
+                    device=q.device, full_when_unmasked=True,
+                )  # fmt: skip
+            step = StepCall(mapped, block_mask)
+        per[key] = step
+    return per[key]
+
+
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
     """Attend this rank's q chunks to kv_rank's K/V (its shard, or the `window` of it held)."""
     for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank, window=window):
@@ -735,6 +784,7 @@ def backward_pairs(
     *,
     window: tuple[int, int] | None = None,
     dkv_offset: int = 0,
+    whole: StepCall | None = None,
 ) -> None:
     """Add the gradients of the pairs against kv_rank's shard: dq into `dq`, dK/dV into `dk`, `dv`.
 
@@ -745,28 +795,44 @@ def backward_pairs(
         dk, dv: the GradSums of kv_rank's dK, dV, (B, G, rows, D): kv row j of the held K/V
             lands at row j + dkv_offset.
         window: the rows of kv_rank's shard held (see `pairs`).
+        whole: the step as one call over the whole shard and the held rows (`step_call`),
+            differentiated as one piece instead of pair by pair.
     """
     from attngym.distributed import flex_backward
 
     flex = call.backward == "flex"
     masks = "flex" if flex else call.backend
-    for pair in pairs(call, saved.q, kv_rank, block_masks=masks, window=window):
+    if whole is not None:
+        n, w = saved.q.shape[2], k.shape[2]
+        todo = [(slice(0, n), slice(0, w), (0, n), (0, w), whole.block_mask)]
+        variant = whole.variant
+    else:
+        todo = pairs(call, saved.q, kv_rank, block_masks=masks, window=window)
+        variant = None
+    for pair in todo:
         # Cut to what the mask reads: a halo pair's pieces cover its band, not the whole chunk.
-        q_rows, kv_rows, qc, kc, block_mask = read_part(call, saved.q, pair, masks)
+        q_rows, kv_rows, qc, kc, block_mask = (
+            pair if whole is not None else read_part(call, saved.q, pair, masks)
+        )
         k_i, v_i = k[:, :, kv_rows], v[:, :, kv_rows]
         grads = None
         if flex:
-            grads = flex_backward.pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
+            grads = flex_backward.pair_grads(
+                call, saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=variant
+            )
         if grads is None:  # recompute, or flex failed under backward=auto (logged)
-            grads = _recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
+            grads = _recompute_pair(
+                call, saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=variant
+            )
         dq_i, dk_i, dv_i = grads
         dq.add(q_rows.start, dq_i)
         dk.add(kv_rows.start + dkv_offset, dk_i)
         dv.add(kv_rows.start + dkv_offset, dv_i)
 
 
-def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask):
-    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse)."""
+def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None):
+    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse)
+    (`variant`: the step's mapped one, default the call's)."""
     lse = saved.lse[:, :, q_rows]
     out = saved.out[:, :, q_rows].to(lse.dtype)
     dout = saved.dout[:, :, q_rows].to(lse.dtype)
@@ -774,7 +840,7 @@ def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_
         q_i = saved.q[:, :, q_rows].detach().requires_grad_()
         k_i = k_i.detach().requires_grad_()
         v_i = v_i.detach().requires_grad_()
-        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask)
+        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask, variant=variant)
         w = weights(lse_i.detach().to(lse.dtype), lse)
         g_out = (w.unsqueeze(-1) * dout).to(out_i.dtype)
         g_lse = w * (dout * (out_i.detach().to(lse.dtype) - out)).sum(-1)

@@ -57,10 +57,12 @@ def _gather(t, world_size, layout, variant=None):
 
 
 def _parity(
-    rank, world_size, name, variant, heads, kv_heads, fns, layouts, backward="auto", **overrides
-):
+    rank, world_size, name, variant, heads, kv_heads, fns, layouts, backward="auto", seq_len=None,
+    **overrides,
+):  # fmt: skip
     gen = torch.Generator().manual_seed(7)
-    q = torch.randn(2, heads, S if world_size == 2 else 36, 8, generator=gen, dtype=torch.float64)
+    seq_len = seq_len or (S if world_size == 2 else 36)
+    q = torch.randn(2, heads, seq_len, 8, generator=gen, dtype=torch.float64)
     k, v = (
         torch.randn(2, kv_heads, q.shape[2], 8, generator=gen, dtype=torch.float64)
         for _ in range(2)
@@ -155,7 +157,7 @@ def _attention_worker(rank, world_size):
             out = fn(xs, xs, xs, variants.get("causal"), compile=False, compile_mode="max-autotune")
             out.sum().backward()
         # Forward kernel calls made by the ring's backward: none with flex's backward op, one per
-        # computed pair when re-running forwards.
+        # step when re-running forwards (zigzag: each step is one call over the whole shard).
         reruns = {}
         for backward in ("flex", "recompute"):
             xs = shard(x, rank, world_size, "zigzag").requires_grad_()
@@ -171,12 +173,51 @@ def _attention_worker(rank, world_size):
     return errors, counts, seen, reruns
 
 
+def _user_mask(b, h, q_idx, kv_idx):
+    """A user's own mask with no block rule: causal stripes and a head-dependent band."""
+    return (q_idx >= kv_idx) & (((q_idx // 5 + kv_idx // 3) % 3 != 0) | (q_idx - kv_idx < h + 2))
+
+
+def _user_mask_worker(rank, world_size):
+    from attngym.variants.base import Variant
+
+    user = Variant(name="user", mask_mod=_user_mask)
+    errors = _parity(
+        rank, world_size, "user", user, 4, 2, (ring_attention, allgather_attention),
+        ("contiguous", "zigzag", "balanced"), seq_len=64,
+    )  # fmt: skip
+    errors.update(
+        _parity(
+            rank,
+            world_size,
+            "user",
+            user,
+            4,
+            2,
+            (ring_attention,),
+            ("zigzag", "balanced"),
+            backward="recompute",
+            seq_len=64,
+        )  # fmt: skip
+    )
+    return errors
+
+
+def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
+    """4 gloo ranks, a mask with no block rule: ring (one call per step on zigzag and balanced,
+    flex's backward and the re-run one) and all-gather, forward and every gradient."""
+    errors = launch(_user_mask_worker, 4, timeout_s=240)
+    assert len(errors) == 2 * 3 + 2
+    for case, errs in errors.items():
+        assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
+
+
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
     assert len(errors) == 4 * (2 * 3 + 1) + 1  # + the ring on its pair-priced placement
     assert reruns["flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no forward re-run
-    assert reruns["recompute"] == (5, 5, "recompute")
+    assert reruns["recompute"] == (2, 5, "recompute")  # 2 steps, one call each
     for case, errs in errors.items():
         assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
     for fn in ("ring_attention", "allgather_attention"):
