@@ -1,7 +1,8 @@
 """`topology=auto`: the model picks the scheme, layout and transport, then that one runs.
 
 Given the variant, shape, world size and fabric, every candidate (a built-in scheme and a layout
-it takes) whose rules accept the run is simulated on the one device (its ranks' exact compute,
+it takes; hybrid with each group size and across scheme where the fabric has no NVLink domains
+to fix them) whose rules accept the run is simulated on the one device (its ranks' exact compute,
 attngym.distributed.simulate) and priced on topology.fabric for each transport (the measured
 ones on an H200 fabric), and the fastest predicted call (forward+backward where the run has a
 backward) runs: its prediction is the run's with topology.simulate=true, else its real ranks

@@ -24,9 +24,9 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
 The cost model (`_TimeModel`, the one home of a layout's predicted time): every block a kernel
 runs costs BLOCK_COSTS (full, partial) in units of a full block's time. Without `PairKernels`
 each rank runs one call, its shard's rows in shard order against the whole sequence's keys in
-position order, cut into blocks of `block_size` from the shard's start; with `PairKernels` (the
-ring) each rank runs one kernel per (its q chunk, any kv chunk) pair, blocks cut from each
-chunk's start, priced as PairKernels says. Two measures, named apart:
+position order, cut into blocks of `block_size` from the shard's start; with `PairKernels` (a
+TopologySpec with pair_kernels) each rank runs one kernel per (its q chunk, any kv chunk) pair,
+blocks cut from each chunk's start, priced as PairKernels says. Two measures, named apart:
 
     time_imbalance  predicted time imbalance: max over mean of the ranks' predicted times under
                     this model (with PairKernels a layout's total varies with its launches and
@@ -82,7 +82,8 @@ LAUNCH_COST = 2.0
 @dataclasses.dataclass(frozen=True)
 class PairKernels:
     """How the cost model (`balanced`, `time_imbalance`) prices a scheme that runs one kernel
-    per (q chunk, kv chunk) pair (the ring). Such a kernel runs one program per (batch, head,
+    per (q chunk, kv chunk) pair (TopologySpec.pair_kernels; the ring did before its steps
+    became one kernel each). Such a kernel runs one program per (batch, head,
     block row) over `slots` parallel units, so it takes the slower of its blocks spread over the
     units and its longest block row (its longest column, in the backward), plus a launch: a thin
     pair whose rows read whole documents costs more than its blocks say. Priced by blocks alone,
@@ -508,8 +509,8 @@ def plan(
         block_size: (q, kv) kernel block size the cost model prices (and a balancer is given).
         device: where the block mask is built (large S: CUDA, see kernels.make_block_mask).
         block_costs: `balanced`'s (full, partial) block time (BLOCK_COSTS; (1, 1) counts blocks).
-        kernels: `balanced` prices ranks per pair kernel (the ring's; see PairKernels), else by
-            the blocks of one call per rank.
+        kernels: `balanced` prices ranks per pair kernel (see PairKernels), else by the blocks
+            of one call per rank.
 
     A user's balancer is called with the keywords it names out of BALANCER_ARGUMENTS: variant,
     block_mask (the whole sequence's at `block_size`, None for a variant without a mask),

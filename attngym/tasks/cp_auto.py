@@ -55,18 +55,20 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
         spec = registry.get("topology", name)
         wanted = opts["layouts"] or LAYOUTS if topo.layout == PICK else (topo.layout,)
         for layout in (x for x in wanted if spec.takes_layout(x)):
-            candidate = _candidate(settings, name, layout, topo.transport)
-            try:
-                result = simulated(candidate, spec, inputs, device)
-            except ConfigError as err:  # this scheme's rules refuse the run
-                left_out[f"{name}/{layout}"] = str(err)
-                continue
-            for transport in _transports(settings, opts["transports"]):
-                fab = fabric_of(candidate, transport)
-                prediction = spec.price(result[0], fab, do_bwd)
-                ms = prediction.fwd_bwd_ms if do_bwd else prediction.fwd_ms
-                rows.append((ms, name, layout, transport, prediction, fab))
-                results[name, layout, transport] = (*result, fab, prediction)
+            for own in _option_sets(name, settings):
+                label = "/".join([name, layout, *(f"{k}={v}" for k, v in own.items())])
+                candidate = _candidate(settings, name, layout, topo.transport, own)
+                try:
+                    result = simulated(candidate, spec, inputs, device)
+                except ConfigError as err:  # this scheme's rules refuse the run
+                    left_out[label] = str(err)
+                    continue
+                for transport in _transports(settings, opts["transports"]):
+                    fab = fabric_of(candidate, transport)
+                    prediction = spec.price(result[0], fab, do_bwd)
+                    ms = prediction.fwd_bwd_ms if do_bwd else prediction.fwd_ms
+                    rows.append((ms, label, transport, prediction, fab, (name, layout, own)))
+                    results[label, transport] = (*result, fab, prediction)
     if not rows:
         raise ConfigError(
             "topology.options.candidates",
@@ -74,12 +76,12 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
         )
     rows.sort(key=lambda row: row[0])
     best, second = rows[0], rows[1] if len(rows) > 1 else None
-    pick = "/".join(best[1:4])
+    pick = f"{best[1]}/{best[2]}"
     metrics.update(
         {
             "auto_pick": pick,
             "auto_pick_ms": best[0],
-            "auto_runner_up": None if second is None else "/".join(second[1:4]),
+            "auto_runner_up": None if second is None else f"{second[1]}/{second[2]}",
             "auto_runner_up_ms": None if second is None else second[0],
             "auto_why": _why(best, second),
             "auto_candidates": len(rows),
@@ -89,27 +91,41 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     log.info("topology=auto picked %s: %s", pick, metrics["auto_why"])
     if run_dir is not None:
         table = [
-            {"scheme": n, "layout": lay, "transport": tr, "predicted_ms": ms,
+            {"scheme": n, "layout": lay, "options": own, "transport": tr, "predicted_ms": ms,
              "bottleneck": p.bottleneck, "time_imbalance": p.time_imbalance, "fabric": f.name}
-            for ms, n, lay, tr, p, f in rows
+            for ms, _, tr, p, f, (n, lay, own) in rows
         ]  # fmt: skip
         (Path(run_dir) / "auto.json").write_text(
             json.dumps({"pick": pick, "candidates": table, "left_out": left_out}, indent=1)
         )
-    _, name, layout, transport, _, _ = best
-    picked = _candidate(settings, name, layout, transport)
+    _, label, transport, _, _, (name, layout, own) = best
+    picked = _candidate(settings, name, layout, transport, own)
     picked.topology.simulate = topo.simulate
-    return picked, results[name, layout, best[3]], inputs
+    return picked, results[label, transport], inputs
 
 
-def _candidate(settings: Settings, name: str, layout: str, transport: str) -> Settings:
-    """The run's settings with topology `name`, `layout` and `transport`, its own options at
-    their defaults (hybrid's groups: the fabric's NVLink domain), simulated."""
+def _candidate(settings: Settings, name: str, layout: str, transport: str, own) -> Settings:
+    """The run's settings with topology `name`, `layout`, `transport` and its own options `own`
+    (the rest at their defaults: hybrid's groups, the fabric's NVLink domain), simulated."""
     topo = dataclasses.replace(
-        settings.topology, kind=name, layout=layout, transport=transport, options={},
+        settings.topology, kind=name, layout=layout, transport=transport, options=dict(own),
         simulate=True,
     )  # fmt: skip
     return dataclasses.replace(settings, topology=topo)
+
+
+def _option_sets(name: str, settings: Settings) -> list[dict[str, Any]]:
+    """The own options tried for scheme `name`: on a fabric without NVLink domains to fix
+    hybrid's groups, every group size dividing the ranks and the heads (2 .. P/2) with each
+    across scheme; else the defaults."""
+    from attngym.distributed.transfer_model import domain_size
+
+    topo = settings.topology
+    if name != "hybrid" or domain_size(topo.fabric) is not None:
+        return [{}]
+    P, heads = topo.world_size, settings.shape.heads
+    sizes = [a for a in range(2, P) if P % a == 0 and heads % a == 0]
+    return [{"a2a_size": a, "across": across} for a in sizes for across in ("ring", "allgather")]
 
 
 def _transports(settings: Settings, given) -> tuple[str, ...]:
@@ -132,15 +148,15 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
 
 
 def _why(best, second) -> str:
-    ms, name, layout, transport, prediction, fab = best
+    ms, label, transport, prediction, fab, _ = best
     line = (
-        f"{name} {layout} over {transport}: {ms:.3f} ms predicted on {fab.name} "
+        f"{label} over {transport}: {ms:.3f} ms predicted on {fab.name} "
         f"({prediction.bottleneck}-bound, time imbalance {prediction.time_imbalance:.2f})"
     )
     if second is None:
         return f"{line}; the only candidate"
     margin = second[0] / ms - 1 if ms > 0 else 0.0
-    return f"{line}; {margin:.1%} faster than {second[1]} {second[2]} over {second[3]}"
+    return f"{line}; {margin:.1%} faster than {second[1]} over {second[2]}"
 
 
 def _gpus() -> int:
