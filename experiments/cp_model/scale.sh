@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big (default: all; each fits one 10-minute call but big, the last). T_TIMEOUT bounds one run (default 300 s).
+# PHASE: real plan auto big ring (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big} "
-mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
+WHAT=" ${*:-real plan auto big ring} "
+ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
 import re, sys
@@ -65,6 +65,18 @@ if has big; then  # documents at P=8, causal on 64 ranks of 8-GPU nodes
     topology.world_size=64 topology.fabric=hgx_h200 topology.compare_one_device=false \
     'topology.options.candidates=[ring,hybrid]' 'topology.options.layouts=[zigzag]' \
     benchmark.repeats=2 hydra.run.dir=auto_causal_1m_p64
+fi
+if has ring; then  # the ring's one call per step (zigzag, balanced): validated, then its rows again
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 t ring_zigzag_documents_16k $AG topology=ring \
+    topology.layout=zigzag topology.world_size=2 $SHAPE attention=document shape.seq_len=16384 \
+    hydra.run.dir=ring_zigzag_documents_16k
+  t step_times_ring_zigzag_window python3 "$ROOT/experiments/cp_model/step_times.py" \
+    --kind ring --layout zigzag --world-size 8 --variant sliding_window
+  SIM="$AG topology=ring topology.layout=zigzag topology.simulate=true validate=false baselines=[] $SHAPE"
+  t ring_causal_128k_p64 $SIM attention=causal shape.seq_len=131072 topology.world_size=64 \
+    topology.fabric=hgx_h200 hydra.run.dir=ring_causal_128k_p64
+  t ring_documents_p8 $SIM attention=document shape.seq_len=131072 topology.world_size=8 \
+    topology.layout=balanced hydra.run.dir=ring_documents_p8
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
