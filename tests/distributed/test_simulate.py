@@ -190,6 +190,33 @@ def test_two_level_fabric_prices_what_crosses_domains_on_the_slower_link():
     assert tm.domain_size("nvl72") == 72 and tm.domain_size("h200_nvlink") is None
 
 
+def test_each_scheme_prices_what_crosses_nodes_on_the_two_level_fabric():
+    from attngym.distributed.allgather import ALLGATHER, price_allgather
+    from attngym.distributed.ring import price_ring
+    from attngym.distributed.simulate import Simulation
+    from attngym.distributed.ulysses import price_hybrid
+
+    hgx, one = tm.fabric("hgx_h200", "nccl"), tm.fabric("h200_nvlink", "nccl")
+    ib = tm.fabric("infiniband")
+    step = 64 * tm.MIB
+    work = tm.RankWork(fwd_ms=(0.1, 0.1), fwd_bytes=(0, step))
+    for P in (8, 16):
+        ring = price_ring(Simulation(P, [work] * P, P), hgx, False)
+        # Inside one node the step is NVLink's; past 8 ranks every step waits for InfiniBand.
+        link = one if P == 8 else ib
+        assert ring.fwd_ms == pytest.approx(max(0.1, link.ms("channel", step)) + 0.1)
+    gather = tm.RankWork(fwd_ms=(1.0,), fwd_bytes=(step,))
+    across = Simulation(16, [gather] * 2, 2, stride=8, extra={"torch_cp": [gather] * 2})
+    across.extra.update(across=ALLGATHER, exchange=tm.RankWork((), fwd_bytes=(0,)), a2a_size=8)
+    # hybrid's across all-gather runs among groups one node apart: all of it over InfiniBand.
+    assert price_hybrid(across, hgx, False).fwd_ms == pytest.approx(ib.ms("allgather", step) + 1)
+    flat = Simulation(16, [gather] * 16, 16, extra={"torch_cp": [gather] * 16})
+    share = hgx.collective_crossing(16)
+    assert price_allgather(flat, hgx, False).fwd_ms == pytest.approx(
+        max(one.ms("allgather", step * (1 - share)), ib.ms("allgather", step * share)) + 1
+    )
+
+
 def _priced(item, which):
     """A rank's predicted time from its block masks, at layout.BLOCK_COSTS."""
     full_cost, partial_cost = layouts.BLOCK_COSTS
