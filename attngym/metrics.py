@@ -407,6 +407,12 @@ METRICS: tuple[Metric, ...] = (
     M("auto_runner_up_ms", "auto runner-up (ms)", "ms", "topology=auto: its predicted time"),
     M("auto_why", "auto why", "", "topology=auto: the pick's time, bound and margin", column=False),
     M("auto_candidates", "auto candidates", "", "topology=auto: candidates priced", column=False),
+    M(
+        "auto_measured_over_predicted",
+        "auto measured / predicted",
+        "ratio",
+        "topology=auto on real ranks: the pick's measured time over its predicted time",
+    ),
     M("auto_s", "auto choice (s)", "s", "topology=auto: wall time of simulating the candidates"),
     M("sim_s", "simulation (s)", "s", "simulate: wall time of the simulated ranks"),
     M("sim_items", "items", "", "simulate: items of work over ranks and passes", column=False),

@@ -191,7 +191,18 @@ def run_context_parallel(
         rank_time = metrics.pop(RANK_TIME, None)
         if rank_time is not None and (current := timeline.current()) is not None:
             current.add(rank_time)
+    metrics.update(auto_check(metrics, "bwd" in settings.passes))
     return metrics
+
+
+def auto_check(metrics: dict[str, Any], backward: bool) -> dict[str, Any]:
+    """auto_measured_over_predicted: a real run of auto's pick against the model's time for it
+    (fwd+bwd where the run has a backward), so a pick can be checked on the GPUs it ran on."""
+    predicted = metrics.get("auto_pick_ms")
+    measured = metrics.get("fwd_bwd_ms" if backward else "fwd_ms")
+    if not predicted or measured is None:
+        return {}
+    return {"auto_measured_over_predicted": measured / predicted}
 
 
 def register_task(kind: str) -> None:

@@ -59,6 +59,7 @@ def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_pat
     assert m["auto_pick"].startswith(f"{m['topology']}/{m['layout']}")
     assert m["auto_runner_up"] and m["auto_runner_up_ms"] >= m["auto_pick_ms"]
     assert "faster than" in m["auto_why"] and m["bytes_needed"] is not None
+    assert m["auto_measured_over_predicted"] == pytest.approx(m["fwd_bwd_ms"] / m["auto_pick_ms"])
     table = json.loads((tmp_path / "real" / "auto.json").read_text())
     assert table["pick"] == m["auto_pick"] and len(table["candidates"]) == m["auto_candidates"]
     ms = [c["predicted_ms"] for c in table["candidates"]]
