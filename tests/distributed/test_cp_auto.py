@@ -58,7 +58,9 @@ def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_pat
     assert m["transport"] == "gloo" and m["auto_pick"].endswith("/gloo")
     assert m["auto_pick"].startswith(f"{m['topology']}/{m['layout']}")
     assert m["auto_runner_up"] and m["auto_runner_up_ms"] >= m["auto_pick_ms"]
-    assert "faster than" in m["auto_why"] and m["bytes_needed"] is not None
+    assert "faster than" in m["auto_why"]
+    # The pick follows this machine's timings; bytes_needed is a sequence-sharded scheme's.
+    assert (m["bytes_needed"] is None) == (m["topology"] == "ulysses")
     assert m["auto_measured_over_predicted"] == pytest.approx(m["fwd_bwd_ms"] / m["auto_pick_ms"])
     table = json.loads((tmp_path / "real" / "auto.json").read_text())
     assert table["pick"] == m["auto_pick"] and len(table["candidates"]) == m["auto_candidates"]
