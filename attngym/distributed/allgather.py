@@ -42,12 +42,12 @@ from attngym.distributed.cp import (
     CPStats,
     StepClock,
     attend,
+    mapped_call,
     pairs,
     rows_read,
     run,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
-from attngym.distributed.positions import at_positions
 from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
@@ -117,22 +117,6 @@ def key_positions(layout: Layout, rank: int, plan: HaloPlan, device) -> torch.Te
     return torch.cat([every[rank], *(rows[p] for p in range(len(every)) if p != rank)])
 
 
-def mapped_variant(
-    variant: Variant,
-    layout: Layout,
-    rank: int,
-    device,
-    kv_positions: torch.Tensor,
-    *,
-    tables: bool = False,
-) -> Variant:
-    """The variant over (this rank's shard rows) x (the call's keys): `at_positions` with this
-    rank's query positions in `layout` (`tables`: offsets as tables, kernels.offsets_as_tables)."""
-    name = f"{variant.name}@{layout.name}.rank{rank}"
-    positions = layout.positions(rank, device)
-    return at_positions(variant, positions, kv_positions, device, name, offsets_as_tables=tables)
-
-
 # Variant -> {(layout, rank, device, block size, backend, plan, tables): (mapped variant, block
 # mask)};
 # the block mask broadcasts over batch and heads.
@@ -147,23 +131,7 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: HaloPlan):
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
         positions = key_positions(call.layout, call.rank, plan, q.device)
-        mapped = mapped_variant(
-            call.variant, call.layout, call.rank, q.device, positions, tables=tables
-        )
-        block_mask = None
-        if call.plans is not None:  # cut from the grid: no mask evaluated for this call
-            block_mask = call.plans.sub_mask(
-                call.layout.positions(call.rank, q.device), positions, mapped.mask_mod
-            )
-        if call.backend == "flex" and block_mask is None:
-            block_mask = kernels.make_block_mask(
-                mapped,
-                q.shape[2],
-                positions.numel(),
-                block_size=call.options.block_size,
-                device=q.device,
-            )
-        per[key] = (mapped, block_mask)
+        per[key] = mapped_call(call, positions, q.device, "gathered", full=False)
     return per[key]
 
 

@@ -715,8 +715,6 @@ _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def step_call(call: CPCall, q: torch.Tensor, kv_rank: int, window=None) -> StepCall | None:
     """kv_rank's pairs (the `window` of its shard held, as `pairs`) as one call, or None when
     every pair is masked. Memoised per variant."""
-    from attngym.distributed.positions import at_positions
-
     tables = kernels.offsets_as_tables(call.options.kernel_options)
     key = (call.layout, call.rank, kv_rank, window, *q.shape[:2], call.options.block_size,
            call.backend, q.device, tables)  # fmt: skip
@@ -724,26 +722,37 @@ def step_call(call: CPCall, q: torch.Tensor, kv_rank: int, window=None) -> StepC
     if key not in per:
         step = None
         if pairs(call, q, kv_rank, block_masks=call.backend, window=window):
-            q_pos = call.layout.positions(call.rank, q.device)
             kv_pos = call.layout.positions(kv_rank, q.device)
             if window is not None:
                 kv_pos = kv_pos[window[0] : window[0] + window[1]]
-            name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.kv{kv_rank}"
-            mapped = at_positions(
-                call.variant, q_pos, kv_pos, q.device, name, offsets_as_tables=tables
-            )
-            block_mask = None
-            if call.plans is not None:
-                block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
-            flex = "flex" in (call.backend, call.backward)  # flex's backward needs one too
-            if block_mask is None and flex:
-                block_mask = kernels.make_block_mask(
-                    mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
-                    device=q.device, full_when_unmasked=True,
-                )  # fmt: skip
-            step = StepCall(mapped, block_mask)
+            # flex's backward op needs a block mask too, full where the variant has no mask.
+            flex = "flex" in (call.backend, call.backward)
+            step = StepCall(*mapped_call(call, kv_pos, q.device, f"kv{kv_rank}", full=flex))
         per[key] = step
     return per[key]
+
+
+def mapped_call(call: CPCall, kv_positions: torch.Tensor, device, tag: str, *, full: bool):
+    """(variant, block mask) of one call of this rank's whole q shard against keys at
+    `kv_positions` (global positions, in the call's order): the variant read through both
+    position maps (positions.at_positions), its mask cut from the call's grid where it has one,
+    else built from the mapped mask on flex (`full`: also when the variant has no mask, a full
+    one, for flex's backward op); None on the reference backend without a grid."""
+    from attngym.distributed.positions import at_positions
+
+    q_pos = call.layout.positions(call.rank, device)
+    name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.{tag}"
+    tables = kernels.offsets_as_tables(call.options.kernel_options)
+    mapped = at_positions(call.variant, q_pos, kv_positions, device, name, offsets_as_tables=tables)
+    block_mask = None
+    if call.plans is not None:  # cut from the grid: no mask evaluated for this call
+        block_mask = call.plans.sub_mask(q_pos, kv_positions, mapped.mask_mod)
+    if block_mask is None and (full or call.backend == "flex"):
+        block_mask = kernels.make_block_mask(
+            mapped, q_pos.numel(), kv_positions.numel(), block_size=call.options.block_size,
+            device=device, full_when_unmasked=full,
+        )  # fmt: skip
+    return mapped, block_mask
 
 
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:

@@ -174,6 +174,13 @@ def domain_size(name: str) -> int | None:
     return TWO_LEVEL[name][1] if name in TWO_LEVEL else None
 
 
+def spans_domains(name: str, world_size: int) -> bool:
+    """Whether `world_size` ranks on fabric `name` span NVLink domains (a run's auto transport
+    is NCCL then, as the copy engine stays inside one)."""
+    size = domain_size(name)
+    return size is not None and world_size > size
+
+
 def fabric(
     name: str,
     transport: str = "copy_engine",

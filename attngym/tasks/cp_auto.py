@@ -132,7 +132,7 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
     """The transports to price: on real ranks only those that can run there (gloo on CPUs, the
     copy engine where ranks share a GPU); else `given`; else on a fabric measured per transport
     both measured ones while the ranks fit in one NVLink domain (NCCL beyond); else the run's."""
-    from attngym.distributed.transfer_model import domain_size
+    from attngym.distributed.transfer_model import spans_domains
 
     topo = settings.topology
     if not topo.simulate and settings.device == "cpu":
@@ -143,8 +143,7 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
         return tuple(given)
     if topo.transport != AUTO or topo.fabric not in MEASURED:
         return (topo.transport,)
-    size = domain_size(topo.fabric)
-    return ("nccl",) if size is not None and topo.world_size > size else MEASURED[topo.fabric]
+    return ("nccl",) if spans_domains(topo.fabric, topo.world_size) else MEASURED[topo.fabric]
 
 
 def _why(best, second) -> str:

@@ -38,14 +38,12 @@ def fabric_of(settings: Settings, transport: str | None = None):
     """The run's Fabric (attngym.distributed.transfer_model.fabric), named by topology.fabric,
     for `transport` (default topology.transport; auto: the copy engine inside one NVLink
     domain, NCCL once the ranks span domains, as a real run resolves it)."""
-    from attngym.distributed.transfer_model import domain_size, fabric
+    from attngym.distributed.transfer_model import fabric, spans_domains
 
     topo = settings.topology
     transport = topo.transport if transport is None else transport
     if transport in (AUTO, "gloo"):
-        size = domain_size(topo.fabric)
-        spans = size is not None and topo.world_size > size
-        transport = "nccl" if spans else "copy_engine"
+        transport = "nccl" if spans_domains(topo.fabric, topo.world_size) else "copy_engine"
     return fabric(topo.fabric, transport, topo.fabric_gbps, topo.fabric_latency_us)
 
 

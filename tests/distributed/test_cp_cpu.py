@@ -652,7 +652,8 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
 
     from attngym import kernels
     from attngym.distributed import layout as layouts
-    from attngym.distributed.allgather import HaloPlan, key_positions, mapped_variant
+    from attngym.distributed.allgather import HaloPlan, key_positions
+    from attngym.distributed.positions import at_positions
 
     P = 2
     params = {"sliding_window": {"window_size": 100}, "document": {"doc_lengths": [300, seq - 300]}}
@@ -662,7 +663,7 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
                   for r in range(P) for start, length in plan.chunks(r) for b in block)  # fmt: skip
     for rank in range(P):
         kv_positions = key_positions(plan, rank, HaloPlan(seq // P, (0,) * P), "cpu")
-        mapped = mapped_variant(variant, plan, rank, "cpu", kv_positions)
+        mapped = at_positions(variant, plan.positions(rank), kv_positions, "cpu", "mapped")
         got = kernels.make_block_mask(mapped, seq // P, seq, block_size=block)
         want = create_block_mask(mapped.mask_mod, None, None, seq // P, seq, device="cpu",
                                  BLOCK_SIZE=block)  # fmt: skip
