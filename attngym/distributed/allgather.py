@@ -1,24 +1,27 @@
 """All-gather attention: each rank gathers the K/V rows it reads, then attends in one call.
 
-Contract (P ranks, this rank r, an all-gather from `transport`):
-    * Only what the mask reads moves (HaloPlan, from the pairs' block masks, the same on every
-      rank): each rank contributes the `width` rows of its K/V shard that some other rank's
-      queries read, from `starts[p]` (whole shards for causal; a halo for local masks; nothing,
-      and no gather, when no rank reads another's shard).
-    * Forward: `start([k, v] rows)`, then `wait` returns the gathered (2, B, G, P·width, D)
-      buffer (rank p's rows at [p·width, (p+1)·width)) through the transport's differentiable
-      wait. The keys of the call are the gathered buffer when width = S/P (copied when the
-      transport reuses its buffer, OUTPUT_REUSED, and a backward will read them), else this
-      rank's own shard followed by the other ranks' rows. One kernel call attends the rank's q
-      shard (S/P rows) to those keys: the variant's callbacks read each local row and key index
-      through a map to global positions (an offset when the rows are one chunk, the identity
-      when the keys are already in global order, else a position table), and the block mask is
-      built in that local index space, so every masked block is skipped as in the one-device
-      kernel.
+Contract (P ranks, this rank r, on `transport`):
+    * Only what the mask reads moves (ReadPlan, from the pairs' block masks, the same on every
+      rank): rank r receives from each rank p exactly the whole kv blocks of p's shard that r's
+      queries read (a halo for a window, the documents a rank's queries touch, nothing where no
+      rank reads another's shard).
+    * How it moves: when some rank reads every other shard whole (causal, say), one all-gather of
+      the whole shards (`start([k, v])`, then the transport's differentiable `wait`; the slowest
+      rank receives as much either way, and the collective is the fastest way to move it). Else
+      the transport's uneven exchange (`exchange`): each rank packs the rows each peer reads into
+      one buffer (destinations in rank order) and receives only its own.
+    * The keys of the call: the gathered buffer in rank order (whole shards), else this rank's
+      own chunks and the rows it received, in the order of their global positions (a window's
+      halo and shard form one run). One kernel call attends the rank's q shard (S/P rows) to
+      those keys: the variant's callbacks read each local row and key index through a map to
+      global positions (an offset when the keys are one run, else a position table), and the
+      block mask is cut in that local index space, so every masked block is skipped as in the
+      one-device kernel.
     * Backward is the kernel's own (flex's backward, or the reference's autograd) over the
-      gathered K/V; the wait's backward reduce-scatters dK/dV to their home ranks. Nothing is
+      received K/V; the gather's backward reduce-scatters dK/dV to their home ranks, the
+      exchange's sends each received row's gradient back and its owner adds them up. Nothing is
       recomputed and `CPOptions.backward` does not apply.
-    * Why one call and no overlap of the gather with the local shard's compute: splitting the
+    * Why one call and no overlap of the transfer with the local shard's compute: splitting the
       call into a local and a remote part costs a second kernel, an lse merge over the output and
       pair bookkeeping per step, to hide a gather that is a few percent of the compute from 64K
       tokens per GPU on (1.25 ms of a 45 ms forward at S = 128K on two H200s); PyTorch's own
@@ -44,8 +47,8 @@ from attngym.distributed.cp import (
     attend,
     mapped_call,
     pairs,
-    rows_read,
     run,
+    runs_read,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
@@ -55,66 +58,145 @@ from attngym.variants.base import Variant
 
 __all__ = ["ALLGATHER", "CPOptions", "CPStats", "allgather_attention", "allgather_transfer_ms"]
 
+Run = tuple[int, int]  # [start, stop) local rows of a shard
+
 
 @dataclasses.dataclass(frozen=True)
-class HaloPlan:
-    """The rows of each shard that travel (the same on every rank). They cover every row some
-    other rank's queries read (from their block masks, so whole blocks).
+class ReadPlan:
+    """The rows of other ranks' shards each rank's queries read (whole kv blocks of the pairs'
+    block masks; the same plan on every rank).
 
     Attributes:
-        width: rows each rank contributes: S/P for masks that read whole shards, 0 when no rank
-            reads another's shard.
-        starts: starts[p], the first local row of rank p's contribution.
+        runs: runs[dst][src], the runs of src's local rows that dst's queries read, in order;
+            () for dst == src (a rank's own keys never travel).
+        shard_rows: rows per shard (S/P).
     """
 
-    width: int
-    starts: tuple[int, ...]
+    runs: tuple[tuple[tuple[Run, ...], ...], ...]
+    shard_rows: int
+
+    def rows(self, dst: int, src: int) -> int:
+        """Rows dst receives from src."""
+        return sum(b - a for a, b in self.runs[dst][src])
+
+    def received(self, dst: int) -> int:
+        """Rows dst receives in all."""
+        return sum(self.rows(dst, src) for src in range(len(self.runs)))
+
+    @property
+    def gathers(self) -> bool:
+        """Some rank reads every other shard whole: one all-gather of the whole shards moves them
+        (the slowest rank receives as much in an exchange)."""
+        P = len(self.runs)
+        return P > 1 and max(map(self.received, range(P))) == (P - 1) * self.shard_rows
+
+    @property
+    def moves(self) -> bool:
+        """Some rank reads another's shard."""
+        return any(self.received(dst) for dst in range(len(self.runs)))
 
 
-# Variant -> {(layout, B, H, block size, backend, device): HaloPlan}.
-_HALO_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Variant -> {(layout, B, H, block size, backend, device): ReadPlan}.
+_READ_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def halo_plan(call: CPCall, q: torch.Tensor) -> HaloPlan:
-    """The HaloPlan of this call (memoised per variant)."""
+def read_plan(call: CPCall, q: torch.Tensor) -> ReadPlan:
+    """The ReadPlan of this call (memoised per variant)."""
     key = (call.layout, *q.shape[:2], call.options.block_size, call.backend, q.device)
-    per = _HALO_PLANS.setdefault(call.variant, {})
+    per = _READ_PLANS.setdefault(call.variant, {})
     if key not in per:
-        P, n = call.world_size, call.seq_len // call.world_size
-        spans = []
-        for s in range(P):
-            read = [rows_read(call, q, p, s) for p in range(P) if p != s]
-            read = [x for x in read if x]
-            spans.append((min(a for a, _ in read), max(b for _, b in read)) if read else None)
-        width = max((b - a for a, b in filter(None, spans)), default=0)
-        # A shard read by no other rank still sends `width` rows (an all-gather moves one size).
-        starts = tuple(0 if sp is None else min(sp[0], n - width) for sp in spans)
-        per[key] = HaloPlan(width, starts)
+        P = call.world_size
+        runs = tuple(
+            tuple(() if src == dst else runs_read(call, q, dst, src) for src in range(P))
+            for dst in range(P)
+        )
+        per[key] = ReadPlan(runs, call.seq_len // P)
     return per[key]
 
 
-def _gather(call: CPCall, k: torch.Tensor, width: int):
+def key_pieces(layout: Layout, rank: int, plan: ReadPlan) -> list[tuple[int, int, int, int]]:
+    """(src, start, stop, offset): the pieces of rank `rank`'s keys when it exchanges, its own
+    chunks (src == rank) and the runs it receives (at `offset` rows of what it received), in the
+    order of their first global position."""
+    pieces, start = [], 0
+    for _, n in layout.chunks(rank):
+        pieces.append((rank, start, start + n, 0))
+        start += n
+    offset = 0
+    for src, runs in enumerate(plan.runs[rank]):
+        for a, b in runs:
+            pieces.append((src, a, b, offset))
+            offset += b - a
+    first = [layout.positions(p, "cpu") for p in range(layout.world_size)]
+    return sorted(pieces, key=lambda piece: int(first[piece[0]][piece[1]]))
+
+
+def key_positions(layout: Layout, rank: int, plan: ReadPlan, device) -> torch.Tensor:
+    """The global position of each key of rank `rank`'s call, in the order the call holds them."""
+    every = [layout.positions(p, device) for p in range(layout.world_size)]
+    if plan.gathers:  # whole shards: the gathered buffer itself
+        return torch.cat(every)
+    if not plan.moves:
+        return every[rank]
+    return torch.cat([every[src][a:b] for src, a, b, _ in key_pieces(layout, rank, plan)])
+
+
+def _gather(call: CPCall, k: torch.Tensor):
     from attngym.distributed.transport import cached
 
     return cached(
-        call.transport.allgather,
-        (*k.shape[:2], width, k.shape[3]),
-        2,
-        2,
-        dtype=k.dtype,
-        device=k.device,
-        timeout_s=call.options.timeout_s,
-        group=call.group,
-    )
+        call.transport.allgather, tuple(k.shape), 2, 2, dtype=k.dtype, device=k.device,
+        timeout_s=call.options.timeout_s, group=call.group,
+    )  # fmt: skip
 
 
-def key_positions(layout: Layout, rank: int, plan: HaloPlan, device) -> torch.Tensor:
-    """The global position of each key of rank `rank`'s call, in the order the call holds them."""
-    every = [layout.positions(p, device) for p in range(layout.world_size)]
-    if plan.width == every[rank].numel():  # whole shards: the gathered buffer itself
-        return torch.cat(every)
-    rows = [every[p][plan.starts[p] : plan.starts[p] + plan.width] for p in range(len(every))]
-    return torch.cat([every[rank], *(rows[p] for p in range(len(every)) if p != rank)])
+def _exchange(call: CPCall, plan: ReadPlan, k: torch.Tensor):
+    """The transport's exchange of this plan's rows (K and V of one row: 2·B·G·D elements)."""
+    from attngym.distributed.transport import cached
+
+    row = 2 * k.shape[0] * k.shape[1] * k.shape[3]
+    P = call.world_size
+    sizes = tuple(tuple(plan.rows(dst, src) * row for dst in range(P)) for src in range(P))
+    return cached(
+        call.transport.exchange, sizes, dtype=k.dtype, device=k.device,
+        timeout_s=call.options.timeout_s, group=call.group,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _sent_rows(plan: ReadPlan, rank: int, device: torch.device) -> torch.Tensor:
+    """The local rows rank `rank` sends, destinations in rank order (its send buffer's rows)."""
+    rows = [torch.arange(a, b) for dst in range(len(plan.runs)) for a, b in plan.runs[dst][rank]]
+    return torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long, device=device)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """The exchange of K/V rows as an autograd node: forward packs the rows each peer reads and
+    exchanges them, returning (2, B, G, received rows, D); backward sends each received row's
+    gradient home, where the owner adds them into dK/dV."""
+
+    @staticmethod
+    def forward(ctx, ex, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.ex, ctx.rows, ctx.shape = ex, rows, k.shape
+        b, g, _, d = k.shape
+        packed = torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
+        out = ex.exchange(packed.permute(3, 0, 1, 2, 4).reshape(-1))  # rows outermost
+        return out.view(-1, 2, b, g, d).permute(1, 2, 3, 0, 4)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        b, g, n, d = ctx.shape
+        back = ctx.ex.inverse().exchange(grad.permute(3, 0, 1, 2, 4).reshape(-1))
+        back = back.view(-1, 2, b, g, d).permute(1, 2, 3, 0, 4)
+        dk, dv = (grad.new_zeros(ctx.shape).index_add_(2, ctx.rows, back[j]) for j in (0, 1))
+        return None, None, dk, dv
+
+
+def _call_keys(pieces, take, tail=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's K and V: `take(src, start, stop, offset)` -> (k piece, v piece), concatenated
+    (then the `tail` pairs)."""
+    kv = [take(*piece) for piece in pieces] + list(tail)
+    return tuple(torch.cat([x[j] for x in kv], dim=2) for j in (0, 1))
 
 
 # Variant -> {(layout, rank, device, block size, backend, plan, tables): (mapped variant, block
@@ -125,7 +207,7 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = 
 )
 
 
-def _mapped(call: CPCall, q: torch.Tensor, plan: HaloPlan):
+def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan):
     tables = kernels.offsets_as_tables(call.options.kernel_options)
     key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables)
     per = _MAPPED.setdefault(call.variant, {})
@@ -137,34 +219,42 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: HaloPlan):
 
 def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) -> torch.Tensor:
     stats, clock = call.stats, StepClock(call.stats, q.device)
-    P, r, n = call.world_size, call.rank, k.shape[2]
-    plan = halo_plan(call, q) if P > 1 else HaloPlan(n, (0,))
-    if P > 1 and plan.width > 0:
-        w = plan.width
-        ag = _gather(call, k, w)
-        mine = [t.narrow(2, plan.starts[r], w) for t in (k, v)]
-        clock.start()
-        ag.start(mine)
-        kv = ag.wait(mine)  # differentiable: its backward reduce-scatters dK/dV
-        clock.stop("step_wait_ms")
-        if w == n:
-            k_all, v_all = kv[0], kv[1]
-            saved = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            if getattr(ag, "OUTPUT_REUSED", True) and saved:
-                # The kernel saves its keys for the backward (dq needs them too), and the
-                # transport's buffer belongs to the next call (a second layer's forward before
-                # this one's backward).
-                k_all, v_all = k_all.clone(), v_all.clone()
-        else:  # this rank's whole shard, then the other ranks' rows
-            others = [p for p in range(P) if p != r]
-            k_all, v_all = (
-                torch.cat([own, *(kv[j][:, :, p * w : (p + 1) * w] for p in others)], dim=2)
-                for j, own in enumerate((k, v))
-            )
-        if stats is not None:
-            stats.bytes_sent += 2 * mine[0].numel() * k.element_size() * (P - 1)
+    P, r = call.world_size, call.rank
+    plan = read_plan(call, q) if P > 1 else ReadPlan((((),),), k.shape[2])
+    sent = 0
+    clock.start()
+    if plan.gathers:
+        ag = _gather(call, k)
+        ag.start([k, v])
+        kv = ag.wait([k, v])  # differentiable: its backward reduce-scatters dK/dV
+        k_all, v_all = kv[0], kv[1]
+        saved = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if getattr(ag, "OUTPUT_REUSED", True) and saved:
+            # The kernel saves its keys for the backward (dq needs them too), and the transport's
+            # buffer belongs to the next call (a second layer's forward before this one's
+            # backward).
+            k_all, v_all = k_all.clone(), v_all.clone()
+        sent = 2 * k.numel() * (P - 1)
+    elif plan.moves:
+        ex = _exchange(call, plan, k)
+        got = _ExchangeRows.apply(ex, _sent_rows(plan, r, k.device), k, v)
+        own = (k, v)
+        k_all, v_all = _call_keys(
+            key_pieces(call.layout, r, plan),
+            lambda src, a, b, o: tuple(
+                own[j][:, :, a:b] if src == r else got[j][:, :, o : o + b - a] for j in (0, 1)
+            ),
+            # an empty piece of what arrived: a rank that receives nothing still joins the
+            # exchange's backward, which every rank must call
+            tail=[(got[0][:, :, :0], got[1][:, :, :0])],
+        )
+        sent = ex.sent(r)
     else:  # one rank, or no rank reads another's shard
         k_all, v_all = k, v
+    if plan.moves:
+        clock.stop("step_wait_ms")
+    if stats is not None:
+        stats.bytes_sent += sent * k.element_size()
     mapped, block_mask = _mapped(call, q, plan)
     clock.start()
     out, lse = attend(call, q, k_all, v_all, 0, 0, block_mask, variant=mapped)
@@ -244,14 +334,14 @@ def allgather_transfer_ms(
 
 
 def simulate_allgather(sc: SimulatedCall) -> Simulation:
-    """Every rank's one call (cp.attend) on the keys it would gather (its own shard and the rows
-    the HaloPlan sends), with the mapped variant and block mask the algorithm builds; backward:
-    that call's own. Also the ranks of PyTorch's scheme, the same calls with whole shards
-    gathered (Simulation.extra["torch_cp"])."""
+    """Every rank's one call (cp.attend) on the keys it would hold (the gathered shards, or its
+    own and the rows the ReadPlan sends it), with the mapped variant and block mask the algorithm
+    builds; backward: that call's own. Also the ranks of PyTorch's scheme, the same calls with
+    whole shards gathered (Simulation.extra["torch_cp"])."""
     ranks = SequenceRanks(sc)
-    works, whole_shards, sent, buffers = [], [], 0, 0
+    works, whole_shards, sent, buffers, pattern = [], [], 0, 0, "allgather"
     for r in range(sc.world_size):
-        work, received, buffer = _simulated_rank(ranks, r, sc.clock)
+        work, received, buffer, pattern = _simulated_rank(ranks, r, sc.clock)
         works.append(work)
         sent, buffers = max(sent, received), max(buffers, buffer)
         whole = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
@@ -260,27 +350,30 @@ def simulate_allgather(sc: SimulatedCall) -> Simulation:
     sim = ranks.simulation(works)
     sim.bytes_moved, sim.peak_mem_bytes = sent, buffers
     sim.extra["torch_cp"] = whole_shards
+    sim.extra["pattern"] = pattern
     return sim
 
 
-def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int, int]:
-    """Rank r's RankWork, the bytes it receives and its gathered buffer's bytes."""
+def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int, int, str]:
+    """Rank r's RankWork, the bytes it receives, its received buffer's bytes and the transfer's
+    pattern (allgather, or alltoall for the exchange)."""
     P, q_r, ks, vs = ranks.world_size, ranks.qs[r], ranks.ks, ranks.vs
     call, counted = ranks.call(r), ranks.call(r, counted=True)
     saved = ranks.saved[r] if ranks.saved is not None else None
-    n = ks[0].shape[2]
-    plan = halo_plan(call, q_r) if P > 1 else HaloPlan(n, (0,))
-    w = plan.width
-    if P > 1 and 0 < w < n:  # this rank's whole shard, then the other ranks' rows
-        others = [p for p in range(P) if p != r]
-        k_all, v_all = (
-            torch.cat([t[r], *(t[p].narrow(2, plan.starts[p], w) for p in others)], dim=2)
-            for t in (ks, vs)
-        )
-    elif P > 1 and w == n:  # the gathered buffer, rank order
+    plan = read_plan(call, q_r) if P > 1 else ReadPlan((((),),), ks[0].shape[2])
+    b, g, n, d = ks[0].shape
+    row = nbytes(2, b, g, 1, d, itemsize=ks[0].element_size())
+    if plan.gathers:  # the gathered buffer, rank order
         k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        received, buffer = row * n * (P - 1), row * n * P
+    elif plan.moves:  # this rank's chunks and the rows it receives, in position order
+        k_all, v_all = _call_keys(
+            key_pieces(call.layout, r, plan),
+            lambda src, a, b, o: (ks[src][:, :, a:b], vs[src][:, :, a:b]),
+        )
+        received = buffer = row * plan.received(r)
     else:
-        k_all, v_all = ks[r], vs[r]
+        k_all, v_all, received, buffer = ks[r], vs[r], 0, 0
     mapped, block_mask = _mapped(call, q_r, plan)
     for p in range(P):  # the chunk pairs the one call covers, counted as the algorithm does
         pairs(counted, q_r, p)
@@ -302,9 +395,6 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
     fwd_ms = clock.ms(item, "fwd")
     both_ms = clock.ms(item, "bwd") if saved is not None else None
-    b, g, _, d = ks[0].shape
-    received = nbytes(2, b, g, w, d, itemsize=ks[0].element_size()) * (P - 1)
-    buffer = nbytes(2, b, g, P * w, d, itemsize=ks[0].element_size())
     # fwd-and-bwd as one item: the backward item re-runs the forward under autograd (flex's
     # backward needs its graph), so its time is fwd+bwd; the backward alone is the difference.
     work = RankWork(
@@ -313,27 +403,35 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         fwd_bytes=(received,),
         bwd_bytes=(received,),
     )
-    return work, received, buffer * (2 if saved is not None else 1)
+    pattern = "allgather" if plan.gathers else "alltoall"
+    return work, received, buffer * (2 if saved is not None else 1), pattern
 
 
-def gather_rank_ms(work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0) -> float:
-    """The gather, then the call; backward: the call's, then the reduce-scatter (as long as the
-    gather). `crossing`: the share gathered from other NVLink domains."""
-    gather = fab.ms("allgather", work.fwd_bytes[0] if work.fwd_bytes else 0.0, crossing)
-    total = gather + work.compute_fwd_ms
+def gather_rank_ms(
+    work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0, pattern="allgather"
+) -> float:
+    """The transfer, then the call; backward: the call's, then the gradients home (as long as
+    the transfer). `crossing`: the share received from other NVLink domains; `pattern`:
+    allgather for whole shards, alltoall for the exchange of the rows each rank reads."""
+    transfer = fab.ms(pattern, work.fwd_bytes[0] if work.fwd_bytes else 0.0, crossing)
+    total = transfer + work.compute_fwd_ms
     if backward:
-        total += sum(work.bwd_ms) + gather
+        total += sum(work.bwd_ms) + transfer
     return total
 
 
 def price_allgather(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
     """The all-gather's call on `fab` (gather_rank_ms), and PyTorch's scheme beside it: the same
     calls with every rank's whole K/V shard gathered (`torch_cp`)."""
-    rank_ms = functools.partial(
-        gather_rank_ms, crossing=fab.collective_crossing(len(sim.ranks), sim.stride)
+    crossing = fab.collective_crossing(len(sim.ranks), sim.stride)
+    pattern = sim.extra.get("pattern", "allgather")
+    ours = predict(
+        functools.partial(gather_rank_ms, crossing=crossing, pattern=pattern), sim.ranks, fab,
+        backward,
+    )  # fmt: skip
+    theirs = predict(
+        functools.partial(gather_rank_ms, crossing=crossing), sim.extra["torch_cp"], fab, backward
     )
-    ours = predict(rank_ms, sim.ranks, fab, backward)
-    theirs = predict(rank_ms, sim.extra["torch_cp"], fab, backward)
     return dataclasses.replace(ours, contenders={"torch_cp": theirs})
 
 

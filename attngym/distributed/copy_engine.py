@@ -20,14 +20,15 @@ Contract (every class):
                  eagerly, and the pads return to their initial state after a balanced sequence.
     in flight    CopyEngineAllGather: one gather (start ... wait). CopyEngineChannel: two slots;
                  the push for step i+1 may be in flight while step i is being computed.
-                 CopyEngineAllToAll: one exchange, finished on the current stream when it returns.
+                 CopyEngineAllToAll, CopyEngineExchange: one exchange, finished on the current
+                 stream when it returns.
     ownership    The symmetric buffers belong to the object and live as long as it. A gathered
                  buffer returned by `wait` is valid until the next `start` overwrites it; the free
                  signal of that `start` is queued behind all work already on the current stream
                  (a backward that reads the gather included). A received slot is valid until
                  `release(i)`, which hands it back to the sender only after the work already
                  queued on the current stream and on the side stream (an onward push) is done.
-                 The output of an all-to-all exchange is a fresh tensor the caller owns.
+                 The output of an all-to-all or an exchange is a fresh tensor the caller owns.
     timeouts     A stream wait cannot time out by itself. Every eager wait is followed by an event
                  that a per-process watchdog thread polls; if it has not completed `timeout_s`
                  after it was issued (a dead or stuck peer), the watchdog marks the object failed,
@@ -41,8 +42,8 @@ Layout of a signal pad (int32 words, this rank's pad, written by peers):
     CopyEngineAllGather  [0, P): FREE from peer p ("your shard may go into my buffer");
                          [P, 2P): DONE from peer p ("my shard is in your buffer").
     CopyEngineChannel    [0, 2): READY for slot s (from src); [2, 4): FREE for dst's slot s.
-    CopyEngineAllToAll   [0, P): READY from peer p ("your block is in my staging buffer");
-                         [P, 2P): FREE from peer p ("I have read my block out of yours").
+    CopyEngineAllToAll,  [0, P): READY from peer p ("your block is in my staging buffer");
+    CopyEngineExchange   [P, 2P): FREE from peer p ("I have read my block out of yours").
 
 Heavy imports (symmetric memory, cuda.bindings) happen inside the functions that use them, so this
 module imports on a machine without CUDA.
@@ -67,6 +68,7 @@ from attngym.distributed.parts import (
     AllToAllCalls,
     AllToAllPlan,
     ChannelSteps,
+    ExchangeCalls,
     Parts,
     Region,
     as_parts,
@@ -74,6 +76,7 @@ from attngym.distributed.parts import (
     check_dim,
     check_part_shape,
     check_peer,
+    check_sizes,
     narrow,
 )
 
@@ -805,6 +808,91 @@ class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
                         slot = self._slot(self._mem.peers[p], r, k)
                         for src, dst, n in self._pull_rows[p]:
                             outs[k][dst : dst + n].copy_(slot[src : src + n])
+                    self._set_flag(self._side, p, p_world + r)
+            cur.wait_stream(self._side)
+        return out
+
+
+# ----------------------------------------------------------------------------- uneven exchange
+
+
+class CopyEngineExchange(ExchangeCalls, _CopyEngineBase):
+    """An uneven exchange by copy-engine pulls from symmetric staging buffers: rank r sends rank p
+    `sizes[r][p]` elements of its flat send buffer (destinations in rank order) and receives
+    `sizes[p][r]` from each rank p into a fresh flat tensor (sources in rank order) that the
+    caller owns. The all-gather's exact K/V exchange; `inverse()` sends everything back.
+
+    Per exchange, on the side stream (after waiting for the current stream), rank r:
+        1. waits FREE from every peer (it finished reading r's staging buffer last time);
+        2. copies its send buffer into its staging buffer (one copy), then sets READY in every
+           peer's pad;
+        3. for each peer p: waits READY from p, copies its elements out of p's staging buffer,
+           sets FREE in p's pad.
+    Every peer is signalled, also those that exchange nothing, so the pads stay balanced. The
+    staging buffer holds the most any rank sends (a symmetric allocation has one size).
+
+    Signal pad: [0, P) READY from peer p; [P, 2P) FREE from peer p (as CopyEngineAllToAll).
+
+    Args:
+        sizes: sizes[src][dst], elements src sends dst (the same matrix on every rank).
+        dtype: of the buffers.
+        device: a CUDA device.
+        group: the process group (default: the default group), inside one NVLink domain.
+        timeout_s: the longest any signal wait may take before the object fails.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[Sequence[int]],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        _, dev = _check_common((1,), 1, dtype, device, timeout_s)
+        world = dist.get_world_size(group)
+        self.sizes = check_sizes(sizes, world)
+        staging = max(1, max(sum(row) for row in self.sizes))
+        super().__init__(
+            (staging,), dtype, dev, group, timeout_s, 2 * world, [0] * world + [1] * world
+        )
+        # Where src's elements for dst start in src's staging buffer, and in dst's output.
+        self._staged = [list(itertools.accumulate(row, initial=0)) for row in self.sizes]
+        self._landing = list(
+            itertools.accumulate((row[self.rank] for row in self.sizes), initial=0)
+        )
+
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """The exchange of `send` (flat, `sent(rank)` elements): a fresh flat tensor.
+
+        Raises:
+            RuntimeError: the object failed (a peer timed out earlier).
+        """
+        self._check_alive()
+        p_world, r = self.world_size, self.rank
+        if send.numel() != self.sent(r):
+            raise ValueError(f"send: expected {self.sent(r)} elements, got {send.numel()}")
+        peers = [(r + step) % p_world for step in range(1, p_world)]
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device)
+            out = torch.empty(self.received(r), dtype=self.dtype, device=self.device)
+            flat = send.contiguous().view(-1)
+            self._side.wait_stream(cur)
+            with torch.cuda.stream(self._side), torch.no_grad():
+                for p in peers:
+                    self._wait_flag(self._side, p_world + p, f"rank {p} to free its staging buffer")
+                if flat.numel():
+                    self._mem.local[: flat.numel()].copy_(flat)
+                for p in peers:
+                    self._set_flag(self._side, p, r)
+                for p in peers:
+                    self._wait_flag(self._side, p, f"rank {p}'s rows")
+                    n, start = self.sizes[p][r], self._staged[p][r]
+                    if n:
+                        out[self._landing[p] : self._landing[p] + n].copy_(
+                            self._mem.peers[p][start : start + n]
+                        )
                     self._set_flag(self._side, p, p_world + r)
             cur.wait_stream(self._side)
         return out

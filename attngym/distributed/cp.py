@@ -9,7 +9,8 @@ how K/V travel; what they share lives here:
     CPStats      what a call did (pairs, bytes, per-step timings, the merged lse)
     CPCall       a resolved call: options plus rank, world size, transport, layout, variant
     pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
-                 held), masked ones skipped; rows_read: which rows of a shard a rank reads
+                 held), masked ones skipped; rows_read / runs_read: which rows of a shard a rank
+                 reads
     Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA); a q chunk
                  that meets one pair keeps the kernel's partial as is (nothing filled or merged)
     GradSum      the sum of a gradient's pieces, allocated with them: a single piece is handed
@@ -398,49 +399,71 @@ def _read_extent(call: CPCall, q: torch.Tensor, qc, kc, block_mask, backend: str
     if block_mask.full_kv_num_blocks is not None:
         kept = kept + block_mask.full_kv_num_blocks
     q_blocks = (kept.flatten(0, 1).amax(0) > 0).nonzero()
-    first, last = _kv_blocks_used(block_mask)
+    kv_blocks = _kv_blocks_kept(block_mask, -(-kc[1] // bkv)).nonzero()
     return (
         int(q_blocks[0]) * bq,
         min((int(q_blocks[-1]) + 1) * bq, qc[1]),
-        first * bkv,
-        min((last + 1) * bkv, kc[1]),
+        int(kv_blocks[0]) * bkv,
+        min((int(kv_blocks[-1]) + 1) * bkv, kc[1]),
     )
 
 
 def rows_read(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> tuple[int, int] | None:
-    """[lo, hi): the local rows of kv_rank's shard that q_rank's queries read (whole blocks of
-    the pairs' block masks, so a superset of the exact rows), or None when they read none."""
-    lo, hi = None, None
+    """[lo, hi): the local rows of kv_rank's shard that q_rank's queries read (the hull of
+    `runs_read`, a superset of the exact rows), or None when they read none."""
+    runs = runs_read(call, q, q_rank, kv_rank)
+    return (runs[0][0], runs[-1][1]) if runs else None
+
+
+def runs_read(
+    call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int
+) -> tuple[tuple[int, int], ...]:
+    """The runs [a, b) of kv_rank's local rows that q_rank's queries read, in order and merged:
+    the whole kv blocks some query block keeps (partial or full) in the pairs' block masks,
+    read from their block indices (no dense copy: the all-gather asks this of P² rank pairs)."""
+    runs: list[tuple[int, int]] = []
     kv_start = 0
     for kc in call.chunks(kv_rank):
+        used = None
         for qc in call.chunks(q_rank):
             skip, block_mask = _call_plan(call, q, qc, kc, "flex")
             if skip:
                 continue
-            first, last = _kv_blocks_used(block_mask)
             block = block_mask.BLOCK_SIZE[1]
-            a = kv_start + first * block
-            b = kv_start + min((last + 1) * block, kc[1])
-            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+            kept = _kv_blocks_kept(block_mask, -(-kc[1] // block))
+            used = kept if used is None else used | kept
+        if used is not None:
+            for a, b in _true_runs(used.cpu()):
+                a, b = kv_start + a * block, kv_start + min(b * block, kc[1])
+                if runs and runs[-1][1] == a:
+                    a = runs.pop()[0]
+                runs.append((a, b))
         kv_start += kc[1]
-    return None if lo is None else (lo, hi)
+    return tuple(runs)
 
 
-def _kv_blocks_used(block_mask) -> tuple[int, int]:
-    """The first and last kv block some query block keeps (partial or full), read from the
-    block indices (no dense copy: the simulated ranks ask this of O(P²) pairs)."""
-    firsts, lasts = [], []
+def _kv_blocks_kept(block_mask, num_kv_blocks: int) -> torch.Tensor:
+    """(num_kv_blocks,) bool: the kv blocks some query block keeps (partial or full)."""
+    kept = None
     for num, idx in (
         (block_mask.kv_num_blocks, block_mask.kv_indices),
         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
     ):
         if num is None:
             continue
-        kept = idx[torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)]
-        if kept.numel():
-            firsts.append(kept.min())
-            lasts.append(kept.max())
-    return int(torch.stack(firsts).min()), int(torch.stack(lasts).max())
+        listed = idx[torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)]
+        here = torch.zeros(num_kv_blocks, dtype=torch.bool, device=idx.device)
+        here[listed.long()] = True
+        kept = here if kept is None else kept | here
+    return kept
+
+
+def _true_runs(flags: torch.Tensor) -> list[tuple[int, int]]:
+    """[a, b) runs of True in a 1-D bool tensor."""
+    edges = torch.diff(flags.to(torch.int8), prepend=flags.new_zeros(1, dtype=torch.int8),
+                       append=flags.new_zeros(1, dtype=torch.int8))  # fmt: skip
+    starts, stops = (edges == 1).nonzero()[:, 0].tolist(), (edges == -1).nonzero()[:, 0].tolist()
+    return list(zip(starts, stops, strict=True))
 
 
 def _call_plan(call: CPCall, q: torch.Tensor, qc, kc, backend: str):
@@ -697,41 +720,6 @@ class GradSum:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCall:
-    """This rank's whole q shard against the K/V rows of one shard held, as one kernel call: the
-    variant read at both sides' global positions (positions.at_positions) and its block mask
-    (cut from the grid where the call has one; full when the variant has no mask)."""
-
-    variant: Variant
-    block_mask: Any
-
-
-# Variant -> {(layout, rank, kv rank, window, B, H, block size, backend, device, tables):
-# StepCall or None (no pair: nothing to compute)}.
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def step_call(call: CPCall, q: torch.Tensor, kv_rank: int, window=None) -> StepCall | None:
-    """kv_rank's pairs (the `window` of its shard held, as `pairs`) as one call, or None when
-    every pair is masked. Memoised per variant."""
-    tables = kernels.offsets_as_tables(call.options.kernel_options)
-    key = (call.layout, call.rank, kv_rank, window, *q.shape[:2], call.options.block_size,
-           call.backend, q.device, tables)  # fmt: skip
-    per = _STEPS.setdefault(call.variant, {})
-    if key not in per:
-        step = None
-        if pairs(call, q, kv_rank, block_masks=call.backend, window=window):
-            kv_pos = call.layout.positions(kv_rank, q.device)
-            if window is not None:
-                kv_pos = kv_pos[window[0] : window[0] + window[1]]
-            # flex's backward op needs a block mask too, full where the variant has no mask.
-            flex = "flex" in (call.backend, call.backward)
-            step = StepCall(*mapped_call(call, kv_pos, q.device, f"kv{kv_rank}", full=flex))
-        per[key] = step
-    return per[key]
-
-
 def mapped_call(call: CPCall, kv_positions: torch.Tensor, device, tag: str, *, full: bool):
     """(variant, block mask) of one call of this rank's whole q shard against keys at
     `kv_positions` (global positions, in the call's order): the variant read through both
@@ -793,7 +781,6 @@ def backward_pairs(
     *,
     window: tuple[int, int] | None = None,
     dkv_offset: int = 0,
-    whole: StepCall | None = None,
 ) -> None:
     """Add the gradients of the pairs against kv_rank's shard: dq into `dq`, dK/dV into `dk`, `dv`.
 
@@ -804,44 +791,28 @@ def backward_pairs(
         dk, dv: the GradSums of kv_rank's dK, dV, (B, G, rows, D): kv row j of the held K/V
             lands at row j + dkv_offset.
         window: the rows of kv_rank's shard held (see `pairs`).
-        whole: the step as one call over the whole shard and the held rows (`step_call`),
-            differentiated as one piece instead of pair by pair.
     """
     from attngym.distributed import flex_backward
 
     flex = call.backward == "flex"
     masks = "flex" if flex else call.backend
-    if whole is not None:
-        n, w = saved.q.shape[2], k.shape[2]
-        todo = [(slice(0, n), slice(0, w), (0, n), (0, w), whole.block_mask)]
-        variant = whole.variant
-    else:
-        todo = pairs(call, saved.q, kv_rank, block_masks=masks, window=window)
-        variant = None
-    for pair in todo:
+    for pair in pairs(call, saved.q, kv_rank, block_masks=masks, window=window):
         # Cut to what the mask reads: a halo pair's pieces cover its band, not the whole chunk.
-        q_rows, kv_rows, qc, kc, block_mask = (
-            pair if whole is not None else read_part(call, saved.q, pair, masks)
-        )
+        q_rows, kv_rows, qc, kc, block_mask = read_part(call, saved.q, pair, masks)
         k_i, v_i = k[:, :, kv_rows], v[:, :, kv_rows]
         grads = None
         if flex:
-            grads = flex_backward.pair_grads(
-                call, saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=variant
-            )
+            grads = flex_backward.pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
         if grads is None:  # recompute, or flex failed under backward=auto (logged)
-            grads = _recompute_pair(
-                call, saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=variant
-            )
+            grads = _recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
         dq_i, dk_i, dv_i = grads
         dq.add(q_rows.start, dq_i)
         dk.add(kv_rows.start + dkv_offset, dk_i)
         dv.add(kv_rows.start + dkv_offset, dv_i)
 
 
-def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None):
-    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse)
-    (`variant`: the step's mapped one, default the call's)."""
+def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask):
+    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse)."""
     lse = saved.lse[:, :, q_rows]
     out = saved.out[:, :, q_rows].to(lse.dtype)
     dout = saved.dout[:, :, q_rows].to(lse.dtype)
@@ -849,7 +820,7 @@ def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_
         q_i = saved.q[:, :, q_rows].detach().requires_grad_()
         k_i = k_i.detach().requires_grad_()
         v_i = v_i.detach().requires_grad_()
-        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask, variant=variant)
+        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask)
         w = weights(lse_i.detach().to(lse.dtype), lse)
         g_out = (w.unsqueeze(-1) * dout).to(out_i.dtype)
         g_lse = w * (dout * (out_i.detach().to(lse.dtype) - out)).sum(-1)

@@ -309,9 +309,8 @@ def op_args(
     )
 
 
-def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None) -> tuple | None:
+def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | None:
     """One pair's (dq, dk, dv) for cp.backward_pairs; None when flex failed under backward=auto.
-    `variant`: a whole step's mapped one (cp.step_call), default the call's.
 
     An explicit backward='flex', or any FLASH backward, never falls back: its failure propagates.
     """
@@ -327,7 +326,7 @@ def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None) 
             saved.out[:, :, q_rows],
             saved.lse[:, :, q_rows],
             saved.dout[:, :, q_rows],
-            call.variant if variant is None else variant,
+            call.variant,
             q_offset=qc[0],
             kv_offset=kc[0],
             block_mask=block_mask,

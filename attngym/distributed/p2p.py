@@ -1,7 +1,7 @@
 """The copy-engine transport interface over torch.distributed point-to-point and collectives.
 
 Same constructors and methods as `CopyEngineChannel` / `CopyEngineAllGather` /
-`CopyEngineAllToAll`, but the bytes move
+`CopyEngineAllToAll` / `CopyEngineExchange`, but the bytes move
 through the process group's backend: NCCL for CUDA tensors, gloo for CPU tensors. The group must
 have a backend for the tensors' device (launch.py creates "cpu:gloo,cuda:nccl" on CUDA hosts).
 
@@ -29,6 +29,9 @@ and returns this rank's shard.
 P2PAllToAll contract: one `all_to_all_single` per exchange, through persistent rank-major send and
 receive buffers; the output is a fresh tensor the caller owns, placed as the AllToAllPlan says.
 
+P2PExchange contract: one `all_to_all_single` with uneven split sizes per exchange, from the
+caller's flat send buffer into a fresh flat output.
+
 Collectives per backend (the one for the tensors' device): NCCL runs the tensor collectives
 `all_gather_into_tensor` and `reduce_scatter_tensor`. Any other backend (gloo) runs the list forms
 every backend documents: `all_gather` into per-rank views of the buffer, and `all_reduce` of the
@@ -50,12 +53,14 @@ from attngym.distributed.parts import (
     AllToAllCalls,
     AllToAllPlan,
     ChannelSteps,
+    ExchangeCalls,
     Parts,
     as_parts,
     check_args,
     check_dim,
     check_part_shape,
     check_peer,
+    check_sizes,
     narrow,
 )
 from attngym.errors import RankFailure
@@ -405,4 +410,37 @@ class P2PAllToAll(AllToAllCalls):
                 for k in range(self.num_parts):
                     for _, block, dst in self._moves[(p, r)]:
                         narrow(out[k], dst).copy_(narrow(self._recv[p, k], block))
+        return out
+
+
+class P2PExchange(ExchangeCalls):
+    """An uneven exchange with one `all_to_all_single` (NCCL, and gloo on CPU): rank r sends rank
+    p `sizes[r][p]` elements of its flat send buffer (destinations in rank order) and receives
+    `sizes[p][r]` from each rank p into a fresh flat tensor (sources in rank order) that the
+    caller owns. The all-gather's exact K/V exchange; `inverse()` sends everything back.
+
+    Args:
+        sizes: sizes[src][dst], elements src sends dst (the same matrix on every rank; 0 on the
+            diagonal).
+        dtype, device: of the buffers.
+        group: process group (default: the world).
+        timeout_s: how long a CPU wait blocks before raising RankFailure.
+    """
+
+    def __init__(self, sizes, *, dtype, device, group=None, timeout_s: float = 60.0):
+        _init_common(self, (1,), 1, dtype, device, group, timeout_s)
+        self.sizes = check_sizes(sizes, self.world_size)
+
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """The exchange of `send` (flat, `sent(rank)` elements): a fresh flat tensor."""
+        r, world = self.rank, self.world_size
+        if send.numel() != self.sent(r):
+            raise ValueError(f"send: expected {self.sent(r)} elements, got {send.numel()}")
+        out = torch.empty(self.received(r), dtype=self.dtype, device=self.device)
+        if world > 1:
+            work = _dist().all_to_all_single(
+                out, send.contiguous(), [row[r] for row in self.sizes], list(self.sizes[r]),
+                group=self.group, async_op=True,
+            )  # fmt: skip
+            _wait([work], timeout_s=self.timeout_s, device=self.device, what="exchange")
         return out

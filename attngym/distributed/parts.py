@@ -1,7 +1,9 @@
 """Argument checks and step bookkeeping shared by every transport (copy engine and P2P).
 
 The all-to-all geometry (which piece of whose input lands where) is AllToAllPlan, and its autograd
-node AllToAllFunction, both shared by CopyEngineAllToAll and P2PAllToAll.
+node AllToAllFunction, both shared by CopyEngineAllToAll and P2PAllToAll. The uneven exchange
+(CopyEngineExchange and P2PExchange: rank r sends rank p sizes[r][p] elements) shares its size
+checks and its inverse here too.
 
 Both transports take the same constructor arguments and the same `parts`, and follow the same
 channel step protocol, so they judge them in one place and fail the same way:
@@ -357,3 +359,49 @@ class AllToAllFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, *ctx.a2a.inverse().exchange(grad.contiguous()).unbind(0))
+
+
+# ----------------------------------------------------------------------------- row exchange
+
+
+def check_sizes(sizes: Any, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """`sizes` as a P×P tuple of non-negative element counts (sizes[src][dst], nothing to self),
+    or ValueError naming `sizes`."""
+    try:
+        rows = tuple(tuple(int(n) for n in row) for row in sizes)
+    except TypeError as exc:
+        raise ValueError(f"sizes: expected {world_size} rows of {world_size} ints") from exc
+    square = len(rows) == world_size and all(len(row) == world_size for row in rows)
+    if not square or any(n < 0 for row in rows for n in row):
+        raise ValueError(
+            f"sizes: expected {world_size} rows of {world_size} non-negative ints, got {sizes!r}"
+        )
+    if any(rows[p][p] for p in range(world_size)):
+        raise ValueError("sizes: a rank sends nothing to itself (sizes[p][p] must be 0)")
+    return rows
+
+
+class ExchangeCalls:
+    """What both uneven exchanges share: the inverse object (the gradients' way home). Needs
+    sizes, dtype, device, group and timeout_s."""
+
+    _inverse: Any = None
+
+    def inverse(self) -> Any:
+        """The exchange with every direction reversed, built once (collective on first call)."""
+        if self._inverse is None:
+            back = tuple(zip(*self.sizes, strict=True))
+            self._inverse = type(self)(
+                back, dtype=self.dtype, device=self.device, group=self.group,
+                timeout_s=self.timeout_s,
+            )  # fmt: skip
+            self._inverse._inverse = self
+        return self._inverse
+
+    def sent(self, rank: int) -> int:
+        """Elements rank `rank` sends in one exchange (its send buffer, destinations in order)."""
+        return sum(self.sizes[rank])
+
+    def received(self, rank: int) -> int:
+        """Elements rank `rank` receives (its output, sources in rank order)."""
+        return sum(row[rank] for row in self.sizes)

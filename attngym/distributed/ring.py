@@ -47,16 +47,13 @@ from attngym.distributed.cp import (
     CPStats,
     GradSum,
     Saved,
-    StepCall,
     StepClock,
-    attend,
     backward_pairs,
     forward_pairs,
     pairs,
     read_part,
     rows_read,
     run,
-    step_call,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
@@ -158,13 +155,6 @@ def _pieces(
     per = _PIECES.setdefault(call.variant, {})
     if key not in per:
         counts: dict[tuple[int, int], int] = {}
-        if one_call(call):  # one piece over the whole shard per step with a pair
-            n = q.shape[2]
-            steps = range(plan.steps)
-            hits = sum(bool(step_pieces(call, q, (call.rank - i) % call.world_size, i, plan))
-                       for i in steps)  # fmt: skip
-            per[key] = {(0, n): hits} if hits else {}
-            return per[key]
         for i in range(plan.steps):
             s = (call.rank - i) % call.world_size
             window = (plan.starts[s][i], plan.widths[i])
@@ -188,49 +178,12 @@ def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan):
     return out
 
 
-def one_call(call: CPCall) -> bool:
-    """Whether a step runs as one kernel over the rank's whole shard (its mapped positions, as the
-    all-gather's call): when the layout gives some rank several chunks (zigzag, balanced), a step
-    would otherwise be up to (chunks x chunks) pair kernels, each a launch and a merge. With one
-    chunk per rank (contiguous) a step is one pair, at plain offsets."""
-    return any(len(c) > 1 for c in call.layout.placement)
-
-
-def step_pieces(
-    call: CPCall, q: torch.Tensor, s: int, i: int, plan: RingPlan, block_masks: str | None = None
-) -> list[tuple[slice, slice, Any]]:
-    """(q rows, held kv rows, block mask) of each kernel of step i (one in one-call mode)."""
-    window = (plan.starts[s][i], plan.widths[i])
-    if one_call(call):
-        step = step_call(call, q, s, window)
-        whole = (slice(0, q.shape[2]), slice(0, plan.widths[i]))
-        return [] if step is None else [(*whole, step.block_mask)]
-    return [(qr, kr, bm) for qr, kr, _, _, bm in pairs(call, q, s, block_masks=block_masks,
-                                                       window=window)]  # fmt: skip
-
-
-def _step(call: CPCall, q: torch.Tensor, s: int, i: int, plan: RingPlan) -> StepCall | None:
-    """The step's one call (one-call mode), counting its pairs where the call keeps stats."""
-    window = (plan.starts[s][i], plan.widths[i])
-    if call.stats is not None:
-        pairs(call, q, s, window=window)
-    return step_call(call, q, s, window)
-
-
 def forward_step(
     call: CPCall, acc: Accumulator, q: torch.Tensor, k_held, v_held, s: int, i: int, plan: RingPlan
 ) -> None:
     """Ring step i of the forward: this rank's q chunks against the rows of shard s held (the
-    plan's window at step i), folded into `acc`: one kernel over the shard (`one_call`), else one
-    per chunk pair. The ring and its simulation run this."""
-    if not one_call(call):
-        window = (plan.starts[s][i], plan.widths[i])
-        forward_pairs(call, acc, q, k_held, v_held, s, window=window)
-        return
-    step = _step(call, q, s, i, plan)
-    if step is not None:
-        out, lse = attend(call, q, k_held, v_held, 0, 0, step.block_mask, variant=step.variant)
-        acc.add(slice(0, q.shape[2]), out, lse)
+    plan's window at step i), folded into `acc`. The ring and its simulation run this."""
+    forward_pairs(call, acc, q, k_held, v_held, s, window=(plan.starts[s][i], plan.widths[i]))
 
 
 def backward_step(
@@ -247,14 +200,7 @@ def backward_step(
         window, offset = (plan.starts[s][i], plan.widths[i]), plan.starts[s][i] - plan.starts[s][1]
     sum_dtype, device = saved.lse.dtype, saved.q.device
     dk, dv = GradSum(shape, sum_dtype, device), GradSum(shape, sum_dtype, device)
-    whole = None
-    if one_call(call):
-        whole = step_call(call, saved.q, s, (plan.starts[s][i], plan.widths[i]))
-        if whole is None:  # every pair masked
-            return dk, dv
-    backward_pairs(
-        call, saved, k_held, v_held, s, dq, dk, dv, window=window, dkv_offset=offset, whole=whole
-    )
+    backward_pairs(call, saved, k_held, v_held, s, dq, dk, dv, window=window, dkv_offset=offset)
     return dk, dv
 
 
@@ -302,8 +248,7 @@ class _RingAttention(torch.autograd.Function):
         lse2, start = None, 0
         if cfg.backward == "flex":  # per q chunk, contiguous as the op's kernels read it
             lse2 = {}
-            lengths = [q.shape[2]] if one_call(cfg) else [n for _, n in cfg.chunks(r)]
-            for length in lengths:
+            for _, length in cfg.chunks(r):
                 rows = lse[:, :, start : start + length]
                 lse2[start, start + length] = flex_backward.kernel_lse(
                     rows, cfg.options.kernel_options, q.dtype
@@ -410,8 +355,8 @@ def ring_attention(
         transport: auto | copy_engine | nccl | gloo (see attngym.distributed.transport).
         layout: contiguous | zigzag | balanced, or a Layout (see attngym.distributed.layout).
             `balanced` by name is placed by blocks, as `shard(..., variant=)` places it; the
-            ring's steps are one kernel each there (`one_call`), priced by blocks as the
-            all-gather's call.
+            ring's pair kernels are evened in time by `layout.plan("balanced", ...,
+            kernels=layout.pair_kernels(B * H, device))`, handed to shard and to every call.
         options: kernel and backward choices (CPOptions; default CPOptions()).
         stats: filled with pair counts, bytes and per-step timings when given.
         **overrides: any CPOptions field on top of `options` (backend, block_size,
@@ -499,7 +444,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         pairs(counted, q_r, s, window=window)  # counts computed / skipped pairs, as the forward
         structure = tuple(
             (qr.stop - qr.start, kr.stop - kr.start, clock.mask_key(bm))
-            for qr, kr, bm in step_pieces(call, q_r, s, i, plan, block_masks="flex")
+            for qr, kr, _, _, bm in pairs(call, q_r, s, block_masks="flex", window=window)
         )
         # The held rows' sizes matter to the backward's sums too: part of the key.
         key = ("ring", tuple(q_r.shape), plan.widths[i], plan.widths[min(1, plan.steps - 1)],
@@ -549,7 +494,7 @@ def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
                 for grad, dtype in ((dq, q_r.dtype), (dk, out_dtype), (dv, out_dtype)):
                     grad.total(dtype)
 
-    masks = tuple(bm for *_, bm in step_pieces(call, q_r, s, i, plan, block_masks="flex"))
+    masks = tuple(bm for *_, bm in pairs(call, q_r, s, block_masks="flex", window=(start, width)))
     return Item(key=key, fwd=fwd, bwd=bwd, block_masks=masks)
 
 
@@ -583,5 +528,5 @@ def price_ring(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
 
 RING = TopologySpec(
     name="ring", attention=ring_attention, layouts=LAYOUTS, user_layouts=True,
-    timer=ring_transfer_ms, simulate=simulate_ring, price=price_ring,
+    timer=ring_transfer_ms, pair_kernels=True, simulate=simulate_ring, price=price_ring,
 )  # fmt: skip

@@ -1,9 +1,9 @@
 """Which transport moves the K/V shards: one place resolves `auto|copy_engine|nccl|gloo`.
 
-    copy_engine  CopyEngineChannel / CopyEngineAllGather / CopyEngineAllToAll (symmetric memory,
-                 CUDA, one NVLink domain)
-    nccl         P2PChannel / P2PAllGather / P2PAllToAll over NCCL (CUDA)
-    gloo         P2PChannel / P2PAllGather / P2PAllToAll over gloo (CPU)
+    copy_engine  CopyEngineChannel / AllGather / AllToAll / Exchange (symmetric memory, CUDA,
+                 one NVLink domain)
+    nccl         P2PChannel / AllGather / AllToAll / Exchange over NCCL (CUDA)
+    gloo         P2PChannel / AllGather / AllToAll / Exchange over gloo (CPU)
     auto         copy_engine on CUDA ranks inside one NVLink domain, nccl on other CUDA ranks, gloo
                  on CPU; the choice is logged.
 
@@ -38,6 +38,7 @@ class Transport:
     channel: type
     allgather: type
     alltoall: type | None = None  # the all-to-all (Ulysses); every registered transport has one
+    exchange: type | None = None  # the uneven exchange (the all-gather's exact K/V); likewise
 
 
 @registry.register("transport", "copy_engine")
@@ -47,25 +48,29 @@ def copy_engine() -> Transport:
         CopyEngineAllGather,
         CopyEngineAllToAll,
         CopyEngineChannel,
+        CopyEngineExchange,
     )
 
-    return Transport("copy_engine", CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll)
+    return Transport(
+        "copy_engine", CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll,
+        CopyEngineExchange,
+    )  # fmt: skip
 
 
 @registry.register("transport", "nccl")
 def nccl() -> Transport:
     """torch.distributed P2P and collectives over NCCL (CUDA)."""
-    from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
+    from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel, P2PExchange
 
-    return Transport("nccl", P2PChannel, P2PAllGather, P2PAllToAll)
+    return Transport("nccl", P2PChannel, P2PAllGather, P2PAllToAll, P2PExchange)
 
 
 @registry.register("transport", "gloo")
 def gloo() -> Transport:
     """torch.distributed P2P and collectives over gloo (CPU)."""
-    from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
+    from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel, P2PExchange
 
-    return Transport("gloo", P2PChannel, P2PAllGather, P2PAllToAll)
+    return Transport("gloo", P2PChannel, P2PAllGather, P2PAllToAll, P2PExchange)
 
 
 def check_transport(name: str, device: torch.device | str, *, key: str = "transport") -> None:

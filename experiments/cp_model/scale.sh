@@ -2,10 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
+# PHASE: real plan auto big ring exchange exchange_docs (default: all; each fits one 10-minute
+# call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
@@ -77,6 +78,29 @@ if has ring; then  # the ring's one call per step (zigzag, balanced): validated,
     topology.fabric=hgx_h200 hydra.run.dir=ring_causal_128k_p64
   t ring_documents_p8 $SIM attention=document shape.seq_len=131072 topology.world_size=8 \
     topology.layout=balanced hydra.run.dir=ring_documents_p8
+fi
+if has exchange; then  # the all-gather's exact exchange: the transport, then validated runs
+  export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  t exchange_transport python3 -m pytest -q -p no:cacheprovider -k exchange \
+    "$ROOT/tests/distributed/test_copy_engine_gpu.py"
+  t allgather_window_16k $AG topology=allgather topology.world_size=2 $SHAPE \
+    attention=sliding_window ++attention.window_size=1024 shape.seq_len=16384 \
+    hydra.run.dir=allgather_window_16k
+  t allgather_documents_16k $AG topology=allgather topology.world_size=2 topology.layout=balanced \
+    $SHAPE attention=document shape.seq_len=16384 hydra.run.dir=allgather_documents_16k
+  t allgather_user_16k_exchange $AG topology=allgather topology.world_size=2 $SHAPE \
+    attention=custom attention.mask_mod=mymasks.checkerboard shape.seq_len=16384 \
+    hydra.run.dir=allgather_user_16k_exchange
+  unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
+  SIM="$AG topology=auto topology.simulate=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072"
+  t exchange_window_p2 $SIM $WIN topology.world_size=2 hydra.run.dir=exchange_window_p2
+  t exchange_window_p8 $SIM $WIN topology.world_size=8 hydra.run.dir=exchange_window_p8
+fi
+if has exchange_docs; then  # documents at P=8 with the exchange (every candidate in auto.json)
+  SIM="$AG topology=auto topology.simulate=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  T_TIMEOUT=540 t exchange_documents_p8 $SIM attention=document shape.seq_len=131072 \
+    topology.world_size=8 hydra.run.dir=exchange_documents_p8
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"

@@ -483,3 +483,27 @@ def _scenario_domain(rank, device, _):
 
 def test_ranks_of_one_host_share_an_nvlink_domain(monkeypatch):
     _spawn(monkeypatch, "domain")
+
+
+# ----------------------------------------------------------------------------- uneven exchange
+
+
+def _scenario_exchange(rank, device, _):
+    """Uneven blocks (rank 1 sends nothing), exact, three rounds through one staging buffer;
+    the inverse sends each block back."""
+    from attngym.distributed.copy_engine import CopyEngineExchange
+
+    sizes = ((0, 4096 * 3 + 5), (0, 0))
+    ex = CopyEngineExchange(sizes, dtype=torch.float32, device=device, timeout_s=60)
+    for rnd in range(3):
+        send = _payload((sum(sizes[rank]),), rnd, rank, 0, device)
+        out = ex.exchange(send)
+        want = [_payload((sizes[src][rank],), rnd, src, 0, device) for src in range(WORLD)]
+        assert torch.equal(out, torch.cat(want)), rnd
+        assert torch.equal(ex.inverse().exchange(out), send), rnd
+    ex.synchronize()
+    ex.inverse().synchronize()
+
+
+def test_exchange_delivers_uneven_blocks_exactly(monkeypatch):
+    _spawn(monkeypatch, "exchange")

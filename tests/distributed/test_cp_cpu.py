@@ -157,7 +157,7 @@ def _attention_worker(rank, world_size):
             out = fn(xs, xs, xs, variants.get("causal"), compile=False, compile_mode="max-autotune")
             out.sum().backward()
         # Forward kernel calls made by the ring's backward: none with flex's backward op, one per
-        # step when re-running forwards (zigzag: each step is one call over the whole shard).
+        # computed pair when re-running forwards.
         reruns = {}
         for backward in ("flex", "recompute"):
             xs = shard(x, rank, world_size, "zigzag").requires_grad_()
@@ -204,8 +204,8 @@ def _user_mask_worker(rank, world_size):
 
 
 def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
-    """4 gloo ranks, a mask with no block rule: ring (one call per step on zigzag and balanced,
-    flex's backward and the re-run one) and all-gather, forward and every gradient."""
+    """4 gloo ranks, a mask with no block rule: ring (flex's backward and the re-run one) and
+    all-gather (the exchange of the rows each rank reads), forward and every gradient."""
     errors = launch(_user_mask_worker, 4, timeout_s=240)
     assert len(errors) == 2 * 3 + 2
     for case, errs in errors.items():
@@ -217,7 +217,7 @@ def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     assert seen == {(False, "max-autotune"), (True, "default")}
     assert len(errors) == 4 * (2 * 3 + 1) + 1  # + the ring on its pair-priced placement
     assert reruns["flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no forward re-run
-    assert reruns["recompute"] == (2, 5, "recompute")  # 2 steps, one call each
+    assert reruns["recompute"] == (5, 5, "recompute")
     for case, errs in errors.items():
         assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
     for fn in ("ring_attention", "allgather_attention"):
@@ -378,8 +378,8 @@ def _transport_worker(rank, world_size, run_dir):
     # A window shorter than a shard: shard s is read by rank s + 1 only, so the ring stops after
     # two of its three steps (and dK/dV go straight home), and only the halo the window reads
     # travels (8 of 12 rows at 4-token blocks); a causal mask needs all three steps, whole shards.
-    # The all-gather likewise gathers only the rows some other rank reads: the same 8 of 12 rows
-    # for the window, whole shards for causal.
+    # The all-gather likewise moves only the rows each rank reads: rank 0 sends the same 8 rows,
+    # to rank 1 alone, for the window; its whole shard to both peers for causal.
     steps, gathered = {}, {}
     for name, variant in (("window", variants.get("sliding_window", window_size=5)),
                           ("causal", variants.get("causal"))):  # fmt: skip
@@ -391,7 +391,7 @@ def _transport_worker(rank, world_size, run_dir):
         stats = CPStats()
         with torch.no_grad():
             allgather_attention(x, x, x, variant, stats=stats, block_size=(4, 4))
-        gathered[name] = stats.bytes_sent // (2 * 2 * 4 * 8 * (world_size - 1))  # rows a rank
+        gathered[name] = stats.bytes_sent // (2 * 2 * 4 * 8)  # K/V rows sent
     out["steps"], out["gathered_rows"] = steps, gathered
     # Forward and backward exact where only halos travel (4-token blocks over 12-row shards).
     out["parity"].update(
@@ -533,7 +533,7 @@ def test_p2p_transports_and_three_rank_attention(tmp_path):
     assert "no gather outstanding" in out["wait_without_start"]
     assert out["gather_ok"] and out["reduce_scatter_ok"] and out["grad_ok"]
     assert out["steps"] == {"window": (2, 8), "causal": (3, 24)}  # (steps, K/V rows sent)
-    assert out["gathered_rows"] == {"window": 8, "causal": 12}
+    assert out["gathered_rows"] == {"window": 8, "causal": 24}
     for case, errs in out["parity"].items():
         assert max(errs) < TOL, f"{case}: {errs}"
 
@@ -652,7 +652,7 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
 
     from attngym import kernels
     from attngym.distributed import layout as layouts
-    from attngym.distributed.allgather import HaloPlan, key_positions
+    from attngym.distributed.allgather import ReadPlan, key_positions
     from attngym.distributed.positions import at_positions
 
     P = 2
@@ -661,8 +661,12 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
     plan = layouts.resolve(layout, P, seq, variant, "cpu")
     aligned = all(start % b == 0 and length % b == 0
                   for r in range(P) for start, length in plan.chunks(r) for b in block)  # fmt: skip
+    n = seq // P
+    whole = ReadPlan(
+        tuple(tuple(() if s == d else ((0, n),) for s in range(P)) for d in range(P)), n
+    )
     for rank in range(P):
-        kv_positions = key_positions(plan, rank, HaloPlan(seq // P, (0,) * P), "cpu")
+        kv_positions = key_positions(plan, rank, whole, "cpu")
         mapped = at_positions(variant, plan.positions(rank), kv_positions, "cpu", "mapped")
         got = kernels.make_block_mask(mapped, seq // P, seq, block_size=block)
         want = create_block_mask(mapped.mask_mod, None, None, seq // P, seq, device="cpu",
