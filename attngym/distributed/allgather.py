@@ -81,19 +81,24 @@ class ReadPlan:
 
     def received(self, dst: int) -> int:
         """Rows dst receives in all."""
-        return sum(self.rows(dst, src) for src in range(len(self.runs)))
+        return self._received[dst]
 
-    @property
+    @functools.cached_property
+    def _received(self) -> tuple[int, ...]:
+        P = len(self.runs)
+        return tuple(sum(self.rows(dst, src) for src in range(P)) for dst in range(P))
+
+    @functools.cached_property
     def gathers(self) -> bool:
         """Some rank reads every other shard whole: one all-gather of the whole shards moves them
         (the slowest rank receives as much in an exchange)."""
         P = len(self.runs)
-        return P > 1 and max(map(self.received, range(P))) == (P - 1) * self.shard_rows
+        return P > 1 and max(self._received) == (P - 1) * self.shard_rows
 
-    @property
+    @functools.cached_property
     def moves(self) -> bool:
         """Some rank reads another's shard."""
-        return any(self.received(dst) for dst in range(len(self.runs)))
+        return any(self._received)
 
 
 # Variant -> {(layout, B, H, block size, backend, device): ReadPlan}.
@@ -114,10 +119,11 @@ def read_plan(call: CPCall, q: torch.Tensor) -> ReadPlan:
     return per[key]
 
 
-def key_pieces(layout: Layout, rank: int, plan: ReadPlan) -> list[tuple[int, int, int, int]]:
+@functools.lru_cache(maxsize=256)
+def key_pieces(layout: Layout, rank: int, plan: ReadPlan) -> tuple[tuple[int, int, int, int], ...]:
     """(src, start, stop, offset): the pieces of rank `rank`'s keys when it exchanges, its own
     chunks (src == rank) and the runs it receives (at `offset` rows of what it received), in the
-    order of their first global position."""
+    order of their first global position. Memoised: every forward asks."""
     pieces, start = [], 0
     for _, n in layout.chunks(rank):
         pieces.append((rank, start, start + n, 0))
@@ -128,7 +134,7 @@ def key_pieces(layout: Layout, rank: int, plan: ReadPlan) -> list[tuple[int, int
             pieces.append((src, a, b, offset))
             offset += b - a
     first = [layout.positions(p, "cpu") for p in range(layout.world_size)]
-    return sorted(pieces, key=lambda piece: int(first[piece[0]][piece[1]]))
+    return tuple(sorted(pieces, key=lambda piece: int(first[piece[0]][piece[1]])))
 
 
 def key_positions(layout: Layout, rank: int, plan: ReadPlan, device) -> torch.Tensor:
@@ -155,12 +161,17 @@ def _exchange(call: CPCall, plan: ReadPlan, k: torch.Tensor):
     from attngym.distributed.transport import cached
 
     row = 2 * k.shape[0] * k.shape[1] * k.shape[3]
-    P = call.world_size
-    sizes = tuple(tuple(plan.rows(dst, src) * row for dst in range(P)) for src in range(P))
     return cached(
-        call.transport.exchange, sizes, dtype=k.dtype, device=k.device,
+        call.transport.exchange, _sizes(plan, row), dtype=k.dtype, device=k.device,
         timeout_s=call.options.timeout_s, group=call.group,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _sizes(plan: ReadPlan, row: int) -> tuple[tuple[int, ...], ...]:
+    """sizes[src][dst]: the elements src sends dst, `row` per K/V row."""
+    P = len(plan.runs)
+    return tuple(tuple(plan.rows(dst, src) * row for dst in range(P)) for src in range(P))
 
 
 @functools.lru_cache(maxsize=64)
