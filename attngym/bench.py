@@ -84,6 +84,11 @@ def tflops(flops: float, time_ms: float) -> float:
     return flops / (time_ms * 1e-3) / 1e12
 
 
+def peak_fraction(flops: float, time_ms: float, peak_tflops: float | None) -> float | None:
+    """The share of the device's peak that `flops` in `time_ms` reach (None without a peak)."""
+    return None if not peak_tflops else tflops(flops, time_ms) / peak_tflops
+
+
 def calculate_tflops(
     batch: int,
     heads: int,
@@ -111,6 +116,42 @@ def block_sparsity(block_mask: Any) -> float:
     kv_blocks = math.ceil(block_mask.seq_lengths[1] / block_mask.BLOCK_SIZE[1])
     total = block_mask.kv_num_blocks.numel() * kv_blocks
     return 1.0 - computed / total if total else 0.0
+
+
+def mask_density(mask_mod: Any, block_mask: Any, batch: int, heads: int) -> float:
+    """Fraction of the (q, kv) entries, over every batch and head, that the mask keeps: the FLOPs
+    the mask needs (attention_flops with sparsity = 1 − density), exact, as the kernel sees it:
+    a full block of `block_mask` counts whole, a partial block's entries are evaluated
+    (mask_mod at every batch and head, one row of blocks at a time), a skipped block keeps
+    nothing. 1.0 without a mask."""
+    if mask_mod is None or block_mask is None:
+        return 1.0
+    sq, skv = block_mask.seq_lengths
+    bq, bkv = block_mask.BLOCK_SIZE
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    device = num.device
+    kept = torch.zeros((), dtype=torch.float64, device=device)
+    for mb in range(num.shape[0]):  # the block mask's own batch and heads (1 when broadcast)
+        bs = torch.arange(batch, device=device) if num.shape[0] == 1 else torch.tensor([mb])
+        for mh in range(num.shape[1]):
+            hs = torch.arange(heads, device=device) if num.shape[1] == 1 else torch.tensor([mh])
+            planes = bs.numel() * hs.numel()
+            for i in range(num.shape[2]):
+                q_pos = torch.arange(i * bq, min((i + 1) * bq, sq), device=device)
+                if full_num is not None:
+                    cols = full_idx[mb, mh, i, : full_num[mb, mh, i]].to(device)
+                    width = (skv - cols * bkv).clamp(max=bkv)
+                    kept += planes * q_pos.numel() * width.sum()
+                blocks = idx[mb, mh, i, : num[mb, mh, i]].to(device)
+                if blocks.numel():
+                    kv_pos = (blocks.view(-1, 1) * bkv + torch.arange(bkv, device=device)).view(-1)
+                    kv_pos = kv_pos[kv_pos < skv]
+                    keep = mask_mod(bs.view(-1, 1, 1, 1), hs.view(1, -1, 1, 1),
+                                    q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))  # fmt: skip
+                    shape = (bs.numel(), hs.numel(), q_pos.numel(), kv_pos.numel())
+                    kept += torch.broadcast_to(keep, shape).sum()
+    return float(kept) / (batch * heads * sq * skv)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,13 +22,18 @@ from typing import Any
 AUTO = "auto"
 
 
+def root() -> Path:
+    """attngym's cache folder: $XDG_CACHE_HOME/attngym (~/.cache/attngym); what the runs keep
+    between them (compiled kernels, the peak probe) lies under it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attngym"
+
+
 def folder(setting: str | None) -> Path | None:
     """The cache folder `compile_cache` names (None: PyTorch's own)."""
     if setting is None:
         return None
     if setting == AUTO:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        return Path(base) / "attngym" / "compile"
+        return root() / "compile"
     return Path(setting).expanduser()
 
 

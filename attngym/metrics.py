@@ -173,6 +173,51 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("bwd_tflops", "bwd TFLOP/s", "TFLOP/s", "achieved backward TFLOP/s"),
     M("fwd_bwd_tflops", "fwd+bwd TFLOP/s", "TFLOP/s", "achieved fwd+bwd TFLOP/s", shown="run"),
+    # How near the device's limit, and what it cost (tasks.phases.limits).
+    M(
+        "mask_density",
+        "mask density",
+        "fraction",
+        "fraction of the (q, kv) entries, over every batch and head, that the mask keeps (exact): "
+        "the FLOPs the mask needs",
+    ),
+    M(
+        "flops_spent_over_kept",
+        "FLOPs spent / kept",
+        "ratio",
+        "FLOPs the kernel computes (its full and partial blocks) over those the mask keeps: "
+        "the block mask's waste",
+    ),
+    M(
+        "peak_tflops",
+        "peak TFLOP/s",
+        "TFLOP/s",
+        "the device's peak dense bf16/fp16 TFLOP/s (attngym.peak: a datasheet, or a matmul probe)",
+    ),
+    M("peak_source", "peak from", "", "the datasheet or the probe peak_tflops comes from"),
+    M(
+        "<pass>_peak_fraction",
+        "{pass} of peak",
+        "fraction",
+        "the FLOPs the mask keeps over the pass's time, over peak_tflops",
+        shown="run",
+    ),
+    M(
+        "<pass>_joules",
+        "{pass} (J)",
+        "J",
+        "energy of one call, from NVML's total energy counter over enough calls to span 0.5 s",
+    ),
+    M("<pass>_watts", "{pass} (W)", "W", "average power over those calls"),
+    M("<pass>_joules_per_token", "{pass} (J/token)", "J", "<pass>_joules over batch x seq_len"),
+    M("energy_source", "energy from", "", "the counter the joules come from"),
+    M(
+        "not_measured",
+        "not measured",
+        "",
+        "what of the fraction of peak and the energy this device cannot give, and why",
+        shown="run",
+    ),
     M(
         "first_call_s",
         "first call (s)",
@@ -484,6 +529,13 @@ METRICS: tuple[Metric, ...] = (
         "{baseline} {pass} TFLOP/s",
         "TFLOP/s",
         "its achieved TFLOP/s",
+        column=False,
+    ),
+    M(
+        "<baseline>_<pass>_peak_fraction",
+        "{baseline} {pass} of peak",
+        "fraction",
+        "the FLOPs the mask keeps over its time, over peak_tflops (as flex's)",
         column=False,
     ),
     M(

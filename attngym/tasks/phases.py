@@ -173,12 +173,7 @@ def time_passes(
     label = rank.label if label is None else label
     timings: dict[str, Any] = {} if into is None else into
     records = any(p in BACKWARD_PASSES for p in passes)
-    runs: Mapping[str, tuple[Callable[..., Any], Callable[[], Any] | None]] = {
-        "fwd": (call, None),
-        # A fresh forward graph per timed backward, built outside the timed region.
-        "bwd": (rank.grads, lambda: first(call())),
-        "fwd_bwd": (lambda: rank.grads(call()), None),
-    }
+    runs = _pass_calls(rank, call)
     for name in passes:
         fn, setup = runs[name]
         try:
@@ -189,3 +184,77 @@ def time_passes(
                 raise
             failures[name] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
     return timings
+
+
+def _pass_calls(
+    rank: Rank, call: Callable[[], Any]
+) -> Mapping[str, tuple[Callable[..., Any], Callable[[], Any] | None]]:
+    """What each pass runs: (the timed call, its untimed setup)."""
+    return {
+        "fwd": (call, None),
+        # A fresh forward graph per timed backward, built outside the timed region.
+        "bwd": (rank.grads, lambda: first(call())),
+        "fwd_bwd": (lambda: rank.grads(call()), None),
+    }
+
+
+# The passes whose energy is read: each is one call with no setup to keep apart.
+ENERGY_PASSES = ("fwd", "fwd_bwd")
+
+
+def pass_energy(
+    rank: Rank, timings: Mapping[str, Any], meter: Any, call: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """{pass: energy.Energy} of the timed passes in ENERGY_PASSES, each from enough calls to
+    span half a second (attngym.energy.joules_per_call), in the grad mode they were timed in."""
+    from attngym import energy
+
+    runs = _pass_calls(rank, rank.attend if call is None else call)
+    records = any(p in BACKWARD_PASSES for p in timings)
+    out = {}
+    for name in (p for p in ENERGY_PASSES if timings.get(p) is not None):
+        with torch.set_grad_enabled(records):
+            out[name] = energy.joules_per_call(
+                meter, runs[name][0], rank.device, call_ms=timings[name].median_ms,
+                repeats=rank.repeats,
+            )  # fmt: skip
+    return out
+
+
+def limits(
+    rank: Rank, timings: Mapping[str, Any], kept_flops: Mapping[str, float], *, dtype: str,
+    tokens: int,
+) -> dict[str, Any]:  # fmt: skip
+    """How near the device's limit the timed passes ran, and what they cost.
+
+    Returns:
+        peak_tflops and peak_source (attngym.peak), <pass>_peak_fraction (the FLOPs the mask
+        keeps, `kept_flops` per pass, over the pass's time, over the peak); energy_source and
+        <pass>_joules, _watts and _joules_per_token (`tokens` a call attends) from NVML; and
+        not_measured: what of these this device cannot give, and why, in one place (None when
+        everything was measured).
+    """
+    from attngym import bench, energy, peak
+
+    top = peak.peak(rank.device, dtype)
+    meter, energy_why = energy.meter(rank.device)
+    out: dict[str, Any] = {
+        "peak_tflops": top.tflops,
+        "peak_source": top.source if top.tflops else None,
+        "energy_source": energy_why if meter is not None else None,
+    }
+    for p, timing in timings.items():
+        if timing is not None:
+            out[f"{p}_peak_fraction"] = bench.peak_fraction(
+                kept_flops[p], timing.median_ms, top.tflops
+            )
+    if meter is not None:
+        for p, spent in pass_energy(rank, timings, meter).items():
+            out[f"{p}_joules"], out[f"{p}_watts"] = spent.joules, spent.watts
+            out[f"{p}_joules_per_token"] = spent.joules / tokens
+    missing = [
+        f"fraction of peak ({top.source})" if top.tflops is None else "",
+        f"energy ({energy_why})" if meter is None else "",
+    ]
+    out["not_measured"] = "; ".join(m for m in missing if m) or None
+    return out

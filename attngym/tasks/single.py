@@ -87,6 +87,7 @@ class OneDevice:
     v: torch.Tensor
     grad_out: torch.Tensor
     sparsity: float
+    density: float
     do_bwd: bool
     use_compile: bool
     passes: tuple[str, ...]
@@ -113,7 +114,9 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
             variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
         )
     sparsity = float(bench.block_sparsity(block_mask)) if block_mask is not None else 0.0
-    metrics["sparsity"] = sparsity
+    density = bench.mask_density(variant.mask_mod, block_mask, shape.batch, shape.heads)
+    metrics["sparsity"], metrics["mask_density"] = sparsity, density
+    metrics["flops_spent_over_kept"] = (1.0 - sparsity) / density if density else None
     use_compile = settings.compile and device.type == "cuda"
 
     def flex() -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +152,7 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
         v=v,
         grad_out=grad_out,
         sparsity=sparsity,
+        density=density,
         do_bwd=do_bwd,
         use_compile=use_compile,
         passes=passes,
@@ -183,26 +187,37 @@ def _validate(job: OneDevice) -> dict[str, Any]:
 
 def _time_flex(job: OneDevice, metrics: dict[str, Any]) -> dict[str, Any]:
     """flex's timed passes with peak_mem_bytes around them; their metrics. Returns the timings."""
+    s = job.settings
     with phases.peak_memory(job.rank, metrics, "peak_mem_bytes"):
         flex = phases.time_passes(job.rank, job.passes)
-    metrics.update(pass_metrics(flex, job.settings.shape, job.settings.shape.seq_len, job.sparsity))
+    metrics.update(pass_metrics(flex, s.shape, s.shape.seq_len, job.sparsity))
+    metrics.update(
+        phases.limits(job.rank, flex, _kept_flops(job), dtype=s.dtype,
+                      tokens=s.shape.batch * s.shape.seq_len)
+    )  # fmt: skip
     return flex
+
+
+def _kept_flops(job: OneDevice) -> dict[str, float]:
+    """Per pass, the FLOPs the mask keeps (what every `*_peak_fraction` counts)."""
+    return pass_flops(job.settings.shape, job.settings.shape.seq_len, 1.0 - job.density)
 
 
 def _time_baselines(job: OneDevice, flex: dict[str, Any], metrics: dict[str, Any]) -> None:
     """The baselines that apply, on the same inputs and passes as flex (the context-parallel ones
-    belong to CP runs): <name>_status, <name>_<pass>_ms and _tflops, flex_over_<name>_<pass>."""
+    belong to CP runs): <name>_status, <name>_<pass>_ms, _tflops and _peak_fraction (on the FLOPs
+    the mask keeps, as flex's), flex_over_<name>_<pass>."""
     from attngym.config import SINGLE_BASELINES
 
     s = job.settings
-    flops = pass_flops(s.shape, s.shape.seq_len, job.sparsity)
+    flops = {"spent": pass_flops(s.shape, s.shape.seq_len, job.sparsity), "kept": _kept_flops(job)}
     for name in (b for b in s.baselines if b in SINGLE_BASELINES):
         with timeline.phase(f"baseline_{name}"):
             _time_baseline(name, job, flex, flops, metrics)
 
 
 def _time_baseline(
-    name: str, job: OneDevice, flex: dict[str, Any], flops: dict[str, float], metrics: dict
+    name: str, job: OneDevice, flex: dict[str, Any], flops: dict[str, dict], metrics: dict
 ) -> None:
     """One baseline, timed as flex is, or recorded as skipped with the reason."""
     from attngym import bench
@@ -225,7 +240,12 @@ def _time_baseline(
         log.info("baseline %s %s skipped: %s", name, missing, reason)
     for p, timing in times.items():
         metrics[baseline_metric(name, p, "ms")] = timing.median_ms
-        metrics[baseline_metric(name, p, "tflops")] = bench.tflops(flops[p], timing.median_ms)
+        metrics[baseline_metric(name, p, "tflops")] = bench.tflops(
+            flops["spent"][p], timing.median_ms
+        )
+        metrics[baseline_metric(name, p, "peak_fraction")] = bench.peak_fraction(
+            flops["kept"][p], timing.median_ms, metrics.get("peak_tflops")
+        )
         if flex.get(p):
             metrics[speedup_metric(name, p)] = timing.median_ms / flex[p].median_ms
     del fn
