@@ -106,7 +106,9 @@ def flash_lse_scaled_by_ln2() -> bool:
 
 
 def raise_recompile_limits() -> None:
-    """Raise torch._dynamo's recompile limits for the whole process (to RECOMPILE_LIMIT)."""
+    """Raise torch._dynamo's recompile limits for the whole process (to RECOMPILE_LIMIT), and
+    make hitting one an error: past it Dynamo would run flex eagerly, materialising the whole
+    score matrix, and a run would time that fallback as flex."""
     import torch._dynamo
 
     config = torch._dynamo.config
@@ -114,6 +116,7 @@ def raise_recompile_limits() -> None:
     config.accumulated_recompile_limit = max(
         config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
     )
+    config.fail_on_recompile_limit_hit = True
 
 
 @functools.cache
@@ -526,6 +529,8 @@ def attend_chunk(
         )
     if lengths is not None and mask_mod is not None and not at_origin(q_offset, kv_offset):
         block_mask = with_mask_mod(block_mask, mask_mod)  # the kernel reads the tables too
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
     if compile and q.device.type == "cuda":
         fn = compiled_flex_attention(compile_mode, lse_grad=not is_flash(kernel_options))
     else:
@@ -536,17 +541,25 @@ def attend_chunk(
         warnings.filterwarnings(
             "ignore", message="flex_attention called without torch.compile", category=UserWarning
         )
-        out, aux = fn(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-            kernel_options=dict(kernel_options) if kernel_options else None,
-            return_aux=AuxRequest(lse=True),
-        )
+        try:
+            out, aux = fn(
+                q,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+                kernel_options=dict(kernel_options) if kernel_options else None,
+                return_aux=AuxRequest(lse=True),
+            )
+        except FailOnRecompileLimitHit as exc:
+            raise RuntimeError(
+                "compiled flex_attention hit torch._dynamo's recompile limit: past it flex "
+                "would run eagerly, materialising every score, and be timed as flex; run fewer "
+                "distinct variants or shapes per process (TORCH_LOGS=recompiles says why each "
+                "compiled again)"
+            ) from exc
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse  # the FLASH wrapper returns lse
     if is_flash(kernel_options) and flash_lse_scaled_by_ln2():
         lse = lse / math.log(2)

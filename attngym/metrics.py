@@ -212,10 +212,20 @@ METRICS: tuple[Metric, ...] = (
     M("<pass>_joules_per_token", "{pass} (J/token)", "J", "<pass>_joules over batch x seq_len"),
     M("energy_source", "energy from", "", "the counter the joules come from"),
     M(
+        "kernel_path_fwd",
+        "fwd kernel",
+        "",
+        "the kernel family the forward ran (triton, flash, triton decode, or eager: no fused "
+        "kernel) and its kernel, read from a profiled call",
+        shown="run",
+    ),
+    M("kernel_path_bwd", "bwd kernel", "", "the same for the backward", shown="run"),
+    M(
         "not_measured",
         "not measured",
         "",
-        "what of the fraction of peak and the energy this device cannot give, and why",
+        "what of the fraction of peak, the energy and the kernel path this device cannot give, "
+        "and why",
         shown="run",
     ),
     M(

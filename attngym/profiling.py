@@ -101,6 +101,26 @@ def kernel_names(prof: Any) -> list[str]:
     return sorted({e.name for e in prof.events() if e.device_type == DeviceType.CUDA})
 
 
+# What a kernel name says about the path flex took: the first family with a kernel wins.
+KERNEL_FAMILIES = (
+    ("flash_attncute", "flash"),  # flash-attn-4's CuTe kernels (BACKEND=FLASH)
+    ("flex_decoding", "triton decode"),
+    ("triton_tem", "triton"),  # Inductor's templates: flex's Triton kernels
+)
+
+
+def kernel_family(names: list[str]) -> str:
+    """Which path ran, from the CUDA kernel names of one call: "<family> (<its kernel>)", or
+    "eager (...)" when no fused attention kernel ran (the scores were materialised)."""
+    for mark, family in KERNEL_FAMILIES:
+        hits = [n for n in names if mark in n]
+        if hits:
+            return f"{family} ({hits[0]})"
+    if not names:
+        return "no CUDA kernel"
+    return f"eager ({len(names)} kernels, no fused attention kernel, e.g. {names[0]})"
+
+
 @contextlib.contextmanager
 def cuda_kernel_profiler(kernel_pattern: str = "flash_attncute") -> Iterator[dict[str, Any]]:
     """Profile the CUDA kernels launched inside the block and look for `kernel_pattern`.

@@ -387,3 +387,21 @@ def test_block_masks_are_kept_only_inside_a_run():
         assert make_block_mask(variant.to("cpu"), 256, 256) is kept
         assert make_block_mask(variant, 256, 256, block_size=(64, 64)) is not kept
     assert make_block_mask(variant, 256, 256) is not kept
+
+
+def test_a_recompile_limit_hit_is_an_error_not_an_eager_fallback():
+    """Past Dynamo's recompile limit flex would run eagerly (every score materialised) and be
+    timed as flex: attngym makes the limit a hard error for the whole process."""
+    import torch._dynamo
+
+    from attngym import kernels
+
+    config = torch._dynamo.config
+    saved = config.fail_on_recompile_limit_hit
+    try:
+        config.fail_on_recompile_limit_hit = False
+        kernels.raise_recompile_limits()
+        assert config.fail_on_recompile_limit_hit is True
+        assert config.recompile_limit >= kernels.RECOMPILE_LIMIT
+    finally:
+        config.fail_on_recompile_limit_hit = saved

@@ -108,8 +108,10 @@ def test_a_cpu_run_says_in_one_place_what_it_cannot_measure(tmp_path):
     )
     metrics = single.run(settings, tmp_path)
     assert metrics["not_measured"] == (
-        "fraction of peak (no peak for cpu devices); energy (no energy counter on cpu devices)"
+        "fraction of peak (no peak for cpu devices); energy (no energy counter on cpu devices); "
+        "kernel path (no CUDA kernels on cpu)"
     )
+    assert "kernel_path_fwd" not in metrics
     for key in ("peak_tflops", "peak_source", "energy_source", "fwd_peak_fraction"):
         assert metrics[key] is None, key
     assert "fwd_joules" not in metrics and metrics["sdpa_dense_mask_fwd_peak_fraction"] is None
@@ -130,3 +132,44 @@ def test_the_energy_counter_reads_a_matmul_loop():
     spent = energy.joules_per_call(meter, lambda: a @ a, torch.device("cuda"), call_ms=0.2,
                                    repeats=5)  # fmt: skip
     assert 0 < spent.joules < 10 and 20 < spent.watts < 2000, spent
+
+
+@pytest.mark.parametrize(
+    ("names", "family"),
+    [
+        (["triton_tem_fused_0", "triton_poi_fused_1"], "triton (triton_tem_fused_0)"),
+        (["kernel_cutlass_flash_attncute_fwd_sm90", "triton_poi_x"], "flash"),
+        (["triton_tem_fused_flex_decoding_0"], "triton decode"),
+        (["ampere_bf16_s16816gemm", "softmax_warp_forward"], "eager (2 kernels"),
+        ([], "no CUDA kernel"),
+    ],
+)
+def test_kernel_family_reads_the_kernels_that_ran(names, family):
+    from attngym.profiling import kernel_family
+
+    assert kernel_family(names).startswith(family)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_run_reports_its_fraction_of_peak_energy_and_kernel_path(tmp_path):
+    from attngym.config import Benchmark, Settings, Shape
+    from attngym.tasks import single
+
+    settings = Settings(
+        attention={"name": "causal"},
+        shape=Shape(batch=1, heads=8, seq_len=4096, head_dim=128),
+        benchmark=Benchmark(warmup=2, repeats=5),
+        device="cuda",
+        dtype="bfloat16",
+        baselines=("sdpa",),
+        validate_rows=16,
+    )
+    metrics = single.run(settings, tmp_path)
+    assert metrics["kernel_path_fwd"].startswith("triton (")
+    assert metrics["kernel_path_bwd"].startswith("triton (")
+    assert 0 < metrics["fwd_peak_fraction"] < 1 and 0 < metrics["sdpa_fwd_peak_fraction"] < 1
+    assert metrics["mask_density"] == pytest.approx(0.5, abs=1e-3)
+    if metrics["energy_source"] is not None:
+        assert metrics["fwd_bwd_joules"] > metrics["fwd_joules"] > 0
+        assert metrics["fwd_joules_per_token"] == pytest.approx(metrics["fwd_joules"] / 4096)
+    assert "kernel path" not in (metrics["not_measured"] or "")

@@ -230,9 +230,9 @@ def limits(
     Returns:
         peak_tflops and peak_source (attngym.peak), <pass>_peak_fraction (the FLOPs the mask
         keeps, `kept_flops` per pass, over the pass's time, over the peak); energy_source and
-        <pass>_joules, _watts and _joules_per_token (`tokens` a call attends) from NVML; and
-        not_measured: what of these this device cannot give, and why, in one place (None when
-        everything was measured).
+        <pass>_joules, _watts and _joules_per_token (`tokens` a call attends) from NVML;
+        kernel_path_fwd and kernel_path_bwd (`kernel_paths`); and not_measured: what of these
+        this device cannot give, and why, in one place (None when everything was measured).
     """
     from attngym import bench, energy, peak
 
@@ -252,9 +252,30 @@ def limits(
         for p, spent in pass_energy(rank, timings, meter).items():
             out[f"{p}_joules"], out[f"{p}_watts"] = spent.joules, spent.watts
             out[f"{p}_joules_per_token"] = spent.joules / tokens
+    on_gpu = rank.device.type == "cuda"
+    if on_gpu:
+        out.update(kernel_paths(rank, backward=any(p in BACKWARD_PASSES for p in timings)))
     missing = [
         f"fraction of peak ({top.source})" if top.tflops is None else "",
         f"energy ({energy_why})" if meter is None else "",
+        "" if on_gpu else f"kernel path (no CUDA kernels on {rank.device.type})",
     ]
     out["not_measured"] = "; ".join(m for m in missing if m) or None
     return out
+
+
+def kernel_paths(rank: Rank, *, backward: bool) -> dict[str, str]:
+    """kernel_path_fwd (and kernel_path_bwd): the kernel family one profiled call ran
+    (attngym.profiling.kernel_family), read from the kernels launched, not from what was asked."""
+    from attngym.profiling import cuda_kernel_profiler, kernel_family
+
+    with torch.set_grad_enabled(backward), cuda_kernel_profiler() as fwd:
+        out = rank.attend()
+        sync(rank.device)
+    paths = {"kernel_path_fwd": kernel_family(fwd["kernel_names"])}
+    if backward:
+        with cuda_kernel_profiler() as bwd:
+            rank.grads(out)
+            sync(rank.device)
+        paths["kernel_path_bwd"] = kernel_family(bwd["kernel_names"])
+    return paths
