@@ -149,6 +149,22 @@ def _compile_threads(key: str, value: Any) -> int | None:
     return value
 
 
+def _objective(key: str, value: Any) -> tuple[str, ...]:
+    """The metrics a tuning job hands the Optuna sweeper: known numeric metric names."""
+    from attngym.metrics import metric_of
+
+    names = () if value is None else (value,) if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(key, f"must be a metric name, a list of them or null, got {value!r}")
+    for name in names:
+        row = metric_of(name)
+        if row is None or row.unit in ("", "tokens"):
+            raise ConfigError(
+                key, f"{name!r} is no numeric metric; e.g. fwd_bwd_ms, fwd_ms, first_call_s"
+            )
+    return tuple(names)
+
+
 def _compile_modes() -> Sequence[str]:
     """attngym.kernels' tuple, imported when first needed (`import attngym.config` pulls no
     torch)."""
@@ -317,6 +333,9 @@ class Settings:
     compile_threads: int | None = setting(1, check=_compile_threads)
     """Inductor's compile workers: 1 compiles in the run's process (flex needs a few kernels,
     and a pool of workers costs seconds to start and stop); null: Inductor's own choice."""
+    objective: tuple[str, ...] = setting((), check=_objective)
+    """The tuner's (`+experiment=tune`): the metric(s) each sweep job returns to the Optuna
+    sweeper, None for a job that failed or did not validate; empty for other runs."""
     profile_run: bool = False
     """Profile the run's own Python (cProfile, config to last file): run_profile.txt and
     run_profile.prof in the run folder."""
@@ -358,7 +377,7 @@ class Settings:
         if self.device == AUTO:
             self.device = _resolve_device(AUTO)
         if self.dtype == AUTO:
-            self.dtype = _auto_dtype(self.device)
+            self.dtype = auto_dtype(self.device)
         topo = self.topology
         if topo.world_size == AUTO:
             topo.world_size = _resolve_world_size(topo.kind, AUTO, self.device)
@@ -889,7 +908,7 @@ def _resolve_device(name: str) -> str:
         raise ConfigError("device.name", str(err)) from None
 
 
-def _auto_dtype(device: str) -> str:
+def auto_dtype(device: str) -> str:
     """dtype=auto: bfloat16 on cuda, float32 on cpu."""
     return "bfloat16" if device == "cuda" else "float32"
 
@@ -953,7 +972,7 @@ def _resolve_world_size(kind: str, value: Any, device: str) -> int:
 
 
 def _resolve_blocks(
-    data: dict[str, Any], device: str, dtype: str, kernel_options: dict[str, Any]
+    data: dict[str, Any], device: str, dtype: str, kernel_options: dict[str, Any], variant: str
 ) -> tuple[tuple[int, int], dict[str, Any]]:
     """The block size on this device (a `flash` or `tuned` name resolved) and the kernel
     options (`tuned` adds the table's, yours win)."""
@@ -963,7 +982,7 @@ def _resolve_blocks(
         from attngym.device import device_info
 
         blocks, kernel_options = tuning.resolve(
-            str(data["attention"].get("name")),
+            variant,
             data["shape"]["head_dim"],
             device_info(device)["capability"],
             kernel_options,
@@ -980,16 +999,19 @@ def _resolve_blocks(
     return (blocks[0], blocks[1]), kernel_options
 
 
-def _resolve(data: dict[str, Any]) -> None:
+def _resolve(data: dict[str, Any], variant: str) -> None:
     """Write the machine's values over `auto` and the named block sizes in the checked `data`:
-    device, dtype, topology.world_size, block_size (and the kernel options `tuned` adds)."""
+    device, dtype, topology.world_size, block_size (and the kernel options `tuned` adds for the
+    `variant` so named, a user's own too)."""
     device = data["device"]["name"] = _resolve_device(data["device"]["name"])
     if data["dtype"] == AUTO:
-        data["dtype"] = _auto_dtype(device)
+        data["dtype"] = auto_dtype(device)
     topo = data["topology"]
     if not topo["simulate"]:  # simulated ranks: any number, whatever the GPUs
         topo["world_size"] = _resolve_world_size(topo["kind"], topo["world_size"], device)
-    (q, kv), kernel_options = _resolve_blocks(data, device, data["dtype"], data["kernel_options"])
+    (q, kv), kernel_options = _resolve_blocks(
+        data, device, data["dtype"], data["kernel_options"], variant
+    )
     data["block_size"] = {"q": q, "kv": kv}
     data["kernel_options"] = kernel_options
 
@@ -1048,7 +1070,7 @@ def from_config(cfg: Mapping[str, Any]) -> Settings:
     """
     data = plain(cfg)
     variant = _check_values(data)
-    _resolve(data)
+    _resolve(data, variant.name)
     for rule in RESOLVED_RULES:
         rule(data)
     blocks = (data["block_size"]["q"], data["block_size"]["kv"])

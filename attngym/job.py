@@ -265,7 +265,22 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
             failure = _failed(job, metrics, err)
     except Interrupted as stop:
         _stop_interrupted(job, metrics, stop)
-    return _finish(job, metrics, failure)
+    outcome = _finish(job, metrics, failure)
+    if job.multirun and cfg.get("objective"):
+        return objective_value(cfg.objective, metrics)
+    return outcome
+
+
+def objective_value(names: Any, metrics: dict[str, Any]) -> float | list[float] | None:
+    """What a tuning job (`objective=`) returns to the Optuna sweeper: the named metrics of a job
+    that ended ok and validated; None otherwise, which the sweeper records as a failed trial, so
+    a configuration that is wrong or did not run never wins."""
+    names = [names] if isinstance(names, str) else list(names)
+    values = [metrics.get(name) for name in names]
+    validated = str(metrics.get("validation", "")).startswith("ok")
+    if metrics.get("status") != "ok" or not validated or any(v is None for v in values):
+        return None
+    return float(values[0]) if len(values) == 1 else [float(v) for v in values]
 
 
 def _check_and_run(

@@ -68,6 +68,9 @@ def register_resolvers() -> None:
     - `${run_id:}`: the name of a default run or sweep folder (`run_id`), cached with the config
       like Hydra's `${now:}`, so a sweep's jobs (submitit copies the cache to them) and the
       ranks of a SLURM step agree on it.
+    - `${study:${attention},${shape},${device.name},${dtype}}`: the tuner's Optuna study name
+      (`study_name`).
+    - `${cache:}`: attngym's cache folder (attngym.compile_cache.root).
     """
     from omegaconf import OmegaConf
 
@@ -79,6 +82,10 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("attention_options"):
         OmegaConf.register_new_resolver("attention_options", attention_options)
+    if not OmegaConf.has_resolver("study"):
+        OmegaConf.register_new_resolver("study", study_name)
+    if not OmegaConf.has_resolver("cache"):
+        OmegaConf.register_new_resolver("cache", cache_folder)
 
 
 def expect_launcher_schema() -> None:
@@ -473,3 +480,29 @@ def _check_value_key(arg: str) -> None:
     match = _VALUE_ARG.match(arg)
     if match and match["key"].split(".")[0] != "hydra":
         check_key(match["key"])
+
+
+def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
+    """The tuner's study: one per variant (your own named by its label or import paths), shape,
+    device and dtype (`auto` resolved here), so a second tuning command of the same problem
+    resumes the same study."""
+    from attngym.config import auto_dtype
+    from attngym.device import resolve_device
+
+    device = resolve_device(device).type
+    dtype = auto_dtype(device) if dtype == "auto" else dtype
+    parts = [attention.get("name")]
+    if attention.get("name") == "custom":
+        parts += [attention.get(k) for k in ("label", "mask_mod", "score_mod") if attention.get(k)]
+    parts += [f"b{shape.batch}h{shape.heads}s{shape.seq_len}d{shape.head_dim}", device, dtype]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(str(p) for p in parts))
+
+
+def cache_folder() -> str:
+    """attngym's cache folder, for a config's paths (the tuner's study database), made if it is
+    not there yet (SQLite creates a database file, not its folder)."""
+    from attngym import compile_cache
+
+    root = compile_cache.root()
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root)

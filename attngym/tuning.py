@@ -62,12 +62,20 @@ def flash_importable() -> bool:
     return flash_missing() is None
 
 
-def capability_key(capability: str | None) -> str | None:
-    """ "9.0" → "sm90"; None (CPU) → None."""
+def capability_key(capability: str | None) -> str:
+    """ "9.0" → "sm90"; None (a CPU) → "cpu"."""
     if not capability:
-        return None
+        return "cpu"
     major, minor = str(capability).split(".")[:2]
     return f"sm{major}{minor}"
+
+
+def user_table() -> Path:
+    """Your own tuned table, outside the package: <cache folder>/tuned.json, written by the
+    tuner (+experiment=tune) and read before the shipped one."""
+    from attngym import compile_cache
+
+    return compile_cache.root() / "tuned.json"
 
 
 def load(path: Path = TABLE) -> dict[str, Any]:
@@ -78,16 +86,21 @@ def load(path: Path = TABLE) -> dict[str, Any]:
 def lookup(
     variant: str, head_dim: int, capability: str | None, *, table: Mapping[str, Any] | None = None
 ) -> dict[str, Any] | None:
-    """The tuned entry for this variant and head_dim on this GPU capability, or None.
+    """The tuned entry for this variant and head_dim on this GPU capability (or "cpu"), or None:
+    from `table`, else from your table (user_table) and then the shipped one, in that order.
 
     Returns:
-        {"block_size": [q, kv], "kernel_options": {...}, ...} as stored, or None.
+        {"block_size": [q, kv], "kernel_options": {...}, ...} as stored, with "table": the file
+        it came from when no `table` was given; or None.
     """
     key = capability_key(capability)
-    per_gpu = (load() if table is None else table).get(key or "", {})
-    for name in (f"{variant}/d{head_dim}", variant, f"default/d{head_dim}", "default"):
-        if name in per_gpu:
-            return per_gpu[name]
+    names = (f"{variant}/d{head_dim}", variant, f"default/d{head_dim}", "default")
+    if table is not None:
+        return next((table[key][n] for n in names if n in table.get(key, {})), None)
+    for path in (user_table(), TABLE):
+        found = lookup(variant, head_dim, capability, table=load(path))
+        if found is not None:
+            return {**found, "table": str(path)}
     return None
 
 
@@ -105,12 +118,13 @@ def resolve(
     dtype and topology, where the caller gives them, keep FLASH's part out of runs it cannot do
     (a 32/64-bit dtype; context parallelism, which differentiates through the lse).
     """
-    where = f"{variant} (head_dim {head_dim}) on {capability_key(capability) or 'cpu'}"
+    where = f"{variant} (head_dim {head_dim}) on {capability_key(capability)}"
     entry = lookup(variant, head_dim, capability)
     if entry is None:
         log.warning(
-            "block_size=tuned: no entry for %s in %s; using the defaults %s",
+            "block_size=tuned: no entry for %s in %s or %s; using the defaults %s",
             where,
+            user_table(),
             TABLE.name,
             DEFAULT_BLOCK_SIZE,
         )
@@ -133,7 +147,7 @@ def resolve(
         where,
         block_size,
         options,
-        chosen.get("source", TABLE.name),
+        f"{chosen.get('source', 'no source')} in {entry.get('table', TABLE.name)}",
     )
     return block_size, options
 
@@ -183,8 +197,14 @@ def _number(text: str) -> Any:
     return {"True": True, "False": False}.get(text, text)
 
 
+def higher_is_better(metric: str) -> bool:
+    """TFLOP/s and fractions: higher wins; times and energy (`_ms`, `_s`, joules): lower."""
+    return not metric.endswith(("_ms", "_s", "_joules", "_joules_per_token"))
+
+
 def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[str, Any]]:
-    """The fastest ok row per (capability, variant, head_dim) by `metric` (higher is better).
+    """The fastest ok, validated row per (capability or "cpu", variant, head_dim) by `metric`
+    (higher_is_better says which way).
 
     Rows run with `kernel_options.BACKEND=FLASH` compete apart and go under the entry's "flash"
     key, with `over_triton`: their metric over the same row's `flex_default_<metric>` (Triton,
@@ -203,11 +223,13 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
     for row in rows:
         value = row.get(metric)
         gpu = capability_key(row.get("capability"))
-        if row.get("status") != "ok" or not value or not gpu:
+        validated = str(row.get("validation") or "ok").startswith("ok")
+        if row.get("status") != "ok" or not value or not validated:
             continue
-        score = float(value)
-        if math.isnan(score):
+        measured = float(value)
+        if math.isnan(measured):
             continue
+        score = measured if higher_is_better(metric) else -measured
         options = {
             col[len(OPTION_PREFIX) :]: _number(v)
             for col, v in row.items()
@@ -217,7 +239,7 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
         entry = {
             "block_size": [int(row["block_q"]), int(row["block_kv"])],
             "kernel_options": options,
-            metric: round(score, 2),
+            metric: round(measured, 4),
             "seq_len": int(row["seq_len"]),
         }
         part = "flash" if options.get("BACKEND") == FLASH else "triton"
@@ -231,7 +253,8 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
                     metric,
                 )
                 continue
-            entry["over_triton"] = round(score / float(reference), 3)
+            ratio = measured / float(reference)
+            entry["over_triton"] = round(ratio if higher_is_better(metric) else 1 / ratio, 3)
         if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:
             best[(gpu, name, part)] = (score, entry)
     table: dict[str, dict[str, Any]] = {}
@@ -244,10 +267,14 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
     return table
 
 
-def update(source: Path, metric: str, path: Path = TABLE) -> dict[str, Any]:
+def update(
+    source: Path, metric: str, path: Path = TABLE, *, keep_better: bool = False
+) -> dict[str, Any]:
     """Merge the winners of `source` (a sweep folder holding summary.csv, or a CSV file) into
     the table at `path`; return the merged table. Each part (Triton, FLASH) replaces only its own
-    kind: a FLASH measurement keeps an entry's Triton winner and the other way round."""
+    kind: a FLASH measurement keeps an entry's Triton winner and the other way round.
+    `keep_better`: an entry already holding a better `metric` stays (the tuner's study goes on
+    over several sweeps)."""
     source = Path(source)
     summary = source if source.suffix == ".csv" else source / "summary.csv"
     if not summary.exists():
@@ -264,6 +291,12 @@ def update(source: Path, metric: str, path: Path = TABLE) -> dict[str, Any]:
             if "flash" in entry:
                 entry["flash"]["source"] = f"{label}, best {metric}, over {TRITON_REFERENCE}"
                 slot["flash"] = entry.pop("flash")
+            held = slot.get(metric)
+            if keep_better and held is not None and "block_size" in entry:
+                new = entry[metric]
+                if (new <= held) if higher_is_better(metric) else (new >= held):
+                    log.info("tuning: %s %s keeps %s %s over %s", gpu, name, metric, held, new)
+                    continue
             if "block_size" in entry:
                 entry["source"] = f"{label}, best {metric}"
                 kept = {"flash": slot["flash"]} if "flash" in slot else {}

@@ -21,7 +21,7 @@ ROWS = [
     # a failed job is never a winner, whatever it reports
     {"capability": "9.0", "variant": "causal", "head_dim": "128", "seq_len": "8192",
      "block_q": "64", "block_kv": "64", "status": "failed", "fwd_bwd_tflops": "999"},
-    # CPU rows (no capability) are not tuning data
+    # CPU rows (no capability) are a CPU's own entries, never a GPU's
     {"capability": "", "variant": "causal", "head_dim": "128", "seq_len": "8192",
      "block_q": "128", "block_kv": "128", "status": "ok", "fwd_bwd_tflops": "1000"},
 ]  # fmt: skip
@@ -29,7 +29,8 @@ ROWS = [
 
 def test_winners_pick_the_fastest_ok_row_per_gpu_variant_and_head_dim():
     table = tuning.winners(ROWS, "fwd_bwd_tflops")
-    assert list(table) == ["sm90"]
+    assert sorted(table) == ["cpu", "sm90"]
+    assert table["cpu"]["causal/d128"]["fwd_bwd_tflops"] == 1000
     entry = table["sm90"]["causal/d128"]
     assert entry["block_size"] == [128, 128]
     assert entry["kernel_options"] == {"fwd_BLOCK_M": 64}  # empty cells are not options
@@ -48,7 +49,7 @@ def test_lookup_order_prefers_the_exact_head_dim_then_the_variant_then_default()
     assert tuning.lookup("causal", 64, "9.0", table=table)["block_size"] == [64, 64]
     assert tuning.lookup("document", 64, "9.0", table=table)["block_size"] == [128, 128]
     assert tuning.lookup("causal", 128, "10.0", table=table) is None
-    assert tuning.lookup("causal", 128, None, table=table) is None
+    assert tuning.lookup("causal", 128, None, table=table) is None  # a CPU: "cpu", not sm90
 
 
 def test_update_writes_the_table_from_a_sweep_summary(tmp_path):
@@ -235,3 +236,33 @@ def test_flash_importable_is_false_without_flash_attn(monkeypatch):
 
     monkeypatch.setattr(tuning.importlib.util, "find_spec", missing)
     assert tuning.flash_importable() is False
+
+
+def test_times_win_when_lower_and_a_better_entry_is_kept(tmp_path):
+    """The tuner's objective is a time: the lowest wins, and an entry already faster (an earlier
+    sweep of the study) stays when a later sweep finds nothing better."""
+    rows = [
+        {"capability": "9.0", "variant": "mine", "head_dim": "64", "seq_len": "4096",
+         "block_q": bq, "block_kv": "128", "status": "ok", "validation": valid, "fwd_bwd_ms": ms}
+        for bq, ms, valid in (("128", "2.5", "ok"), ("64", "2.0", "ok"), ("32", "1.0", "failed"))
+    ]  # fmt: skip
+    entry = tuning.winners(rows, "fwd_bwd_ms")["sm90"]["mine/d64"]
+    assert entry["block_size"] == [64, 128] and entry["fwd_bwd_ms"] == 2.0  # unvalidated: out
+
+    def sweep(name, rows):
+        folder = tmp_path / name
+        folder.mkdir()
+        with (folder / "summary.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sorted(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        return folder
+
+    path = tmp_path / "tuned.json"
+    tuning.update(sweep("first", rows), "fwd_bwd_ms", path, keep_better=True)
+    slower = [{**rows[0], "block_q": "16", "fwd_bwd_ms": "3.0"}]
+    table = tuning.update(sweep("second", slower), "fwd_bwd_ms", path, keep_better=True)
+    assert table["sm90"]["mine/d64"]["block_size"] == [64, 128]  # kept
+    faster = [{**rows[0], "block_q": "16", "fwd_bwd_ms": "1.5"}]
+    table = tuning.update(sweep("third", faster), "fwd_bwd_ms", path, keep_better=True)
+    assert table["sm90"]["mine/d64"]["block_size"] == [16, 128]

@@ -503,7 +503,11 @@ def grid_overrides(config: Any, *, typed: bool = True) -> list[str]:
 
 
 def count_jobs(config: Any) -> int | None:
-    """How many jobs the basic sweeper will launch for `config` (None when it cannot tell)."""
+    """How many jobs the sweeper will launch for `config`: an Optuna sweeper's n_trials, the
+    basic sweeper's grid (None when it cannot tell)."""
+    trials = config.hydra.sweeper.get("n_trials")
+    if trials is not None:
+        return int(trials)
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -663,7 +667,7 @@ class SweepSummary(_callback_base()):
         if os.environ.get("RANK", "0") != "0" or not sweep_dir.is_dir():
             return  # under torchrun rank 0 writes the summary
         try:
-            self._summarize(sweep_dir)
+            self._summarize(sweep_dir, config.get("objective"))
         finally:
             self._release()
 
@@ -672,7 +676,7 @@ class SweepSummary(_callback_base()):
             self._lock.release()
             self._lock = None
 
-    def _summarize(self, sweep_dir: Path) -> None:
+    def _summarize(self, sweep_dir: Path, objective: Any = None) -> None:
         rows = summarize(sweep_dir)
         if not rows and self._ended:
             raise RuntimeError(
@@ -690,12 +694,41 @@ class SweepSummary(_callback_base()):
             sweep_dir / "summary.md",
         )
         again = resume_command(sweep_dir)
+        resume = f"resume with (jobs already ok are skipped): {again}"
+        if objective:  # a tuning study: its trials are new each time, the study goes on
+            write_tuned(sweep_dir, objective)
+            resume = "the same command without hydra.sweep.dir continues the study"
         if failed:  # the sweep's exit code tells: Hydra lets SystemExit through
             print(
                 f"attngym: {len(failed)} of {len(rows)} sweep jobs failed (see summary.md)\n"
-                f"attngym: resume with (jobs already ok are skipped): {again}",
+                f"attngym: {resume}",
                 file=sys.stderr,
                 flush=True,
             )
             raise SystemExit(1)
         log.info("the same command resumes or re-runs this sweep (ok jobs skipped): %s", again)
+
+
+def write_tuned(sweep_dir: Path, objective: Any) -> None:
+    """A tuning sweep's end (`objective=`, +experiment=tune): its best validated job, by the
+    first objective, into your tuned table (attngym.tuning.user_table), where `block_size=tuned`
+    looks first; an entry already better (an earlier sweep of the same study) stays."""
+    from attngym import tuning
+
+    metric = objective if isinstance(objective, str) else list(objective)[0]
+    path = tuning.user_table()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = tuning.update(sweep_dir, metric, path, keep_better=True)
+    except (OSError, ValueError) as exc:  # no ok job yet, a read-only cache folder
+        log.warning("tuning: nothing written to %s: %s", path, exc)
+        return
+    for gpu, entries in sorted(table.items()):
+        for name, entry in sorted(entries.items()):
+            if str(entry.get("source", "")).startswith(sweep_dir.name):
+                print(
+                    f"attngym: tuned {name} on {gpu}: block_size {entry['block_size']}, "
+                    f"kernel_options {entry['kernel_options']}, {metric} {entry[metric]} "
+                    f"(in {path}; block_size=tuned uses it)",
+                    flush=True,
+                )
