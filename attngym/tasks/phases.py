@@ -25,6 +25,10 @@ What the timed metrics mean, in every task:
 
 Timings are bench.time_fn's (CUDA events, the L2 cache flushed before each call; the host clock
 on CPU). A contender's `<name>_<pass>_ms` has the same meaning as attngym's `<pass>_ms`.
+
+After the timings the single-device task asks `limits`: the fraction of the device's peak on the
+FLOPs the mask keeps, the energy of the timed passes (NVML) and the kernel path one profiled call
+took, with what of these the device cannot give said in `not_measured`.
 """
 
 from __future__ import annotations
@@ -202,14 +206,13 @@ def _pass_calls(
 ENERGY_PASSES = ("fwd", "fwd_bwd")
 
 
-def pass_energy(
-    rank: Rank, timings: Mapping[str, Any], meter: Any, call: Callable[[], Any] | None = None
-) -> dict[str, Any]:
-    """{pass: energy.Energy} of the timed passes in ENERGY_PASSES, each from enough calls to
-    span half a second (attngym.energy.joules_per_call), in the grad mode they were timed in."""
+def pass_energy(rank: Rank, timings: Mapping[str, Any], meter: Any) -> dict[str, Any]:
+    """{pass: energy.Energy} of the measured call's timed passes in ENERGY_PASSES, each from
+    enough calls to span half a second (attngym.energy.joules_per_call), in the grad mode they
+    were timed in."""
     from attngym import energy
 
-    runs = _pass_calls(rank, rank.attend if call is None else call)
+    runs = _pass_calls(rank, rank.attend)
     records = any(p in BACKWARD_PASSES for p in timings)
     out = {}
     for name in (p for p in ENERGY_PASSES if timings.get(p) is not None):
