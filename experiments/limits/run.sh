@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# How near the limit, what it costs, which kernel ran, and the tuner, on one GPU (issue: fraction
+# of peak, joules, kernel path, a tuner for your own mask). From the repository root:
+#   bash experiments/limits/run.sh OUT [PHASE...]      PHASE: tests limits tune (default: all)
+# Offline GPU hosts: build the wheels first with the tuner's extra, e.g.
+#   ../shared/tools/gpu-wheelhouse .whl "hydra-optuna-sweeper>=1.2" "sqlalchemy>=1.4,<2" "alembic<1.14"
+# T_TIMEOUT bounds one run (default 300 s); TRIALS the tuner's trials per variant (default 6).
+set -u
+OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
+WHAT=" ${*:-tests limits tune} "
+ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
+export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0 XDG_CACHE_HOME=$W/cache
+python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
+PY
+AG="python3 -m attngym logger=none"
+SHAPE="shape.batch=4 shape.heads=16 shape.seq_len=8192 shape.head_dim=128"
+has() { [[ $WHAT == *" $1 "* ]]; }
+if has tests; then  # the limits metrics, the energy counter and the kernel path on this GPU
+  t tests python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/test_limits.py" \
+    "$ROOT/tests/test_profiling.py" "$ROOT/tests/test_tune.py"
+fi
+if has limits; then  # the README's headline variants at 8K: Triton, then FLASH, beside cuDNN
+  for v in full causal sliding_window document prefix_lm alibi softcap; do
+    t "triton_$v" $AG attention=$v $SHAPE 'baselines=[sdpa_cudnn]' hydra.run.dir=triton_$v
+    t "flash_$v" $AG attention=$v $SHAPE block_size=flash kernel_options.BACKEND=FLASH \
+      'baselines=[sdpa_cudnn,flex_default]' hydra.run.dir=flash_$v
+  done
+fi
+if has tune; then  # the tuner on three catalogue variants and a user's mask, then the winner
+  for v in causal sliding_window document custom; do
+    extra=$([ $v = custom ] && echo attention.mask_mod=mymasks.checkerboard)
+    T_TIMEOUT=${T_TUNE:-900} t "tune_$v" python3 -m attngym +experiment=tune attention=$v $extra \
+      hydra.sweeper.n_trials=${TRIALS:-6} hydra.sweep.dir=tune_$v
+    t "tuned_$v" $AG attention=$v $extra $SHAPE block_size=tuned 'baselines=[flex_default]' \
+      hydra.run.dir=tuned_$v
+    # the shipped table alone (an empty cache folder: no user table), against the same defaults
+    XDG_CACHE_HOME=$W/shipped t "shipped_$v" $AG attention=$v $extra $SHAPE block_size=tuned \
+      'baselines=[flex_default]' hydra.run.dir=shipped_$v
+  done
+  cp "$XDG_CACHE_HOME/attngym/tuned.json" "$OUT/user_tuned.json" 2>/dev/null
+  for d in "$W"/tune_*/; do cp "$d/summary.csv" "$OUT/$(basename $d).summary.csv" 2>/dev/null; done
+fi
+for d in "$W"/*/; do  # metrics of every run
+  [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
+done
+cat "$OUT/summary.txt"
+tar -C "$OUT" -czf /tmp/limits.tgz . && rm -rf "$OUT"/* && mv /tmp/limits.tgz "$OUT/"
