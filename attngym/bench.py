@@ -118,40 +118,64 @@ def block_sparsity(block_mask: Any) -> float:
     return 1.0 - computed / total if total else 0.0
 
 
-def mask_density(mask_mod: Any, block_mask: Any, batch: int, heads: int) -> float:
-    """Fraction of the (q, kv) entries, over every batch and head, that the mask keeps: the FLOPs
-    the mask needs (attention_flops with sparsity = 1 − density), exact, as the kernel sees it:
-    a full block of `block_mask` counts whole, a partial block's entries are evaluated
-    (mask_mod at every batch and head, one row of blocks at a time), a skipped block keeps
-    nothing. 1.0 without a mask."""
+# Entries (over every batch and head) mask_density evaluates at most; past it, every k-th row of
+# blocks (partial blocks only: full ones are counted exactly whatever the size).
+DENSITY_BUDGET = 1 << 32
+
+
+def mask_density(
+    mask_mod: Any, block_mask: Any, batch: int, heads: int, *, budget: int = DENSITY_BUDGET
+) -> tuple[float, float]:
+    """(density, rows): the fraction of the (q, kv) entries, over every batch and head, that the
+    mask keeps, the FLOPs the mask needs (attention_flops with sparsity = 1 − density), as the
+    kernel sees it: a full block of `block_mask` counts whole, a partial block's entries are
+    evaluated (mask_mod at every batch and head, one row of blocks at a time), a skipped block
+    keeps nothing. `rows`: the share of the rows of blocks whose partial blocks were evaluated,
+    1.0 (exact) unless they hold more than `budget` entries, when every k-th row is and the
+    others are taken to keep the same share. (1.0, 1.0) without a mask."""
     if mask_mod is None or block_mask is None:
-        return 1.0
+        return 1.0, 1.0
     sq, skv = block_mask.seq_lengths
     bq, bkv = block_mask.BLOCK_SIZE
-    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-    full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
-    device = num.device
+    num, idx = block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu()
+    full_num = (
+        None if block_mask.full_kv_num_blocks is None else block_mask.full_kv_num_blocks.cpu()
+    )
+    full_idx = None if full_num is None else block_mask.full_kv_indices.cpu()
+    device = block_mask.kv_num_blocks.device
+    rows_of = [min(bq, sq - i * bq) for i in range(num.shape[2])]
+    planes = _planes(num.shape, batch, heads)
+    full = 0
+    if full_num is not None:  # counted exactly: each full block's area, cut at the sequence's end
+        listed = torch.arange(full_idx.shape[-1]) < full_num.unsqueeze(-1)
+        widths = (skv - full_idx.long() * bkv).clamp(max=bkv) * listed
+        full = int((widths * torch.tensor(rows_of).view(1, 1, -1, 1)).sum()) * planes
+    partial_entries = int((num.sum((0, 1)) * torch.tensor(rows_of)).sum()) * bkv * planes
+    step = max(1, -(-partial_entries // budget))
     kept = torch.zeros((), dtype=torch.float64, device=device)
     for mb in range(num.shape[0]):  # the block mask's own batch and heads (1 when broadcast)
         bs = torch.arange(batch, device=device) if num.shape[0] == 1 else torch.tensor([mb])
         for mh in range(num.shape[1]):
             hs = torch.arange(heads, device=device) if num.shape[1] == 1 else torch.tensor([mh])
-            planes = bs.numel() * hs.numel()
-            for i in range(num.shape[2]):
-                q_pos = torch.arange(i * bq, min((i + 1) * bq, sq), device=device)
-                if full_num is not None:
-                    cols = full_idx[mb, mh, i, : full_num[mb, mh, i]].to(device)
-                    width = (skv - cols * bkv).clamp(max=bkv)
-                    kept += planes * q_pos.numel() * width.sum()
-                blocks = idx[mb, mh, i, : num[mb, mh, i]].to(device)
-                if blocks.numel():
-                    kv_pos = (blocks.view(-1, 1) * bkv + torch.arange(bkv, device=device)).view(-1)
-                    kv_pos = kv_pos[kv_pos < skv]
-                    keep = mask_mod(bs.view(-1, 1, 1, 1), hs.view(1, -1, 1, 1),
-                                    q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))  # fmt: skip
-                    shape = (bs.numel(), hs.numel(), q_pos.numel(), kv_pos.numel())
-                    kept += torch.broadcast_to(keep, shape).sum()
-    return float(kept) / (batch * heads * sq * skv)
+            b4, h4 = bs.to(device).view(-1, 1, 1, 1), hs.to(device).view(1, -1, 1, 1)
+            for i in range(0, num.shape[2], step):
+                blocks = idx[mb, mh, i, : int(num[mb, mh, i])]
+                if not blocks.numel():
+                    continue
+                q_pos = torch.arange(i * bq, i * bq + rows_of[i], device=device)
+                kv_pos = (blocks.view(-1, 1) * bkv + torch.arange(bkv)).view(-1)
+                kv_pos = kv_pos[kv_pos < skv].to(device)
+                keep = mask_mod(b4, h4, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
+                shape = (b4.shape[0], h4.shape[1], q_pos.numel(), kv_pos.numel())
+                kept += torch.broadcast_to(keep, shape).sum()
+    evaluated = len(range(0, num.shape[2], step)) / num.shape[2]
+    return (full + float(kept) / evaluated) / (batch * heads * sq * skv), evaluated
+
+
+def _planes(shape: torch.Size, batch: int, heads: int) -> int:
+    """The (batch, head) planes one (b, h) of a block mask stands for (all of them where the
+    mask broadcasts over that dimension)."""
+    return (batch if shape[0] == 1 else 1) * (heads if shape[1] == 1 else 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,15 @@ METRICS: tuple[Metric, ...] = (
         "the FLOPs the mask needs",
     ),
     M(
+        "mask_density_rows",
+        "density rows",
+        "fraction",
+        "the share of rows of blocks whose partial blocks mask_density evaluated: 1 is exact; "
+        "below, the partial blocks of every k-th row stood for the others (a mask too large to "
+        "evaluate whole)",
+        column=False,
+    ),
+    M(
         "flops_spent_over_kept",
         "FLOPs spent / kept",
         "ratio",

@@ -35,10 +35,22 @@ def test_mask_density_is_the_dense_masks_mean(variant, seq):
     if variant.name == "document":
         variant = variants.get("document", doc_lengths=[150, seq - 150])
     block_mask = kernels.make_block_mask(variant, seq, seq, block_size=(64, 128), device="cpu")
-    got = bench.mask_density(variant.mask_mod, block_mask, 2, 3)
+    got, rows = bench.mask_density(variant.mask_mod, block_mask, 2, 3)
     pos = torch.arange(seq)
     want = dense_mask(variant.mask_mod, 2, 3, pos, pos).expand(2, 3, seq, seq).double().mean()
-    assert got == pytest.approx(float(want), abs=1e-12)
+    assert got == pytest.approx(float(want), abs=1e-12) and rows == 1.0
+
+
+def test_past_its_budget_mask_density_samples_rows_and_says_so():
+    """Every other row of blocks evaluated (half the partial entries allowed): full blocks still
+    counted exactly, the evaluated rows standing for the others, `rows` 0.5."""
+    variant = variants.get("sliding_window", window_size=300)
+    seq = 4096
+    block_mask = kernels.make_block_mask(variant, seq, seq, block_size=(64, 64), device="cpu")
+    exact, _ = bench.mask_density(variant.mask_mod, block_mask, 1, 1)
+    partial = int(block_mask.kv_num_blocks.sum()) * 64 * 64
+    near, rows = bench.mask_density(variant.mask_mod, block_mask, 1, 1, budget=partial // 2 + 1)
+    assert rows == 0.5 and near == pytest.approx(exact, rel=0.01) and near != exact
 
 
 def test_peak_on_a_cpu_and_for_other_dtypes_says_why_not():

@@ -114,8 +114,9 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
             variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
         )
     sparsity = float(bench.block_sparsity(block_mask)) if block_mask is not None else 0.0
-    density = bench.mask_density(variant.mask_mod, block_mask, shape.batch, shape.heads)
+    density, rows = bench.mask_density(variant.mask_mod, block_mask, shape.batch, shape.heads)
     metrics["sparsity"], metrics["mask_density"] = sparsity, density
+    metrics["mask_density_rows"] = rows
     metrics["flops_spent_over_kept"] = (1.0 - sparsity) / density if density else None
     use_compile = settings.compile and device.type == "cuda"
 
