@@ -848,6 +848,35 @@ def _flash_is_installed(data: dict[str, Any]) -> None:
         )
 
 
+FLASH_RULES = (
+    _flash_needs_16_bit,
+    _flash_needs_compile,
+    _flash_on_this_device,
+    _flash_is_installed,
+)
+
+
+def flash_refusal(settings: Settings) -> str | None:
+    """Why this single-device run could not take FlexAttention's FLASH backend: the first FLASH
+    rule its settings break with BACKEND=FLASH and block_size=flash, in one line; None where
+    every rule passes (the kernel may still refuse what no rule here knows)."""
+    device = settings.device
+    blocks = _flash_block_size(device) if device == "cuda" else settings.block_size
+    data = {
+        "kernel_options": {**settings.kernel_options, "BACKEND": "FLASH"},
+        "dtype": settings.dtype,
+        "compile": settings.compile,
+        "device": {"name": device},
+        "block_size": {"q": blocks[0], "kv": blocks[1]},
+    }
+    for rule in FLASH_RULES:
+        try:
+            rule(data)
+        except ConfigError as err:  # its message, less the key and the advice after "; "
+            return str(err).removeprefix(f"{err.key}: ").split("; ")[0]
+    return None
+
+
 # The rules on values alone, in this order (check_config and from_config).
 VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _kv_heads_divide_heads,

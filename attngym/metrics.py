@@ -230,6 +230,13 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("kernel_path_bwd", "bwd kernel", "", "the same for the backward", shown="run"),
     M(
+        "flash",
+        "FLASH",
+        "",
+        "ran, possible (no FLASH rule refuses this run), or refused: the first rule it breaks",
+        shown="run",
+    ),
+    M(
         "not_measured",
         "not measured",
         "",

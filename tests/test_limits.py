@@ -124,6 +124,10 @@ def test_a_cpu_run_says_in_one_place_what_it_cannot_measure(tmp_path):
         "kernel path (no CUDA kernels on cpu)"
     )
     assert "kernel_path_fwd" not in metrics
+    assert (
+        metrics["flash"]
+        == "refused: FLASH needs a 16-bit dtype (bfloat16 or float16), but dtype=float32"
+    )
     for key in ("peak_tflops", "peak_source", "energy_source", "fwd_peak_fraction"):
         assert metrics[key] is None, key
     assert "fwd_joules" not in metrics and metrics["sdpa_dense_mask_fwd_peak_fraction"] is None
@@ -185,3 +189,4 @@ def test_a_gpu_run_reports_its_fraction_of_peak_energy_and_kernel_path(tmp_path)
         assert metrics["fwd_bwd_joules"] > metrics["fwd_joules"] > 0
         assert metrics["fwd_joules_per_token"] == pytest.approx(metrics["fwd_joules"] / 4096)
     assert "kernel path" not in (metrics["not_measured"] or "")
+    assert metrics["flash"].startswith(("possible", "refused: FLASH runs flash-attn-4"))

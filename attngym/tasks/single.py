@@ -196,7 +196,21 @@ def _time_flex(job: OneDevice, metrics: dict[str, Any]) -> dict[str, Any]:
         phases.limits(job.rank, flex, _kept_flops(job), dtype=s.dtype,
                       tokens=s.shape.batch * s.shape.seq_len)
     )  # fmt: skip
+    metrics["flash"] = _flash(s, metrics.get("kernel_path_fwd"))
     return flex
+
+
+def _flash(settings: Settings, kernel_path: str | None) -> str:
+    """ran (the forward's kernels were FLASH's), refused: the first FLASH rule the run breaks,
+    or possible: none does."""
+    from attngym.config import flash_refusal
+
+    if kernel_path is not None and kernel_path.startswith("flash"):
+        return "ran"
+    why = flash_refusal(settings)
+    if why is not None:
+        return f"refused: {why}"
+    return "possible: no FLASH rule refuses it (kernel_options.BACKEND=FLASH block_size=flash)"
 
 
 def _kept_flops(job: OneDevice) -> dict[str, float]:
