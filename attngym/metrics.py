@@ -226,15 +226,13 @@ METRICS: tuple[Metric, ...] = (
         "",
         "the kernel family the forward ran (triton, flash, triton decode, or eager: no fused "
         "kernel) and its kernel, read from a profiled call",
-        shown="run",
     ),
-    M("kernel_path_bwd", "bwd kernel", "", "the same for the backward", shown="run"),
+    M("kernel_path_bwd", "bwd kernel", "", "the same for the backward"),
     M(
         "flash",
         "FLASH",
         "",
         "ran, possible (no FLASH rule refuses this run), or refused: the first rule it breaks",
-        shown="run",
     ),
     M(
         "not_measured",
@@ -242,7 +240,6 @@ METRICS: tuple[Metric, ...] = (
         "",
         "what of the fraction of peak, the energy and the kernel path this device cannot give, "
         "and why",
-        shown="run",
     ),
     M(
         "first_call_s",

@@ -51,6 +51,7 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     for text, value in rows:
         lines.append(f"  {text:<{width}}  {value}")
     lines += [f"  note: {note}" for note in _cpu_notes(metrics)]
+    lines += _limits_lines(metrics)
     if (spread := timing_spread(metrics)) is not None:
         lines.append(f"  warning: {spread}")
     if metrics.get("error"):
@@ -102,6 +103,30 @@ def _value(key: str, value: Any) -> str:
     if speedup and isinstance(value, int | float) and 0 < value < 1:
         text += f" ({1 / value:.3g}x slower)"
     return text
+
+
+def _limits_lines(metrics: dict[str, Any]) -> list[str]:
+    """Which kernels ran and whether FLASH could have, then what this device could not measure
+    (tasks.phases.limits), each wrapped to the table's width."""
+    import textwrap
+
+    paths = [
+        f"{p} {str(metrics[f'kernel_path_{p}']).split(' (')[0]}"
+        for p in ("fwd", "bwd")
+        if metrics.get(f"kernel_path_{p}")
+    ]
+    said = [f"kernels: {', '.join(paths)}"] if paths else []
+    if metrics.get("flash"):
+        said.append(f"FLASH: {metrics['flash']}")
+    if metrics.get("not_measured"):
+        said.append(f"not measured here: {metrics['not_measured']}")
+    return [
+        line
+        for text in said
+        for line in textwrap.wrap(
+            printable(text), 96, initial_indent="  ", subsequent_indent="    "
+        )
+    ]
 
 
 def _cpu_notes(metrics: dict[str, Any]) -> list[str]:
