@@ -1,4 +1,8 @@
-"""The tuned block-size / kernel-option table, and how a sweep's winners get into it.
+"""The tuned block-size / kernel-option tables, and how a sweep's winners get into them.
+
+Two tables: the shipped one (`tuned.json` beside this file) and yours (`user_table()`, in the
+cache folder, written by the tuner `+experiment=tune` at the end of each study's sweep; an entry
+already better stays). `block_size=tuned` looks in yours first.
 
 `+experiment=block_size_sweep` times FlexAttention over block-mask block sizes and Triton kernel
 options; `python -m attngym.tuning SWEEP_DIR` picks the fastest ok job per (GPU capability,
@@ -208,7 +212,8 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
 
     Rows run with `kernel_options.BACKEND=FLASH` compete apart and go under the entry's "flash"
     key, with `over_triton`: their metric over the same row's `flex_default_<metric>` (Triton,
-    same process, same inputs); a FLASH row without that column is skipped with a warning.
+    same process, same inputs), else over the rows' best Triton one (a tuning study's trials);
+    a FLASH row with neither is skipped with a warning.
 
     Args:
         rows: summary.csv rows (strings), with columns capability, variant, head_dim, block_q,
@@ -245,18 +250,22 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
         part = "flash" if options.get("BACKEND") == FLASH else "triton"
         if part == "flash":
             reference = row.get(f"{TRITON_REFERENCE}_{metric}")
-            if not reference:
-                log.warning(
-                    "FLASH row for %s has no %s_%s: not comparable, skipped",
-                    name,
-                    TRITON_REFERENCE,
-                    metric,
-                )
-                continue
-            ratio = measured / float(reference)
-            entry["over_triton"] = round(ratio if higher_is_better(metric) else 1 / ratio, 3)
+            entry["reference"] = float(reference) if reference else None
         if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:
             best[(gpu, name, part)] = (score, entry)
+    for (gpu, name, part), (_, entry) in list(best.items()):
+        if part != "flash":
+            continue
+        # Triton in the same process (flex_default), else the rows' best Triton (a tuning study)
+        reference = entry.pop("reference")
+        if reference is None and (gpu, name, "triton") in best:
+            reference = best[(gpu, name, "triton")][1][metric]
+        if reference is None:
+            log.warning("FLASH row for %s has no Triton to compare with: skipped", name)
+            del best[(gpu, name, part)]
+            continue
+        ratio = entry[metric] / reference
+        entry["over_triton"] = round(ratio if higher_is_better(metric) else 1 / ratio, 3)
     table: dict[str, dict[str, Any]] = {}
     for (gpu, name, part), (_, entry) in sorted(best.items()):
         slot = table.setdefault(gpu, {}).setdefault(name, {})

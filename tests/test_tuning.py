@@ -266,3 +266,20 @@ def test_times_win_when_lower_and_a_better_entry_is_kept(tmp_path):
     faster = [{**rows[0], "block_q": "16", "fwd_bwd_ms": "1.5"}]
     table = tuning.update(sweep("third", faster), "fwd_bwd_ms", path, keep_better=True)
     assert table["sm90"]["mine/d64"]["block_size"] == [16, 128]
+
+
+def test_a_studys_flash_trial_is_judged_against_its_best_triton_trial():
+    """The tuner's trials run FLASH and Triton apart (no flex_default column): FLASH's part is
+    measured against the best Triton trial of the same rows, so block_size=tuned can take it."""
+    base = {"capability": "9.0", "variant": "mine", "head_dim": "128", "seq_len": "8192",
+            "status": "ok", "validation": "ok"}  # fmt: skip
+    rows = [
+        {**base, "block_q": "128", "block_kv": "128", "fwd_bwd_ms": "2.0"},
+        {**base, "block_q": "64", "block_kv": "128", "fwd_bwd_ms": "2.4"},
+        {**base, "block_q": "128", "block_kv": "128", "fwd_bwd_ms": "1.6",
+         "kernel_options.BACKEND": "FLASH"},
+    ]  # fmt: skip
+    entry = tuning.winners(rows, "fwd_bwd_ms")["sm90"]["mine/d128"]
+    assert entry["fwd_bwd_ms"] == 2.0 and entry["flash"]["over_triton"] == 1.25
+    alone = tuning.winners(rows[2:], "fwd_bwd_ms")  # no Triton to compare with: skipped
+    assert alone == {}
