@@ -2,7 +2,7 @@
 # (no NVLink multicast), attngym and its wheels from .whl/ where the machine has no network
 # (Hydra, OmegaConf, wandb, attngym's own), and `t NAME COMMAND...`, which runs a command in $W
 # with a timeout (T_TIMEOUT, default 300 s) into $OUT/NAME.log and notes its exit code and wall
-# time in $OUT/summary.txt.
+# time in $OUT/summary.txt; `readme_masks DIR` writes the Quick start's mymasks.py into DIR.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -14,4 +14,11 @@ t() {
   ( cd "$W" && timeout "${T_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1 )
   local rc=$?
   echo "$name rc=$rc wall_s=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" | tee -a "$OUT/summary.txt"
+}
+readme_masks() {  # the Quick start's mymasks.py, as the README writes it, into folder $1
+  python3 - "$PWD/README.md" > "$1/mymasks.py" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read().split("## Quick start", 1)[1]
+print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
+PY
 }

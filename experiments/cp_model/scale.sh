@@ -9,11 +9,7 @@ OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
 WHAT=" ${*:-real plan auto big ring exchange exchange_docs} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
-python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
-import re, sys
-text = open(sys.argv[1]).read()
-print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
-PY
+readme_masks $W
 AG="python3 -m attngym logger=none"
 SHAPE="shape.batch=1 shape.heads=8 shape.head_dim=128"
 has() { [[ $WHAT == *" $1 "* ]]; }

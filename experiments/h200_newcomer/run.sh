@@ -11,12 +11,7 @@ mkdir -p "$OUT"
 T_TIMEOUT=200  # seconds a command may take (t, experiments/gpu_env.sh)
 source experiments/gpu_env.sh  # the H200's settings, the wheels of .whl/, t NAME COMMAND
 W=/tmp/w_newcomer && rm -rf $W && mkdir -p $W
-# The Quick start's mymasks.py, as the README writes it.
-python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
-import re, sys
-text = open(sys.argv[1]).read().split("## Quick start", 1)[1]
-print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
-PY
+readme_masks $W  # the Quick start's mymasks.py
 AG="python3 -m attngym logger=none"
 t quick_start $AG attention=custom attention.mask_mod=mymasks.checkerboard hydra.run.dir=quick
 t ring1_causal_32k $AG topology=ring topology.world_size=1 shape.seq_len=32768 shape.heads=8 shape.head_dim=128 hydra.run.dir=ring1

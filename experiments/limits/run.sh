@@ -10,11 +10,7 @@ OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
 WHAT=" ${*:-tests limits tune} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0 XDG_CACHE_HOME=$W/cache
-python3 - "$PWD/README.md" > $W/mymasks.py <<'PY'
-import re, sys
-text = open(sys.argv[1]).read()
-print(re.search(r"cat > mymasks.py <<'PY'\n(.*?)\nPY\n", text, re.DOTALL)[1])
-PY
+readme_masks $W
 AG="python3 -m attngym logger=none"
 SHAPE="shape.batch=4 shape.heads=16 shape.seq_len=8192 shape.head_dim=128"
 has() { [[ $WHAT == *" $1 "* ]]; }
