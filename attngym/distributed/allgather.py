@@ -45,7 +45,6 @@ from attngym.distributed.cp import (
     CPStats,
     StepClock,
     attend,
-    mapped_call,
     pairs,
     run,
     runs_read,
@@ -219,12 +218,28 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = 
 
 
 def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan):
+    """(variant, block mask) of this rank's call: the variant read at the global positions of its
+    queries and keys (positions.at_positions), its mask cut from the call's grid where it has
+    one, else built from the mapped mask on flex; None on the reference backend without a grid."""
+    from attngym.distributed.positions import at_positions
+
     tables = kernels.offsets_as_tables(call.options.kernel_options)
     key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables)
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
-        positions = key_positions(call.layout, call.rank, plan, q.device)
-        per[key] = mapped_call(call, positions, q.device, "gathered", full=False)
+        q_pos = call.layout.positions(call.rank, q.device)
+        kv_pos = key_positions(call.layout, call.rank, plan, q.device)
+        name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.gathered"
+        mapped = at_positions(call.variant, q_pos, kv_pos, q.device, name, offsets_as_tables=tables)
+        block_mask = None
+        if call.plans is not None:  # cut from the grid: no mask evaluated for this call
+            block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
+        if block_mask is None and call.backend == "flex":
+            block_mask = kernels.make_block_mask(
+                mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
+                device=q.device,
+            )  # fmt: skip
+        per[key] = mapped, block_mask
     return per[key]
 
 

@@ -720,29 +720,6 @@ class GradSum:
         return out
 
 
-def mapped_call(call: CPCall, kv_positions: torch.Tensor, device, tag: str, *, full: bool):
-    """(variant, block mask) of one call of this rank's whole q shard against keys at
-    `kv_positions` (global positions, in the call's order): the variant read through both
-    position maps (positions.at_positions), its mask cut from the call's grid where it has one,
-    else built from the mapped mask on flex (`full`: also when the variant has no mask, a full
-    one, for flex's backward op); None on the reference backend without a grid."""
-    from attngym.distributed.positions import at_positions
-
-    q_pos = call.layout.positions(call.rank, device)
-    name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.{tag}"
-    tables = kernels.offsets_as_tables(call.options.kernel_options)
-    mapped = at_positions(call.variant, q_pos, kv_positions, device, name, offsets_as_tables=tables)
-    block_mask = None
-    if call.plans is not None:  # cut from the grid: no mask evaluated for this call
-        block_mask = call.plans.sub_mask(q_pos, kv_positions, mapped.mask_mod)
-    if block_mask is None and (full or call.backend == "flex"):
-        block_mask = kernels.make_block_mask(
-            mapped, q_pos.numel(), kv_positions.numel(), block_size=call.options.block_size,
-            device=device, full_when_unmasked=full,
-        )  # fmt: skip
-    return mapped, block_mask
-
-
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
     """Attend this rank's q chunks to kv_rank's K/V (its shard, or the `window` of it held)."""
     for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank, window=window):
