@@ -24,7 +24,8 @@ MASK = ["attention=custom", "attention.mask_mod=stripes.stripes"]
 
 
 def _attngym(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "PYTHONPATH": str(tmp),
+    path = os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "PYTHONPATH": path,
            "ATTNGYM_PROGRESS": "0"}  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", "attngym", *args], cwd=tmp, env=env, capture_output=True,

@@ -83,7 +83,7 @@ from attngym.distributed.cp import attend_chunk
 from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
-from attngym.metrics import pass_metrics
+from attngym.metrics import pass_flops, pass_metrics
 from attngym.tasks import phases
 from attngym.tasks.cp_setup import (
     cp_options,
@@ -378,6 +378,36 @@ class RankJob:
         torch.distributed.all_reduce(t, op=op, group=self.wait_group)
         return int(t.item())
 
+    def sum_over_devices(self, value: float) -> float:
+        """`value` summed over the devices the ranks run on: of the ranks that share a device
+        (several processes on one GPU), the lowest counts (a collective)."""
+        t = torch.tensor([value if self._first_on_device else 0.0], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.wait_group)
+        return float(t.item())
+
+    @functools.cached_property
+    def _first_on_device(self) -> bool:
+        return first_on_device(self.device, self.rank, self.world_size, self.wait_group)
+
+
+def first_on_device(device: torch.device, rank: int, world_size: int, group: Any = None) -> bool:
+    """Whether no lower rank runs on `device` (the same host and device): the rank that speaks
+    for a device several ranks share (a collective over `group`)."""
+    import socket
+
+    here = (socket.gethostname(), _device_id(device))
+    every: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(every, here, group=group)
+    return every.index(here) == rank
+
+
+def _device_id(device: torch.device) -> str:
+    """The device's identity on its host: the GPU's UUID (two ranks given one GPU by different
+    indices still match), else its name."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_properties(device).uuid)
+    return str(device)
+
 
 def shard(job: RankJob) -> dict[str, Any]:
     """Draw the whole inputs on the CPU (the same draw on every rank), keep this rank's shards on
@@ -399,6 +429,7 @@ def shard(job: RankJob) -> dict[str, Any]:
         warmup=s.benchmark.warmup,
         repeats=s.benchmark.repeats,
         max_over_ranks=job.max_over_ranks,
+        sum_over_devices=job.sum_over_devices,
     )
     return {
         **placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device),
@@ -469,22 +500,37 @@ def validate(job: RankJob) -> dict[str, Any]:
 
 def time_passes(job: RankJob) -> dict[str, Any]:
     """fwd, bwd, fwd+bwd timed on every rank at once (attngym.tasks.phases); sparsity,
-    peak_mem_bytes (the largest rank's)."""
+    peak_mem_bytes (the largest rank's); then how near the limit they ran (phases.limits: the
+    fraction of every device's peak on the FLOPs the mask keeps, the joules over every device,
+    the kernel path) with the mask's density, from rank 0's whole-problem block mask."""
     from attngym import bench
 
+    s = job.settings
+    metrics: dict[str, Any] = {}
+    kept: dict[str, float] = {}  # rank 0's: the other ranks' limits are not reported
     if job.rank == 0:
         job.block_mask = kernels.make_block_mask(
-            job.variant,
-            job.seq_len,
-            job.seq_len,
-            block_size=job.settings.block_size,
-            device=job.device,
+            job.variant, job.seq_len, job.seq_len, block_size=s.block_size, device=job.device
         )
+        density, rows = bench.mask_density(
+            job.variant.mask_mod, job.block_mask, s.shape.batch, s.shape.heads
+        )
+        metrics.update(mask_density=density, mask_density_rows=rows)
+        kept = {
+            p: f / job.world_size
+            for p, f in pass_flops(s.shape, job.seq_len, 1.0 - density).items()
+        }
     sparsity = float(bench.block_sparsity(job.block_mask))
-    metrics: dict[str, Any] = {"sparsity": sparsity}
+    metrics["sparsity"] = sparsity
+    if job.rank == 0:
+        metrics["flops_spent_over_kept"] = bench.spent_over_kept(sparsity, density)
     with phases.peak_memory(job.measured, metrics, "peak_mem_bytes"):
         phases.time_passes(job.measured, job.passes, into=job.timings)
-    metrics.update(pass_metrics(job.timings, job.settings.shape, job.seq_len, sparsity))
+    metrics.update(pass_metrics(job.timings, s.shape, job.seq_len, sparsity))
+    metrics.update(
+        phases.limits(job.measured, job.timings, kept, dtype=s.dtype,
+                      tokens=s.shape.batch * job.seq_len)
+    )  # fmt: skip
     return metrics
 
 

@@ -60,7 +60,7 @@ def first(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
-def _same(value: int) -> int:
+def _same(value: Any) -> Any:
     return value
 
 
@@ -77,6 +77,9 @@ class Rank:
         warmup, repeats: benchmark.warmup and benchmark.repeats.
         label: what progress bars call the measured call (None: no bar).
         max_over_ranks: an int of every rank reduced to its largest.
+        sum_over_devices: a float of every rank summed over the devices the ranks run on, a
+            device that several ranks share counted once (energy read from a device's counter
+            holds every process on it).
     """
 
     attend: Callable[[], Any]
@@ -87,6 +90,7 @@ class Rank:
     repeats: int
     label: str | None = None
     max_over_ranks: Callable[[int], int] = _same
+    sum_over_devices: Callable[[float], float] = _same
 
     def grads(self, out: Any, grad_out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The gradients of the leaves for output gradient `grad_out` (default: the seeded one)."""
@@ -209,18 +213,22 @@ ENERGY_PASSES = ("fwd", "fwd_bwd")
 def pass_energy(rank: Rank, timings: Mapping[str, Any], meter: Any) -> dict[str, Any]:
     """{pass: energy.Energy} of the measured call's timed passes in ENERGY_PASSES, each from
     enough calls to span half a second (attngym.energy.joules_per_call), in the grad mode they
-    were timed in."""
+    were timed in. Every rank makes as many calls (the slowest rank's count: the calls may be
+    collectives) and its device's joules are summed over the devices (Rank.sum_over_devices)."""
     from attngym import energy
 
     runs = _pass_calls(rank, rank.attend)
     records = any(p in BACKWARD_PASSES for p in timings)
     out = {}
     for name in (p for p in ENERGY_PASSES if timings.get(p) is not None):
+        call_ms = rank.max_over_ranks(round(timings[name].median_ms * 1e3)) / 1e3
         with torch.set_grad_enabled(records):
-            out[name] = energy.joules_per_call(
-                meter, runs[name][0], rank.device, call_ms=timings[name].median_ms,
-                repeats=rank.repeats,
-            )  # fmt: skip
+            spent = energy.joules_per_call(
+                meter, runs[name][0], rank.device, call_ms=call_ms, repeats=rank.repeats
+            )
+        out[name] = energy.Energy(
+            rank.sum_over_devices(spent.joules), rank.sum_over_devices(spent.watts)
+        )
     return out
 
 
@@ -228,26 +236,34 @@ def limits(
     rank: Rank, timings: Mapping[str, Any], kept_flops: Mapping[str, float], *, dtype: str,
     tokens: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """How near the device's limit the timed passes ran, and what they cost.
+    """How near the device's limit the timed passes ran, and what they cost; on several ranks a
+    collective (every rank calls it; rank 0's result is the run's).
+
+    Args:
+        kept_flops: per pass, the FLOPs of this rank's share of what the mask keeps (the whole
+            problem's over the world size); a pass missing here gets no peak fraction.
+        tokens: the tokens one call attends, over every rank.
 
     Returns:
-        peak_tflops and peak_source (attngym.peak), <pass>_peak_fraction (the FLOPs the mask
-        keeps, `kept_flops` per pass, over the pass's time, over the peak); energy_source and
-        <pass>_joules, _watts and _joules_per_token (`tokens` a call attends) from NVML;
-        kernel_path_fwd and kernel_path_bwd (`kernel_paths`); and not_measured: what of these
-        this device cannot give, and why, in one place (None when everything was measured).
+        peak_tflops and peak_source (attngym.peak), <pass>_peak_fraction (`kept_flops` over the
+        pass's time, over the peak); energy_source and <pass>_joules, _watts and
+        _joules_per_token of one call over every device (NVML); kernel_path_fwd and
+        kernel_path_bwd (`kernel_paths`); and not_measured: what of these this device cannot
+        give, and why, in one place (None when everything was measured).
     """
     from attngym import bench, energy, peak
 
     top = peak.peak(rank.device, dtype)
     meter, energy_why = energy.meter(rank.device)
+    if rank.max_over_ranks(int(meter is None)) and meter is not None:
+        meter, energy_why = None, "another rank's device has no readable energy counter"
     out: dict[str, Any] = {
         "peak_tflops": top.tflops,
         "peak_source": top.source if top.tflops else None,
         "energy_source": energy_why if meter is not None else None,
     }
     for p, timing in timings.items():
-        if timing is not None:
+        if timing is not None and p in kept_flops:
             out[f"{p}_peak_fraction"] = bench.peak_fraction(
                 kept_flops[p], timing.median_ms, top.tflops
             )

@@ -117,7 +117,7 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
     density, rows = bench.mask_density(variant.mask_mod, block_mask, shape.batch, shape.heads)
     metrics["sparsity"], metrics["mask_density"] = sparsity, density
     metrics["mask_density_rows"] = rows
-    metrics["flops_spent_over_kept"] = (1.0 - sparsity) / density if density else None
+    metrics["flops_spent_over_kept"] = bench.spent_over_kept(sparsity, density)
     use_compile = settings.compile and device.type == "cuda"
 
     def flex() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # How near the limit, what it costs, which kernel ran, and the tuner, on one GPU (issue: fraction
 # of peak, joules, kernel path, a tuner for your own mask). From the repository root:
-#   bash experiments/limits/run.sh OUT [PHASE...]      PHASE: tests limits tune (default: all)
+#   bash experiments/limits/run.sh OUT [PHASE...]      PHASE: tests triton flash tune (default: all)
 # Offline GPU hosts: build the wheels first with the tuner's extra, e.g.
 #   ../shared/tools/gpu-wheelhouse .whl "hydra-optuna-sweeper>=1.2" "sqlalchemy>=1.4,<2" "alembic<1.14"
+# and, for the flash phase, flash-attn-4's (experiments/h200_flex/README.md lists them).
 # T_TIMEOUT bounds one run (default 300 s); TRIALS the tuner's trials per variant (default 6).
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-tests limits tune} "
+WHAT=" ${*:-tests triton flash tune} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0 XDG_CACHE_HOME=$W/cache
 readme_masks $W
@@ -18,9 +19,14 @@ if has tests; then  # the limits metrics, the energy counter and the kernel path
   t tests python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/test_limits.py" \
     "$ROOT/tests/test_profiling.py" "$ROOT/tests/test_tune.py"
 fi
-if has limits; then  # the README's headline variants at 8K: Triton, then FLASH, beside cuDNN
-  for v in full causal sliding_window document prefix_lm alibi softcap; do
+HEADLINE="full causal sliding_window document prefix_lm alibi softcap"
+if has triton; then  # the README's headline variants at 8K, beside cuDNN
+  for v in $HEADLINE; do
     t "triton_$v" $AG attention=$v $SHAPE 'baselines=[sdpa_cudnn]' hydra.run.dir=triton_$v
+  done
+fi
+if has flash; then  # the same with FLASH, beside cuDNN and Triton flex's defaults
+  for v in $HEADLINE; do
     t "flash_$v" $AG attention=$v $SHAPE block_size=flash kernel_options.BACKEND=FLASH \
       'baselines=[sdpa_cudnn,flex_default]' hydra.run.dir=flash_$v
   done

@@ -68,6 +68,12 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
     for key in ("peak_mem_bytes", "torch_cp_peak_mem_bytes"):
         assert metrics[key] is None or metrics[key] > 0, key
     assert metrics["load_imbalance"] >= 1.0
+    # How near the limit, as one device's run says it: the causal mask keeps (S + 1) / 2S of the
+    # entries (exact), and a CPU says in one place what it cannot measure.
+    assert metrics["mask_density"] == pytest.approx(513 / 1024)
+    assert metrics["flops_spent_over_kept"] == pytest.approx((1 - metrics["sparsity"]) * 1024 / 513)
+    assert metrics["not_measured"].startswith("fraction of peak (no peak for cpu devices); energy")
+    assert metrics["fwd_peak_fraction"] is None and "fwd_joules" not in metrics
     # PyTorch's own CP ran on the same shards (the presets list it): its forward agrees with
     # attngym's on the validated rows (both float32 over the same blocks: ~1e-7 measured), its
     # backward is recorded as missing on CPU.
@@ -191,6 +197,28 @@ def _settings(**topology):
         benchmark=Benchmark(warmup=0, repeats=1),
         baselines=("torch_cp",),
     )
+
+
+def _first_on_device(rank, world_size, devices):
+    """Every rank's answer for `devices` (one device name per rank), gathered on every rank."""
+    from attngym.tasks.context_parallel import first_on_device
+
+    mine = first_on_device(torch.device(devices[rank]), rank, world_size)
+    every = [None] * world_size
+    torch.distributed.all_gather_object(every, mine)
+    return every
+
+
+@pytest.mark.parametrize(
+    ("devices", "first"),
+    [(("cpu", "cpu", "cpu"), [True, False, False]), (("cpu", "meta", "cpu"), [True, True, False])],
+)
+def test_the_lowest_rank_on_a_device_speaks_for_it(devices, first):
+    """Energy is read from a device's counter, which holds every process on it: of the ranks that
+    share a device only the lowest counts it."""
+    from attngym.distributed.launch import launch
+
+    assert launch(_first_on_device, 3, args=(devices,), timeout_s=60) == first
 
 
 def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
