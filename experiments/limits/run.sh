@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # How near the limit, what it costs, which kernel ran, and the tuner, on one GPU (issue: fraction
 # of peak, joules, kernel path, a tuner for your own mask). From the repository root:
-#   bash experiments/limits/run.sh OUT [PHASE...]      PHASE: tests triton flash tune (default: all)
+#   bash experiments/limits/run.sh OUT [PHASE...]      PHASE: tests triton flash cp tune (default: all)
 # Offline GPU hosts: build the wheels first with the tuner's extra, e.g.
 #   ../shared/tools/gpu-wheelhouse .whl "hydra-optuna-sweeper>=1.2" "sqlalchemy>=1.4,<2" "alembic<1.14"
 # and, for the flash phase, flash-attn-4's (experiments/h200_flex/README.md lists them).
 # T_TIMEOUT bounds one run (default 300 s); TRIALS the tuner's trials per variant (default 6).
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-tests triton flash tune} "
+WHAT=" ${*:-tests triton flash cp tune} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0 XDG_CACHE_HOME=$W/cache
 readme_masks $W
@@ -30,6 +30,10 @@ if has flash; then  # the same with FLASH, beside cuDNN and Triton flex's defaul
     t "flash_$v" $AG attention=$v $SHAPE block_size=flash kernel_options.BACKEND=FLASH \
       'baselines=[sdpa_cudnn,flex_default]' hydra.run.dir=flash_$v
   done
+fi
+if has cp; then  # a context-parallel run reports the same, two ranks sharing this GPU (counted once)
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 t cp_ring $AG +experiment=ring_attention \
+    topology.world_size=2 shape.seq_len=32768 shape.heads=8 hydra.run.dir=cp_ring
 fi
 if has tune; then  # the tuner on three catalogue variants and a user's mask, then the winner
   for v in causal sliding_window document custom; do
