@@ -1,10 +1,12 @@
 """Joules from NVML's total energy counter (`nvmlDeviceGetTotalEnergyConsumption`, millijoules
 since the driver loaded; Volta and newer): what a timed pass costs in energy.
 
-The counter moves in steps of milliseconds, so a pass of a millisecond is not read around one
-call: `joules_per_call` runs the call enough times to span `min_s` seconds (at least `repeats`)
-between two reads, synchronised, and divides. Where there is no counter (a CPU run, no NVML, a
-GPU without the counter) `meter` returns None and the reason, and nothing is recorded as measured.
+The counter moves in steps (every 100 ms on an H200, experiments/limits/energy_tick.py), so a
+read can be up to a step stale and a window of a few steps between two arbitrary reads is off by
+tens of percent. `joules_per_call` therefore runs the call in a loop of about `min_s`, takes the
+average power between the first and the last moment the counter moved in it (the device busy
+throughout), and multiplies it by the loop's time per call. Where there is no counter (a CPU run, no NVML, a GPU
+without it) `meter` returns None and the reason, and nothing is recorded as measured.
 """
 
 from __future__ import annotations
@@ -66,15 +68,26 @@ def joules_per_call(
     *,
     call_ms: float,
     repeats: int,
-    min_s: float = 0.5,
-) -> Energy:
-    """The energy of one `fn()`, from enough calls to span `min_s` at `call_ms` each, at least
-    `repeats`, between two synchronised reads."""
+    min_s: float = 2.0,
+) -> Energy | None:
+    """The energy of one `fn()`: `fn` runs as many times as span `min_s` at `call_ms` each (at
+    least `repeats`: a count every rank agrees on, the calls may be collectives), the counter is
+    read after each call, and the average power between its first and last steps in the loop
+    times the loop's time per call is the answer. None when the counter moved fewer than twice."""
     calls = max(repeats, math.ceil(min_s * 1e3 / max(call_ms, 1e-3)))
     sync(device)
-    start_mj, start_s = meter.millijoules(), time.perf_counter()
+    start_s, seen = time.perf_counter(), meter.millijoules()
+    steps: list[tuple[int, float]] = []  # (the counter's new value, when the host saw it)
     for _ in range(calls):
         fn()
+        now = meter.millijoules()
+        if now != seen:
+            steps.append((now, time.perf_counter()))
+            seen = now
     sync(device)
-    spent_j = (meter.millijoules() - start_mj) / 1e3
-    return Energy(spent_j / calls, spent_j / (time.perf_counter() - start_s))
+    per_call_s = (time.perf_counter() - start_s) / calls
+    if len(steps) < 2:
+        return None
+    (first_mj, first_s), (last_mj, last_s) = steps[0], steps[-1]
+    watts = (last_mj - first_mj) / 1e3 / (last_s - first_s)
+    return Energy(watts * per_call_s, watts)

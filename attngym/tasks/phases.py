@@ -211,10 +211,11 @@ ENERGY_PASSES = ("fwd", "fwd_bwd")
 
 
 def pass_energy(rank: Rank, timings: Mapping[str, Any], meter: Any) -> dict[str, Any]:
-    """{pass: energy.Energy} of the measured call's timed passes in ENERGY_PASSES, each from
-    enough calls to span half a second (attngym.energy.joules_per_call), in the grad mode they
-    were timed in. Every rank makes as many calls (the slowest rank's count: the calls may be
-    collectives) and its device's joules are summed over the devices (Rank.sum_over_devices)."""
+    """{pass: energy.Energy} of the measured call's timed passes in ENERGY_PASSES, each from a
+    loop of about two seconds (attngym.energy.joules_per_call), in the grad mode they were timed
+    in; empty when a rank's counter did not move. Every rank makes as many calls (the slowest
+    rank's count: the calls may be collectives) and the joules are summed over the devices
+    (Rank.sum_over_devices)."""
     from attngym import energy
 
     runs = _pass_calls(rank, rank.attend)
@@ -226,6 +227,8 @@ def pass_energy(rank: Rank, timings: Mapping[str, Any], meter: Any) -> dict[str,
             spent = energy.joules_per_call(
                 meter, runs[name][0], rank.device, call_ms=call_ms, repeats=rank.repeats
             )
+        if rank.max_over_ranks(int(spent is None)):
+            return {}
         out[name] = energy.Energy(
             rank.sum_over_devices(spent.joules), rank.sum_over_devices(spent.watts)
         )
@@ -268,7 +271,11 @@ def limits(
                 kept_flops[p], timing.median_ms, top.tflops
             )
     if meter is not None:
-        for p, spent in pass_energy(rank, timings, meter).items():
+        spent_by_pass = pass_energy(rank, timings, meter)
+        if not spent_by_pass:
+            meter, energy_why = None, "NVML's energy counter did not move during the calls"
+            out["energy_source"] = None
+        for p, spent in spent_by_pass.items():
             out[f"{p}_joules"], out[f"{p}_watts"] = spent.joules, spent.watts
             out[f"{p}_joules_per_token"] = spent.joules / tokens
     on_gpu = rank.device.type == "cuda"
