@@ -5,8 +5,9 @@ The counter moves in steps (every 100 ms on an H200, experiments/limits/energy_t
 read can be up to a step stale and a window of a few steps between two arbitrary reads is off by
 tens of percent. `joules_per_call` therefore runs the call in a loop of about `min_s`, takes the
 average power between the first and the last moment the counter moved in it (the device busy
-throughout), and multiplies it by the loop's time per call. Where there is no counter (a CPU run, no NVML, a GPU
-without it) `meter` returns None and the reason, and nothing is recorded as measured.
+throughout), and multiplies it by the loop's time per call. Where there is no counter (a CPU
+run, no NVML, a GPU without it) `meter` returns None and the reason, and nothing is recorded as
+measured.
 """
 
 from __future__ import annotations
