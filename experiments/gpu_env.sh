@@ -8,6 +8,8 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site PYTHONPYCACHEPREFIX=/tmp/pyc
+# The CuTe DSL (FLASH) puts its packages on sys.path from a .pth file, which PYTHONPATH skips.
+[ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 t() {
   local name=$1; shift
   local s=$(date +%s.%N)

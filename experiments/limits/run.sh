@@ -10,7 +10,7 @@ set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
 WHAT=" ${*:-tests triton flash cp tune} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
-export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0 XDG_CACHE_HOME=$W/cache
+export PYTHONPATH=$PYTHONPATH:$PWD ATTNGYM_PROGRESS=0 XDG_CACHE_HOME=$W/cache
 readme_masks $W
 AG="python3 -m attngym logger=none"
 SHAPE="shape.batch=4 shape.heads=16 shape.seq_len=8192 shape.head_dim=128"
