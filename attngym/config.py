@@ -848,6 +848,24 @@ def _flash_is_installed(data: dict[str, Any]) -> None:
         )
 
 
+def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
+    """Triton flex tiles each block of the block mask: its forward tile (fwd_BLOCK_M or
+    BLOCK_M, fwd_BLOCK_N or BLOCK_N) must divide the block size, else Inductor refuses the
+    kernel while compiling (a tuning trial that asks for it fails at once, not after a compile)."""
+    options = data["kernel_options"]
+    if _flash(options):  # FLASH picks its own tiles
+        return
+    for tile, side in (("BLOCK_M", "q"), ("BLOCK_N", "kv")):
+        key = f"fwd_{tile}" if f"fwd_{tile}" in options else tile
+        size, block = options.get(key), data["block_size"][side]
+        if isinstance(size, int) and size > 0 and block % size:
+            raise ConfigError(
+                f"kernel_options.{key}",
+                f"{size} must divide block_size.{side} ({block}): Triton flex tiles each block; "
+                f"use a divisor of {block} or a larger block_size.{side}",
+            )
+
+
 FLASH_RULES = (
     _flash_needs_16_bit,
     _flash_needs_compile,
@@ -888,6 +906,7 @@ VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
 # The rules on resolved values (from_config): those `auto` deferred, and the device's own.
 RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _flash_needs_16_bit,
+    _triton_tiles_divide_blocks,
     _topology_rules,
     _flash_on_this_device,
     _flash_is_installed,

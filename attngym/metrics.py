@@ -691,6 +691,12 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: " " if m[0] in "\t\n\r" else repr(m[0])[1:-1], text)
 
 
+def error_line(text: str, width: int = 300) -> str:
+    """What a terminal shows of a long error (a compiler's can hold pages of its IR): the first
+    line, printable, cut to `width`; the whole stays in summary.csv and the job's log."""
+    return shortened(printable(text.strip().split("\n", 1)[0]), width)
+
+
 def shortened(text: str, width: int) -> str:
     """`text` cut to `width` characters, ending in "..." where it was cut."""
     return text if len(text) <= width else text[: max(width - 3, 0)] + "..."

@@ -42,6 +42,8 @@ TABLE = Path(__file__).with_name("tuned.json")
 DEFAULT_BLOCK_SIZE = (128, 128)
 # Columns of summary.csv that hold kernel options (`kernel_options.<NAME>`), see attngym.tracking.
 OPTION_PREFIX = "kernel_options."
+# Kernel options that set Triton flex's tiles, warps and stages (FLASH ignores them).
+TRITON_TILE_OPTIONS = ("fwd_", "bwd_", "BLOCK_", "num_warps", "num_stages")
 FLASH = "FLASH"
 # The baseline whose columns (`flex_default_<metric>`) are the Triton reference of a FLASH row.
 TRITON_REFERENCE = "flex_default"
@@ -248,7 +250,10 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
             "seq_len": int(row["seq_len"]),
         }
         part = "flash" if options.get("BACKEND") == FLASH else "triton"
-        if part == "flash":
+        if part == "flash":  # FLASH picks its own tiles: a trial's Triton options meant nothing
+            entry["kernel_options"] = {
+                k: v for k, v in options.items() if not k.startswith(TRITON_TILE_OPTIONS)
+            }
             reference = row.get(f"{TRITON_REFERENCE}_{metric}")
             entry["reference"] = float(reference) if reference else None
         if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:

@@ -956,3 +956,17 @@ def test_device_gpu_suggests_cuda_not_cpu():
         prepare_overrides(["device=gpu"])
     with pytest.raises(ConfigError, match=r"did you mean 'cuda'\?"):
         check_config({"attention": {"name": "causal"}, "device": {"name": "gpu"}})
+
+
+def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_compile(hydra_ctx):
+    """What a tuning trial met on the H200 only inside Inductor, seconds into a compile."""
+    with pytest.raises(
+        ConfigError, match=r"kernel_options.fwd_BLOCK_M: 128 must divide block_size.q \(64\)"
+    ):
+        from_config(make(["device=cpu", "block_size.q=64", "+kernel_options.fwd_BLOCK_M=128"]))
+    with pytest.raises(
+        ConfigError, match=r"kernel_options.BLOCK_N: 96 must divide block_size.kv \(128\)"
+    ):
+        from_config(make(["device=cpu", "block_size=128", "+kernel_options.BLOCK_N=96"]))
+    for fits in (["+kernel_options.fwd_BLOCK_M=32"], ["+kernel_options.fwd_BLOCK_N=64"]):
+        from_config(make(["device=cpu", "block_size.q=64", "block_size.kv=64", *fits]))

@@ -176,3 +176,12 @@ def test_the_readme_lists_exactly_the_table():
     readme = _readme_metric_names()
     table = {m.name for m in METRICS}
     assert (sorted(readme - table), sorted(table - readme)) == ([], [])
+
+
+def test_an_error_line_is_the_first_line_of_a_compilers_pages():
+    from attngym.metrics import error_line
+
+    inductor = "LoweringException: NoValidChoicesError: No choices\n  target: flex\n" + "x" * 5000
+    assert error_line(inductor) == "LoweringException: NoValidChoicesError: No choices"
+    assert error_line("\n  boom\tat\x1b[31m red") == "boom at\\x1b[31m red"
+    assert len(error_line("y" * 1000)) == 300 and error_line("y" * 1000).endswith("...")

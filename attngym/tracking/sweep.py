@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 from attngym.errors import ConfigError, Interrupted, failure_text
 from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
 from attngym.metrics import (
+    error_line,
     format_value,
     markdown_cell,
     metric_of,
@@ -686,7 +687,7 @@ class SweepSummary(_callback_base()):
         failed = [row for row in rows if row.get("status") != "ok"]
         print(f"\n{summary_text(rows, printed=True)}\n", flush=True)  # the sweep's answer
         for row in failed:
-            log.error("job %s failed: %s", row["job"], printable(str(row.get("error"))))
+            log.error("job %s failed: %s", row["job"], error_line(str(row.get("error"))))
         log.info(
             "sweep: %d jobs, %d failed; summary in %s",
             len(rows),
