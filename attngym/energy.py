@@ -3,17 +3,18 @@ since the driver loaded; Volta and newer): what a timed pass costs in energy.
 
 The counter moves in steps (every 100 ms on an H200, experiments/limits/energy_tick.py), so a
 read can be up to a step stale and a window of a few steps between two arbitrary reads is off by
-tens of percent. `joules_per_call` therefore runs the call in a loop of about `min_s`, takes the
-average power between the first and the last moment the counter moved in it (the device busy
-throughout), and multiplies it by the loop's time per call. Where there is no counter (a CPU
-run, no NVML, a GPU without it) `meter` returns None and the reason, and nothing is recorded as
-measured.
+tens of percent. `joules_per_call` therefore runs the call back to back for about `min_s` while
+a thread polls the counter, takes the average power between the first and the last moment the
+counter moved in the loop, and multiplies it by the loop's time per call. Where there is no
+counter (a CPU run, no NVML, a GPU without it) `meter` returns None and the reason, and nothing
+is recorded as measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -71,24 +72,49 @@ def joules_per_call(
     repeats: int,
     min_s: float = 2.0,
 ) -> Energy | None:
-    """The energy of one `fn()`: `fn` runs as many times as span `min_s` at `call_ms` each (at
-    least `repeats`: a count every rank agrees on, the calls may be collectives), the counter is
-    read after each call, and the average power between its first and last steps in the loop
-    times the loop's time per call is the answer. None when the counter moved fewer than twice."""
+    """The energy of one `fn()`: `fn` runs back to back as many times as span `min_s` at
+    `call_ms` each (at least `repeats`: a count every rank agrees on, the calls may be
+    collectives) while a thread polls the counter; the average power between the counter's
+    first and last steps in the loop, times the loop's time per call, is the answer. None when
+    the counter moved fewer than twice."""
     calls = max(repeats, math.ceil(min_s * 1e3 / max(call_ms, 1e-3)))
     sync(device)
-    start_s, seen = time.perf_counter(), meter.millijoules()
-    steps: list[tuple[int, float]] = []  # (the counter's new value, when the host saw it)
-    for _ in range(calls):
-        fn()
-        now = meter.millijoules()
-        if now != seen:
-            steps.append((now, time.perf_counter()))
-            seen = now
-    sync(device)
-    per_call_s = (time.perf_counter() - start_s) / calls
+    with _Poller(meter) as poller:
+        start_s = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        end_s = time.perf_counter()
+    steps = [(mj, at) for mj, at in poller.steps if start_s < at <= end_s]
     if len(steps) < 2:
         return None
     (first_mj, first_s), (last_mj, last_s) = steps[0], steps[-1]
     watts = (last_mj - first_mj) / 1e3 / (last_s - first_s)
-    return Energy(watts * per_call_s, watts)
+    return Energy(watts * (end_s - start_s) / calls, watts)
+
+
+class _Poller(threading.Thread):
+    """Reads the counter every millisecond, apart from the calls (an NVML read takes
+    milliseconds: read between calls, it would leave the device idle), and keeps every step:
+    (the counter's new value, when it was seen)."""
+
+    def __init__(self, meter: Meter):
+        super().__init__(daemon=True)
+        self._meter, self._done = meter, threading.Event()
+        self.steps: list[tuple[int, float]] = []
+
+    def run(self) -> None:
+        seen = self._meter.millijoules()
+        while not self._done.wait(1e-3):
+            now = self._meter.millijoules()
+            if now != seen:
+                self.steps.append((now, time.perf_counter()))
+                seen = now
+
+    def __enter__(self) -> _Poller:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join()

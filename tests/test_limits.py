@@ -4,6 +4,7 @@ energy counter, and what a run records where it cannot measure them."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -98,6 +99,34 @@ def test_peak_fraction_is_the_kept_flops_rate_over_the_peak():
     flops = bench.attention_flops(1, 8, 8192, 8192, 128, sparsity=0.5)
     assert bench.peak_fraction(flops, 1.0, 1000.0) == pytest.approx(flops / 1e9 / 1000.0)
     assert bench.peak_fraction(flops, 1.0, None) is None
+
+
+class _SteppingCounter:
+    """A counter as NVML's behaves on an H200: `watts` accumulated, visible every 100 ms."""
+
+    def __init__(self, watts: float):
+        self.watts, self.start = watts, time.perf_counter()
+
+    def millijoules(self) -> int:
+        shown = (time.perf_counter() - self.start) // 0.1 * 0.1
+        return int(self.watts * shown * 1e3)
+
+
+def test_joules_per_call_reads_power_between_the_counters_steps():
+    """Two reads around a loop would be off by up to a step (100 ms of 0.2 s here): the power
+    between the first and last steps seen is within a few percent, and a call's joules are that
+    power times the loop's time per call."""
+    counter = _SteppingCounter(500.0)
+    spent = energy.joules_per_call(counter, lambda: time.sleep(2e-3), torch.device("cpu"),
+                                   call_ms=2.0, repeats=3, min_s=0.6)  # fmt: skip
+    assert spent.watts == pytest.approx(500, rel=0.05)
+    assert spent.joules == pytest.approx(500 * 2.1e-3, rel=0.1)  # a sleep overshoots a little
+
+
+def test_a_counter_that_does_not_move_measures_nothing():
+    still = _SteppingCounter(0.0)
+    assert energy.joules_per_call(still, lambda: None, torch.device("cpu"), call_ms=1.0,
+                                  repeats=3, min_s=0.2) is None  # fmt: skip
 
 
 def test_a_cpu_has_no_energy_counter():
