@@ -1,6 +1,7 @@
 """The limits table of experiments/limits/README.md from the runs' metrics.json files.
 
-Usage: python experiments/limits/table.py FOLDER   (FOLDER holds <backend>_<variant>.metrics.json)
+Usage: python experiments/limits/table.py FOLDER
+FOLDER holds {triton,flash}_<variant>.metrics.json (experiments/limits/run.sh's runs).
 """
 
 import json
@@ -33,7 +34,8 @@ def cell(metrics: dict, key: str, form: str) -> str:
 def main(folder: Path) -> None:
     print("| variant | backend | " + " | ".join(c[0] for c in COLUMNS) + " | kernel fwd / bwd |")
     print("|---|---|" + "--:|" * len(COLUMNS) + "---|")
-    for path in sorted(folder.glob("*_*.metrics.json"), key=lambda p: p.name.split("_", 1)[::-1]):
+    runs = [*folder.glob("triton_*.metrics.json"), *folder.glob("flash_*.metrics.json")]
+    for path in sorted(runs, key=lambda p: p.name.split("_", 1)[::-1]):
         backend, variant = path.name.removesuffix(".metrics.json").split("_", 1)
         m = json.loads(path.read_text())
         kernels = " / ".join(
