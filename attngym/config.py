@@ -849,11 +849,12 @@ def _flash_is_installed(data: dict[str, Any]) -> None:
 
 
 def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
-    """Triton flex tiles each block of the block mask: its forward tile (fwd_BLOCK_M or
+    """On CUDA, Triton flex tiles each block of the block mask: its forward tile (fwd_BLOCK_M or
     BLOCK_M, fwd_BLOCK_N or BLOCK_N) must divide the block size, else Inductor refuses the
-    kernel while compiling (a tuning trial that asks for it fails at once, not after a compile)."""
+    kernel while compiling (a tuning trial that asks for it fails at once, not after a compile).
+    FLASH picks its own tiles; a CPU runs eager flex, which has none."""
     options = data["kernel_options"]
-    if _flash(options):  # FLASH picks its own tiles
+    if _flash(options) or not str(data["device"]["name"]).startswith("cuda"):
         return
     for tile, side in (("BLOCK_M", "q"), ("BLOCK_N", "kv")):
         key = f"fwd_{tile}" if f"fwd_{tile}" in options else tile

@@ -958,15 +958,21 @@ def test_device_gpu_suggests_cuda_not_cpu():
         check_config({"attention": {"name": "causal"}, "device": {"name": "gpu"}})
 
 
-def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_compile(hydra_ctx):
+def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_compile():
     """What a tuning trial met on the H200 only inside Inductor, seconds into a compile."""
-    with pytest.raises(
-        ConfigError, match=r"kernel_options.fwd_BLOCK_M: 128 must divide block_size.q \(64\)"
-    ):
-        from_config(make(["device=cpu", "block_size.q=64", "+kernel_options.fwd_BLOCK_M=128"]))
-    with pytest.raises(
-        ConfigError, match=r"kernel_options.BLOCK_N: 96 must divide block_size.kv \(128\)"
-    ):
-        from_config(make(["device=cpu", "block_size=128", "+kernel_options.BLOCK_N=96"]))
-    for fits in (["+kernel_options.fwd_BLOCK_M=32"], ["+kernel_options.fwd_BLOCK_N=64"]):
-        from_config(make(["device=cpu", "block_size.q=64", "block_size.kv=64", *fits]))
+    from attngym import config
+
+    def resolved(device, q, **options):
+        return {"kernel_options": options, "device": {"name": device},
+                "block_size": {"q": q, "kv": 128}}  # fmt: skip
+
+    refuse = config._triton_tiles_divide_blocks
+    with pytest.raises(ConfigError, match=r"128 must divide block_size.q \(64\)") as info:
+        refuse(resolved("cuda", 64, fwd_BLOCK_M=128))
+    assert info.value.key == "kernel_options.fwd_BLOCK_M"
+    with pytest.raises(ConfigError, match=r"96 must divide block_size.kv \(128\)") as info:
+        refuse(resolved("cuda", 128, BLOCK_N=96))
+    assert info.value.key == "kernel_options.BLOCK_N"
+    refuse(resolved("cuda", 64, fwd_BLOCK_M=32, fwd_BLOCK_N=64))  # divisors: accepted
+    refuse(resolved("cuda", 64, fwd_BLOCK_M=128, BACKEND="FLASH"))  # FLASH's own tiles
+    refuse(resolved("cpu", 64, fwd_BLOCK_M=128))  # eager flex on a CPU: no tiles
