@@ -194,6 +194,26 @@ def choose_backend(
     return flash, f"FLASH (Triton not taken: FLASH measured {speedup:.2f}x Triton)"
 
 
+# The tuner's block sizes for Triton trials (block_sizes); FLASH trials take block_size=flash.
+TUNED_BLOCK_SIZES = (64, 128)
+
+
+def block_sizes(cfg: Any, trial: Any) -> None:
+    """The block sizes of a tuning trial, which depend on the backend the trial asks for (Hydra's
+    Optuna sweeper calls this as its `custom_search_space`, after the preset's params): a FLASH
+    trial runs the one block size FLASH has on this GPU (`block_size=flash`; any other would fail
+    and waste the trial), a Triton trial searches `block_size.q` and `.kv` over
+    TUNED_BLOCK_SIZES."""
+    backend = next(
+        (v for k, v in trial.params.items() if k.endswith("kernel_options.BACKEND")), None
+    )
+    if backend == FLASH:
+        trial.suggest_categorical("block_size", ["flash"])
+        return
+    for side in ("q", "kv"):
+        trial.suggest_categorical(f"block_size.{side}", list(TUNED_BLOCK_SIZES))
+
+
 def _number(text: str) -> Any:
     for cast in (int, float):
         try:

@@ -45,7 +45,7 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
                 return (q_idx >= kv_idx) & ((q_idx - kv_idx) % 7 != 3)
         """)
     )
-    rows = []
+    rows, every = [], []
     for n, trials in enumerate((4, 3)):
         sweep = tmp_path / f"sweep{n}"
         done = _attngym(tmp_path, "+experiment=tune", *SMOKE, *MASK,
@@ -57,6 +57,7 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
         assert all("FLASH needs a 16-bit dtype" in r["error"] for r in failed)
         assert done.returncode == (1 if failed else 0), done.stderr[-2000:]
         rows += [r for r in these if r["status"] == "ok"]
+        every += these
 
     import optuna
 
@@ -64,6 +65,15 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
     (summary,) = optuna.get_all_study_summaries(storage)
     assert summary.n_trials == 7  # the second command went on with the same study
     assert summary.study_name.startswith("custom-stripes.stripes-b1h2s256d16-cpu-float32")
+
+    # The block sizes follow the backend (attngym.tuning.block_sizes): FLASH trials never sample
+    # a block size FLASH cannot run.
+    backends = {"kernel_options.BACKEND=FLASH" in row["overrides"] for row in every}
+    assert backends == {True, False}  # the sampler's seed draws both in these 7 trials
+    for row in every:
+        flash = "kernel_options.BACKEND=FLASH" in row["overrides"]
+        assert ("block_size=flash" in row["overrides"]) == flash, row["overrides"]
+        assert ("block_size.q=" in row["overrides"]) == (not flash), row["overrides"]
 
     best = min(rows, key=lambda r: float(r["fwd_ms"]))
     table = json.loads((tmp_path / "cache" / "attngym" / "tuned.json").read_text())
