@@ -76,7 +76,7 @@ def joules_per_call(
     `call_ms` each (at least `repeats`: a count every rank agrees on, the calls may be
     collectives) while a thread polls the counter; the average power between the counter's
     first and last steps in the loop, times the loop's time per call, is the answer. None when
-    the counter moved fewer than twice."""
+    the counter moved fewer than twice in the loop, or failed to read."""
     calls = max(repeats, math.ceil(min_s * 1e3 / max(call_ms, 1e-3)))
     sync(device)
     with _Poller(meter) as poller:
@@ -104,12 +104,15 @@ class _Poller(threading.Thread):
         self.steps: list[tuple[int, float]] = []
 
     def run(self) -> None:
-        seen = self._meter.millijoules()
-        while not self._done.wait(1e-3):
-            now = self._meter.millijoules()
-            if now != seen:
-                self.steps.append((now, time.perf_counter()))
-                seen = now
+        try:
+            seen = self._meter.millijoules()
+            while not self._done.wait(1e-3):
+                now = self._meter.millijoules()
+                if now != seen:
+                    self.steps.append((now, time.perf_counter()))
+                    seen = now
+        except Exception:  # noqa: BLE001 - a counter that fails mid-loop measured nothing
+            self.steps.clear()
 
     def __enter__(self) -> _Poller:
         self.start()

@@ -123,10 +123,20 @@ def test_joules_per_call_reads_power_between_the_counters_steps():
     assert spent.joules == pytest.approx(500 * 2.1e-3, rel=0.1)  # a sleep overshoots a little
 
 
-def test_a_counter_that_does_not_move_measures_nothing():
-    still = _SteppingCounter(0.0)
-    assert energy.joules_per_call(still, lambda: None, torch.device("cpu"), call_ms=1.0,
-                                  repeats=3, min_s=0.2) is None  # fmt: skip
+class _FailingCounter(_SteppingCounter):
+    """A counter whose reads start failing part way (a driver reset, say)."""
+
+    def millijoules(self) -> int:
+        if time.perf_counter() - self.start > 0.3:
+            raise RuntimeError("NVML: GPU is lost")
+        return super().millijoules()
+
+
+@pytest.mark.parametrize("counter", [_SteppingCounter(0.0), _FailingCounter(500.0)],
+                         ids=["still", "failing"])  # fmt: skip
+def test_a_counter_that_does_not_move_or_fails_measures_nothing(counter):
+    assert energy.joules_per_call(counter, lambda: time.sleep(1e-3), torch.device("cpu"),
+                                  call_ms=1.0, repeats=3, min_s=0.6) is None  # fmt: skip
 
 
 def test_a_cpu_has_no_energy_counter():

@@ -273,7 +273,10 @@ def limits(
     if meter is not None:
         spent_by_pass = pass_energy(rank, timings, meter)
         if not spent_by_pass:
-            meter, energy_why = None, "NVML's energy counter did not move during the calls"
+            meter, energy_why = (
+                None,
+                "NVML's energy counter did not move, or failed, during the calls",
+            )
             out["energy_source"] = None
         for p, spent in spent_by_pass.items():
             out[f"{p}_joules"], out[f"{p}_watts"] = spent.joules, spent.watts
