@@ -103,12 +103,6 @@ def calculate_tflops(
     return tflops(flops, time_ms)
 
 
-def spent_over_kept(sparsity: float, density: float) -> float | None:
-    """The FLOPs a block-sparse kernel computes (its full and partial blocks: 1 − sparsity of
-    the dense work) over those the mask keeps (`density` of it); None for a mask keeping none."""
-    return (1.0 - sparsity) / density if density else None
-
-
 def block_sparsity(block_mask: Any) -> float:
     """Fraction of (q block, kv block) pairs a FlexAttention BlockMask skips (0.0 for None).
 

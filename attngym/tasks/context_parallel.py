@@ -503,27 +503,22 @@ def time_passes(job: RankJob) -> dict[str, Any]:
     peak_mem_bytes (the largest rank's); then how near the limit they ran (phases.limits: the
     fraction of every device's peak on the FLOPs the mask keeps, the joules over every device,
     the kernel path) with the mask's density, from rank 0's whole-problem block mask."""
-    from attngym import bench
-
     s = job.settings
-    metrics: dict[str, Any] = {}
-    kept: dict[str, float] = {}  # rank 0's: the other ranks' limits are not reported
+    # Rank 0's are the run's: the other ranks' mask metrics and limits are not reported.
+    metrics: dict[str, Any] = {"sparsity": 0.0}
+    kept: dict[str, float] = {}
     if job.rank == 0:
         job.block_mask = kernels.make_block_mask(
             job.variant, job.seq_len, job.seq_len, block_size=s.block_size, device=job.device
         )
-        density, rows = bench.mask_density(
+        metrics = phases.mask_work(
             job.variant.mask_mod, job.block_mask, s.shape.batch, s.shape.heads
         )
-        metrics.update(mask_density=density, mask_density_rows=rows)
         kept = {
             p: f / job.world_size
-            for p, f in pass_flops(s.shape, job.seq_len, 1.0 - density).items()
+            for p, f in pass_flops(s.shape, job.seq_len, 1.0 - metrics["mask_density"]).items()
         }
-    sparsity = float(bench.block_sparsity(job.block_mask))
-    metrics["sparsity"] = sparsity
-    if job.rank == 0:
-        metrics["flops_spent_over_kept"] = bench.spent_over_kept(sparsity, density)
+    sparsity = metrics["sparsity"]
     with phases.peak_memory(job.measured, metrics, "peak_mem_bytes"):
         phases.time_passes(job.measured, job.passes, into=job.timings)
     metrics.update(pass_metrics(job.timings, s.shape, job.seq_len, sparsity))

@@ -206,6 +206,22 @@ def _pass_calls(
     }
 
 
+def mask_work(mask_mod: Any, block_mask: Any, batch: int, heads: int) -> dict[str, Any]:
+    """What the block mask makes the kernel compute against what the mask keeps: sparsity (the
+    blocks skipped), mask_density and mask_density_rows (bench.mask_density) and
+    flops_spent_over_kept ((1 − sparsity) / mask_density; None for a mask keeping nothing)."""
+    from attngym import bench
+
+    sparsity = bench.block_sparsity(block_mask)
+    density, rows = bench.mask_density(mask_mod, block_mask, batch, heads)
+    return {
+        "sparsity": sparsity,
+        "mask_density": density,
+        "mask_density_rows": rows,
+        "flops_spent_over_kept": (1.0 - sparsity) / density if density else None,
+    }
+
+
 # The passes whose energy is read: each is one call with no setup to keep apart.
 ENERGY_PASSES = ("fwd", "fwd_bwd")
 

@@ -97,7 +97,6 @@ class OneDevice:
 def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
     """Seeded inputs, the variant and its block mask on the device, the flex call; reports
     bwd_status and sparsity."""
-    from attngym import bench
 
     device = torch.device(settings.device)
     shape = settings.shape
@@ -113,11 +112,8 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
         block_mask = kernels.make_block_mask(
             variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
         )
-    sparsity = float(bench.block_sparsity(block_mask)) if block_mask is not None else 0.0
-    density, rows = bench.mask_density(variant.mask_mod, block_mask, shape.batch, shape.heads)
-    metrics["sparsity"], metrics["mask_density"] = sparsity, density
-    metrics["mask_density_rows"] = rows
-    metrics["flops_spent_over_kept"] = bench.spent_over_kept(sparsity, density)
+    metrics.update(phases.mask_work(variant.mask_mod, block_mask, shape.batch, shape.heads))
+    sparsity, density = metrics["sparsity"], metrics["mask_density"]
     use_compile = settings.compile and device.type == "cuda"
 
     def flex() -> tuple[torch.Tensor, torch.Tensor]:
