@@ -848,16 +848,29 @@ def _flash_is_installed(data: dict[str, Any]) -> None:
         )
 
 
+# Triton flex's tiles and the block-mask side each one walks: forward (fwd_ or plain) and
+# backward (bwd_ or plain; M1/N1 compute dK and dV, M2/N2 compute dQ).
+TRITON_TILES = (
+    ("fwd_", "BLOCK_M", "q"),
+    ("fwd_", "BLOCK_N", "kv"),
+    ("bwd_", "BLOCK_M1", "q"),
+    ("bwd_", "BLOCK_N1", "kv"),
+    ("bwd_", "BLOCK_M2", "q"),
+    ("bwd_", "BLOCK_N2", "kv"),
+)
+
+
 def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
-    """On CUDA, Triton flex tiles each block of the block mask: its forward tile (fwd_BLOCK_M or
-    BLOCK_M, fwd_BLOCK_N or BLOCK_N) must divide the block size, else Inductor refuses the
-    kernel while compiling (a tuning trial that asks for it fails at once, not after a compile).
-    FLASH picks its own tiles; a CPU runs eager flex, which has none."""
+    """On CUDA, Triton flex tiles each block of the block mask: every tile it is given (forward
+    BLOCK_M/BLOCK_N, backward BLOCK_M1/N1/M2/N2, with or without their fwd_/bwd_ prefix) must
+    divide the block size of its side, else Inductor refuses the kernel while compiling (a
+    tuning trial that asks for it fails at once, not after a compile). FLASH picks its own
+    tiles; a CPU runs eager flex, which has none."""
     options = data["kernel_options"]
     if _flash(options) or not str(data["device"]["name"]).startswith("cuda"):
         return
-    for tile, side in (("BLOCK_M", "q"), ("BLOCK_N", "kv")):
-        key = f"fwd_{tile}" if f"fwd_{tile}" in options else tile
+    for prefix, tile, side in TRITON_TILES:
+        key = f"{prefix}{tile}" if f"{prefix}{tile}" in options else tile
         size, block = options.get(key), data["block_size"][side]
         if isinstance(size, int) and size > 0 and block % size:
             raise ConfigError(

@@ -14,9 +14,13 @@ entry the run keeps FlexAttention's defaults and logs that it did.
 Lookup order within a capability ("sm90"): `<variant>/d<head_dim>`, `<variant>`,
 `default/d<head_dim>`, `default`.
 
-FLASH: a sweep run with `kernel_options.BACKEND=FLASH` and the `flex_default` baseline (Triton,
-same process, same inputs) gives an entry a `"flash"` part: the FLASH block size and options and
-`over_triton`, FLASH's metric over Triton's. `block_size=tuned` takes it only where flash-attn-4
+A row that ran the `flex_default` baseline (FlexAttention's defaults, same process, same inputs;
+the tuner runs it in every trial) wins only if it beats it: where nothing does, the defaults stay.
+
+FLASH: a sweep run with `kernel_options.BACKEND=FLASH` gives an entry a `"flash"` part: the FLASH
+block size and options and `over_triton`, FLASH's metric over the Triton part the entry would
+otherwise run (the rows' Triton winner, else the row's own `flex_default`: the defaults).
+`block_size=tuned` takes it only where flash-attn-4
 is importable and `over_triton` > 1 (FLASH measured 0.72x Triton on the 256-token window, so
 Triton stays there); otherwise the Triton part (or FlexAttention's defaults). It logs which
 backend it took and why the other was not taken. An explicit `kernel_options.BACKEND` decides.
@@ -30,6 +34,7 @@ import importlib.util
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -228,13 +233,19 @@ def higher_is_better(metric: str) -> bool:
     return not metric.endswith(("_ms", "_s", "_joules", "_joules_per_token"))
 
 
+def _better(value: float, than: float, metric: str) -> bool:
+    return value > than if higher_is_better(metric) else value < than
+
+
 def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[str, Any]]:
     """The fastest ok, validated row per (capability or "cpu", variant, head_dim) by `metric`
     (higher_is_better says which way).
 
+    A Triton row no better than its own `flex_default_<metric>` (FlexAttention's defaults in the
+    same process) is no candidate: the table never holds what runs slower than the defaults.
     Rows run with `kernel_options.BACKEND=FLASH` compete apart and go under the entry's "flash"
-    key, with `over_triton`: their metric over the same row's `flex_default_<metric>` (Triton,
-    same process, same inputs), else over the rows' best Triton one (a tuning study's trials);
+    key, with `over_triton`: their metric over the Triton part the entry gets (the rows' Triton
+    winner), else over the same row's `flex_default_<metric>` (what runs without a Triton part);
     a FLASH row with neither is skipped with a warning.
 
     Args:
@@ -247,6 +258,7 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
         "flash": {...}}}}; an entry holds only "flash" where the rows had no Triton winner.
     """
     best: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
+    beaten: Counter[str] = Counter()  # Triton rows no better than the defaults, per entry
     for row in rows:
         value = row.get(metric)
         gpu = capability_key(row.get("capability"))
@@ -270,20 +282,24 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
             "seq_len": int(row["seq_len"]),
         }
         part = "flash" if options.get("BACKEND") == FLASH else "triton"
+        cell = row.get(f"{TRITON_REFERENCE}_{metric}")
+        defaults = float(cell) if cell else None  # the defaults, same process
         if part == "flash":  # FLASH picks its own tiles: a trial's Triton options meant nothing
             entry["kernel_options"] = {
                 k: v for k, v in options.items() if not k.startswith(TRITON_TILE_OPTIONS)
             }
-            reference = row.get(f"{TRITON_REFERENCE}_{metric}")
-            entry["reference"] = float(reference) if reference else None
+            entry["reference"] = defaults
+        elif defaults is not None and not _better(measured, defaults, metric):
+            beaten[name] += 1
+            continue
         if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:
             best[(gpu, name, part)] = (score, entry)
     for (gpu, name, part), (_, entry) in list(best.items()):
         if part != "flash":
             continue
-        # Triton in the same process (flex_default), else the rows' best Triton (a tuning study)
+        # the Triton part this entry gets, else the defaults (flex_default, same process)
         reference = entry.pop("reference")
-        if reference is None and (gpu, name, "triton") in best:
+        if (gpu, name, "triton") in best:
             reference = best[(gpu, name, "triton")][1][metric]
         if reference is None:
             log.warning("FLASH row for %s has no Triton to compare with: skipped", name)
@@ -291,6 +307,13 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
             continue
         ratio = entry[metric] / reference
         entry["over_triton"] = round(ratio if higher_is_better(metric) else 1 / ratio, 3)
+    for name, count in sorted(beaten.items()):
+        log.info(
+            "tuning: %d Triton row(s) of %s no faster than %s in their own run: not candidates",
+            count,
+            name,
+            TRITON_REFERENCE,
+        )
     table: dict[str, dict[str, Any]] = {}
     for (gpu, name, part), (_, entry) in sorted(best.items()):
         slot = table.setdefault(gpu, {}).setdefault(name, {})
@@ -328,7 +351,7 @@ def update(
             held = slot.get(metric)
             if keep_better and held is not None and "block_size" in entry:
                 new = entry[metric]
-                if (new <= held) if higher_is_better(metric) else (new >= held):
+                if not _better(new, held, metric):
                     log.info("tuning: %s %s keeps %s %s over %s", gpu, name, metric, held, new)
                     continue
             if "block_size" in entry:

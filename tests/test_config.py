@@ -973,6 +973,14 @@ def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_comp
     with pytest.raises(ConfigError, match=r"96 must divide block_size.kv \(128\)") as info:
         refuse(resolved("cuda", 128, BLOCK_N=96))
     assert info.value.key == "kernel_options.BLOCK_N"
+    # the backward's tiles too: Inductor has no backward kernel otherwise (NoValidChoicesError)
+    with pytest.raises(ConfigError, match=r"128 must divide block_size.q \(64\)") as info:
+        refuse(resolved("cuda", 64, bwd_BLOCK_M1=32, bwd_BLOCK_M2=128))
+    assert info.value.key == "kernel_options.bwd_BLOCK_M2"
+    with pytest.raises(ConfigError, match=r"256 must divide block_size.kv \(128\)") as info:
+        refuse(resolved("cuda", 128, BLOCK_N1=256))
+    assert info.value.key == "kernel_options.BLOCK_N1"
     refuse(resolved("cuda", 64, fwd_BLOCK_M=32, fwd_BLOCK_N=64))  # divisors: accepted
+    refuse(resolved("cuda", 64, bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_N2=32))
     refuse(resolved("cuda", 64, fwd_BLOCK_M=128, BACKEND="FLASH"))  # FLASH's own tiles
     refuse(resolved("cpu", 64, fwd_BLOCK_M=128))  # eager flex on a CPU: no tiles

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from attngym import tuning
+
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install 'attngym[tune]'")
 
 SMOKE = [
@@ -75,19 +77,28 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
         assert ("block_size=flash" in row["overrides"]) == flash, row["overrides"]
         assert ("block_size.q=" in row["overrides"]) == (not flash), row["overrides"]
 
-    best = min(rows, key=lambda r: float(r["fwd_ms"]))
-    table = json.loads((tmp_path / "cache" / "attngym" / "tuned.json").read_text())
-    entry = table["cpu"][f"{best['variant']}/d16"]
-    assert entry["fwd_ms"] == pytest.approx(float(best["fwd_ms"]), rel=1e-3)
-    assert entry["block_size"] == [int(best["block_q"]), int(best["block_kv"])]
+    # Every trial timed FlexAttention's defaults beside itself; only a trial that beat them can
+    # win (timings of a 256-token CPU call are noise: either outcome is the rule at work).
+    assert all(r["flex_default_fwd_ms"] for r in rows)
+    beat = [r for r in rows if float(r["fwd_ms"]) < float(r["flex_default_fwd_ms"])]
+    table_path = tmp_path / "cache" / "attngym" / "tuned.json"
+    table = json.loads(table_path.read_text()) if table_path.exists() else {}
+    entry = table.get("cpu", {}).get(f"{rows[0]['variant']}/d16")
+    if beat:
+        best = min(beat, key=lambda r: float(r["fwd_ms"]))
+        assert entry["fwd_ms"] == pytest.approx(float(best["fwd_ms"]), rel=1e-3)
+        assert entry["block_size"] == [int(best["block_q"]), int(best["block_kv"])]
+    else:
+        assert entry is None
 
     run = tmp_path / "run"
     done = _attngym(tmp_path, *SMOKE, *MASK, "block_size=tuned", "logger=none",
                     f"hydra.run.dir={run}")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = json.loads((run / "metrics.json").read_text())
-    assert [metrics["block_q"], metrics["block_kv"]] == entry["block_size"]
-    for name, value in entry["kernel_options"].items():
+    expected = entry["block_size"] if entry else list(tuning.DEFAULT_BLOCK_SIZE)
+    assert [metrics["block_q"], metrics["block_kv"]] == expected
+    for name, value in (entry or {}).get("kernel_options", {}).items():
         assert metrics[f"kernel_options.{name}"] == value
 
 

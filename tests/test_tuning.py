@@ -107,7 +107,7 @@ def test_block_size_names_are_checked():
 
 
 FLASH_ROWS = [
-    # FLASH faster than the same row's Triton reference (flex_default): over_triton 1.5
+    # FLASH faster than Triton: 1.405x the rows' Triton winner (ROWS), 1.5x its own flex_default
     {"capability": "9.0", "variant": "causal", "head_dim": "128", "seq_len": "8192",
      "block_q": "128", "block_kv": "128", "status": "ok", "fwd_bwd_tflops": "450.0",
      "kernel_options.BACKEND": "FLASH", "flex_default_fwd_bwd_tflops": "300.0",
@@ -136,7 +136,7 @@ def test_flash_rows_become_flash_parts_measured_against_triton():
     assert table["causal/d128"]["block_size"] == [128, 128]  # the Triton winner stays
     assert table["causal/d128"]["kernel_options"] == {"fwd_BLOCK_M": 64}
     assert table["causal/d128"]["flash"]["kernel_options"] == {"BACKEND": "FLASH"}
-    assert table["causal/d128"]["flash"]["over_triton"] == 1.5
+    assert table["causal/d128"]["flash"]["over_triton"] == 1.405  # over the Triton part
     assert table["sliding_window/d128"] == {"flash": table["sliding_window/d128"]["flash"]}
     assert table["sliding_window/d128"]["flash"]["over_triton"] == 0.75
     assert "full/d128" not in table
@@ -185,7 +185,7 @@ def test_resolve_takes_flash_only_where_importable_and_faster(
         blocks, options = tuning.resolve("causal", 128, "9.0", {"num_warps": 4})
     if importable:
         assert options == {"BACKEND": "FLASH", "num_warps": 4}
-        assert "FLASH (Triton not taken: FLASH measured 1.50x Triton)" in caplog.text
+        assert "FLASH (Triton not taken: FLASH measured 1.41x Triton)" in caplog.text
     else:
         assert options == {"fwd_BLOCK_M": 64, "num_warps": 4}
         assert "flash-attn-4 is not importable" in caplog.text
@@ -285,3 +285,21 @@ def test_a_studys_flash_trial_is_judged_against_its_best_triton_trial():
     assert entry["fwd_bwd_ms"] == 2.0 and entry["flash"]["over_triton"] == 1.25
     alone = tuning.winners(rows[2:], "fwd_bwd_ms")  # no Triton to compare with: skipped
     assert alone == {}
+
+
+def test_a_trial_wins_only_if_it_beats_the_defaults_of_its_own_run():
+    """The tuner runs FlexAttention's defaults (flex_default) in every trial: a Triton trial no
+    faster than them is no candidate, and FLASH is judged against the Triton part the entry
+    gets, else against the defaults (a study whose Triton trials all lost or failed)."""
+    base = {"capability": "9.0", "variant": "mine", "head_dim": "128", "seq_len": "8192",
+            "status": "ok", "validation": "ok", "block_q": "64", "block_kv": "64"}  # fmt: skip
+    slow = {**base, "fwd_bwd_ms": "2.2", "flex_default_fwd_bwd_ms": "2.0"}
+    fast = {**base, "fwd_bwd_ms": "1.6", "flex_default_fwd_bwd_ms": "2.0"}
+    flash = {**base, "block_q": "128", "block_kv": "128", "fwd_bwd_ms": "1.2",
+             "flex_default_fwd_bwd_ms": "2.1", "kernel_options.BACKEND": "FLASH"}  # fmt: skip
+    entry = tuning.winners([slow, fast, flash], "fwd_bwd_ms")["sm90"]["mine/d128"]
+    assert entry["fwd_bwd_ms"] == 1.6 and entry["flash"]["over_triton"] == round(1.6 / 1.2, 3)
+    entry = tuning.winners([slow, flash], "fwd_bwd_ms")["sm90"]["mine/d128"]
+    assert "block_size" not in entry  # no Triton trial beat the defaults: they stay
+    assert entry["flash"]["over_triton"] == 1.75  # over the defaults of its own run
+    assert tuning.winners([slow], "fwd_bwd_ms") == {}
