@@ -880,6 +880,45 @@ def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
             )
 
 
+def backward_block_error(
+    blocks: Mapping[str, int], tiles: Sequence[tuple[int, int, int, int]]
+) -> tuple[str, str] | None:
+    """(key, why) where no backward tile (BLOCK_M1, N1, M2, N2) divides the block sizes, q by
+    M1 and M2 and kv by N1 and N2 (Inductor's own filter); None where one does."""
+    q, kv = blocks["q"], blocks["kv"]
+    if any(
+        q % m1 == 0 and q % m2 == 0 and kv % n1 == 0 and kv % n2 == 0 for m1, n1, m2, n2 in tiles
+    ):
+        return None
+    q_fits = any(q % m1 == 0 and q % m2 == 0 for m1, _, m2, _ in tiles)
+    side = "kv" if q_fits else "q"
+    shown = ", ".join(f"M1 {m1} N1 {n1} M2 {m2} N2 {n2}" for m1, n1, m2, n2 in tiles)
+    return f"block_size.{side}", (
+        f"{blocks[side]} has no Triton backward kernel on this GPU: Inductor's backward tiles "
+        f"({shown}) must divide the block sizes; use a larger block_size.{side} (e.g. 128), "
+        "BACKEND=FLASH, or passes=[fwd]"
+    )
+
+
+def _triton_backward_has_a_kernel(data: dict[str, Any]) -> None:
+    """On CUDA, compiled flex's Triton backward only exists for block sizes one of Inductor's
+    backward tiles divides (attngym.device.triton_backward_tiles): refused here in one line, not
+    after a compile with pages of Inductor's IR."""
+    if (
+        _flash(data["kernel_options"])
+        or "bwd" not in data["passes"]
+        or not data["compile"]
+        or not str(data["device"]["name"]).startswith("cuda")
+    ):
+        return
+    from attngym.device import triton_backward_tiles
+
+    tiles = triton_backward_tiles(data["shape"]["head_dim"], data["dtype"], data["device"]["name"])
+    refused = backward_block_error(data["block_size"], tiles) if tiles else None
+    if refused:
+        raise ConfigError(*refused)
+
+
 FLASH_RULES = (
     _flash_needs_16_bit,
     _flash_needs_compile,
@@ -921,6 +960,7 @@ VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
 RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _flash_needs_16_bit,
     _triton_tiles_divide_blocks,
+    _triton_backward_has_a_kernel,
     _topology_rules,
     _flash_on_this_device,
     _flash_is_installed,

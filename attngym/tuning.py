@@ -34,6 +34,7 @@ import importlib.util
 import json
 import logging
 import math
+import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -207,16 +208,38 @@ def block_sizes(cfg: Any, trial: Any) -> None:
     """The block sizes of a tuning trial, which depend on the backend the trial asks for (Hydra's
     Optuna sweeper calls this as its `custom_search_space`, after the preset's params): a FLASH
     trial runs the one block size FLASH has on this GPU (`block_size=flash`; any other would fail
-    and waste the trial), a Triton trial searches `block_size.q` and `.kv` over
-    TUNED_BLOCK_SIZES."""
+    and waste the trial), a Triton trial searches `block_size.q` and `.kv` over those of
+    TUNED_BLOCK_SIZES that have a Triton backward kernel here (triton_block_sizes)."""
     backend = next(
         (v for k, v in trial.params.items() if k.endswith("kernel_options.BACKEND")), None
     )
     if backend == FLASH:
         trial.suggest_categorical("block_size", ["flash"])
         return
-    for side in ("q", "kv"):
-        trial.suggest_categorical(f"block_size.{side}", list(TUNED_BLOCK_SIZES))
+    for side, sizes in triton_block_sizes(cfg).items():
+        trial.suggest_categorical(f"block_size.{side}", sizes)
+
+
+def triton_block_sizes(cfg: Any) -> dict[str, list[int]]:
+    """{"q": [...], "kv": [...]}: TUNED_BLOCK_SIZES less those no Triton backward tile divides
+    on this GPU at this head_dim and dtype (an H200 at head_dim 128 has none for 64), where the
+    run has a backward; constant for a study (its name holds the device), as Optuna needs."""
+    from attngym.config import AUTO, auto_dtype
+    from attngym.device import resolve_device, triton_backward_tiles
+
+    sizes = {"q": list(TUNED_BLOCK_SIZES), "kv": list(TUNED_BLOCK_SIZES)}
+    if "bwd" not in cfg.passes:
+        return sizes
+    device = resolve_device(cfg.device.name)
+    dtype = auto_dtype(device.type) if cfg.dtype == AUTO else cfg.dtype
+    tiles = triton_backward_tiles(cfg.shape.head_dim, dtype, device)
+    if not tiles:
+        return sizes
+    fits = {
+        "q": lambda s: any(s % m1 == 0 and s % m2 == 0 for m1, _, m2, _ in tiles),
+        "kv": lambda s: any(s % n1 == 0 and s % n2 == 0 for _, n1, _, n2 in tiles),
+    }
+    return {side: [s for s in all_ if fits[side](s)] or all_ for side, all_ in sizes.items()}
 
 
 def _number(text: str) -> Any:
@@ -238,8 +261,8 @@ def _better(value: float, than: float, metric: str) -> bool:
 
 
 def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[str, Any]]:
-    """The fastest ok, validated row per (capability or "cpu", variant, head_dim) by `metric`
-    (higher_is_better says which way).
+    """The fastest ok, validated configuration per (capability or "cpu", variant, head_dim) by
+    `metric` (higher_is_better says which way); rows of one configuration count by their median.
 
     A Triton row no better than its own `flex_default_<metric>` (FlexAttention's defaults in the
     same process) is no candidate: the table never holds what runs slower than the defaults.
@@ -257,41 +280,49 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
         {"sm90": {"causal/d128": {"block_size": [...], "kernel_options": {...}, metric: x,
         "flash": {...}}}}; an entry holds only "flash" where the rows had no Triton winner.
     """
-    best: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
-    beaten: Counter[str] = Counter()  # Triton rows no better than the defaults, per entry
+    # Rows of one configuration pool (a study repeats FLASH, whose tiles mean nothing): the
+    # median of their metric against the median of their own defaults, so that one lucky
+    # timing wins nothing (a FLASH window trial read 1.30 ms, its twin 2.32, the defaults 1.48).
+    runs: dict[tuple[str, str, str, str], list[tuple[float, float | None]]] = {}
+    entries: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for row in rows:
         value = row.get(metric)
-        gpu = capability_key(row.get("capability"))
         validated = str(row.get("validation") or "ok").startswith("ok")
-        if row.get("status") != "ok" or not value or not validated:
+        if row.get("status") != "ok" or not value or not validated or math.isnan(float(value)):
             continue
-        measured = float(value)
-        if math.isnan(measured):
-            continue
-        score = measured if higher_is_better(metric) else -measured
         options = {
             col[len(OPTION_PREFIX) :]: _number(v)
             for col, v in row.items()
             if col.startswith(OPTION_PREFIX) and v not in ("", None)
         }
-        name = f"{row['variant']}/d{row['head_dim']}"
+        part = "flash" if options.get("BACKEND") == FLASH else "triton"
+        if part == "flash":  # FLASH picks its own tiles: a trial's Triton options meant nothing
+            options = {k: v for k, v in options.items() if not k.startswith(TRITON_TILE_OPTIONS)}
         entry = {
             "block_size": [int(row["block_q"]), int(row["block_kv"])],
             "kernel_options": options,
-            metric: round(measured, 4),
             "seq_len": int(row["seq_len"]),
         }
-        part = "flash" if options.get("BACKEND") == FLASH else "triton"
-        cell = row.get(f"{TRITON_REFERENCE}_{metric}")
-        defaults = float(cell) if cell else None  # the defaults, same process
-        if part == "flash":  # FLASH picks its own tiles: a trial's Triton options meant nothing
-            entry["kernel_options"] = {
-                k: v for k, v in options.items() if not k.startswith(TRITON_TILE_OPTIONS)
-            }
+        name = f"{row['variant']}/d{row['head_dim']}"
+        key = (capability_key(row.get("capability")), name, part, json.dumps(entry, sort_keys=True))
+        entries[key] = entry
+        cell = row.get(f"{TRITON_REFERENCE}_{metric}")  # the defaults, same process
+        runs.setdefault(key, []).append((float(value), float(cell) if cell else None))
+    best: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
+    beaten: Counter[str] = Counter()  # Triton configurations no better than the defaults
+    for (gpu, name, part, _), measured_runs in runs.items():
+        measured = statistics.median(m for m, _ in measured_runs)
+        own = [d for _, d in measured_runs if d is not None]
+        defaults = statistics.median(own) if own else None
+        entry = {**entries[(gpu, name, part, _)], metric: round(measured, 4)}
+        if len(measured_runs) > 1:
+            entry["runs"] = len(measured_runs)
+        if part == "flash":
             entry["reference"] = defaults
         elif defaults is not None and not _better(measured, defaults, metric):
             beaten[name] += 1
             continue
+        score = measured if higher_is_better(metric) else -measured
         if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:
             best[(gpu, name, part)] = (score, entry)
     for (gpu, name, part), (_, entry) in list(best.items()):

@@ -984,3 +984,48 @@ def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_comp
     refuse(resolved("cuda", 64, bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_N2=32))
     refuse(resolved("cuda", 64, fwd_BLOCK_M=128, BACKEND="FLASH"))  # FLASH's own tiles
     refuse(resolved("cpu", 64, fwd_BLOCK_M=128))  # eager flex on a CPU: no tiles
+
+
+# Inductor's backward tiles (M1, N1, M2, N2) for flex on an H200 at head_dim 128, bfloat16
+H200_D128_BACKWARD = [(64, 128, 128, 64)]
+
+
+def test_a_block_size_with_no_triton_backward_kernel_is_refused_in_one_line(monkeypatch):
+    """What the tuner met on the H200: every Triton trial with a 64-block failed seconds into
+    its compile (NoValidChoicesError, pages of IR): Inductor filters its own backward tiles by
+    the block sizes before a user's bwd_ options apply."""
+    from attngym import config, device
+
+    assert config.backward_block_error({"q": 128, "kv": 128}, H200_D128_BACKWARD) is None
+    key, why = config.backward_block_error({"q": 128, "kv": 64}, H200_D128_BACKWARD)
+    assert key == "block_size.kv" and why.startswith("64 has no Triton backward kernel")
+    assert config.backward_block_error({"q": 64, "kv": 64}, H200_D128_BACKWARD)[0] == (
+        "block_size.q"
+    )
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a: H200_D128_BACKWARD)
+    data = {"kernel_options": {"bwd_BLOCK_N1": 64}, "passes": ["fwd", "bwd"], "compile": True,
+            "device": {"name": "cuda"}, "dtype": "bfloat16", "shape": {"head_dim": 128},
+            "block_size": {"q": 128, "kv": 64}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^block_size.kv: 64 has no Triton backward") as info:
+        config._triton_backward_has_a_kernel(data)
+    assert "\n" not in str(info.value)
+    for fine in ({"passes": ["fwd"]}, {"compile": False}, {"kernel_options": {"BACKEND": "FLASH"}},
+                 {"device": {"name": "cpu"}}):  # fmt: skip
+        config._triton_backward_has_a_kernel({**data, **fine})
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a: None)  # cannot say: no rule
+    config._triton_backward_has_a_kernel(data)
+
+
+def test_the_tuner_searches_only_block_sizes_with_a_triton_backward(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from attngym import device, tuning
+
+    cfg = OmegaConf.create({"passes": ["fwd", "bwd"], "dtype": "auto",
+                            "device": {"name": "cpu"}, "shape": {"head_dim": 128}})  # fmt: skip
+    every = list(tuning.TUNED_BLOCK_SIZES)
+    assert tuning.triton_block_sizes(cfg) == {"q": every, "kv": every}  # a CPU: eager flex
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a: H200_D128_BACKWARD)
+    assert tuning.triton_block_sizes(cfg) == {"q": [128], "kv": [128]}
+    cfg.passes = ["fwd"]  # no backward: every size
+    assert tuning.triton_block_sizes(cfg) == {"q": every, "kv": every}

@@ -294,7 +294,8 @@ def test_a_trial_wins_only_if_it_beats_the_defaults_of_its_own_run():
     base = {"capability": "9.0", "variant": "mine", "head_dim": "128", "seq_len": "8192",
             "status": "ok", "validation": "ok", "block_q": "64", "block_kv": "64"}  # fmt: skip
     slow = {**base, "fwd_bwd_ms": "2.2", "flex_default_fwd_bwd_ms": "2.0"}
-    fast = {**base, "fwd_bwd_ms": "1.6", "flex_default_fwd_bwd_ms": "2.0"}
+    fast = {**base, "fwd_bwd_ms": "1.6", "flex_default_fwd_bwd_ms": "2.0",
+            "kernel_options.fwd_num_warps": "8"}  # fmt: skip
     flash = {**base, "block_q": "128", "block_kv": "128", "fwd_bwd_ms": "1.2",
              "flex_default_fwd_bwd_ms": "2.1", "kernel_options.BACKEND": "FLASH"}  # fmt: skip
     entry = tuning.winners([slow, fast, flash], "fwd_bwd_ms")["sm90"]["mine/d128"]
@@ -303,3 +304,22 @@ def test_a_trial_wins_only_if_it_beats_the_defaults_of_its_own_run():
     assert "block_size" not in entry  # no Triton trial beat the defaults: they stay
     assert entry["flash"]["over_triton"] == 1.75  # over the defaults of its own run
     assert tuning.winners([slow], "fwd_bwd_ms") == {}
+
+
+def test_trials_of_one_configuration_count_by_their_median():
+    """What the H200 showed: two FLASH trials of a window study (their Triton tiles meant
+    nothing) read 1.30 and 2.32 ms against defaults of 1.49 and 1.47; the lucky one alone had
+    made FLASH the table's pick, and the next run 0.77x the defaults."""
+    base = {"capability": "9.0", "variant": "sliding_window", "head_dim": "128",
+            "seq_len": "8192", "status": "ok", "validation": "ok", "block_q": "128",
+            "block_kv": "128", "kernel_options.BACKEND": "FLASH"}  # fmt: skip
+    rows = [
+        {**base, "fwd_bwd_ms": "1.295", "flex_default_fwd_bwd_ms": "1.485",
+         "kernel_options.fwd_BLOCK_M": "64"},
+        {**base, "fwd_bwd_ms": "2.321", "flex_default_fwd_bwd_ms": "1.474",
+         "kernel_options.fwd_BLOCK_M": "32"},
+    ]  # fmt: skip
+    flash = tuning.winners(rows, "fwd_bwd_ms")["sm90"]["sliding_window/d128"]["flash"]
+    assert flash["runs"] == 2 and flash["fwd_bwd_ms"] == 1.808
+    assert flash["over_triton"] == round(1.4795 / 1.808, 3) < 1  # recorded, never taken
+    assert tuning.choose_backend({"flash": flash}, None, None)[0] is None
