@@ -913,7 +913,12 @@ def _triton_backward_has_a_kernel(data: dict[str, Any]) -> None:
         return
     from attngym.device import triton_backward_tiles
 
-    tiles = triton_backward_tiles(data["shape"]["head_dim"], data["dtype"], data["device"]["name"])
+    tiles = triton_backward_tiles(
+        data["shape"]["head_dim"],
+        data["dtype"],
+        data["device"]["name"],
+        autotune=str(data["compile_mode"]).startswith("max-autotune"),
+    )
     refused = backward_block_error(data["block_size"], tiles) if tiles else None
     if refused:
         raise ConfigError(*refused)

@@ -86,23 +86,29 @@ def get_flash_block_size(device: str | torch.device = "cuda") -> tuple[int, int]
 
 
 def triton_backward_tiles(
-    head_dim: int, dtype: str, device: str | torch.device = "cuda"
+    head_dim: int, dtype: str, device: str | torch.device = "cuda", *, autotune: bool = False
 ) -> list[tuple[int, int, int, int]] | None:
     """The (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2) tiles Inductor tries for flex's Triton
-    backward at this head_dim and dtype on this GPU; None where it cannot say (a CPU, or an
-    Inductor without this hook). Inductor drops every tile that does not divide the block mask's
-    block sizes before a user's bwd_ options apply, so a block size none of them divides has no
-    backward kernel (on an H200 at head_dim 128: 64-blocks, NoValidChoicesError in the compile).
+    backward at this head_dim and dtype on this GPU (`autotune`: under a max-autotune compile
+    mode, which adds its search's tiles); None where it cannot say (a CPU, or an Inductor without
+    this hook). Inductor drops every tile that does not divide the block mask's block sizes
+    before a user's bwd_ options apply, so a block size none of them divides has no backward
+    kernel (on an H200 at head_dim 128: 64-blocks, NoValidChoicesError in the compile).
     """
     dev = resolve_device(device)
     if dev.type != "cuda":
         return None
-    try:  # Inductor's own heuristics (torch._inductor.choices), the ones its lowering asks
+    try:  # the hook Inductor's lowering asks (torch._inductor.choices); private, hence guarded
+        from torch._inductor import config as inductor_config
         from torch._inductor.virtualized import V
 
-        configs = V.choices.get_flex_attention_bwd_configs(head_dim, getattr(torch, dtype), "cuda")
+        with inductor_config.patch(max_autotune=autotune):
+            configs = V.choices.get_flex_attention_bwd_configs(
+                head_dim, getattr(torch, dtype), "cuda"
+            )
         return [(c.block_m1, c.block_n1, c.block_m2, c.block_n2) for c in configs]
-    except (ImportError, AttributeError, TypeError, RuntimeError):
+    except Exception:  # any change in Inductor's internals: no rule rather than a wrong one
+        log.debug("Inductor's flex backward tiles not readable", exc_info=True)
         return None
 
 

@@ -232,7 +232,8 @@ def triton_block_sizes(cfg: Any) -> dict[str, list[int]]:
         return sizes
     device = resolve_device(cfg.device.name)
     dtype = auto_dtype(device.type) if cfg.dtype == AUTO else cfg.dtype
-    tiles = triton_backward_tiles(cfg.shape.head_dim, dtype, device)
+    autotune = str(cfg.compile_mode).startswith("max-autotune")
+    tiles = triton_backward_tiles(cfg.shape.head_dim, dtype, device, autotune=autotune)
     if not tiles:
         return sizes
     fits = {

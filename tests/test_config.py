@@ -1002,18 +1002,31 @@ def test_a_block_size_with_no_triton_backward_kernel_is_refused_in_one_line(monk
     assert config.backward_block_error({"q": 64, "kv": 64}, H200_D128_BACKWARD)[0] == (
         "block_size.q"
     )
-    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a: H200_D128_BACKWARD)
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: H200_D128_BACKWARD)
     data = {"kernel_options": {"bwd_BLOCK_N1": 64}, "passes": ["fwd", "bwd"], "compile": True,
-            "device": {"name": "cuda"}, "dtype": "bfloat16", "shape": {"head_dim": 128},
-            "block_size": {"q": 128, "kv": 64}}  # fmt: skip
+            "compile_mode": "default", "device": {"name": "cuda"}, "dtype": "bfloat16",
+            "shape": {"head_dim": 128}, "block_size": {"q": 128, "kv": 64}}  # fmt: skip
     with pytest.raises(ConfigError, match=r"^block_size.kv: 64 has no Triton backward") as info:
         config._triton_backward_has_a_kernel(data)
     assert "\n" not in str(info.value)
     for fine in ({"passes": ["fwd"]}, {"compile": False}, {"kernel_options": {"BACKEND": "FLASH"}},
                  {"device": {"name": "cpu"}}):  # fmt: skip
         config._triton_backward_has_a_kernel({**data, **fine})
-    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a: None)  # cannot say: no rule
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: None)  # cannot say
     config._triton_backward_has_a_kernel(data)
+
+
+def test_inductors_own_backward_tiles_are_read_for_the_gpu(monkeypatch):
+    """Inductor's real heuristics, only the GPU's capability faked (9.0, an H100/H200)."""
+    import torch
+
+    from attngym import config, device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(device, "resolve_device", lambda name: torch.device("cuda"))
+    assert device.triton_backward_tiles(128, "bfloat16") == H200_D128_BACKWARD
+    searched = device.triton_backward_tiles(128, "bfloat16", autotune=True)
+    assert config.backward_block_error({"q": 64, "kv": 64}, searched) is None  # autotune's own
 
 
 def test_the_tuner_searches_only_block_sizes_with_a_triton_backward(monkeypatch):
@@ -1021,11 +1034,11 @@ def test_the_tuner_searches_only_block_sizes_with_a_triton_backward(monkeypatch)
 
     from attngym import device, tuning
 
-    cfg = OmegaConf.create({"passes": ["fwd", "bwd"], "dtype": "auto",
+    cfg = OmegaConf.create({"passes": ["fwd", "bwd"], "dtype": "auto", "compile_mode": "default",
                             "device": {"name": "cpu"}, "shape": {"head_dim": 128}})  # fmt: skip
     every = list(tuning.TUNED_BLOCK_SIZES)
     assert tuning.triton_block_sizes(cfg) == {"q": every, "kv": every}  # a CPU: eager flex
-    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a: H200_D128_BACKWARD)
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: H200_D128_BACKWARD)
     assert tuning.triton_block_sizes(cfg) == {"q": [128], "kv": [128]}
     cfg.passes = ["fwd"]  # no backward: every size
     assert tuning.triton_block_sizes(cfg) == {"q": every, "kv": every}
