@@ -311,11 +311,11 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
         runs.setdefault(key, []).append((float(value), float(cell) if cell else None))
     best: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
     beaten: Counter[str] = Counter()  # Triton configurations no better than the defaults
-    for (gpu, name, part, _), measured_runs in runs.items():
+    for (gpu, name, part, config), measured_runs in runs.items():
         measured = statistics.median(m for m, _ in measured_runs)
         own = [d for _, d in measured_runs if d is not None]
         defaults = statistics.median(own) if own else None
-        entry = {**entries[(gpu, name, part, _)], metric: round(measured, 4)}
+        entry = {**entries[(gpu, name, part, config)], metric: round(measured, 4)}
         if len(measured_runs) > 1:
             entry["runs"] = len(measured_runs)
         if part == "flash":
