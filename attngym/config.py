@@ -377,6 +377,8 @@ class Settings:
         if self.device == AUTO:
             self.device = _resolve_device(AUTO)
         if self.dtype == AUTO:
+            from attngym.device import auto_dtype
+
             self.dtype = auto_dtype(self.device)
         topo = self.topology
         if topo.world_size == AUTO:
@@ -1015,11 +1017,6 @@ def _resolve_device(name: str) -> str:
         raise ConfigError("device.name", str(err)) from None
 
 
-def auto_dtype(device: str) -> str:
-    """dtype=auto: bfloat16 on cuda, float32 on cpu."""
-    return "bfloat16" if device == "cuda" else "float32"
-
-
 # topology.world_size=auto on a CPU: two ranks (gloo), enough to exercise every exchange.
 CPU_RANKS = 2
 
@@ -1112,6 +1109,8 @@ def _resolve(data: dict[str, Any], variant: str) -> None:
     `variant` so named, a user's own too)."""
     device = data["device"]["name"] = _resolve_device(data["device"]["name"])
     if data["dtype"] == AUTO:
+        from attngym.device import auto_dtype
+
         data["dtype"] = auto_dtype(device)
     topo = data["topology"]
     if not topo["simulate"]:  # simulated ranks: any number, whatever the GPUs

@@ -66,6 +66,11 @@ def resolve_device(name: str | torch.device) -> torch.device:
     return torch.device("cuda")
 
 
+def auto_dtype(device: str) -> str:
+    """dtype=auto: bfloat16 on cuda, float32 on cpu."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 def get_flash_block_size(device: str | torch.device = "cuda") -> tuple[int, int]:
     """Block size (q, kv) that FlexAttention's flash backend needs on this device.
 

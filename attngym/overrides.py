@@ -486,8 +486,7 @@ def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
     """The tuner's study: one per variant (your own named by its label or import paths), shape,
     device and dtype (`auto` resolved here), so a second tuning command of the same problem
     resumes the same study."""
-    from attngym.config import auto_dtype
-    from attngym.device import resolve_device
+    from attngym.device import auto_dtype, resolve_device
 
     device = resolve_device(device).type
     dtype = auto_dtype(device) if dtype == "auto" else dtype

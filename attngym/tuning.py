@@ -224,14 +224,13 @@ def triton_block_sizes(cfg: Any) -> dict[str, list[int]]:
     """{"q": [...], "kv": [...]}: TUNED_BLOCK_SIZES less those no Triton backward tile divides
     on this GPU at this head_dim and dtype (an H200 at head_dim 128 has none for 64), where the
     run has a backward; constant for a study (its name holds the device), as Optuna needs."""
-    from attngym.config import AUTO, auto_dtype
-    from attngym.device import resolve_device, triton_backward_tiles
+    from attngym.device import auto_dtype, resolve_device, triton_backward_tiles
 
     sizes = {"q": list(TUNED_BLOCK_SIZES), "kv": list(TUNED_BLOCK_SIZES)}
     if "bwd" not in cfg.passes:
         return sizes
     device = resolve_device(cfg.device.name)
-    dtype = auto_dtype(device.type) if cfg.dtype == AUTO else cfg.dtype
+    dtype = auto_dtype(device.type) if cfg.dtype == "auto" else cfg.dtype
     autotune = str(cfg.compile_mode).startswith("max-autotune")
     tiles = triton_backward_tiles(cfg.shape.head_dim, dtype, device, autotune=autotune)
     if not tiles:
