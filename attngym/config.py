@@ -885,15 +885,13 @@ def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
 def backward_block_error(
     blocks: Mapping[str, int], tiles: Sequence[tuple[int, int, int, int]]
 ) -> tuple[str, str] | None:
-    """(key, why) where no backward tile (BLOCK_M1, N1, M2, N2) divides the block sizes, q by
-    M1 and M2 and kv by N1 and N2 (Inductor's own filter); None where one does."""
-    q, kv = blocks["q"], blocks["kv"]
-    if any(
-        q % m1 == 0 and q % m2 == 0 and kv % n1 == 0 and kv % n2 == 0 for m1, n1, m2, n2 in tiles
-    ):
+    """(key, why) where no backward tile set divides the block sizes (device.backward_tiles_fit,
+    Inductor's own filter); None where one does."""
+    from attngym.device import backward_tiles_fit
+
+    if backward_tiles_fit(tiles, q=blocks["q"], kv=blocks["kv"]):
         return None
-    q_fits = any(q % m1 == 0 and q % m2 == 0 for m1, _, m2, _ in tiles)
-    side = "kv" if q_fits else "q"
+    side = "kv" if backward_tiles_fit(tiles, q=blocks["q"]) else "q"
     shown = ", ".join(f"M1 {m1} N1 {n1} M2 {m2} N2 {n2}" for m1, n1, m2, n2 in tiles)
     return f"block_size.{side}", (
         f"{blocks[side]} has no Triton backward kernel on this GPU: Inductor's backward tiles "

@@ -117,6 +117,18 @@ def triton_backward_tiles(
         return None
 
 
+def backward_tiles_fit(
+    tiles: list[tuple[int, int, int, int]], *, q: int | None = None, kv: int | None = None
+) -> bool:
+    """Whether one of the backward tile sets (triton_backward_tiles) divides the block sizes
+    given, as Inductor filters them: q by BLOCK_M1 and BLOCK_M2, kv by BLOCK_N1 and BLOCK_N2."""
+    return any(
+        (q is None or (q % m1 == 0 and q % m2 == 0))
+        and (kv is None or (kv % n1 == 0 and kv % n2 == 0))
+        for m1, n1, m2, n2 in tiles
+    )
+
+
 def device_info(device: str | torch.device) -> dict:
     """What a run's metrics record about its device.
 

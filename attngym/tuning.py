@@ -224,7 +224,12 @@ def triton_block_sizes(cfg: Any) -> dict[str, list[int]]:
     """{"q": [...], "kv": [...]}: TUNED_BLOCK_SIZES less those no Triton backward tile divides
     on this GPU at this head_dim and dtype (an H200 at head_dim 128 has none for 64), where the
     run has a backward; constant for a study (its name holds the device), as Optuna needs."""
-    from attngym.device import auto_dtype, resolve_device, triton_backward_tiles
+    from attngym.device import (
+        auto_dtype,
+        backward_tiles_fit,
+        resolve_device,
+        triton_backward_tiles,
+    )
 
     sizes = {"q": list(TUNED_BLOCK_SIZES), "kv": list(TUNED_BLOCK_SIZES)}
     if "bwd" not in cfg.passes:
@@ -235,11 +240,10 @@ def triton_block_sizes(cfg: Any) -> dict[str, list[int]]:
     tiles = triton_backward_tiles(cfg.shape.head_dim, dtype, device, autotune=autotune)
     if not tiles:
         return sizes
-    fits = {
-        "q": lambda s: any(s % m1 == 0 and s % m2 == 0 for m1, _, m2, _ in tiles),
-        "kv": lambda s: any(s % n1 == 0 and s % n2 == 0 for _, n1, _, n2 in tiles),
+    return {
+        side: [s for s in every if backward_tiles_fit(tiles, **{side: s})] or every
+        for side, every in sizes.items()
     }
-    return {side: [s for s in all_ if fits[side](s)] or all_ for side, all_ in sizes.items()}
 
 
 def _number(text: str) -> Any:
