@@ -291,6 +291,97 @@ def time_fn(
     return Timing.from_times(times)
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamTiming:
+    """A call's cost inside a stream of calls, in milliseconds (medians).
+
+    gpu_ms: the device's time per call when the calls are queued back to back (the L2 flushed
+        before each, as in time_fn); host_ms: the host's time to issue one call. A stream of calls
+        runs at max(host_ms, gpu_ms) per call: the host issues ahead while the device is busier
+        (on a CPU host_ms is 0: the work is the host's, timed in gpu_ms).
+    """
+
+    gpu_ms: float
+    host_ms: float
+
+
+# How long the spin holds the device while the host issues the one call that sizes the next.
+PROBE_SPIN_MS = 50.0
+MAX_SPIN_MS = 2000.0
+# Clock cycles of the device's spin kernel per millisecond, measured once per device.
+_SPIN_CYCLES_PER_MS: dict[torch.device, float] = {}
+
+
+def _spin_cycles_per_ms(dev: torch.device) -> float:
+    if dev not in _SPIN_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # warm
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _SPIN_CYCLES_PER_MS[dev] = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+    return _SPIN_CYCLES_PER_MS[dev]
+
+
+def stream_time(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+) -> StreamTiming:
+    """Time `fn()` as one of a stream of calls: the device's time per call and the host's.
+
+    On CUDA the device is first held busy by a spin kernel long enough for the host to issue all
+    `repeats` calls, so each call's events bracket its device work alone, queued back to back
+    (the L2 flushed before each, as time_fn does), and the host clock around each `fn()` is the
+    host's issue time alone. time_fn instead times a call that the host may still be issuing:
+    for a call whose host time nears its device time it measures neither. Where `fn`
+    synchronises with the device the host clock waits for the spin, and host_ms is then the
+    least host time seen (an upper bound).
+    On a CPU the work is the host's: gpu_ms is its wall time and host_ms 0.
+    """
+    from attngym.device import resolve_device
+
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return StreamTiming(time_fn(fn, warmup=warmup, repeats=repeats, device=dev).median_ms, 0.0)
+    for _ in range(warmup):
+        fn()
+    with torch.cuda.device(dev):
+        flush = l2_flush_buffer(dev)
+        _, (probe,) = _behind_spin(fn, flush, 1, PROBE_SPIN_MS, dev)  # one call's host time
+        spin_ms = min(max(2.0, 3.0 * repeats * probe), MAX_SPIN_MS)
+        gpu, host = _behind_spin(fn, flush, repeats, spin_ms, dev)
+        if sum(host) >= 0.8 * spin_ms:  # fn waited for the device: no host time apart from it
+            host = [min(probe, min(host))]
+    return StreamTiming(statistics.median(gpu), statistics.median(host))
+
+
+def _behind_spin(fn, flush, repeats: int, spin_ms: float, dev) -> tuple[list[float], list[float]]:
+    """(device ms, host ms) per call of `repeats` calls issued while a spin holds the device."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(spin_ms * _spin_cycles_per_ms(dev)))
+    events, host = [], []
+    for _ in range(repeats):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events], host
+
+
 def benchmark_cuda_function_in_microseconds(func: Callable[..., Any], *args, **kwargs) -> float:
     """Median time of `func(*args, **kwargs)` in microseconds (the seed's helper).
 

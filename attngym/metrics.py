@@ -440,7 +440,9 @@ METRICS: tuple[Metric, ...] = (
         "bottleneck",
         "bottleneck",
         "",
-        "simulate: compute, transfer or imbalance, whichever keeps the call above balanced compute",
+        "simulate: host (a rank's host issues its kernels more slowly than its device runs "
+        "them), else compute, transfer or imbalance, whichever keeps the call above balanced "
+        "compute",
         shown="cp",
     ),
     M(
@@ -452,6 +454,13 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("rank_compute_ms_min", "least rank compute (ms)", "ms", "simulate: the lightest rank"),
     M("rank_compute_ms_max", "most rank compute (ms)", "ms", "simulate: the heaviest rank"),
+    M(
+        "rank_host_ms_max",
+        "most rank host time (ms)",
+        "ms",
+        "simulate: the most any rank's host takes to issue its compute (the rank takes at least "
+        "that)",
+    ),
     M(
         "predicted_peak_mem_bytes",
         "predicted peak memory",

@@ -147,6 +147,25 @@ def test_time_fn_on_cuda():
     assert utils.benchmark_cuda_function_in_microseconds(torch.matmul, a, a) > 0
 
 
+@pytest.mark.gpu
+def test_stream_time_on_cuda_parts_the_host_from_the_device():
+    """Many tiny kernels: the host takes longer to issue them than the device to run them (the
+    case time_fn cannot part); one large matmul: the device's time, the host's small."""
+    x = torch.randn(64, device="cuda")
+
+    def tiny():
+        for _ in range(200):
+            x.add_(1.0)
+
+    small = bench.stream_time(tiny, warmup=1, repeats=3, device="cuda")
+    assert small.host_ms > small.gpu_ms > 0
+    a = torch.randn(8192, 8192, device="cuda")
+    big = bench.stream_time(lambda: a @ a, warmup=1, repeats=3, device="cuda")
+    assert big.gpu_ms > 10 * big.host_ms
+    timed = bench.time_fn(lambda: a @ a, warmup=1, repeats=3, device="cuda").median_ms
+    assert big.gpu_ms == pytest.approx(timed, rel=0.2)  # device-bound: the two timers agree
+
+
 # --------------------------------------------------------------------------------------------
 # progress bar
 

@@ -419,15 +419,17 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
 
     key = ("allgather", tuple(q_r.shape), tuple(k_all.shape), clock.mask_key(block_mask))
     item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
-    fwd_ms = clock.ms(item, "fwd")
-    both_ms = clock.ms(item, "bwd") if saved is not None else None
+    fwd = clock.time(item, "fwd")
+    both = clock.time(item, "bwd") if saved is not None else None
     # fwd-and-bwd as one item: the backward item re-runs the forward under autograd (flex's
     # backward needs its graph), so its time is fwd+bwd; the backward alone is the difference.
     work = RankWork(
-        fwd_ms=(fwd_ms,),
-        bwd_ms=() if both_ms is None else (max(both_ms - fwd_ms, 0.0),),
+        fwd_ms=(fwd.ms,),
+        bwd_ms=() if both is None else (max(both.ms - fwd.ms, 0.0),),
         fwd_bytes=(received,),
         bwd_bytes=(received,),
+        host_fwd_ms=fwd.host_ms,
+        host_bwd_ms=0.0 if both is None else max(both.host_ms - fwd.host_ms, 0.0),
     )
     pattern = "allgather" if plan.gathers else "alltoall"
     return work, received, buffer * (2 if saved is not None else 1), pattern

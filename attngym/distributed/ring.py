@@ -56,7 +56,14 @@ from attngym.distributed.cp import (
     run,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
-from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
+from attngym.distributed.simulate import (
+    Item,
+    ItemTime,
+    SequenceRanks,
+    SimulatedCall,
+    Simulation,
+    nbytes,
+)
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
 from attngym.variants.base import Variant
@@ -437,7 +444,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     kv_bytes = [nbytes(2, b, g, w, d, itemsize=itemsize) for w in plan.widths]
     acc_size = 8 if q_r.dtype == torch.float64 else 4
     dkv_bytes = nbytes(2, b, g, plan.widths[1], d, itemsize=acc_size) if plan.steps > 1 else 0
-    fwd_ms, bwd_ms, fwd_in, bwd_moving = [], [], [], []
+    fwd_ms, bwd_ms, fwd_in, bwd_moving, host = [], [], [], [], [0.0, 0.0]
     for i in range(plan.steps):
         s = (r - i) % P
         window = (plan.starts[s][i], plan.widths[i])
@@ -453,9 +460,13 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         def build(s=s, i=i, key=key):
             return _step_item(call, q_r, ranks.ks[s], ranks.vs[s], s, i, plan, saved, key)
 
-        fwd_ms.append(clock.ms(build, "fwd", key) if structure else 0.0)
+        for j, (which, times) in enumerate((("fwd", fwd_ms), ("bwd", bwd_ms))):
+            if which == "bwd" and saved is None:
+                continue
+            timed = clock.time(build, which, key) if structure else ItemTime(0.0)
+            times.append(timed.ms)
+            host[j] += timed.host_ms
         if saved is not None:
-            bwd_ms.append(clock.ms(build, "bwd", key) if structure else 0.0)
             # During step i's compute: the K/V of step i + 1 and the dK/dV pushed after step
             # i - 1 (the last step's push is the tail).
             onward = kv_bytes[i + 1] if i + 1 < plan.steps else 0
@@ -468,6 +479,8 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         fwd_bytes=tuple(fwd_in),
         bwd_bytes=tuple(bwd_moving),
         tail_bwd_bytes=dkv_bytes if saved is not None else 0,
+        host_fwd_ms=host[0],
+        host_bwd_ms=host[1],
     )
     return work, sum(kv_bytes[1 : plan.steps]), slots + (2 * dkv_bytes if saved else 0)
 

@@ -26,8 +26,9 @@ one real rank pays (the ring's and all-gather's plans ask every (q rank, kv rank
 block mask: O(P²) masks, memoised per variant); `Simulation.wall_s` reports the whole
 simulation's time and `timed` / `items` how much timing the keys saved.
 
-Timing is the project's (bench.time_fn through a `Timer`: CUDA events, warm-up, the L2 cache
-flushed; host clock on CPU). A Timer is a parameter so tests and the layout's cost model can
+Timing is the project's stream timing (bench.stream_time through a `Timer`: an item's device time
+per call queued back to back, CUDA events, warm-up, the L2 cache flushed; and the host's time to
+issue it; host clock on CPU). A Timer is a parameter so tests and the layout's cost model can
 price items from their block masks instead.
 Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, P ranks.
 """
@@ -72,16 +73,32 @@ class Item:
     block_masks: tuple[Any, ...] = ()
 
 
-# (item, "fwd" | "bwd") -> (ms, peak bytes the call adds, or 0 where not measured).
-Timer = Callable[[Item, str], tuple[float, int]]
+@dataclasses.dataclass(frozen=True)
+class ItemTime:
+    """What timing one pass of an item gives.
+
+    ms: the device's time per call, queued back to back (the compute the transfer model
+    overlaps); host_ms: the host's time to issue one call (a rank's host issues all its calls:
+    the rank takes at least their sum, transfer_model.predict); peak: device bytes the call adds
+    (0 where not measured).
+    """
+
+    ms: float
+    host_ms: float = 0.0
+    peak: int = 0
+
+
+# (item, "fwd" | "bwd") -> its ItemTime.
+Timer = Callable[[Item, str], ItemTime]
 
 
 def bench_timer(device: torch.device, warmup: int, repeats: int) -> Timer:
-    """The project's timing (bench.time_fn) of an item's pass, with the device peak it adds."""
+    """The project's stream timing (bench.stream_time: the device's and the host's time per
+    call) of an item's pass, with the device peak it adds."""
     from attngym import bench
     from attngym.device import peak_memory, sync
 
-    def timer(item: Item, which: str) -> tuple[float, int]:
+    def timer(item: Item, which: str) -> ItemTime:
         fn = item.fwd if which == "fwd" else item.bwd
         # First calls apart (compilation), as phases.first_call: two, as a ring step's first
         # call keeps its partials and the next ones merge into them (the merge compiles then),
@@ -90,8 +107,9 @@ def bench_timer(device: torch.device, warmup: int, repeats: int) -> Timer:
         fn()
         sync(device)
         with peak_memory(device) as peak:
-            timing = bench.time_fn(fn, warmup=warmup, repeats=repeats, device=device)
-        return timing.median_ms, peak["bytes"] if device.type == "cuda" else 0
+            timing = bench.stream_time(fn, warmup=warmup, repeats=repeats, device=device)
+        used = peak["bytes"] if device.type == "cuda" else 0
+        return ItemTime(timing.gpu_ms, timing.host_ms, used)
 
     return timer
 
@@ -128,16 +146,22 @@ class Clock:
         self.peak = 0
         self._mask_keys: dict[int, tuple[Any, tuple]] = {}
 
-    def ms(self, item: Item | Callable[[], Item], which: str, key: tuple | None = None) -> float:
-        """The item's time for `which`; `item` may be a builder, called only for a new key."""
+    def time(
+        self, item: Item | Callable[[], Item], which: str, key: tuple | None = None
+    ) -> ItemTime:
+        """The item's ItemTime for `which`; `item` may be a builder, called only for a new key."""
         self.items += 1
         seen = (which, item.key if key is None else key)
         if seen not in self.seen:
             built = item() if key is not None else item
-            ms, peak = self.timer(built, which)
-            self.seen[seen] = ms
-            self.peak = max(self.peak, peak)
+            timed = self.timer(built, which)
+            self.seen[seen] = timed
+            self.peak = max(self.peak, timed.peak)
         return self.seen[seen]
+
+    def ms(self, item: Item | Callable[[], Item], which: str, key: tuple | None = None) -> float:
+        """The item's device time for `which` (Clock.time's ms)."""
+        return self.time(item, which, key).ms
 
     def mask_key(self, block_mask) -> tuple | None:
         """The structure of a BlockMask as a hashable key (None for none)."""

@@ -4,9 +4,10 @@ The simulated ranks (attngym.distributed.simulate) time each rank's compute on o
 scheme prices its ranks (its TopologySpec's `price`: how its transfers overlap its compute, a
 rank-time function of its own module given to `predict`) on a `Fabric` from this module, which
 names what limits the call. The call ends when its slowest rank ends: the prediction is the
-largest rank time. Ranks are modelled independently (a rank never waits for a slower neighbour),
-which is exact for the gather-then-compute schemes and optimistic for a ring whose ranks are
-unevenly loaded.
+largest rank time, each rank taking the longer of its device timeline and its host's time to
+issue its kernels (a rank of small kernels is bound by its host). Ranks are modelled
+independently (a rank never waits for a slower neighbour), which is exact for the
+gather-then-compute schemes and optimistic for a ring whose ranks are unevenly loaded.
 
 A `Fabric` turns bytes into milliseconds per transfer pattern (channel: one ring step,
 point to point; allgather; alltoall), indexed by the bytes one rank receives. A two-level fabric
@@ -27,7 +28,7 @@ from typing import Literal
 
 Pattern = Literal["channel", "allgather", "alltoall"]
 PATTERNS: tuple[Pattern, ...] = ("channel", "allgather", "alltoall")
-Bottleneck = Literal["compute", "transfer", "imbalance"]
+Bottleneck = Literal["compute", "transfer", "imbalance", "host"]
 # Below this share of the call, neither the exposed transfer nor the imbalance is the bottleneck.
 BOTTLENECK_SHARE = 0.05
 MIB = 2**20
@@ -240,6 +241,9 @@ class RankWork:
             dK/dV push of step i; allgather: the reduce-scatter; ulysses: the exchanges back).
         tail_bytes: bytes moved after the last step (ring: the dK/dV push home; ulysses: the
             output's exchange back, forward).
+        host_fwd_ms, host_bwd_ms: the host's time to issue the rank's compute of each pass (0:
+            not measured). The host issues ahead of the device, so the rank takes the longer of
+            the two: its device timeline (compute against transfers) and its host time.
     """
 
     fwd_ms: tuple[float, ...]
@@ -248,6 +252,12 @@ class RankWork:
     bwd_bytes: tuple[float, ...] = ()
     tail_fwd_bytes: float = 0.0
     tail_bwd_bytes: float = 0.0
+    host_fwd_ms: float = 0.0
+    host_bwd_ms: float = 0.0
+
+    def host_ms(self, backward: bool) -> float:
+        """The host's time to issue the rank's compute, forward (and backward)."""
+        return self.host_fwd_ms + (self.host_bwd_ms if backward else 0.0)
 
     @property
     def compute_fwd_ms(self) -> float:
@@ -271,9 +281,13 @@ class Prediction:
             without a backward).
         rank_ms: every rank's predicted fwd+bwd (fwd when forward only).
         rank_compute_ms: every rank's compute alone, same passes.
-        bottleneck: compute (balanced compute within BOTTLENECK_SHARE of the call), transfer
-            (the exposed transfer is the larger loss) or imbalance (the slowest rank's extra
-            compute over the mean is).
+        rank_host_ms: every rank's host time to issue that compute, same passes.
+        rank_device_ms: every rank's device timeline (compute against its transfers), same
+            passes; rank_ms is the longer of it and rank_host_ms.
+        bottleneck: host (the slowest rank's host issues its kernels more slowly than its device
+            runs them and their transfers), else compute (balanced compute within
+            BOTTLENECK_SHARE of the call), transfer (the exposed transfer is the larger loss) or
+            imbalance (the slowest rank's extra compute over the mean is).
         contenders: predictions of other schemes with the same compute, by name (the
             all-gather's: PyTorch's own flex CP, `torch_cp`, whole K/V shards gathered).
     """
@@ -283,6 +297,8 @@ class Prediction:
     rank_ms: tuple[float, ...]
     rank_compute_ms: tuple[float, ...]
     bottleneck: Bottleneck
+    rank_host_ms: tuple[float, ...] = ()
+    rank_device_ms: tuple[float, ...] = ()
     contenders: Mapping[str, Prediction] = dataclasses.field(default_factory=dict)
 
     @property
@@ -292,9 +308,16 @@ class Prediction:
         return max(self.rank_compute_ms) / mean if mean > 0 else 1.0
 
 
-def bottleneck(total_ms: float, compute_ms: Sequence[float]) -> Bottleneck:
-    """What keeps `total_ms` above the mean compute: the imbalance (max - mean compute) or the
-    exposed transfer (total - max compute); compute when both are under BOTTLENECK_SHARE."""
+def bottleneck(
+    total_ms: float, compute_ms: Sequence[float], device_ms: float | None = None
+) -> Bottleneck:
+    """What keeps `total_ms` (the slowest rank) above the mean compute: its host, when the
+    slowest rank's device timeline `device_ms` is shorter than its host time (total_ms), else
+    the imbalance (max - mean compute) or the exposed transfer (total - max compute); compute
+    when both are under BOTTLENECK_SHARE."""
+    if device_ms is not None and device_ms < (1 - BOTTLENECK_SHARE) * total_ms:
+        return "host"
+    total_ms = total_ms if device_ms is None else device_ms
     worst, mean = max(compute_ms), sum(compute_ms) / len(compute_ms)
     imbalance, exposed = worst - mean, max(total_ms - worst, 0.0)
     if max(imbalance, exposed) < BOTTLENECK_SHARE * total_ms:
@@ -305,15 +328,24 @@ def bottleneck(total_ms: float, compute_ms: Sequence[float]) -> Bottleneck:
 def predict(
     rank_time: RankTime, ranks: Sequence[RankWork], fab: Fabric, backward: bool
 ) -> Prediction:
-    """The call of `ranks`, each rank's time given by its scheme's `rank_time`, on `fab`."""
-    fwd = [rank_time(w, fab, False) for w in ranks]
-    both = [rank_time(w, fab, True) for w in ranks] if backward else None
+    """The call of `ranks` on `fab`: each rank takes the longer of its device timeline (its
+    scheme's `rank_time`) and its host's time to issue its compute (RankWork.host_ms)."""
+    fwd_device = [rank_time(w, fab, False) for w in ranks]
+    fwd = [max(t, w.host_ms(False)) for t, w in zip(fwd_device, ranks, strict=True)]
+    device = fwd_device
+    both = None
+    if backward:
+        device = [rank_time(w, fab, True) for w in ranks]
+        both = [max(t, w.host_ms(True)) for t, w in zip(device, ranks, strict=True)]
     compute = [w.compute_fwd_bwd_ms if backward else w.compute_fwd_ms for w in ranks]
     totals = both if both is not None else fwd
+    slowest = max(range(len(totals)), key=totals.__getitem__)
     return Prediction(
         fwd_ms=max(fwd),
         fwd_bwd_ms=None if both is None else max(both),
         rank_ms=tuple(totals),
         rank_compute_ms=tuple(compute),
-        bottleneck=bottleneck(max(totals), compute),
+        bottleneck=bottleneck(totals[slowest], compute, device[slowest]),
+        rank_host_ms=tuple(w.host_ms(backward) for w in ranks),
+        rank_device_ms=tuple(device),
     )

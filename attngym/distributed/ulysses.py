@@ -538,16 +538,18 @@ def simulate_ulysses(sc: SimulatedCall) -> Simulation:
 
         key = ("ulysses", tuple(q_h.shape), tuple(k_h.shape), clock.mask_key(block_mask))
         item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
-        fwd_ms = clock.ms(item, "fwd")
-        both = clock.ms(item, "bwd") if sc.grad_out is not None else None
+        fwd = clock.time(item, "fwd")
+        both = clock.time(item, "bwd") if sc.grad_out is not None else None
         qkv_bytes, out_bytes = _exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, itemsize)
         sent = max(sent, (qkv_bytes + out_bytes) * (P - 1) // P)
         works.append(
             RankWork(
-                fwd_ms=(fwd_ms,),
-                bwd_ms=() if both is None else (max(both - fwd_ms, 0.0),),
+                fwd_ms=(fwd.ms,),
+                bwd_ms=() if both is None else (max(both.ms - fwd.ms, 0.0),),
                 fwd_bytes=(qkv_bytes * (P - 1) / P,),
                 tail_fwd_bytes=out_bytes * (P - 1) / P,
+                host_fwd_ms=fwd.host_ms,
+                host_bwd_ms=0.0 if both is None else max(both.host_ms - fwd.host_ms, 0.0),
             )
         )
         heads_whole = (hp + 2 * rp) * b * seq_len * d * itemsize
@@ -653,13 +655,21 @@ def price_hybrid(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
     crossing = fab.collective_crossing(sim.extra["a2a_size"])
     extra_fwd = alltoall_rank_ms(exchange, fab, False, crossing)
     extra_both = alltoall_rank_ms(exchange, fab, True, crossing)
-    totals = tuple(t + (extra_both if backward else extra_fwd) for t in across.rank_ms)
+    # The in-group exchanges lengthen each rank's device timeline; its host time stays.
+    fwd_only = sim.extra["across"].price(sim, fab, False) if backward else across
+    fwd = [max(h, d + extra_fwd) for h, d in zip(fwd_only.rank_host_ms, fwd_only.rank_device_ms,
+                                                   strict=True)]  # fmt: skip
+    device = tuple(d + (extra_both if backward else extra_fwd) for d in across.rank_device_ms)
+    totals = tuple(max(h, d) for h, d in zip(across.rank_host_ms, device, strict=True))
+    slowest = max(range(len(totals)), key=totals.__getitem__)
     return Prediction(
-        fwd_ms=across.fwd_ms + extra_fwd,
-        fwd_bwd_ms=None if across.fwd_bwd_ms is None else across.fwd_bwd_ms + extra_both,
+        fwd_ms=max(fwd),
+        fwd_bwd_ms=max(totals) if backward else None,
         rank_ms=totals,
         rank_compute_ms=across.rank_compute_ms,
-        bottleneck=bottleneck(max(totals), across.rank_compute_ms),
+        bottleneck=bottleneck(totals[slowest], across.rank_compute_ms, device[slowest]),
+        rank_host_ms=across.rank_host_ms,
+        rank_device_ms=device,
     )
 
 

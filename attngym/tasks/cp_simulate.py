@@ -10,7 +10,8 @@ Metrics (attngym.metrics.METRICS): predicted_fwd_ms, predicted_fwd_bwd_ms (and p
 their difference), predicted_efficiency / predicted_efficiency_fwd_bwd against the one-device call
 timed in the same job (single_fwd_ms, single_fwd_bwd_ms, as the CP task times them),
 rank_compute_ms_min / _max and time_imbalance (each rank's compute alone, fwd+bwd where the run
-has a backward), predicted_peak_mem_bytes, bottleneck, fabric; bytes_moved, pairs_computed,
+has a backward), rank_host_ms_max (the host's time to issue a rank's compute: a rank takes at
+least that), predicted_peak_mem_bytes, bottleneck, fabric; bytes_moved, pairs_computed,
 pairs_skipped and load_imbalance mean what they mean in a real run; predicted_torch_cp_<pass>_ms
 for allgather (PyTorch's scheme: the same one call per rank, whole K/V shards gathered);
 sim_s (the simulation's wall time), sim_items and sim_timed (items of work, and how many distinct
@@ -152,6 +153,7 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
             "predicted_fwd_bwd_ms": prediction.fwd_bwd_ms,
             "rank_compute_ms_min": min(prediction.rank_compute_ms),
             "rank_compute_ms_max": max(prediction.rank_compute_ms),
+            "rank_host_ms_max": max(prediction.rank_host_ms, default=0.0),
             "time_imbalance": prediction.time_imbalance,
             "bottleneck": prediction.bottleneck,
             "predicted_peak_mem_bytes": sim.peak_mem_bytes,

@@ -1,16 +1,13 @@
-"""Where a simulated rank's time goes: the host's time to issue each item of work against the
-GPU's time to run it, beside the project's timing (bench.time_fn).
+"""Where a simulated rank's time goes: the GPU's time to run each item of work against the
+host's time to issue it (the simulation's stream timing, bench.stream_time), beside time_fn's
+timing of the item alone.
 
 A call whose host issues its kernels more slowly than the GPU runs them is bound by the host: in
-a stream of such calls the GPU waits. For every distinct item a scheme's simulation times, this
-measures three numbers (ms per call):
-
-    timed   bench.time_fn's median, as the simulation prices it (L2 flushed, host runs ahead)
-    host    the host's time to issue one call, the GPU held busy by a spin kernel meanwhile
-    gpu     the GPU's time per call when the calls are already queued (back to back)
-
-and then prices the scheme with each (timed, gpu, max(host, gpu)), beside the one-device call of
-the whole sequence measured the same three ways.
+a stream of such calls the GPU waits. Per distinct item this prints time_fn's median (the call
+timed alone: for a call whose host time nears its GPU time, neither), the GPU's time per call
+queued back to back and the host's issue time; then the scheme priced from the stream timing
+(each rank the longer of its GPU timeline and its host) and from time_fn, beside the one-device
+call. `--profile` adds the host's cProfile per item.
 
     python experiments/cp_model/host_time.py --kind allgather --layout contiguous \
         --world-size 8 --variant sliding_window --seq-len 131072 [--profile]
@@ -22,50 +19,45 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 from attngym import bench
 from attngym.distributed.cp import CPOptions, attend_chunk
-from attngym.distributed.simulate import simulate
+from attngym.distributed.grid import plans_for
+from attngym.distributed.simulate import ItemTime, bench_timer, simulate
 from attngym.distributed.topologies import TOPOLOGIES
 from attngym.distributed.transfer_model import fabric
 from attngym.variants.causal import causal
 from attngym.variants.document import document
 from attngym.variants.sliding_window import sliding_window
 
-SPIN_CYCLES = int(4e8)  # ~0.2 s on an H200: longer than the host takes to issue CALLS calls
-CALLS = 10
+
+def documents(seq_len: int) -> list[int]:
+    """The default config's documents: 40, 10, 30 and 20 % of the sequence, the last taking
+    what rounding leaves."""
+    lengths = [int(seq_len * f) for f in (0.4, 0.1, 0.3)]
+    return [*lengths, seq_len - sum(lengths)]
 
 
-def measure(fn, dev, profile: str | None = None) -> tuple[float, float, float]:
-    """(timed, host, gpu) ms per call of fn (see the module docstring)."""
-    fn()
-    fn()
-    torch.cuda.synchronize(dev)
-    timed = bench.time_fn(fn, warmup=1, repeats=5, device=dev).median_ms
-    torch.cuda.synchronize(dev)
-    torch.cuda._sleep(SPIN_CYCLES)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    prof = cProfile.Profile() if profile else None
-    t0 = time.perf_counter()
-    if prof:
-        prof.enable()
-    for _ in range(CALLS):
+def time_fn_ms(fn, dev) -> float:
+    """The item as time_fn times it alone (what the simulation priced before stream timing)."""
+    return bench.time_fn(fn, warmup=1, repeats=5, device=dev).median_ms
+
+
+def profile(fn, label: str, calls: int = 10) -> None:
+    """cProfile of the host issuing `calls` calls, the device held busy by a spin."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
         fn()
-    if prof:
-        prof.disable()
-    host = (time.perf_counter() - t0) * 1e3 / CALLS
-    end.record()
-    torch.cuda.synchronize(dev)
-    gpu = start.elapsed_time(end) / CALLS
-    if prof:
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-        print(f"--- host profile of {profile} ({CALLS} calls) ---\n{s.getvalue()}")
-    return timed, host, gpu
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print(f"--- host profile of {label} ({calls} calls) ---\n{out.getvalue()}")
 
 
 def main() -> None:
@@ -83,61 +75,56 @@ def main() -> None:
     variant = {
         "sliding_window": lambda: sliding_window(1024),
         "causal": causal,
-        "document": lambda: document([int(S * f) for f in (0.4, 0.1, 0.3, 0.2)]),
+        "document": lambda: document(documents(S)),
     }[a.variant]().to(dev)
     q, k, v, g = (torch.randn(1, 8, S, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
 
-    seen: dict[tuple, tuple[float, float, float]] = {}
+    stream = bench_timer(dev, 1, 5)
+    seen: dict[tuple, tuple[ItemTime, float]] = {}  # (which, key) -> (stream, time_fn)
 
     def recording(item, which):
-        key = (which, item.key)
-        if key not in seen:
-            fn = item.fwd if which == "fwd" else item.bwd
-            label = f"{which} {str(item.key)[:90]}" if a.profile else None
-            seen[key] = measure(fn, dev, label)
-            t, h, gp = seen[key]
-            print(
-                f"item {which:3s} timed {t:7.3f} host {h:7.3f} gpu {gp:7.3f}  {str(item.key)[:80]}"
-            )
-        return seen[key][0], 0
+        timed = stream(item, which)
+        fn = item.fwd if which == "fwd" else item.bwd
+        seen[(which, item.key)] = timed, time_fn_ms(fn, dev)
+        print(
+            f"item {which:3s} time_fn {seen[(which, item.key)][1]:7.3f} gpu {timed.ms:7.3f} "
+            f"host {timed.host_ms:7.3f}  {str(item.key)[:70]}"
+        )
+        if a.profile:
+            profile(fn, f"{which} {str(item.key)[:80]}")
+        return timed
 
     spec = TOPOLOGIES[a.kind]
     args = dict(world_size=a.world_size, layout=a.layout, options=CPOptions())
     sim = simulate(spec, q, k, v, g, variant, timer=recording, **args)
     fab = fabric(a.fabric, a.transport)
-
-    # The one-device call, measured the same three ways.
+    grid = plans_for(variant, S, (128, 128), dev).whole  # the one-device call's block mask
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
 
     def one_fwd():
         with torch.no_grad():
-            attend_chunk(q, k, v, variant)
+            attend_chunk(q, k, v, variant, block_mask=grid)
 
     def one_both():
-        out, _ = attend_chunk(qs, ks, vs, variant)
+        out, _ = attend_chunk(qs, ks, vs, variant, block_mask=grid)
         out.backward(g)
 
-    single_f, single_b = measure(one_fwd, dev), measure(one_both, dev)
-    print(
-        f"one device fwd      timed {single_f[0]:.3f} host {single_f[1]:.3f} gpu {single_f[2]:.3f}"
-    )
-    print(
-        f"one device fwd+bwd  timed {single_b[0]:.3f} host {single_b[1]:.3f} gpu {single_b[2]:.3f}"
-    )
-    for name, pick in (("timed", lambda m: m[0]), ("gpu", lambda m: m[2]),
-                       ("max(host,gpu)", lambda m: max(m[1], m[2]))):  # fmt: skip
-        sim_n = simulate(
-            spec, q, k, v, g, variant,
-            timer=lambda item, which, pick=pick: (pick(seen[(which, item.key)]), 0), **args,
-        )  # fmt: skip
-        pred = spec.price(sim_n, fab, True)
-        one = pick(single_b)
-        eff = one / (a.world_size * pred.fwd_bwd_ms)
-        comp = pred.rank_compute_ms
+    single = {name: bench.stream_time(fn, device=dev) for name, fn in
+              (("fwd", one_fwd), ("fwd+bwd", one_both))}  # fmt: skip
+    for name, t in single.items():
+        print(f"one device {name:8s} gpu {t.gpu_ms:.3f} host {t.host_ms:.3f}")
+    one = single["fwd+bwd"].gpu_ms
+    for name, pick in (("stream timing", lambda t: t[0]), ("time_fn", lambda t: ItemTime(t[1]))):
+
+        def timer(item, which, pick=pick):
+            return pick(seen[(which, item.key)])
+
+        pred = spec.price(simulate(spec, q, k, v, g, variant, timer=timer, **args), fab, True)
+        comp, host = pred.rank_compute_ms, pred.rank_host_ms
         print(
-            f"priced by {name:14s}: {pred.fwd_bwd_ms:7.3f} ms fwd+bwd, efficiency {eff:.3f} "
-            f"(one device {one:.3f}), rank compute {min(comp):.3f}-{max(comp):.3f}, "
-            f"{pred.bottleneck}"
+            f"priced by {name:13s}: {pred.fwd_bwd_ms:7.3f} ms fwd+bwd, efficiency "
+            f"{one / (a.world_size * pred.fwd_bwd_ms):.3f}, rank compute {min(comp):.3f}-"
+            f"{max(comp):.3f}, host {max(host):.3f}, {pred.bottleneck}"
         )
     print(f"items {sim.items}, distinct {sim.timed}")
 

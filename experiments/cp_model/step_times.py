@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from host_time import documents  # beside this script
 
 from attngym import bench
 from attngym.distributed.cp import CPOptions, attend_chunk
@@ -32,7 +33,7 @@ def main() -> None:
     variant = {
         "sliding_window": lambda: sliding_window(1024),
         "causal": causal,
-        "document": lambda: document([int(S * f) for f in (0.4, 0.1, 0.3, 0.2)]),
+        "document": lambda: document(documents(S)),
     }[a.variant]().to(dev)
     q, k, v, g = (torch.randn(1, 8, S, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
     sim = simulate(

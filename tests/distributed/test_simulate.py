@@ -8,6 +8,7 @@ hand-made numbers; identical work is timed once; layout=balanced evens predicted
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from attngym.distributed import layout as layouts
 from attngym.distributed import transfer_model as tm
 from attngym.distributed.allgather import gather_rank_ms
 from attngym.distributed.ring import RING, ring_rank_ms
-from attngym.distributed.simulate import simulate
+from attngym.distributed.simulate import ItemTime, simulate
 from attngym.distributed.ulysses import HYBRID, alltoall_rank_ms, price_hybrid
 from attngym.inputs import make_inputs
 
@@ -59,7 +60,7 @@ def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, a
     assert simulated["simulate"] is True and simulated["fabric"] == "h200_nvlink/copy_engine"
     assert simulated["predicted_fwd_ms"] > 0 and simulated["predicted_fwd_bwd_ms"] is None
     assert simulated["predicted_efficiency"] > 0 and simulated["single_fwd_ms"] > 0
-    assert simulated["bottleneck"] in ("compute", "transfer", "imbalance")
+    assert simulated["bottleneck"] in ("compute", "transfer", "imbalance", "host")
     assert simulated["sim_timed"] <= simulated["sim_items"]
     from attngym.metrics import metric_of
 
@@ -69,7 +70,7 @@ def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, a
 def _counting_timer(calls: list):
     def timer(item, which):
         calls.append((which, item.key))
-        return 1.0, 0
+        return ItemTime(1.0)
 
     return timer
 
@@ -132,6 +133,35 @@ def test_gather_and_alltoall_arithmetic_and_the_bottleneck():
     across.extra.update(across=ALLGATHER, exchange=tm.RankWork((), fwd_bytes=(1e6,)), a2a_size=2)
     hybrid = price_hybrid(across, fab, True)
     assert hybrid.fwd_bwd_ms == pytest.approx(38.2 + 2 * 1.1)  # the all-to-all in, twice
+
+
+def test_a_rank_takes_the_longer_of_its_device_timeline_and_its_host():
+    """Small kernels on many ranks: the host issues a rank's calls ahead of the device, so the
+    rank ends when the later of the two does, and a host slower than the device is named."""
+    fab = tm.linear_fabric("toy", "test", gbps=1.0, latency_us=0.0)
+    device_bound = tm.RankWork(fwd_ms=(2.0,), bwd_ms=(3.0,), fwd_bytes=(1e6,), host_fwd_ms=1.0,
+                               host_bwd_ms=1.5)  # fmt: skip
+    host_bound = tm.RankWork(fwd_ms=(0.5,), bwd_ms=(0.5,), fwd_bytes=(1e6,), host_fwd_ms=4.0,
+                             host_bwd_ms=5.0)  # fmt: skip
+    assert host_bound.host_ms(False) == 4.0 and host_bound.host_ms(True) == 9.0
+    pred = tm.predict(gather_rank_ms, [device_bound, host_bound], fab, backward=True)
+    # device timelines: 1 + 2 + 3 + 1 = 7 and 1 + 0.5 + 0.5 + 1 = 3; host 2.5 and 9
+    assert pred.rank_device_ms == pytest.approx((7.0, 3.0))
+    assert pred.rank_host_ms == pytest.approx((2.5, 9.0))
+    assert pred.rank_ms == pytest.approx((7.0, 9.0)) and pred.fwd_bwd_ms == pytest.approx(9.0)
+    assert pred.fwd_ms == pytest.approx(4.0)  # forward: max(1 + 0.5, 4) on the host-bound rank
+    assert pred.bottleneck == "host"
+    assert tm.predict(gather_rank_ms, [device_bound], fab, True).bottleneck == "transfer"
+    assert tm.bottleneck(10.0, [10.0], device_ms=9.8) == "compute"  # within the share: no host
+
+
+def test_stream_time_on_a_cpu_is_the_wall_time_with_no_host_apart():
+    from attngym import bench
+
+    timing = bench.stream_time(lambda: time.sleep(0.002), warmup=0, repeats=3, device="cpu")
+    assert timing.host_ms == 0.0 and timing.gpu_ms >= 2.0
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        bench.stream_time(lambda: None, repeats=0, device="cpu")
 
 
 def test_measured_fabric_is_the_stored_measurement_and_interpolates():
@@ -225,7 +255,7 @@ def _priced(item, which):
         if bm is not None:
             full = 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
             total += full * full_cost + int(bm.kv_num_blocks.sum()) * partial_cost
-    return total, 0
+    return ItemTime(total)
 
 
 def test_balanced_layout_evens_time_on_unequal_documents_at_eight_ranks():
@@ -266,7 +296,7 @@ def _wave_priced(heads, slots):
                 cols = grid(bm.q_num_blocks, bm.full_q_num_blocks)
                 longest = max(float(rows.max()), float(cols.max()))
                 total += max(float(rows.sum()) * heads / slots, longest) + layouts.LAUNCH_COST
-        return total, 0
+        return ItemTime(total)
 
     return timer
 
