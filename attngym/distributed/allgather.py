@@ -17,10 +17,12 @@ Contract (P ranks, this rank r, on `transport`):
       global positions (an offset when the keys are one run, else a position table), and the
       block mask is cut in that local index space, so every masked block is skipped as in the
       one-device kernel.
-    * Backward is the kernel's own (flex's backward, or the reference's autograd) over the
-      received K/V; the gather's backward reduce-scatters dK/dV to their home ranks, the
-      exchange's sends each received row's gradient back and its owner adds them up. Nothing is
-      recomputed and `CPOptions.backward` does not apply.
+    * Backward: flex's backward op over the received K/V from the call's own out and lse
+      (`CPOptions.backward` flex, as the ring's pairs; the kernel compiled flex's autograd runs,
+      issued without its wrappers), or the kernel's own autograd (recompute; the reference's on
+      a CPU without the op); nothing is recomputed either way. The gather's backward
+      reduce-scatters dK/dV to their home ranks, the exchange's sends each received row's
+      gradient back and its owner adds them up.
     * Why one call and no overlap of the transfer with the local shard's compute: splitting the
       call into a local and a remote part costs a second kernel, an lse merge over the output and
       pair bookkeeping per step, to hide a gather that is a few percent of the compute from 64K
@@ -218,13 +220,16 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = 
 
 
 def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan):
-    """(variant, block mask) of this rank's call: the variant read at the global positions of its
-    queries and keys (positions.at_positions), its mask cut from the call's grid where it has
-    one, else built from the mapped mask on flex; None on the reference backend without a grid."""
-    from attngym.distributed.positions import at_positions
+    """(variant, block mask, backward maps) of this rank's call: the variant read at the global
+    positions of its queries and keys (positions.at_positions), its mask cut from the call's
+    grid where it has one, else built from the mapped mask where a flex kernel reads it (the
+    forward on flex, flex's backward op on any backend; None on the reference backend without
+    either), and those positions as flex's backward op takes them (positions.backward_maps)."""
+    from attngym.distributed.positions import at_positions, backward_maps
 
     tables = kernels.offsets_as_tables(call.options.kernel_options)
-    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables)
+    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables,
+           call.backward)  # fmt: skip
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
         q_pos = call.layout.positions(call.rank, q.device)
@@ -234,13 +239,55 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan):
         block_mask = None
         if call.plans is not None:  # cut from the grid: no mask evaluated for this call
             block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
-        if block_mask is None and call.backend == "flex":
+        if block_mask is None and "flex" in (call.backend, call.backward):
             block_mask = kernels.make_block_mask(
                 mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
-                device=q.device,
+                device=q.device, full_when_unmasked=True,
             )  # fmt: skip
-        per[key] = mapped, block_mask
+        per[key] = mapped, block_mask, backward_maps(q_pos, kv_pos)
     return per[key]
+
+
+class _MappedCall(torch.autograd.Function):
+    """The rank's one call, differentiated by flex's backward op (CPOptions.backward flex): from
+    the call's own out and lse, the kernel flex's own autograd runs, without its wrappers (on a
+    GPU, compiled flex's autograd costs the host about as much as a 16K-row call costs the
+    device). Where the op fails under backward=auto, the call runs again under autograd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: CPCall, mapped, block_mask, maps):
+        out, lse = attend(call, q, k, v, 0, 0, block_mask, variant=mapped)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call, ctx.mapped, ctx.block_mask, ctx.maps = call, mapped, block_mask, maps
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        from attngym.distributed import flex_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        call, maps = ctx.call, ctx.maps
+        grads = flex_backward.grads(
+            call, q, k, v, out, lse, dout, ctx.block_mask, q_offset=maps.q_offset,
+            kv_offset=maps.kv_offset, q_positions=maps.q_positions,
+            kv_positions=maps.kv_positions,
+        )  # fmt: skip
+        if grads is None:  # the op failed under backward=auto (logged): the call again
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                again, _ = attend(call, *leaves, 0, 0, ctx.block_mask, variant=ctx.mapped)
+                grads = torch.autograd.grad(again, leaves, dout)
+        return *grads, None, None, None, None
+
+
+def mapped_call(call: CPCall, q, k, v, mapped, block_mask, maps):
+    """(out, lse) of the rank's call at mapped positions, differentiable w.r.t. q, k, v: through
+    flex's backward op (_MappedCall) where the call's backward is flex, else through the kernel's
+    own autograd (the reference's on a CPU)."""
+    if call.backward == "flex":
+        return _MappedCall.apply(q, k, v, call, mapped, block_mask, maps)
+    return attend(call, q, k, v, 0, 0, block_mask, variant=mapped)
 
 
 def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) -> torch.Tensor:
@@ -281,13 +328,14 @@ def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) 
         clock.stop("step_wait_ms")
     if stats is not None:
         stats.bytes_sent += sent * k.element_size()
-    mapped, block_mask = _mapped(call, q, plan)
+    mapped, block_mask, maps = _mapped(call, q, plan)
     clock.start()
-    out, lse = attend(call, q, k_all, v_all, 0, 0, block_mask, variant=mapped)
+    out, lse = mapped_call(call, q, k_all, v_all, mapped, block_mask, maps)
     clock.stop("step_compute_ms")
     if stats is not None:
         stats.lse = lse.detach()
-        stats.backward = "kernel"  # flex's own backward, or the reference's autograd
+        # flex's backward op, or the kernel's own autograd (the reference's on a CPU)
+        stats.backward = "flex" if call.backward == "flex" else "kernel"
         for p in range(call.world_size):  # the chunk pairs the one call covers, for comparison
             pairs(call, q, p)
     return out
@@ -400,7 +448,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         received = buffer = row * plan.received(r)
     else:
         k_all, v_all, received, buffer = ks[r], vs[r], 0, 0
-    mapped, block_mask = _mapped(call, q_r, plan)
+    mapped, block_mask, maps = _mapped(call, q_r, plan)
     for p in range(P):  # the chunk pairs the one call covers, counted as the algorithm does
         pairs(counted, q_r, p)
 
@@ -414,7 +462,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
 
         def bwd():
             with torch.enable_grad():
-                out, _ = attend(call, *leaves, 0, 0, block_mask, variant=mapped)
+                out, _ = mapped_call(call, *leaves, mapped, block_mask, maps)
                 torch.autograd.grad(out, leaves, saved.dout)
 
     key = ("allgather", tuple(q_r.shape), tuple(k_all.shape), clock.mask_key(block_mask))

@@ -220,6 +220,8 @@ def attend_backward(
     compile: bool = True,
     compile_mode: str = "default",
     lse2: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (q chunk, kv chunk) pair given the merged statistics of its q rows.
 
@@ -232,6 +234,10 @@ def attend_backward(
         compile: compile the op on CUDA (False, or CPU: the op's dense eager implementation).
         lse2: `kernel_lse(lse, kernel_options, q.dtype)` when the caller has it already (one
             conversion for every pair of a backward); computed from lse when None.
+        q_positions, kv_positions: the global position of each query row and key (int32, as
+            position_table's) where they are not one run at an offset: the rows of several
+            chunks (a ring step over a rank's whole shard, the all-gather's keys); the other
+            side, if None, is its offset's run. The graphs then read both through tables.
 
     Returns:
         dq (B, H, Sq, D), dk, dv (B, G, Skv, D), in q's dtype: this pair's share of the gradient.
@@ -239,6 +245,7 @@ def attend_backward(
     graphs, args = op_args(
         q, k, v, out, lse, dout, variant, q_offset=q_offset, kv_offset=kv_offset,
         block_mask=block_mask, scale=scale, kernel_options=kernel_options, lse2=lse2,
+        q_positions=q_positions, kv_positions=kv_positions,
     )  # fmt: skip
     if compile and q.device.type == "cuda":
         graphs.ready_for_dynamo()
@@ -268,13 +275,16 @@ def op_args(
     scale,
     kernel_options,
     lse2=None,
+    q_positions=None,
+    kv_positions=None,
 ) -> tuple[_Graphs, tuple]:
     """The variant's graphs and the arguments of `_call_op` for one pair (see attend_backward)."""
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
+    given = q_positions is not None or kv_positions is not None
     shift = None  # as the pair's forward moves its indices (kernels.shifted_mods)
-    if not kernels.at_origin(q_offset, kv_offset):
-        tables = kernels.offsets_as_tables(kernel_options)
+    if given or not kernels.at_origin(q_offset, kv_offset):
+        tables = given or kernels.offsets_as_tables(kernel_options)
         shift = (q.shape[2], k.shape[2]) if tables else "offsets"
     graphs = _graphs(variant, q.dtype, q.device, shift)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -287,8 +297,12 @@ def op_args(
         buffers = (*maps, *buffers)
     elif shift is not None:
         maps = (
-            kernels.position_table(q_offset, shift[0], q.device, "q"),
-            kernels.position_table(kv_offset, shift[1], q.device, "kv"),
+            kernels.position_table(q_offset, shift[0], q.device, "q")
+            if q_positions is None
+            else q_positions,
+            kernels.position_table(kv_offset, shift[1], q.device, "kv")
+            if kv_positions is None
+            else kv_positions,
         )
         buffers = (*maps, *buffers)
     block = block_mask.as_tuple()[:-1]
@@ -309,8 +323,12 @@ def op_args(
     )
 
 
-def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | None:
-    """One pair's (dq, dk, dv) for cp.backward_pairs; None when flex failed under backward=auto.
+def grads(
+    call, q, k, v, out, lse, dout, block_mask, *, q_offset=0, kv_offset=0, lse2=None,
+    q_positions=None, kv_positions=None,
+) -> tuple | None:  # fmt: skip
+    """(dq, dk, dv) of one call of a CP scheme (cp.CPCall `call`, its options) from its merged
+    out and lse (attend_backward's arguments); None when flex failed under backward=auto.
 
     An explicit backward='flex', or any FLASH backward, never falls back: its failure propagates.
     """
@@ -320,29 +338,30 @@ def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | Non
         return None
     try:
         return attend_backward(
-            saved.q[:, :, q_rows],
-            k_i,
-            v_i,
-            saved.out[:, :, q_rows],
-            saved.lse[:, :, q_rows],
-            saved.dout[:, :, q_rows],
-            call.variant,
-            q_offset=qc[0],
-            kv_offset=kc[0],
-            block_mask=block_mask,
-            scale=opts.scale,
-            kernel_options=opts.kernel_options,
-            compile=opts.compile,
-            compile_mode=opts.compile_mode,
-            lse2=None if saved.lse2 is None else saved.lse2.get((q_rows.start, q_rows.stop)),
-        )
+            q, k, v, out, lse, dout, call.variant, q_offset=q_offset, kv_offset=kv_offset,
+            block_mask=block_mask, scale=opts.scale, kernel_options=opts.kernel_options,
+            compile=opts.compile, compile_mode=opts.compile_mode, lse2=lse2,
+            q_positions=q_positions, kv_positions=kv_positions,
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001  (auto only: any failure of the op means recompute)
         if not fallback:
             raise
         _FAILED.append(f"{type(exc).__name__}: {exc}")
         log.warning(
-            "backward=auto: flex's backward op failed (%s); re-running pair forwards instead for "
+            "backward=auto: flex's backward op failed (%s); re-running forwards instead for "
             "the rest of this process",
             _FAILED[0][:300],
         )
         return None
+
+
+def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask, positions=None) -> tuple | None:
+    """One pair's (dq, dk, dv) for cp.backward_pairs (`grads` over the pair's rows of `saved`);
+    positions: (q, kv) position tables of a pair whose rows are not one run (cp.StepCall)."""
+    q_pos, kv_pos = positions if positions is not None else (None, None)
+    return grads(
+        call, saved.q[:, :, q_rows], k_i, v_i, saved.out[:, :, q_rows], saved.lse[:, :, q_rows],
+        saved.dout[:, :, q_rows], block_mask, q_offset=qc[0], kv_offset=kc[0],
+        lse2=None if saved.lse2 is None else saved.lse2.get((q_rows.start, q_rows.stop)),
+        q_positions=q_pos, kv_positions=kv_pos,
+    )  # fmt: skip

@@ -73,6 +73,28 @@ def at_positions(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardMaps:
+    """How a mapped call's query rows and keys reach their global positions, as flex's backward
+    op takes them (flex_backward.attend_backward): both as offsets when each side is one run of
+    positions, else both as int32 tables."""
+
+    q_offset: int = 0
+    kv_offset: int = 0
+    q_positions: torch.Tensor | None = None
+    kv_positions: torch.Tensor | None = None
+
+
+def backward_maps(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> BackwardMaps:
+    """The BackwardMaps of queries at `q_positions` against keys at `kv_positions`."""
+    q_map, kv_map = _index_map(q_positions), _index_map(kv_positions)
+    if isinstance(q_map, int) and isinstance(kv_map, int):
+        return BackwardMaps(q_map, kv_map)
+    return BackwardMaps(
+        q_positions=q_positions.to(torch.int32), kv_positions=kv_positions.to(torch.int32)
+    )
+
+
 def mapped_block_rule(rule, q_positions: torch.Tensor, kv_positions: torch.Tensor):
     """The variant's block rule (Variant.block_rule, over global positions) for callbacks that
     read local indices through position tables: a block whose rows (or keys) are consecutive

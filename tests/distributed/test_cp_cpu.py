@@ -98,8 +98,9 @@ def _attention_worker(rank, world_size):
     errors = {}
     for name, variant in _cases().items():
         kv_heads = 2 if name == "causal" else 4  # GQA on one case
-        # Every layout: the ring with flex's backward op (auto resolves to it on this torch), the
-        # all-gather (one call, the kernel's own backward); the re-run backward on one layout.
+        # Every layout: the ring's pairs and the all-gather's one call with flex's backward op
+        # (auto resolves to it on this torch); on one layout the ring's re-run backward and the
+        # all-gather through the kernel's own autograd.
         errors.update(
             _parity(
                 rank,
@@ -114,8 +115,8 @@ def _attention_worker(rank, world_size):
         )
         errors.update(
             _parity(
-                rank, world_size, name, variant, 4, kv_heads, (ring_attention,), ("zigzag",),
-                backward="recompute",
+                rank, world_size, name, variant, 4, kv_heads,
+                (ring_attention, allgather_attention), ("zigzag",), backward="recompute",
             )
         )  # fmt: skip
     # The ring's placement priced per pair kernel (here another one than by blocks: rank 0
@@ -158,16 +159,22 @@ def _attention_worker(rank, world_size):
             out.sum().backward()
         # Forward kernel calls made by the ring's backward: none with flex's backward op, one per
         # computed pair when re-running forwards.
+        # The all-gather's backward runs no forward either way: flex's op, or the kernel's own
+        # autograd.
         reruns = {}
-        for backward in ("flex", "recompute"):
-            xs = shard(x, rank, world_size, "zigzag").requires_grad_()
-            stats = CPStats()
-            out = ring_attention(
-                xs, xs, xs, variants.get("causal"), layout="zigzag", backward=backward, stats=stats
-            )
-            before = len(calls)
-            out.sum().backward()
-            reruns[backward] = (len(calls) - before, stats.pairs_computed, stats.backward)
+        for fn in (ring_attention, allgather_attention):
+            for backward in ("flex", "recompute"):
+                xs = shard(x, rank, world_size, "zigzag").requires_grad_()
+                stats = CPStats()
+                out = fn(
+                    xs, xs, xs, variants.get("causal"), layout="zigzag", backward=backward,
+                    stats=stats,
+                )  # fmt: skip
+                before = len(calls)
+                out.sum().backward()
+                reruns[fn.__name__, backward] = (
+                    len(calls) - before, stats.pairs_computed, stats.backward
+                )  # fmt: skip
     finally:
         attngym.kernels.attend_chunk = attend_chunk
     return errors, counts, seen, reruns
@@ -215,9 +222,11 @@ def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
-    assert len(errors) == 4 * (2 * 3 + 1) + 1  # + the ring on its pair-priced placement
-    assert reruns["flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no forward re-run
-    assert reruns["recompute"] == (5, 5, "recompute")
+    assert len(errors) == 4 * (2 * 3 + 2) + 1  # + the ring on its pair-priced placement
+    assert reruns["ring_attention", "flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no re-run
+    assert reruns["ring_attention", "recompute"] == (5, 5, "recompute")
+    assert reruns["allgather_attention", "flex"] == (0, 5, "flex")
+    assert reruns["allgather_attention", "recompute"] == (0, 5, "kernel")
     for case, errs in errors.items():
         assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
     for fn in ("ring_attention", "allgather_attention"):
