@@ -256,10 +256,12 @@ class _MappedCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call: CPCall, mapped, block_mask, maps):
+        q, k, v = (t.detach() for t in (q, k, v))
         out, lse = attend(call, q, k, v, 0, 0, block_mask, variant=mapped)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call, ctx.mapped, ctx.block_mask, ctx.maps = call, mapped, block_mask, maps
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros for the lse's missing gradient
         return out, lse
 
     @staticmethod

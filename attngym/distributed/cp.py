@@ -408,6 +408,71 @@ def _read_extent(call: CPCall, q: torch.Tensor, qc, kc, block_mask, backend: str
     )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepCall:
+    """One kernel call of this rank's whole q shard against the K/V rows of one shard held (a
+    ring step over a shard of several chunks): the variant read at the global positions of both
+    sides (positions.at_positions), the block mask of those positions (cut from the call's grid
+    where it has one), and the positions as flex's backward op takes them.
+
+    One call per step instead of one per chunk pair: a rank's host issues a compiled call in
+    about 0.1-0.3 ms, far longer than a pair kernel of small chunks runs (64 ranks of 128K: 1K
+    rows, microseconds), so pair kernels leave the device waiting on the host.
+    """
+
+    variant: Variant
+    block_mask: Any  # None on the reference backend when flex's backward op does not run
+    maps: Any  # positions.BackwardMaps
+
+
+def one_call_steps(call: CPCall) -> bool:
+    """Whether the ring steps of this call are StepCalls: where a shard holds several chunks
+    (zigzag, balanced, a user's layout); a contiguous shard's step is one pair anyway, at
+    offsets, its callbacks read no table."""
+    return len(call.chunks(call.rank)) > 1
+
+
+# Variant -> {(layout, rank, kv rank, window, B, H, block size, backend, backward, device,
+# tables): StepCall | None}.
+_STEPS: weakref.WeakKeyDictionary[Variant, dict[tuple, StepCall | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def step_call(
+    call: CPCall, q: torch.Tensor, kv_rank: int, window: tuple[int, int] | None = None
+) -> StepCall | None:
+    """The StepCall of this rank's q shard against kv_rank's shard (or the `window` of it held,
+    as `pairs` takes it); None when the mask keeps nothing there. Memoised per variant."""
+    from attngym.distributed.positions import at_positions, backward_maps
+
+    n = call.seq_len // call.world_size
+    window = (0, n) if window is None else tuple(window)
+    tables = kernels.offsets_as_tables(call.options.kernel_options)
+    key = (call.layout, call.rank, kv_rank, window, *q.shape[:2], call.options.block_size,
+           call.backend, call.backward, q.device, tables)  # fmt: skip
+    per = _STEPS.setdefault(call.variant, {})
+    if key not in per:
+        # The chunk pairs decide (uncounted: block_masks given).
+        if not pairs(call, q, kv_rank, block_masks=call.backend, window=window):
+            per[key] = None
+            return None
+        q_pos = call.layout.positions(call.rank, q.device)
+        kv_pos = call.layout.positions(kv_rank, q.device)[window[0] : sum(window)]
+        name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.step{kv_rank}"
+        mapped = at_positions(call.variant, q_pos, kv_pos, q.device, name, offsets_as_tables=tables)
+        block_mask = None
+        if call.plans is not None:
+            block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
+        if block_mask is None and "flex" in (call.backend, call.backward):
+            block_mask = kernels.make_block_mask(
+                mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
+                device=q.device, full_when_unmasked=True,
+            )  # fmt: skip
+        per[key] = StepCall(mapped, block_mask, backward_maps(q_pos, kv_pos))
+    return per[key]
+
+
 def rows_read(call: CPCall, q: torch.Tensor, q_rank: int, kv_rank: int) -> tuple[int, int] | None:
     """[lo, hi): the local rows of kv_rank's shard that q_rank's queries read (the hull of
     `runs_read`, a superset of the exact rows), or None when they read none."""
@@ -721,7 +786,16 @@ class GradSum:
 
 
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
-    """Attend this rank's q chunks to kv_rank's K/V (its shard, or the `window` of it held)."""
+    """Attend this rank's q chunks to kv_rank's K/V (its shard, or the `window` of it held): one
+    call over the whole shard where it has several chunks (step_call), else per chunk pair."""
+    if one_call_steps(call):
+        if call.stats is not None:
+            pairs(call, q, kv_rank, window=window)  # counted, as the pairs the call covers
+        step = step_call(call, q, kv_rank, window)
+        if step is not None:
+            out_i, lse_i = attend(call, q, k, v, 0, 0, step.block_mask, variant=step.variant)
+            acc.add(slice(0, q.shape[2]), out_i, lse_i)
+        return
     for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank, window=window):
         out_i, lse_i = attend(
             call, q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows], qc[0], kc[0], block_mask
@@ -772,6 +846,11 @@ def backward_pairs(
     from attngym.distributed import flex_backward
 
     flex = call.backward == "flex"
+    if one_call_steps(call):
+        step = step_call(call, saved.q, kv_rank, window)
+        if step is not None:
+            _step_backward(call, saved, k, v, step, dq, dk, dv, dkv_offset)
+        return
     masks = "flex" if flex else call.backend
     for pair in pairs(call, saved.q, kv_rank, block_masks=masks, window=window):
         # Cut to what the mask reads: a halo pair's pieces cover its band, not the whole chunk.
@@ -788,8 +867,36 @@ def backward_pairs(
         dv.add(kv_rows.start + dkv_offset, dv_i)
 
 
-def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask):
-    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse)."""
+def _step_backward(call: CPCall, saved: Saved, k, v, step: StepCall, dq, dk, dv, dkv_offset):
+    """A StepCall's gradients added into dq (the whole shard) and dk, dv (held rows at
+    `dkv_offset`): flex's backward op at the step's positions, or its forward re-run."""
+    from attngym.distributed import flex_backward
+
+    whole = slice(0, saved.q.shape[2])
+    grads = None
+    if call.backward == "flex":
+        maps = step.maps
+        grads = flex_backward.grads(
+            call, saved.q, k, v, saved.out, saved.lse, saved.dout, step.block_mask,
+            q_offset=maps.q_offset, kv_offset=maps.kv_offset,
+            lse2=None if saved.lse2 is None else saved.lse2.get((0, whole.stop)),
+            q_positions=maps.q_positions, kv_positions=maps.kv_positions,
+        )  # fmt: skip
+    if grads is None:  # recompute, or flex failed under backward=auto (logged)
+        grads = _recompute_pair(
+            call, saved, whole, k, v, (0, 0), (0, 0), step.block_mask, variant=step.variant
+        )
+    dq_i, dk_i, dv_i = grads
+    dq.add(0, dq_i)
+    dk.add(dkv_offset, dk_i)
+    dv.add(dkv_offset, dv_i)
+
+
+def _recompute_pair(
+    call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None
+):
+    """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse);
+    `variant`: a StepCall's, at its positions (qc, kc at 0)."""
     lse = saved.lse[:, :, q_rows]
     out = saved.out[:, :, q_rows].to(lse.dtype)
     dout = saved.dout[:, :, q_rows].to(lse.dtype)
@@ -797,7 +904,7 @@ def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_
         q_i = saved.q[:, :, q_rows].detach().requires_grad_()
         k_i = k_i.detach().requires_grad_()
         v_i = v_i.detach().requires_grad_()
-        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask)
+        out_i, lse_i = attend(call, q_i, k_i, v_i, qc[0], kc[0], block_mask, variant=variant)
         w = weights(lse_i.detach().to(lse.dtype), lse)
         g_out = (w.unsqueeze(-1) * dout).to(out_i.dtype)
         g_lse = w * (dout * (out_i.detach().to(lse.dtype) - out)).sum(-1)

@@ -701,10 +701,25 @@ def time_imbalance(
     rank, or per pair kernel with `kernels`. `layout` is a name (balanced is planned with
     `kernels`), a balancer's path or a Layout; 1.0 is perfect balance.
     """
+    return _max_over_mean(
+        rank_times(layout, variant, world_size, seq_len, block_size, device, kernels)
+    )
+
+
+def rank_times(
+    layout: str | Layout,
+    variant,
+    world_size: int,
+    seq_len: int,
+    block_size: Sequence[int] = (128, 128),
+    device: torch.device | str = "cpu",
+    kernels: PairKernels | None = None,
+) -> list[float]:
+    """Each rank's predicted time under the cost model `balanced` places by (time_imbalance's
+    arguments), in full-block times."""
     block_size = (int(block_size[0]), int(block_size[1]))
     placed = resolve(layout, world_size, seq_len, variant, device, kernels, block_size)
-    model = _TimeModel(variant, seq_len, block_size, device, kernels)
-    return _max_over_mean(model.rank_times(placed.placement))
+    return _TimeModel(variant, seq_len, block_size, device, kernels).rank_times(placed.placement)
 
 
 def _max_over_mean(loads: list[float]) -> float:

@@ -9,7 +9,10 @@ Contract (P ranks, this rank r, channels from `transport`):
     * Forward, step i = 0 .. steps-1: rank r holds (rows of) the K/V shard of rank (r - i) mod P
       (its own at i = 0, else `recv`). It first pushes the rows the next hop needs on, then
       computes its q chunks against what it holds, so the transfer for step i + 1 overlaps the
-      compute of step i. After the compute the slot is released: the onward push out of it is
+      compute of step i. A step is one kernel: of the chunk pair where the shard is one chunk
+      (contiguous), else of the whole q shard against the rows held at their global positions
+      (cp.step_call: a host issues a compiled call more slowly than the device runs a pair of
+      small chunks, so pair kernels would leave the device waiting). After the compute the slot is released: the onward push out of it is
       queued (joined first where it went out on the next, narrower channel), so the slot may be
       overwritten. Partials are folded in with merge.merge_into (cp.Accumulator: a q chunk that
       meets one K/V pair keeps the kernel's output as it is; so at world size 1 the call is one
@@ -50,10 +53,12 @@ from attngym.distributed.cp import (
     StepClock,
     backward_pairs,
     forward_pairs,
+    one_call_steps,
     pairs,
     read_part,
     rows_read,
     run,
+    step_call,
 )
 from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import (
@@ -165,6 +170,10 @@ def _pieces(
         for i in range(plan.steps):
             s = (call.rank - i) % call.world_size
             window = (plan.starts[s][i], plan.widths[i])
+            if one_call_steps(call):  # a step's one call covers the whole shard
+                if step_call(call, q, s, window) is not None:
+                    counts[0, q.shape[2]] = counts.get((0, q.shape[2]), 0) + 1
+                continue
             # block_masks given: the same pairs, not counted in call.stats
             for pair in pairs(call, q, s, block_masks=masks or call.backend, window=window):
                 q_rows = pair[0] if masks is None else read_part(call, q, pair, masks)[0]
@@ -253,9 +262,9 @@ class _RingAttention(torch.autograd.Function):
         P, r, steps = cfg.world_size, cfg.rank, plan.steps
         sum_dtype = lse.dtype
         lse2, start = None, 0
-        if cfg.backward == "flex":  # per q chunk, contiguous as the op's kernels read it
+        if cfg.backward == "flex":  # per q chunk (or the shard, for step calls), as read
             lse2 = {}
-            for _, length in cfg.chunks(r):
+            for _, length in [(0, q.shape[2])] if one_call_steps(cfg) else cfg.chunks(r):
                 rows = lse[:, :, start : start + length]
                 lse2[start, start + length] = flex_backward.kernel_lse(
                     rows, cfg.options.kernel_options, q.dtype
@@ -361,9 +370,8 @@ def ring_attention(
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (see attngym.distributed.transport).
         layout: contiguous | zigzag | balanced, or a Layout (see attngym.distributed.layout).
-            `balanced` by name is placed by blocks, as `shard(..., variant=)` places it; the
-            ring's pair kernels are evened in time by `layout.plan("balanced", ...,
-            kernels=layout.pair_kernels(B * H, device))`, handed to shard and to every call.
+            `balanced` by name is placed by blocks, as `shard(..., variant=)` places it (a step
+            of a shard of several chunks is one kernel over the whole shard, cp.step_call).
         options: kernel and backward choices (CPOptions; default CPOptions()).
         stats: filled with pair counts, bytes and per-step timings when given.
         **overrides: any CPOptions field on top of `options` (backend, block_size,
@@ -449,10 +457,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         s = (r - i) % P
         window = (plan.starts[s][i], plan.widths[i])
         pairs(counted, q_r, s, window=window)  # counts computed / skipped pairs, as the forward
-        structure = tuple(
-            (qr.stop - qr.start, kr.stop - kr.start, clock.mask_key(bm))
-            for qr, kr, _, _, bm in pairs(call, q_r, s, block_masks="flex", window=window)
-        )
+        structure = _step_structure(call, q_r, s, window, clock)
         # The held rows' sizes matter to the backward's sums too: part of the key.
         key = ("ring", tuple(q_r.shape), plan.widths[i], plan.widths[min(1, plan.steps - 1)],
                structure)  # fmt: skip
@@ -485,6 +490,20 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     return work, sum(kv_bytes[1 : plan.steps]), slots + (2 * dkv_bytes if saved else 0)
 
 
+def _step_structure(call, q_r, s, window, clock) -> tuple:
+    """What a step's time depends on: each kernel's shapes and block-mask structure (its one
+    StepCall, or its chunk pairs); () when it computes nothing."""
+    if one_call_steps(call):
+        step = step_call(call, q_r, s, window)
+        if step is None:
+            return ()
+        return ((q_r.shape[2], window[1], clock.mask_key(step.block_mask)),)
+    return tuple(
+        (qr.stop - qr.start, kr.stop - kr.start, clock.mask_key(bm))
+        for qr, kr, _, _, bm in pairs(call, q_r, s, block_masks="flex", window=window)
+    )
+
+
 def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
     """Ring step i of rank call.rank as an Item: its forward_step and backward_step on the rows
     it holds, the sums written out as the ring's step writes them."""
@@ -507,7 +526,11 @@ def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
                 for grad, dtype in ((dq, q_r.dtype), (dk, out_dtype), (dv, out_dtype)):
                     grad.total(dtype)
 
-    masks = tuple(bm for *_, bm in pairs(call, q_r, s, block_masks="flex", window=(start, width)))
+    if one_call_steps(call):
+        masks = (step_call(call, q_r, s, (start, width)).block_mask,)
+    else:
+        masks = tuple(bm for *_, bm in pairs(call, q_r, s, block_masks="flex",
+                                             window=(start, width)))  # fmt: skip
     return Item(key=key, fwd=fwd, bwd=bwd, block_masks=masks)
 
 
@@ -541,5 +564,5 @@ def price_ring(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
 
 RING = TopologySpec(
     name="ring", attention=ring_attention, layouts=LAYOUTS, user_layouts=True,
-    timer=ring_transfer_ms, pair_kernels=True, simulate=simulate_ring, price=price_ring,
+    timer=ring_transfer_ms, simulate=simulate_ring, price=price_ring,
 )  # fmt: skip

@@ -280,51 +280,33 @@ def test_balanced_layout_evens_time_on_unequal_documents_at_eight_ranks():
     assert imbalance["time"] < imbalance["blocks"] - 0.1 < imbalance["zigzag"], imbalance
 
 
-def _wave_priced(heads, slots):
-    """A timer pricing each pair kernel as layout.PairKernels does: the slower of its blocks
-    spread over `slots` and its longest block row or column, plus a launch."""
+def test_placement_priced_per_pair_kernel_speeds_a_pairwise_schemes_slowest_rank():
+    """Documents of unequal length, P=8, a scheme of one kernel per chunk pair (a user's with
+    TopologySpec.pair_kernels) simulated with each kernel priced by its waves: the placement
+    priced per pair kernel has a faster slowest rank than the one priced by blocks (fewer,
+    fuller kernels), and both beat zigzag. The ring runs one call per step over a shard of
+    several chunks, so its `balanced`, like the all-gather's, is priced by blocks."""
+    import dataclasses
 
-    def grid(num, full):
-        full = torch.zeros_like(num) if full is None else full
-        return full.double() * layouts.BLOCK_COSTS[0] + num.double() * layouts.BLOCK_COSTS[1]
-
-    def timer(item, which):
-        total = 0.0
-        for bm in item.block_masks:
-            if bm is not None:
-                rows = grid(bm.kv_num_blocks, bm.full_kv_num_blocks)
-                cols = grid(bm.q_num_blocks, bm.full_q_num_blocks)
-                longest = max(float(rows.max()), float(cols.max()))
-                total += max(float(rows.sum()) * heads / slots, longest) + layouts.LAUNCH_COST
-        return ItemTime(total)
-
-    return timer
-
-
-def test_ring_placement_priced_per_pair_kernel_speeds_its_slowest_rank():
-    """Documents of unequal length, P=8, each ring pair kernel priced by its waves: the placement
-    priced per pair kernel has a faster slowest rank than the one priced by blocks (fewer, fuller
-    kernels), and both beat zigzag. The ring's TopologySpec plans it; the all-gather's stays
-    priced by blocks, and on a CPU (no waves) so does the ring's."""
     from attngym.distributed.allgather import ALLGATHER
     from attngym.distributed.ring import RING
 
+    from .schemes import PAIRWISE
+
     S, P, heads, slots = 32768, 8, 8, 132
     docs = variants.get("document", doc_lengths=[12000, 2000, 7200, 2800, 4800, 3968])
-    q, k, v, _ = make_inputs(Shape(batch=1, heads=1, seq_len=S, head_dim=8), 0, "cpu",
-                             torch.float32)  # fmt: skip
-    pair_priced = layouts.plan("balanced", P, S, docs, kernels=layouts.PairKernels(heads, slots))
-    slowest = {}
-    for name, layout in (("pairs", pair_priced), ("blocks", layouts.plan("balanced", P, S, docs)),
-                         ("zigzag", "zigzag")):  # fmt: skip
-        sim = simulate(RING, q, k, v, None, docs, world_size=P, layout=layout,
-                       options=CPOptions(block_size=(128, 128)),
-                       timer=_wave_priced(heads, slots))  # fmt: skip
-        slowest[name] = max(tm.predict(ring_rank_ms, sim.ranks, tm.fabric("h200_nvlink"), False)
-                            .rank_compute_ms)  # fmt: skip
-    assert slowest["pairs"] < 0.7 * min(slowest["blocks"], slowest["zigzag"]), slowest
+    kernels = layouts.PairKernels(heads, slots)
+    pair_priced = layouts.plan("balanced", P, S, docs, kernels=kernels)
+    slowest = {
+        name: max(layouts.rank_times(layout, docs, P, S, kernels=kernels))
+        for name, layout in (("pairs", pair_priced), ("blocks", layouts.plan("balanced", P, S,
+                             docs)), ("zigzag", "zigzag"))
+    }  # fmt: skip
+    assert slowest["pairs"] < 0.8 * min(slowest["blocks"], slowest["zigzag"]), slowest
     by_blocks = layouts.plan("balanced", P, S, docs)
-    for spec in (RING, ALLGATHER):  # on a CPU
+    pairwise = dataclasses.replace(PAIRWISE, pair_kernels=True)
+    assert not RING.pair_kernels and not ALLGATHER.pair_kernels
+    for spec in (RING, ALLGATHER, pairwise):  # on a CPU (no waves) every one places by blocks
         got = spec.placement("balanced", P, S, docs, batch_heads=heads, device="cpu")
         assert got.placement == by_blocks.placement
     assert RING.placement("zigzag", P, S, docs, batch_heads=heads, device="cpu") == "zigzag"
