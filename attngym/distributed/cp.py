@@ -892,9 +892,7 @@ def _step_backward(call: CPCall, saved: Saved, k, v, step: StepCall, dq, dk, dv,
     dv.add(dkv_offset, dv_i)
 
 
-def _recompute_pair(
-    call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None
-):
+def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None):
     """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse);
     `variant`: a StepCall's, at its positions (qc, kc at 0)."""
     lse = saved.lse[:, :, q_rows]

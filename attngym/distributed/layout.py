@@ -81,14 +81,14 @@ LAUNCH_COST = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class PairKernels:
-    """How the cost model (`balanced`, `time_imbalance`) prices a scheme that runs one kernel
-    per (q chunk, kv chunk) pair (TopologySpec.pair_kernels: the ring, and a pairwise scheme
-    of your own). Such a kernel runs one program per (batch, head, block row) over `slots`
-    parallel units, so it takes the slower of its blocks spread over the units and its longest
-    block row (its longest column, in the backward), plus a launch: a thin pair whose rows read
-    whole documents costs more than its blocks say. Priced by blocks alone, a ring over packed
-    documents was 1.43x imbalanced in time at a block imbalance of 1.02
-    (experiments/cp_model).
+    """How the cost model (`balanced`, `time_imbalance`) prices a scheme that runs one kernel per (q
+    chunk, kv chunk) pair (TopologySpec.pair_kernels: a pairwise scheme of your own; the ring runs
+    one kernel per step over a shard of several chunks). Such a kernel runs one program per (batch,
+    head, block row) over `slots` parallel units, so it takes the slower of its blocks spread over
+    the units and its longest block row (its longest column, in the backward), plus a launch: a thin
+    pair whose rows read whole documents costs more than its blocks say. Priced by blocks alone, a
+    ring of pair kernels over packed documents was 1.43x imbalanced in time at a block imbalance of
+    1.02 (experiments/cp_model).
 
     Attributes:
         programs: programs per block row, batch x query heads.

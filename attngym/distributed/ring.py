@@ -7,22 +7,22 @@ Contract (P ranks, this rank r, channels from `transport`):
       s + i, s + i + 1, ... read (a halo for local masks; whole shards for causal). Each width has
       its own cached channel (widths only shrink along the ring).
     * Forward, step i = 0 .. steps-1: rank r holds (rows of) the K/V shard of rank (r - i) mod P
-      (its own at i = 0, else `recv`). It first pushes the rows the next hop needs on, then
-      computes its q chunks against what it holds, so the transfer for step i + 1 overlaps the
-      compute of step i. A step is one kernel: of the chunk pair where the shard is one chunk
-      (contiguous), else of the whole q shard against the rows held at their global positions
-      (cp.step_call: a host issues a compiled call more slowly than the device runs a pair of
-      small chunks, so pair kernels would leave the device waiting). After the compute the slot is released: the onward push out of it is
-      queued (joined first where it went out on the next, narrower channel), so the slot may be
-      overwritten. Partials are folded in with merge.merge_into (cp.Accumulator: a q chunk that
-      meets one K/V pair keeps the kernel's output as it is; so at world size 1 the call is one
-      kernel forward and one backward).
-    * Backward computes each (q chunk, kv chunk) pair's gradient from the merged out and lse
-      (CPOptions.backward: flex's backward op, or the pair's forward re-run; see cp.py). K/V
-      travel again as in the forward. The other ranks' dK/dV of a shard (rows held at step 1)
-      travel one push behind them: a rank adds its contribution and pushes the sum on; the last
-      push goes home (the next ring hop after P steps, else straight back). Gradient pieces are
-      summed as they come (cp.GradSum): in float32 only where two pieces meet, nothing filled.
+      (its own at i = 0, else `recv`). It first pushes the rows the next hop needs on, then computes
+      its q chunks against what it holds, so the transfer for step i + 1 overlaps the compute of
+      step i. A step is one kernel: of the chunk pair where the shard is one chunk (contiguous),
+      else of the whole q shard against the rows held at their global positions (cp.step_call: a
+      host issues a compiled call more slowly than the device runs a pair of small chunks, so pair
+      kernels would leave the device waiting). After the compute the slot is released: the onward
+      push out of it is queued (joined first where it went out on the next, narrower channel), so
+      the slot may be overwritten. Partials are folded in with merge.merge_into (cp.Accumulator: a q
+      chunk that meets one K/V pair keeps the kernel's output as it is; so at world size 1 the call
+      is one kernel forward and one backward).
+    * Backward computes each step's gradient (its one call's, or its pair's) from the merged out and
+      lse (CPOptions.backward: flex's backward op, or its forward re-run; see cp.py). K/V travel
+      again as in the forward. The other ranks' dK/dV of a shard (rows held at step 1) travel one
+      push behind them: a rank adds its contribution and pushes the sum on; the last push goes home
+      (the next ring hop after P steps, else straight back). Gradient pieces are summed as they come
+      (cp.GradSum): in float32 only where two pieces meet, nothing filled.
     * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
       BlockMask live as long as the Variant object).
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.

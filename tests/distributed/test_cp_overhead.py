@@ -1,10 +1,10 @@
 """Context parallelism costs nothing of its own: counts of ops and bytes, never timings.
 
 At world size 1 every topology must be the one-device call: one kernel forward (and one backward)
-and nothing else but the lse's conversion for flex's backward op (ring, all-gather, hybrid). The counts come from
-scripts/cp_profile.py's CallCost on gloo ranks with the reference kernel, whose own work is not
-counted (on a GPU it is one flex kernel). The gradient and output accumulators are checked
-against the float32 accumulator they replace (zero-filled, added into in order, cast once):
+and nothing else but the lse's conversion for flex's backward op (ring, all-gather, hybrid). The
+counts come from scripts/cp_profile.py's CallCost on gloo ranks with the reference kernel, whose own
+work is not counted (on a GPU it is one flex kernel). The gradient and output accumulators are
+checked against the float32 accumulator they replace (zero-filled, added into in order, cast once):
 bit for bit, since they add the same numbers in the same order.
 """
 
@@ -82,12 +82,13 @@ def test_ring_allocates_no_more_than_the_allgather_at_one_and_two_ranks(monkeypa
     """Peak bytes a call adds, the largest rank's, for a local mask (the ring moves a halo) and
     causal (whole shards): the ring's float32 sums exist only where pieces meet.
 
-    Slack in the backward: two (B, H, S/P) float32, the lse the ring saves and its base-2 copy
-    for flex's op. On zigzag a ring step is one call over the shard's two chunks, summed in a
-    float32 out of the whole shard where the all-gather writes its bf16 out once. On CUDA the all-gather's compiled flex holds as much (it saves its lse, and
-    its backward allocates a zero lse gradient), which this count cannot see: both lie inside
-    the reference kernel here. For the window both move exactly the halo, so the ring may also
-    hold its second receive slot: two (K, V) halos (the all-gather receives one).
+    Slack in the backward: two (B, H, S/P) float32, the lse the ring saves and its base-2 copy for
+    flex's op. On zigzag a ring step is one call over the shard's two chunks, summed in a float32
+    out of the whole shard where the all-gather writes its bf16 out once. On CUDA the all-gather's
+    compiled flex holds as much (it saves its lse, and its backward allocates a zero lse gradient),
+    which this count cannot see: both lie inside the reference kernel here. For the window both move
+    exactly the halo, so the ring may also hold its second receive slot: two (K, V) halos (the
+    all-gather receives one).
     """
     # zigzag at 2048 tokens, window 128: a halo pair whose q chunk reads only a band of it
     for world_size, layout, seq_len, window in (
