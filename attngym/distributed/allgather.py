@@ -10,7 +10,7 @@ Contract (P ranks, this rank r, on `transport`):
       rank receives as much either way, and the collective is the fastest way to move it). Else
       the transport's uneven exchange (`exchange`): each rank packs the rows each peer reads into
       one buffer (destinations in rank order) and receives only its own.
-    * The keys of the call: the gathered buffer in rank order (whole shards), else this rank's
+    * The keys of the (one) call: the gathered buffer in rank order (whole shards), else this rank's
       own chunks and the rows it received, in the order of their global positions (a window's
       halo and shard form one run). One kernel call attends the rank's q shard (S/P rows) to
       those keys: the variant's callbacks read each local row and key index through a map to
@@ -23,12 +23,17 @@ Contract (P ranks, this rank r, on `transport`):
       a CPU without the op); nothing is recomputed either way. The gather's backward
       reduce-scatters dK/dV to their home ranks, the exchange's sends each received row's
       gradient back and its owner adds them up.
-    * Why one call and no overlap of the transfer with the local shard's compute: splitting the
-      call into a local and a remote part costs a second kernel, an lse merge over the output and
-      pair bookkeeping per step, to hide a gather that is a few percent of the compute from 64K
-      tokens per GPU on (1.25 ms of a 45 ms forward at S = 128K on two H200s); PyTorch's own
-      flex context parallelism makes the same choice.
-    * The mapped variant and its block mask are kept per Variant object (weak keys) and layout.
+    * Overlap (AllGatherOptions.overlap; by default where the exchange brings some rank at least
+      a shard's rows): the exchange is started, the rank attends its own keys while the rows
+      arrive, then the rows it received, and the two partials are merged by their lse; the
+      backward differentiates the received rows' call first (flex's backward op from the merged
+      out and lse, as the ring's pairs), sends those gradients home while it differentiates the
+      own keys' call, and adds what comes back. It costs a second kernel and a merge, to hide an
+      exchange as long as the own keys' call (documents: a rank reads up to 6x its shard); a
+      window's halo is too short a transfer to be worth them. Whole-shard gathers are not split
+      (the slowest rank's call would be all remote).
+    * The positioned calls (variant, block mask, maps) are kept per Variant object (weak keys)
+      and layout.
 """
 
 from __future__ import annotations
@@ -42,12 +47,18 @@ import torch
 
 from attngym import kernels
 from attngym.distributed.cp import (
+    Accumulator,
     CPCall,
     CPOptions,
     CPStats,
+    GradSum,
+    PositionedCall,
+    Saved,
     StepClock,
     attend,
     pairs,
+    positioned,
+    recompute_pair,
     run,
     runs_read,
 )
@@ -57,7 +68,21 @@ from attngym.distributed.spec import TopologySpec
 from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
 from attngym.variants.base import Variant
 
-__all__ = ["ALLGATHER", "CPOptions", "CPStats", "allgather_attention", "allgather_transfer_ms"]
+__all__ = [
+    "ALLGATHER", "AllGatherOptions", "CPOptions", "CPStats", "allgather_attention",
+    "allgather_transfer_ms",
+]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherOptions:
+    """allgather's own options: topology.options.<field>, allgather_attention's keywords."""
+
+    overlap: bool | None = None
+    """Attend the own keys while the rows read from other shards arrive, then those (two calls,
+    merged by their lse), their gradients sent home during the own keys' backward; None: where
+    the exchange brings some rank at least a shard's rows. Whole-shard gathers are not split."""
+
 
 Run = tuple[int, int]  # [start, stop) local rows of a shard
 
@@ -100,6 +125,13 @@ class ReadPlan:
     def moves(self) -> bool:
         """Some rank reads another's shard."""
         return any(self._received)
+
+    def overlaps(self, overlap: bool | None) -> bool:
+        """Whether the calls are split around the exchange (AllGatherOptions.overlap; None: where
+        some rank receives at least a shard's rows). Never for whole-shard gathers."""
+        if self.gathers or not self.moves:
+            return False
+        return max(self._received) >= self.shard_rows if overlap is None else overlap
 
 
 # Variant -> {(layout, B, H, block size, backend, device): ReadPlan}.
@@ -211,40 +243,33 @@ def _call_keys(pieces, take, tail=()) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.cat([x[j] for x in kv], dim=2) for j in (0, 1))
 
 
-# Variant -> {(layout, rank, device, block size, backend, plan, tables): (mapped variant, block
-# mask)};
-# the block mask broadcasts over batch and heads.
-_MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, tuple[Variant, Any]]] = (
+# Variant -> {(layout, rank, device, block size, backend, plan, tables, backward, part):
+# PositionedCall}.
+_MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan):
-    """(variant, block mask, backward maps) of this rank's call: the variant read at the global
-    positions of its queries and keys (positions.at_positions), its mask cut from the call's
-    grid where it has one, else built from the mapped mask where a flex kernel reads it (the
-    forward on flex, flex's backward op on any backend; None on the reference backend without
-    either), and those positions as flex's backward op takes them (positions.backward_maps)."""
-    from attngym.distributed.positions import at_positions, backward_maps
-
+def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") -> PositionedCall:
+    """This rank's call at the global positions of its queries and its keys: `part` "all" (the
+    one call's keys, key_positions), "own" (its own shard's) or "received" (the exchange's rows,
+    sources in rank order, as they arrive). Memoised per variant."""
     tables = kernels.offsets_as_tables(call.options.kernel_options)
     key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables,
-           call.backward)  # fmt: skip
+           call.backward, part)  # fmt: skip
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
-        q_pos = call.layout.positions(call.rank, q.device)
-        kv_pos = key_positions(call.layout, call.rank, plan, q.device)
-        name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.gathered"
-        mapped = at_positions(call.variant, q_pos, kv_pos, q.device, name, offsets_as_tables=tables)
-        block_mask = None
-        if call.plans is not None:  # cut from the grid: no mask evaluated for this call
-            block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
-        if block_mask is None and "flex" in (call.backend, call.backward):
-            block_mask = kernels.make_block_mask(
-                mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
-                device=q.device, full_when_unmasked=True,
-            )  # fmt: skip
-        per[key] = mapped, block_mask, backward_maps(q_pos, kv_pos)
+        layout, r = call.layout, call.rank
+        if part == "all":
+            kv_pos = key_positions(layout, r, plan, q.device)
+        elif part == "own":
+            kv_pos = layout.positions(r, q.device)
+        else:
+            every = [layout.positions(p, q.device) for p in range(layout.world_size)]
+            kv_pos = torch.cat([every[src][a:b] for src, runs in enumerate(plan.runs[r])
+                                for a, b in runs])  # fmt: skip
+        name = f"{call.variant.name}@{layout.name}.rank{r}.{part}"
+        per[key] = positioned(call, layout.positions(r, q.device), kv_pos, name)
     return per[key]
 
 
@@ -255,47 +280,141 @@ class _MappedCall(torch.autograd.Function):
     device). Where the op fails under backward=auto, the call runs again under autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: CPCall, mapped, block_mask, maps):
+    def forward(ctx, q, k, v, call: CPCall, pc: PositionedCall):
         q, k, v = (t.detach() for t in (q, k, v))
-        out, lse = attend(call, q, k, v, 0, 0, block_mask, variant=mapped)
+        out, lse = attend(call, q, k, v, 0, 0, pc.block_mask, variant=pc.variant)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call, ctx.mapped, ctx.block_mask, ctx.maps = call, mapped, block_mask, maps
+        ctx.call, ctx.pc = call, pc
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's missing gradient
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
-        from attngym.distributed import flex_backward
-
         q, k, v, out, lse = ctx.saved_tensors
-        call, maps = ctx.call, ctx.maps
+        return *_part_grads(ctx.call, Saved(q, out, lse, dout), k, v, ctx.pc), None, None
+
+
+def _part_grads(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
+    """(dq, dk, dv) of one call at positions from the merged out and lse in `saved`: flex's
+    backward op, or the call re-run, weighted (backward recompute, or the op failed under
+    backward=auto, logged)."""
+    from attngym.distributed import flex_backward
+
+    maps, whole = pc.maps, slice(0, saved.q.shape[2])
+    grads = None
+    if call.backward == "flex":
         grads = flex_backward.grads(
-            call, q, k, v, out, lse, dout, ctx.block_mask, q_offset=maps.q_offset,
-            kv_offset=maps.kv_offset, q_positions=maps.q_positions,
+            call, saved.q, k, v, saved.out, saved.lse, saved.dout, pc.block_mask,
+            q_offset=maps.q_offset, kv_offset=maps.kv_offset, q_positions=maps.q_positions,
             kv_positions=maps.kv_positions,
+            lse2=None if saved.lse2 is None else saved.lse2.get((0, whole.stop)),
         )  # fmt: skip
-        if grads is None:  # the op failed under backward=auto (logged): the call again
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                again, _ = attend(call, *leaves, 0, 0, ctx.block_mask, variant=ctx.mapped)
-                grads = torch.autograd.grad(again, leaves, dout)
-        return *grads, None, None, None, None
+    if grads is None:
+        grads = recompute_pair(call, saved, whole, k, v, (0, 0), (0, 0), pc.block_mask,
+                               variant=pc.variant)  # fmt: skip
+    return grads
 
 
-def mapped_call(call: CPCall, q, k, v, mapped, block_mask, maps):
-    """(out, lse) of the rank's call at mapped positions, differentiable w.r.t. q, k, v: through
+def mapped_call(call: CPCall, q, k, v, pc: PositionedCall):
+    """(out, lse) of the rank's call at positions `pc`, differentiable w.r.t. q, k, v: through
     flex's backward op (_MappedCall) where the call's backward is flex, else through the kernel's
     own autograd (the reference's on a CPU)."""
     if call.backward == "flex":
-        return _MappedCall.apply(q, k, v, call, mapped, block_mask, maps)
-    return attend(call, q, k, v, 0, 0, block_mask, variant=mapped)
+        return _MappedCall.apply(q, k, v, call, pc)
+    return attend(call, q, k, v, 0, 0, pc.block_mask, variant=pc.variant)
 
 
-def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) -> torch.Tensor:
+def _packed(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """K and V at `rows` (local rows of the shard), flat, rows outermost: an exchange's send."""
+    return (
+        torch.stack([k.index_select(2, rows), v.index_select(2, rows)])
+        .permute(3, 0, 1, 2, 4)
+        .reshape(-1)
+    )
+
+
+def _unpacked(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An exchange's flat output as (2, B, G, rows, D) (K, V), of shards shaped like `like`."""
+    b, g, _, d = like.shape
+    return flat.view(-1, 2, b, g, d).permute(1, 2, 3, 0, 4)
+
+
+class _Overlapped(torch.autograd.Function):
+    """The exchange and the two calls of AllGatherOptions.overlap, as one node: forward starts
+    the exchange, attends the own keys, waits, attends the received rows and merges; backward
+    differentiates the received rows' call, sends its dK/dV home, differentiates the own keys'
+    call meanwhile and adds what comes back (module docstring). Every rank runs both exchanges,
+    also one that sends or receives nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: CPCall, plan: ReadPlan, ex, clock: StepClock):
+        q, k, v = (t.detach() for t in (q, k, v))
+        rows = _sent_rows(plan, call.rank, k.device)
+        started = ex.start(_packed(k, v, rows))
+        n, received = q.shape[2], plan.received(call.rank)
+        own = _mapped(call, q, plan, "own")
+        got = _mapped(call, q, plan, "received") if received else None
+        acc = Accumulator.of(call, q, v.shape[-1], expected={(0, n): 1 + bool(received)})
+        clock.start()
+        acc.add(slice(0, n), *attend(call, q, k, v, 0, 0, own.block_mask, variant=own.variant))
+        clock.stop("step_compute_ms")
+        clock.start()
+        kv = _unpacked(ex.wait(started), k)
+        clock.stop("step_wait_ms")
+        k_r, v_r = kv[0].contiguous(), kv[1].contiguous()
+        if received:
+            clock.start()
+            acc.add(slice(0, n), *attend(call, q, k_r, v_r, 0, 0, got.block_mask,
+                                         variant=got.variant))  # fmt: skip
+            clock.stop("step_compute_ms")
+        out, lse = acc.result()
+        ctx.save_for_backward(q, k, v, k_r, v_r, out, lse, rows)
+        ctx.call, ctx.ex, ctx.parts = call, ex, (own, got)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        from attngym.distributed import flex_backward
+
+        q, k, v, k_r, v_r, out, lse, rows = ctx.saved_tensors
+        call, (own, got) = ctx.call, ctx.parts
+        n = q.shape[2]
+        lse2 = None
+        if call.backward == "flex":
+            lse2 = {(0, n): flex_backward.kernel_lse(lse, call.options.kernel_options, q.dtype)}
+        saved = Saved(q, out, lse, dout, lse2)
+        dq = GradSum(q.shape, lse.dtype, q.device, expected={(0, n): 1 + (got is not None)})
+        home = k_r.new_zeros((2, *k_r.shape))
+        if got is not None:
+            dq_r, dk_r, dv_r = _part_grads(call, saved, k_r, v_r, got)
+            dq.add(0, dq_r)
+            home = torch.stack([dk_r, dv_r])
+        back = ctx.ex.inverse()
+        started = back.start(home.permute(3, 0, 1, 2, 4).reshape(-1))
+        dq_o, dk, dv = _part_grads(call, saved, k, v, own)
+        dq.add(0, dq_o)
+        arrived = _unpacked(back.wait(started), k)
+        dk = dk.index_add(2, rows, arrived[0].to(dk.dtype))
+        dv = dv.index_add(2, rows, arrived[1].to(dv.dtype))
+        return dq.total(q.dtype), dk, dv, None, None, None, None
+
+
+def _allgather(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall, overlap: bool | None = None
+) -> torch.Tensor:
     stats, clock = call.stats, StepClock(call.stats, q.device)
     P, r = call.world_size, call.rank
     plan = read_plan(call, q) if P > 1 else ReadPlan((((),),), k.shape[2])
+    if plan.overlaps(overlap):
+        ex = _exchange(call, plan, k)
+        out, lse = _Overlapped.apply(q, k, v, call, plan, ex, clock)
+        if stats is not None:
+            stats.bytes_sent += ex.sent(r) * k.element_size()
+        _record(call, q, out, lse)
+        return out
     sent = 0
     clock.start()
     if plan.gathers:
@@ -330,17 +449,23 @@ def _allgather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall) 
         clock.stop("step_wait_ms")
     if stats is not None:
         stats.bytes_sent += sent * k.element_size()
-    mapped, block_mask, maps = _mapped(call, q, plan)
     clock.start()
-    out, lse = mapped_call(call, q, k_all, v_all, mapped, block_mask, maps)
+    out, lse = mapped_call(call, q, k_all, v_all, _mapped(call, q, plan))
     clock.stop("step_compute_ms")
+    _record(call, q, out, lse)
+    return out
+
+
+def _record(call: CPCall, q: torch.Tensor, out, lse) -> None:
+    """The call's lse, backward and pairs in its stats (when given)."""
+    stats = call.stats
     if stats is not None:
         stats.lse = lse.detach()
-        # flex's backward op, or the kernel's own autograd (the reference's on a CPU)
+        # flex's backward op, or the kernel's own autograd (the reference's on a CPU; the
+        # overlapped calls re-run their forwards there)
         stats.backward = "flex" if call.backward == "flex" else "kernel"
         for p in range(call.world_size):  # the chunk pairs the one call covers, for comparison
             pairs(call, q, p)
-    return out
 
 
 def allgather_attention(
@@ -354,6 +479,7 @@ def allgather_attention(
     layout: str | Layout = "contiguous",
     options: CPOptions | None = None,
     stats: CPStats | None = None,
+    overlap: bool | None = None,
     **overrides: Any,
 ) -> torch.Tensor:
     """Attention of this rank's q shard over the whole sequence, K/V all-gathered, one kernel call.
@@ -366,12 +492,14 @@ def allgather_attention(
         k, v: (B, G, S/P, D) this rank's key/value shards, G dividing H (GQA).
         variant: the attention variant, evaluated at global positions.
         group, transport, layout, options, stats, **overrides: as in ring_attention.
+        overlap: AllGatherOptions.overlap (None: where the exchange brings some rank at least a
+            shard's rows).
 
     Returns:
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
     """
     return run(
-        _allgather,
+        functools.partial(_allgather, overlap=overlap),
         q,
         k,
         v,
@@ -410,19 +538,25 @@ def allgather_transfer_ms(
 
 
 def simulate_allgather(sc: SimulatedCall) -> Simulation:
-    """Every rank's one call (cp.attend) on the keys it would hold (the gathered shards, or its
-    own and the rows the ReadPlan sends it), with the mapped variant and block mask the algorithm
-    builds; backward: that call's own. Also the ranks of PyTorch's scheme, the same calls with
-    whole shards gathered (Simulation.extra["torch_cp"])."""
+    """Every rank's call (cp.attend) on the keys it would hold (the gathered shards, or its own
+    and the rows the ReadPlan sends it), with the positioned variant and block mask the
+    algorithm builds; backward: the call's, as the algorithm differentiates it. Overlapped
+    (AllGatherOptions.overlap), its two calls apart. Also the ranks of PyTorch's scheme, one
+    call with whole shards gathered (Simulation.extra["torch_cp"])."""
     ranks = SequenceRanks(sc)
     works, whole_shards, sent, buffers, pattern = [], [], 0, 0, "allgather"
+    overlap = sc.scheme_options.get("overlap")
     for r in range(sc.world_size):
-        work, received, buffer, pattern = _simulated_rank(ranks, r, sc.clock)
+        work, received, buffer, pattern = _simulated_rank(ranks, r, sc.clock, overlap)
         works.append(work)
         sent, buffers = max(sent, received), max(buffers, buffer)
         whole = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
         whole *= sc.world_size - 1
-        whole_shards.append(dataclasses.replace(work, fwd_bytes=(whole,), bwd_bytes=(whole,)))
+        whole_shards.append(
+            RankWork(fwd_ms=(work.compute_fwd_ms,), bwd_ms=(sum(work.bwd_ms),),
+                     fwd_bytes=(whole,), bwd_bytes=(whole,), host_fwd_ms=work.host_fwd_ms,
+                     host_bwd_ms=work.host_bwd_ms)
+        )  # fmt: skip
     sim = ranks.simulation(works)
     sim.bytes_moved, sim.peak_mem_bytes = sent, buffers
     sim.extra["torch_cp"] = whole_shards
@@ -430,7 +564,9 @@ def simulate_allgather(sc: SimulatedCall) -> Simulation:
     return sim
 
 
-def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int, int, str]:
+def _simulated_rank(
+    ranks: SequenceRanks, r: int, clock, overlap: bool | None
+) -> tuple[RankWork, int, int, str]:
     """Rank r's RankWork, the bytes it receives, its received buffer's bytes and the transfer's
     pattern (allgather, or alltoall for the exchange)."""
     P, q_r, ks, vs = ranks.world_size, ranks.qs[r], ranks.ks, ranks.vs
@@ -439,6 +575,13 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     plan = read_plan(call, q_r) if P > 1 else ReadPlan((((),),), ks[0].shape[2])
     b, g, n, d = ks[0].shape
     row = nbytes(2, b, g, 1, d, itemsize=ks[0].element_size())
+    for p in range(P):  # the chunk pairs the calls cover, counted as the algorithm does
+        pairs(counted, q_r, p)
+    pattern = "allgather" if plan.gathers else "alltoall"
+    grads = 2 if saved is not None else 1
+    if plan.overlaps(overlap):
+        received = row * plan.received(r)
+        return _overlapped_rank(ranks, r, clock, plan), received, received * grads, pattern
     if plan.gathers:  # the gathered buffer, rank order
         k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
         received, buffer = row * n * (P - 1), row * n * P
@@ -450,13 +593,11 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         received = buffer = row * plan.received(r)
     else:
         k_all, v_all, received, buffer = ks[r], vs[r], 0, 0
-    mapped, block_mask, maps = _mapped(call, q_r, plan)
-    for p in range(P):  # the chunk pairs the one call covers, counted as the algorithm does
-        pairs(counted, q_r, p)
+    pc = _mapped(call, q_r, plan)
 
     def fwd():
         with torch.no_grad():
-            attend(call, q_r, k_all, v_all, 0, 0, block_mask, variant=mapped)
+            attend(call, q_r, k_all, v_all, 0, 0, pc.block_mask, variant=pc.variant)
 
     bwd = None
     if saved is not None:
@@ -464,11 +605,11 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
 
         def bwd():
             with torch.enable_grad():
-                out, _ = mapped_call(call, *leaves, mapped, block_mask, maps)
+                out, _ = mapped_call(call, *leaves, pc)
                 torch.autograd.grad(out, leaves, saved.dout)
 
-    key = ("allgather", tuple(q_r.shape), tuple(k_all.shape), clock.mask_key(block_mask))
-    item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
+    key = ("allgather", tuple(q_r.shape), tuple(k_all.shape), clock.mask_key(pc.block_mask))
+    item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(pc.block_mask,))
     fwd = clock.time(item, "fwd")
     both = clock.time(item, "bwd") if saved is not None else None
     # fwd-and-bwd as one item: the backward item re-runs the forward under autograd (flex's
@@ -481,17 +622,73 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         host_fwd_ms=fwd.host_ms,
         host_bwd_ms=0.0 if both is None else max(both.host_ms - fwd.host_ms, 0.0),
     )
-    pattern = "allgather" if plan.gathers else "alltoall"
-    return work, received, buffer * (2 if saved is not None else 1), pattern
+    return work, received, buffer * grads, pattern
+
+
+def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> RankWork:
+    """Rank r's two calls of the overlap, as _Overlapped runs them: forward (own keys, then the
+    received rows with the merge), backward (the received rows', then the own keys') from the
+    whole problem's merged out and lse at its rows."""
+    q_r, ks, vs = ranks.qs[r], ranks.ks, ranks.vs
+    call, saved = ranks.call(r), ranks.saved[r] if ranks.saved is not None else None
+    n = q_r.shape[2]
+    got = [(src, a, b) for src, runs in enumerate(plan.runs[r]) for a, b in runs]
+    parts = [("own", ks[r], vs[r])]
+    if got:
+        parts.append(("received", *(torch.cat([t[src][:, :, a:b] for src, a, b in got], dim=2)
+                                    for t in (ks, vs))))  # fmt: skip
+    fwd_ms, bwd_ms, host = [], [], [0.0, 0.0]
+    for part, k_p, v_p in parts:
+        pc = _mapped(call, q_r, plan, part)
+        merged = part == "received"
+
+        def fwd(pc=pc, k_p=k_p, v_p=v_p, merged=merged):
+            with torch.no_grad():
+                out, lse = attend(call, q_r, k_p, v_p, 0, 0, pc.block_mask, variant=pc.variant)
+                if merged:  # folded into the own keys' partial, as the accumulator does
+                    acc = Accumulator.of(call, q_r, v_p.shape[-1], expected={(0, n): 2})
+                    acc.add(slice(0, n), out.clone(), lse.clone())
+                    acc.add(slice(0, n), out, lse)
+                    acc.result()
+
+        def bwd(pc=pc, k_p=k_p, v_p=v_p):
+            with torch.no_grad():
+                _part_grads(call, saved, k_p, v_p, pc)
+
+        key = ("allgather", part, tuple(q_r.shape), tuple(k_p.shape),
+               clock.mask_key(pc.block_mask))  # fmt: skip
+        item = Item(key=key, fwd=fwd, bwd=bwd if saved is not None else None,
+                    block_masks=(pc.block_mask,))  # fmt: skip
+        timed = clock.time(item, "fwd")
+        fwd_ms.append(timed.ms)
+        host[0] += timed.host_ms
+        if saved is not None:
+            timed = clock.time(item, "bwd")
+            bwd_ms.insert(0, timed.ms)  # the received rows' backward runs first
+            host[1] += timed.host_ms
+    received = nbytes(2, *ks[r].shape[:2], plan.received(r), ks[r].shape[3],
+                      itemsize=ks[r].element_size())  # fmt: skip
+    return RankWork(
+        fwd_ms=tuple(fwd_ms), bwd_ms=tuple(bwd_ms), fwd_bytes=(received,),
+        bwd_bytes=(received,), host_fwd_ms=host[0], host_bwd_ms=host[1],
+    )  # fmt: skip
 
 
 def gather_rank_ms(
     work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0, pattern="allgather"
 ) -> float:
     """The transfer, then the call; backward: the call's, then the gradients home (as long as
-    the transfer). `crossing`: the share received from other NVLink domains; `pattern`:
-    allgather for whole shards, alltoall for the exchange of the rows each rank reads."""
+    the transfer). Overlapped (two calls: fwd_ms (own, received), bwd_ms (received, own)): the
+    transfer beside the own keys' call, then the received rows'; backward: the received rows',
+    then the gradients home beside the own keys'. `crossing`: the share received from other
+    NVLink domains; `pattern`: allgather for whole shards, alltoall for the exchange of the rows
+    each rank reads."""
     transfer = fab.ms(pattern, work.fwd_bytes[0] if work.fwd_bytes else 0.0, crossing)
+    if len(work.fwd_ms) == 2:
+        total = max(transfer, work.fwd_ms[0]) + work.fwd_ms[1]
+        if backward:
+            total += work.bwd_ms[0] + max(transfer, work.bwd_ms[1])
+        return total
     total = transfer + work.compute_fwd_ms
     if backward:
         total += sum(work.bwd_ms) + transfer
@@ -499,8 +696,8 @@ def gather_rank_ms(
 
 
 def price_allgather(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
-    """The all-gather's call on `fab` (gather_rank_ms), and PyTorch's scheme beside it: the same
-    calls with every rank's whole K/V shard gathered (`torch_cp`)."""
+    """The all-gather's call on `fab` (gather_rank_ms), and PyTorch's scheme beside it: one call
+    per rank with every rank's whole K/V shard gathered first (`torch_cp`)."""
     crossing = fab.collective_crossing(len(sim.ranks), sim.stride)
     pattern = sim.extra.get("pattern", "allgather")
     ours = predict(
@@ -518,6 +715,7 @@ ALLGATHER = TopologySpec(
     attention=allgather_attention,
     layouts=LAYOUTS,
     user_layouts=True,
+    options=AllGatherOptions,
     timer=allgather_transfer_ms,
     simulate=simulate_allgather,
     price=price_allgather,

@@ -809,7 +809,13 @@ class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
                         for src, dst, n in self._pull_rows[p]:
                             outs[k][dst : dst + n].copy_(slot[src : src + n])
                     self._set_flag(self._side, p, p_world + r)
-            cur.wait_stream(self._side)
+        return out, flat  # the send buffer lives until the wait
+
+    def wait(self, started) -> torch.Tensor:
+        """The output of a `start`ed exchange (a fresh flat tensor the caller owns), the current
+        stream ordered after it."""
+        out, _ = started
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
         return out
 
 
@@ -863,8 +869,9 @@ class CopyEngineExchange(ExchangeCalls, _CopyEngineBase):
             itertools.accumulate((row[self.rank] for row in self.sizes), initial=0)
         )
 
-    def exchange(self, send: torch.Tensor) -> torch.Tensor:
-        """The exchange of `send` (flat, `sent(rank)` elements): a fresh flat tensor.
+    def start(self, send: torch.Tensor):
+        """Issue the exchange of `send` (flat, `sent(rank)` elements) on the side stream after
+        the current stream's work so far; `wait` gives its output.
 
         Raises:
             RuntimeError: the object failed (a peer timed out earlier).
@@ -894,5 +901,11 @@ class CopyEngineExchange(ExchangeCalls, _CopyEngineBase):
                             self._mem.peers[p][start : start + n]
                         )
                     self._set_flag(self._side, p, p_world + r)
-            cur.wait_stream(self._side)
+        return out, flat  # the send buffer lives until the wait
+
+    def wait(self, started) -> torch.Tensor:
+        """The output of a `start`ed exchange (a fresh flat tensor the caller owns), the current
+        stream ordered after it."""
+        out, _ = started
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
         return out

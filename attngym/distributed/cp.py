@@ -409,43 +409,62 @@ def _read_extent(call: CPCall, q: torch.Tensor, qc, kc, block_mask, backend: str
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StepCall:
-    """One kernel call of this rank's whole q shard against the K/V rows of one shard held (a
-    ring step over a shard of several chunks): the variant read at the global positions of both
-    sides (positions.at_positions), the block mask of those positions (cut from the call's grid
-    where it has one), and the positions as flex's backward op takes them.
-
-    One call per step instead of one per chunk pair: a rank's host issues a compiled call in
-    about 0.1-0.3 ms, far longer than a pair kernel of small chunks runs (64 ranks of 128K: 1K
-    rows, microseconds), so pair kernels leave the device waiting on the host.
-    """
+class PositionedCall:
+    """A kernel call whose query rows and keys sit at given global positions (several chunks,
+    or keys gathered from several shards): the variant read there (positions.at_positions),
+    the block mask of those positions (cut from the call's grid where it has one) and the
+    positions as flex's backward op takes them (positions.BackwardMaps)."""
 
     variant: Variant
     block_mask: Any  # None on the reference backend when flex's backward op does not run
     maps: Any  # positions.BackwardMaps
 
 
+def positioned(
+    call: CPCall, q_positions: torch.Tensor, kv_positions: torch.Tensor, name: str
+) -> PositionedCall:
+    """The PositionedCall of queries at `q_positions` against keys at `kv_positions` (global
+    positions in local order) for this call; the block mask is built where a flex kernel reads
+    it (the forward on flex, flex's backward op on any backend)."""
+    from attngym.distributed.positions import at_positions, backward_maps
+
+    device = q_positions.device
+    tables = kernels.offsets_as_tables(call.options.kernel_options)
+    mapped = at_positions(
+        call.variant, q_positions, kv_positions, device, name, offsets_as_tables=tables
+    )
+    block_mask = None
+    if call.plans is not None:  # cut from the grid: no mask evaluated for this call
+        block_mask = call.plans.sub_mask(q_positions, kv_positions, mapped.mask_mod)
+    if block_mask is None and "flex" in (call.backend, call.backward):
+        block_mask = kernels.make_block_mask(
+            mapped, q_positions.numel(), kv_positions.numel(), block_size=call.options.block_size,
+            device=device, full_when_unmasked=True,
+        )  # fmt: skip
+    return PositionedCall(mapped, block_mask, backward_maps(q_positions, kv_positions))
+
+
 def one_call_steps(call: CPCall) -> bool:
-    """Whether the ring steps of this call are StepCalls: where a shard holds several chunks
-    (zigzag, balanced, a user's layout); a contiguous shard's step is one pair anyway, at
-    offsets, its callbacks read no table."""
+    """Whether the ring steps of this call are one PositionedCall each (step_call): where a
+    shard holds several chunks (zigzag, balanced, a user's layout). A host issues a compiled
+    call in about 0.1-0.3 ms, far longer than a pair kernel of small chunks runs (64 ranks of
+    128K: 1K rows, microseconds), so pair kernels would leave the device waiting on the host.
+    A contiguous shard's step is one pair anyway, at offsets: its callbacks read no table."""
     return len(call.chunks(call.rank)) > 1
 
 
 # Variant -> {(layout, rank, kv rank, window, B, H, block size, backend, backward, device,
-# tables): StepCall | None}.
-_STEPS: weakref.WeakKeyDictionary[Variant, dict[tuple, StepCall | None]] = (
+# tables): PositionedCall | None}.
+_STEPS: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def step_call(
     call: CPCall, q: torch.Tensor, kv_rank: int, window: tuple[int, int] | None = None
-) -> StepCall | None:
-    """The StepCall of this rank's q shard against kv_rank's shard (or the `window` of it held,
-    as `pairs` takes it); None when the mask keeps nothing there. Memoised per variant."""
-    from attngym.distributed.positions import at_positions, backward_maps
-
+) -> PositionedCall | None:
+    """The call of this rank's whole q shard against kv_rank's shard (or the `window` of it
+    held, as `pairs` takes it); None when the mask keeps nothing there. Memoised per variant."""
     n = call.seq_len // call.world_size
     window = (0, n) if window is None else tuple(window)
     tables = kernels.offsets_as_tables(call.options.kernel_options)
@@ -460,16 +479,7 @@ def step_call(
         q_pos = call.layout.positions(call.rank, q.device)
         kv_pos = call.layout.positions(kv_rank, q.device)[window[0] : sum(window)]
         name = f"{call.variant.name}@{call.layout.name}.rank{call.rank}.step{kv_rank}"
-        mapped = at_positions(call.variant, q_pos, kv_pos, q.device, name, offsets_as_tables=tables)
-        block_mask = None
-        if call.plans is not None:
-            block_mask = call.plans.sub_mask(q_pos, kv_pos, mapped.mask_mod)
-        if block_mask is None and "flex" in (call.backend, call.backward):
-            block_mask = kernels.make_block_mask(
-                mapped, q_pos.numel(), kv_pos.numel(), block_size=call.options.block_size,
-                device=q.device, full_when_unmasked=True,
-            )  # fmt: skip
-        per[key] = StepCall(mapped, block_mask, backward_maps(q_pos, kv_pos))
+        per[key] = positioned(call, q_pos, kv_pos, name)
     return per[key]
 
 
@@ -860,15 +870,15 @@ def backward_pairs(
         if flex:
             grads = flex_backward.pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
         if grads is None:  # recompute, or flex failed under backward=auto (logged)
-            grads = _recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
+            grads = recompute_pair(call, saved, q_rows, k_i, v_i, qc, kc, block_mask)
         dq_i, dk_i, dv_i = grads
         dq.add(q_rows.start, dq_i)
         dk.add(kv_rows.start + dkv_offset, dk_i)
         dv.add(kv_rows.start + dkv_offset, dv_i)
 
 
-def _step_backward(call: CPCall, saved: Saved, k, v, step: StepCall, dq, dk, dv, dkv_offset):
-    """A StepCall's gradients added into dq (the whole shard) and dk, dv (held rows at
+def _step_backward(call: CPCall, saved: Saved, k, v, step: PositionedCall, dq, dk, dv, dkv_offset):
+    """A step call's gradients added into dq (the whole shard) and dk, dv (held rows at
     `dkv_offset`): flex's backward op at the step's positions, or its forward re-run."""
     from attngym.distributed import flex_backward
 
@@ -883,7 +893,7 @@ def _step_backward(call: CPCall, saved: Saved, k, v, step: StepCall, dq, dk, dv,
             q_positions=maps.q_positions, kv_positions=maps.kv_positions,
         )  # fmt: skip
     if grads is None:  # recompute, or flex failed under backward=auto (logged)
-        grads = _recompute_pair(
+        grads = recompute_pair(
             call, saved, whole, k, v, (0, 0), (0, 0), step.block_mask, variant=step.variant
         )
     dq_i, dk_i, dv_i = grads
@@ -892,9 +902,9 @@ def _step_backward(call: CPCall, saved: Saved, k, v, step: StepCall, dq, dk, dv,
     dv.add(dkv_offset, dv_i)
 
 
-def _recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None):
+def recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None):
     """One pair's (dq, dk, dv): its forward again under autograd, weighted by exp(lse_i - lse);
-    `variant`: a StepCall's, at its positions (qc, kc at 0)."""
+    `variant`: a PositionedCall's, at its positions (qc, kc at 0)."""
     lse = saved.lse[:, :, q_rows]
     out = saved.out[:, :, q_rows].to(lse.dtype)
     dout = saved.dout[:, :, q_rows].to(lse.dtype)

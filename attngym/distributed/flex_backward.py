@@ -355,13 +355,10 @@ def grads(
         return None
 
 
-def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask, positions=None) -> tuple | None:
-    """One pair's (dq, dk, dv) for cp.backward_pairs (`grads` over the pair's rows of `saved`);
-    positions: (q, kv) position tables of a pair whose rows are not one run (cp.StepCall)."""
-    q_pos, kv_pos = positions if positions is not None else (None, None)
+def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | None:
+    """One pair's (dq, dk, dv) for cp.backward_pairs: `grads` over the pair's rows of `saved`."""
     return grads(
         call, saved.q[:, :, q_rows], k_i, v_i, saved.out[:, :, q_rows], saved.lse[:, :, q_rows],
         saved.dout[:, :, q_rows], block_mask, q_offset=qc[0], kv_offset=kc[0],
         lse2=None if saved.lse2 is None else saved.lse2.get((q_rows.start, q_rows.stop)),
-        q_positions=q_pos, kv_positions=kv_pos,
     )  # fmt: skip

@@ -431,16 +431,23 @@ class P2PExchange(ExchangeCalls):
         _init_common(self, (1,), 1, dtype, device, group, timeout_s)
         self.sizes = check_sizes(sizes, self.world_size)
 
-    def exchange(self, send: torch.Tensor) -> torch.Tensor:
-        """The exchange of `send` (flat, `sent(rank)` elements): a fresh flat tensor."""
+    def start(self, send: torch.Tensor):
+        """Issue the exchange of `send` (flat, `sent(rank)` elements); `wait` gives its output."""
         r, world = self.rank, self.world_size
         if send.numel() != self.sent(r):
             raise ValueError(f"send: expected {self.sent(r)} elements, got {send.numel()}")
         out = torch.empty(self.received(r), dtype=self.dtype, device=self.device)
+        work = None
         if world > 1:
             work = _dist().all_to_all_single(
                 out, send.contiguous(), [row[r] for row in self.sizes], list(self.sizes[r]),
                 group=self.group, async_op=True,
             )  # fmt: skip
+        return out, work
+
+    def wait(self, started) -> torch.Tensor:
+        """The output of a `start`ed exchange: a fresh flat tensor the caller owns."""
+        out, work = started
+        if work is not None:
             _wait([work], timeout_s=self.timeout_s, device=self.device, what="exchange")
         return out

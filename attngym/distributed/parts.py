@@ -382,8 +382,11 @@ def check_sizes(sizes: Any, world_size: int) -> tuple[tuple[int, ...], ...]:
 
 
 class ExchangeCalls:
-    """What both uneven exchanges share: the inverse object (the gradients' way home). Needs
-    sizes, dtype, device, group and timeout_s."""
+    """What both uneven exchanges share: the inverse object (the gradients' way home) and
+    `exchange`, a `start` (the transfer issued; work the current stream queues after it runs
+    beside it) and its `wait` (the current stream ordered after the transfer; on a CPU, blocking
+    up to timeout_s). One exchange of an object in flight at a time. Needs sizes, dtype,
+    device, group, timeout_s, start and wait."""
 
     _inverse: Any = None
 
@@ -397,6 +400,11 @@ class ExchangeCalls:
             )  # fmt: skip
             self._inverse._inverse = self
         return self._inverse
+
+    def exchange(self, send):
+        """The exchange of `send` (flat, `sent(rank)` elements): a fresh flat tensor, ordered
+        before the current stream's next work (`wait(start(send))`)."""
+        return self.wait(self.start(send))
 
     def sent(self, rank: int) -> int:
         """Elements rank `rank` sends in one exchange (its send buffer, destinations in order)."""

@@ -492,7 +492,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
 
 def _step_structure(call, q_r, s, window, clock) -> tuple:
     """What a step's time depends on: each kernel's shapes and block-mask structure (its one
-    StepCall, or its chunk pairs); () when it computes nothing."""
+    step_call, or its chunk pairs); () when it computes nothing."""
     if one_call_steps(call):
         step = step_call(call, q_r, s, window)
         if step is None:

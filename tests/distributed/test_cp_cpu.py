@@ -119,6 +119,16 @@ def _attention_worker(rank, world_size):
                 (ring_attention, allgather_attention), ("zigzag",), backward="recompute",
             )
         )  # fmt: skip
+        # The all-gather's calls split around its exchange (own keys, then the rows received),
+        # on every layout, with the op and with re-run forwards.
+        for backward, overlap_layouts in (("auto", ("contiguous", "zigzag", "balanced")),
+                                          ("recompute", ("balanced",))):  # fmt: skip
+            errors.update(
+                _parity(
+                    rank, world_size, name, variant, 4, kv_heads, (allgather_attention,),
+                    overlap_layouts, backward=backward, overlap=True,
+                )
+            )  # fmt: skip
     # The ring's placement priced per pair kernel (here another one than by blocks: rank 0
     # holds the second half), handed to shard and to the call as one Layout.
     from attngym.distributed import layout as layouts
@@ -195,6 +205,12 @@ def _user_mask_worker(rank, world_size):
     )  # fmt: skip
     errors.update(
         _parity(
+            rank, world_size, "user", user, 4, 2, (allgather_attention,),
+            ("contiguous", "zigzag", "balanced"), seq_len=64, overlap=True,
+        )
+    )  # fmt: skip
+    errors.update(
+        _parity(
             rank,
             world_size,
             "user",
@@ -212,9 +228,10 @@ def _user_mask_worker(rank, world_size):
 
 def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
     """4 gloo ranks, a mask with no block rule: ring (flex's backward and the re-run one) and
-    all-gather (the exchange of the rows each rank reads), forward and every gradient."""
+    all-gather (the exchange of the rows each rank reads; one call, and split around the
+    exchange), forward and every gradient."""
     errors = launch(_user_mask_worker, 4, timeout_s=240)
-    assert len(errors) == 2 * 3 + 2
+    assert len(errors) == 2 * 3 + 3 + 2
     for case, errs in errors.items():
         assert max(errs) < TOL, f"{case}: max |err| of out, dq, dk, dv = {errs}"
 
@@ -222,7 +239,7 @@ def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
-    assert len(errors) == 4 * (2 * 3 + 2) + 1  # + the ring on its pair-priced placement
+    assert len(errors) == 4 * (2 * 3 + 2 + 4) + 1  # + the ring on its pair-priced placement
     assert reruns["ring_attention", "flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no re-run
     # zigzag: a step is one call over the rank's two chunks, so one re-run per step
     assert reruns["ring_attention", "recompute"] == (2, 5, "recompute")

@@ -75,6 +75,35 @@ def _counting_timer(calls: list):
     return timer
 
 
+def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
+    """Documents at P=4 (a rank reads more than a shard): with overlap each rank times its own
+    keys' call and the received rows' apart, and its prediction hides the exchange behind the
+    own keys' call; a contiguous window's halo (less than a shard) is not split by default."""
+    from attngym.distributed.allgather import ALLGATHER
+
+    q, k, v, g = make_inputs(Shape(batch=1, heads=2, seq_len=1024, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    docs = variants.get("document", doc_lengths=[640, 128, 256])
+    slow = tm.linear_fabric("toy", "test", gbps=0.01, latency_us=0.0)  # transfers dominate
+    got = {}
+    for overlap in (None, True, False):
+        sim = simulate(ALLGATHER, q, k, v, g, docs, world_size=4, layout="contiguous",
+                       scheme_options={"overlap": overlap}, timer=_counting_timer([]))  # fmt: skip
+        got[overlap] = sim
+    # Ranks 0 and 3 receive nothing (documents start there); rank 2 reads 2 shards back.
+    assert [len(w.fwd_ms) for w in got[True].ranks] == [1, 2, 2, 1]
+    assert [len(w.fwd_ms) for w in got[None].ranks] == [1, 2, 2, 1]
+    assert all(len(w.fwd_ms) == 1 for w in got[False].ranks)
+    split, whole = (ALLGATHER.price(got[o], slow, True) for o in (True, False))
+    exposed = [p.rank_ms[2] - p.rank_compute_ms[2] for p in (split, whole)]
+    # rank 2's exchange is exposed less by the own keys' calls, 1 ms each way with this timer
+    assert exposed[0] == pytest.approx(exposed[1] - 2.0) and exposed[1] > 2.0
+    window = variants.get("sliding_window", window_size=64)
+    sim = simulate(ALLGATHER, q, k, v, g, window, world_size=4, layout="contiguous",
+                   timer=_counting_timer([]))  # fmt: skip
+    assert all(len(w.fwd_ms) == 1 for w in sim.ranks)
+
+
 def test_identical_work_is_timed_once():
     """Causal zigzag at P=16: 16 ranks x 16 steps of pairs, a handful of distinct structures."""
     q, k, v, g = make_inputs(Shape(batch=1, heads=1, seq_len=4096, head_dim=8), 0, "cpu",
@@ -123,6 +152,11 @@ def test_gather_and_alltoall_arithmetic_and_the_bottleneck():
     assert gather_rank_ms(work, fab, True) == pytest.approx(4.1 + 10 + 20 + 4.1)
     assert alltoall_rank_ms(work, fab, False) == pytest.approx(4.1 + 10 + 1.1)
     assert alltoall_rank_ms(work, fab, True) == pytest.approx(2 * (4.1 + 1.1) + 30)
+    # Overlapped: the transfer beside the own keys' call, then the received rows'; backward the
+    # received rows' call, then the gradients home beside the own keys'.
+    split = tm.RankWork(fwd_ms=(3.0, 7.0), bwd_ms=(12.0, 8.0), fwd_bytes=(4e6,))
+    assert gather_rank_ms(split, fab, False) == pytest.approx(4.1 + 7)
+    assert gather_rank_ms(split, fab, True) == pytest.approx(4.1 + 7 + 12 + 8)
     assert tm.bottleneck(10.2, [10.0, 10.0]) == "compute"
     assert tm.bottleneck(15.0, [10.0, 10.0]) == "transfer"
     assert tm.bottleneck(10.0, [10.0, 6.0]) == "imbalance"
