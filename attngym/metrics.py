@@ -125,6 +125,13 @@ METRICS: tuple[Metric, ...] = (
     M("scheme", "scheme", "", "topology=custom: your scheme's import path", column=False),
     M("a2a_size", "all-to-all group", "", "hybrid: ranks of one all-to-all group", column=False),
     M("across", "across groups", "", "hybrid: the algorithm between groups", column=False),
+    M(
+        "overlap",
+        "overlap",
+        "",
+        "allgather: own keys attended while the rows read from other shards arrive",
+        column=False,
+    ),
     M("device", "device", "", "cpu or cuda", shown="run"),
     M("device_name", "device name", "", "the GPU's name, or the CPU model"),
     M("capability", "capability", "", "the GPU's compute capability (none on a CPU)", column=False),
