@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs (default: all; each fits one 10-minute
-# call). T_TIMEOUT bounds one run (default 300 s).
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto (default:
+# all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -97,6 +97,42 @@ if has exchange_docs; then  # documents at P=8 with the exchange (every candidat
   SIM="$AG topology=auto topology.simulate=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
   T_TIMEOUT=540 t exchange_documents_p8 $SIM attention=document shape.seq_len=131072 \
     topology.world_size=8 hydra.run.dir=exchange_documents_p8
+fi
+if has step; then  # the ring's one call per step and the all-gather's overlap: exact, then rows
+  export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  T_TIMEOUT=240 t step_gpu_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+    -k "cp_on_cuda or second_call or exchange or backward_op" \
+    "$ROOT/tests/distributed/test_cp_gpu.py" "$ROOT/tests/distributed/test_copy_engine_gpu.py"
+  t step_ring_zigzag_documents_16k $AG topology=ring topology.layout=zigzag topology.world_size=2 \
+    $SHAPE attention=document shape.seq_len=16384 hydra.run.dir=step_ring_zigzag_documents_16k
+  t step_allgather_documents_16k $AG topology=allgather topology.layout=balanced \
+    topology.world_size=2 topology.options.overlap=true $SHAPE attention=document \
+    shape.seq_len=16384 hydra.run.dir=step_allgather_documents_16k
+  unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
+  SIM="$AG topology.simulate=true topology.transport=nccl validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072"
+  t step_ring_causal_128k_p64 $SIM topology=ring topology.layout=zigzag attention=causal \
+    shape.seq_len=131072 topology.world_size=64 topology.fabric=hgx_h200 \
+    hydra.run.dir=step_ring_causal_128k_p64
+  for row in "ring balanced" "allgather balanced"; do set -- $row
+    t step_${1}_documents_p8 $SIM topology=$1 topology.layout=$2 attention=document \
+      shape.seq_len=131072 topology.world_size=8 hydra.run.dir=step_${1}_documents_p8
+  done
+fi
+if has step_window; then  # the window at P=8 with this code (simulated ranks)
+  SIM="$AG topology.simulate=true topology.transport=nccl validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072"
+  for row in "ring zigzag" "allgather contiguous"; do set -- $row
+    T_TIMEOUT=110 t step_${1}_window_p8 $SIM topology=$1 topology.layout=$2 $WIN topology.world_size=8 \
+      hydra.run.dir=step_${1}_window_p8
+  done
+fi
+if has step_auto; then  # topology=auto on the window and documents rows, P=8, with this code
+  SIM="$AG topology=auto topology.simulate=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  t step_auto_window_p8 $SIM attention=sliding_window ++attention.window_size=1024 \
+    shape.seq_len=131072 topology.world_size=8 hydra.run.dir=step_auto_window_p8
+  T_TIMEOUT=420 t step_auto_documents_p8 $SIM attention=document shape.seq_len=131072 \
+    topology.world_size=8 hydra.run.dir=step_auto_documents_p8
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
