@@ -352,7 +352,7 @@ METRICS: tuple[Metric, ...] = (
         "predicted time imbalance",
         "ratio",
         "max over mean of each rank's compute time as the placement's cost model predicts it "
-        "for this scheme (partial blocks dearer than full ones; the ring per pair kernel)",
+        "for this scheme (partial blocks dearer than full ones; a pairwise scheme per pair kernel)",
     ),
     M(
         "efficiency",
