@@ -40,6 +40,28 @@ def documents(seq_len: int) -> list[int]:
     return [*lengths, seq_len - sum(lengths)]
 
 
+def parser(kind: str) -> argparse.ArgumentParser:
+    """The arguments this script and step_times.py share: the scheme and the problem."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--kind", default=kind)
+    p.add_argument("--layout", default="contiguous")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--variant", default="sliding_window")
+    p.add_argument("--seq-len", type=int, default=131072)
+    return p
+
+
+def problem(a: argparse.Namespace):
+    """(variant, q, k, v, grad_out) of the parsed problem on the GPU: B=1, H=8, D=128, bf16."""
+    S, dev = a.seq_len, torch.device("cuda")
+    variant = {
+        "sliding_window": lambda: sliding_window(1024),
+        "causal": causal,
+        "document": lambda: document(documents(S)),
+    }[a.variant]().to(dev)
+    return variant, *(torch.randn(1, 8, S, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
+
+
 def time_fn_ms(fn, dev) -> float:
     """The item as time_fn times it alone (what the simulation priced before stream timing)."""
     return bench.time_fn(fn, warmup=1, repeats=5, device=dev).median_ms
@@ -61,23 +83,13 @@ def profile(fn, label: str, calls: int = 10) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--kind", default="allgather")
-    p.add_argument("--layout", default="contiguous")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--variant", default="sliding_window")
-    p.add_argument("--seq-len", type=int, default=131072)
+    p = parser("allgather")
     p.add_argument("--fabric", default="h200_nvlink")
     p.add_argument("--transport", default="nccl")
     p.add_argument("--profile", action="store_true", help="cProfile the host of each item")
     a = p.parse_args()
     S, dev = a.seq_len, torch.device("cuda")
-    variant = {
-        "sliding_window": lambda: sliding_window(1024),
-        "causal": causal,
-        "document": lambda: document(documents(S)),
-    }[a.variant]().to(dev)
-    q, k, v, g = (torch.randn(1, 8, S, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    variant, q, k, v, g = problem(a)
 
     stream = bench_timer(dev, 1, 5)
     seen: dict[tuple, tuple[ItemTime, float]] = {}  # (which, key) -> (stream, time_fn)

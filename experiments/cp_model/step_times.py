@@ -7,35 +7,19 @@ of one rank's share: where a rank's time goes when its efficiency is low.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from host_time import documents  # beside this script
+from host_time import parser, problem  # beside this script
 
 from attngym import bench
 from attngym.distributed.cp import CPOptions, attend_chunk
 from attngym.distributed.simulate import bench_timer, simulate
 from attngym.distributed.topologies import TOPOLOGIES
-from attngym.variants.causal import causal
-from attngym.variants.document import document
-from attngym.variants.sliding_window import sliding_window
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--kind", default="ring")
-    p.add_argument("--layout", default="contiguous")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--variant", default="sliding_window")
-    p.add_argument("--seq-len", type=int, default=131072)
-    a = p.parse_args()
+    a = parser("ring").parse_args()
     S, dev = a.seq_len, torch.device("cuda")
-    variant = {
-        "sliding_window": lambda: sliding_window(1024),
-        "causal": causal,
-        "document": lambda: document(documents(S)),
-    }[a.variant]().to(dev)
-    q, k, v, g = (torch.randn(1, 8, S, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    variant, q, k, v, g = problem(a)
     sim = simulate(
         TOPOLOGIES[a.kind], q, k, v, g, variant, world_size=a.world_size, layout=a.layout,
         options=CPOptions(), timer=bench_timer(dev, 1, 5),
