@@ -110,7 +110,6 @@ if has step; then  # the ring's one call per step and the all-gather's overlap: 
     shape.seq_len=16384 hydra.run.dir=step_allgather_documents_16k
   unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
   SIM="$AG topology.simulate=true topology.transport=nccl validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
-  WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072"
   t step_ring_causal_128k_p64 $SIM topology=ring topology.layout=zigzag attention=causal \
     shape.seq_len=131072 topology.world_size=64 topology.fabric=hgx_h200 \
     hydra.run.dir=step_ring_causal_128k_p64
