@@ -382,6 +382,39 @@ def _behind_spin(fn, flush, repeats: int, spin_ms: float, dev) -> tuple[list[flo
     return [s.elapsed_time(e) for s, e in events], host
 
 
+def graphed(fn: Callable[[], Any], device: str | torch.device) -> Callable[[], Any]:
+    """`fn` captured once as a CUDA graph: the returned callable replays it and returns what the
+    captured call returned (the same tensors, rewritten by each replay).
+
+    Why: a call of many small kernels is bound by the host that issues them (stream_time's
+    host_ms); a replay issues the whole call in one launch. `fn` must be capturable: its inputs
+    at fixed addresses, no host synchronisation and no host state a replay would miss. It is
+    called twice on a side stream first (compilation, plans, allocations), as PyTorch's own
+    make_graphed_callables warms up; the graph's memory is freed with the returned callable.
+    """
+    from attngym.device import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"a CUDA graph needs a CUDA device, got {dev}")
+    with torch.cuda.device(dev):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+
+    return replay
+
+
 def benchmark_cuda_function_in_microseconds(func: Callable[..., Any], *args, **kwargs) -> float:
     """Median time of `func(*args, **kwargs)` in microseconds (the seed's helper).
 

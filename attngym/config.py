@@ -291,6 +291,11 @@ class Topology:
     """simulate: time the whole problem on this device too (single_<pass>_ms) for
     predicted_efficiency; false skips it (a long sequence's one-device run can outlast the
     simulation, and it does not depend on world_size)."""
+    cuda_graph: bool = False
+    """Capture each rank's call as CUDA graphs (forward and backward, PyTorch's
+    make_graphed_callables) and time their replays, the one-device call alike: the host issues a
+    call in one launch, so short shards on many ranks are not bound by it. On CUDA, over
+    copy_engine or nccl; simulate: each rank's items captured and replayed the same way."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -794,6 +799,32 @@ def _simulation(data: dict[str, Any]) -> None:
         )
 
 
+def _cuda_graph(data: dict[str, Any]) -> None:
+    """topology.cuda_graph: a context-parallel call on CUDA, its transfers on the device (gloo
+    moves tensors through the host, which a CUDA graph cannot capture)."""
+    topo, device = data["topology"], str(data["device"]["name"])
+    if not topo["cuda_graph"]:
+        return
+    if not _spread(topo["kind"]):
+        raise ConfigError(
+            "topology.cuda_graph",
+            f"captures a context-parallel call, not topology={topo['kind']}; use "
+            "topology.cuda_graph=false",
+        )
+    if not device.startswith("cuda"):
+        raise ConfigError(
+            "topology.cuda_graph",
+            f"captures CUDA work, but device={device}; use device=cuda or "
+            "topology.cuda_graph=false",
+        )
+    if topo["transport"] == "gloo" and not topo["simulate"]:
+        raise ConfigError(
+            "topology.transport",
+            "gloo moves tensors through the host, which a CUDA graph cannot capture; with "
+            "topology.cuda_graph=true use copy_engine, nccl or auto",
+        )
+
+
 def _flash_needs_16_bit(data: dict[str, Any]) -> None:
     """BACKEND=FLASH needs a 16-bit dtype."""
     dtype = data["dtype"]
@@ -967,6 +998,7 @@ RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _triton_tiles_divide_blocks,
     _triton_backward_has_a_kernel,
     _topology_rules,
+    _cuda_graph,
     _flash_on_this_device,
     _flash_is_installed,
 )

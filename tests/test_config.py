@@ -482,6 +482,33 @@ def test_flash_backend_refused_on_cpu(hydra_ctx):
     assert from_config(make(flash[:2])).dtype == "bfloat16"  # without FLASH: accepted
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["topology=ring", "device=cpu"], "topology.cuda_graph", "device=cpu"),
+        (["topology=single", "device=cpu"], "topology.cuda_graph", "topology=single"),
+    ],
+)
+def test_cuda_graph_refused_where_nothing_can_be_captured(hydra_ctx, overrides, key, says):
+    cfg = make([*overrides, "++topology.cuda_graph=true"])
+    with pytest.raises(ConfigError, match=says) as info:
+        from_config(cfg)
+    assert info.value.key == key
+    assert not from_config(make(overrides)).topology.cuda_graph  # the default: accepted
+
+
+def test_cuda_graph_refuses_gloo_on_cuda(hydra_ctx):
+    from attngym import config
+
+    data = {"topology": {"kind": "ring", "cuda_graph": True, "transport": "gloo",
+                         "simulate": False}, "device": {"name": "cuda"}}  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot capture") as info:
+        config._cuda_graph(data)
+    assert info.value.key == "topology.transport"
+    for transport in ("copy_engine", "nccl", "auto"):  # what a graph can capture
+        config._cuda_graph({**data, "topology": {**data["topology"], "transport": transport}})
+
+
 def test_flash_backend_needs_the_flash_block_size(monkeypatch):
     from attngym import config
 

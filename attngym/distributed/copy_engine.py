@@ -176,6 +176,7 @@ class _Watchdog:
             self._cond.notify()
 
     def _run(self) -> None:
+        _poll_during_captures()
         while True:
             with self._cond:
                 while not self._items:
@@ -194,6 +195,21 @@ class _Watchdog:
                 with self._cond:
                     self._items = [it for it in self._items if id(it) not in gone]
             time.sleep(_POLL_S)
+
+
+def _poll_during_captures() -> None:
+    """Let the calling thread poll events while another thread captures a CUDA graph. Under the
+    default (global) capture mode CUDA refuses cudaEventQuery from every thread during a capture
+    and invalidates the capture ("operation not permitted when stream is capturing"), so the
+    watchdog would break a user's torch.cuda.graph or make_graphed_callables at random. The
+    events it polls were recorded by eager calls before any capture: relaxed mode is safe here.
+    """
+    from cuda.bindings import driver
+
+    relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    err, _ = driver.cuThreadExchangeStreamCaptureMode(relaxed)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed: {err!r}")
 
 
 _WATCHDOG = _Watchdog()
@@ -809,13 +825,7 @@ class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
                         for src, dst, n in self._pull_rows[p]:
                             outs[k][dst : dst + n].copy_(slot[src : src + n])
                     self._set_flag(self._side, p, p_world + r)
-        return out, flat  # the send buffer lives until the wait
-
-    def wait(self, started) -> torch.Tensor:
-        """The output of a `start`ed exchange (a fresh flat tensor the caller owns), the current
-        stream ordered after it."""
-        out, _ = started
-        torch.cuda.current_stream(self.device).wait_stream(self._side)
+            cur.wait_stream(self._side)
         return out
 
 

@@ -92,9 +92,13 @@ class ItemTime:
 Timer = Callable[[Item, str], ItemTime]
 
 
-def bench_timer(device: torch.device, warmup: int, repeats: int) -> Timer:
+def bench_timer(
+    device: torch.device, warmup: int, repeats: int, cuda_graph: bool = False
+) -> Timer:
     """The project's stream timing (bench.stream_time: the device's and the host's time per
-    call) of an item's pass, with the device peak it adds."""
+    call) of an item's pass, with the device peak it adds. cuda_graph: each pass captured as a
+    CUDA graph and its replay timed (bench.graphed), as a rank whose call is captured
+    (topology.cuda_graph) issues it: the host's time is then one launch per item."""
     from attngym import bench
     from attngym.device import peak_memory, sync
 
@@ -107,7 +111,10 @@ def bench_timer(device: torch.device, warmup: int, repeats: int) -> Timer:
         fn()
         sync(device)
         with peak_memory(device) as peak:
+            if cuda_graph:
+                fn = bench.graphed(fn, device)
             timing = bench.stream_time(fn, warmup=warmup, repeats=repeats, device=device)
+            del fn  # a captured graph's memory goes with it
         used = peak["bytes"] if device.type == "cuda" else 0
         return ItemTime(timing.gpu_ms, timing.host_ms, used)
 

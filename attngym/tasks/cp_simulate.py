@@ -84,7 +84,7 @@ def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device
         layout=layout,
         options=cp_options(s),
         scheme_options=topo.options,
-        timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats),
+        timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats, topo.cuda_graph),
         domain_size=domain_size(topo.fabric),
     )
     return sim, layout, variant

@@ -10,7 +10,8 @@ What the timed metrics mean, in every task:
 
     first_call_s       the first call, timed apart with the host clock and the device synchronised:
                     the forward, then the backward when the run times one; on CUDA mostly
-                    compilation, on CPU the first eager call.
+                    compilation (with topology.cuda_graph also the capture, `graphed`), on CPU
+                    the first eager call.
     fwd_ms          the forward call. With autograd recording when the run also times a backward
                     (as training runs it: the graph compiled for it is the one fwd_bwd runs);
                     under torch.no_grad when the run is forward only. Median over
@@ -114,6 +115,22 @@ class Rank:
             progress=label,
             setup=setup,
         )
+
+
+def graphed(rank: Rank) -> Rank:
+    """The rank with its call captured as CUDA graphs (topology.cuda_graph): `attend` replays
+    them. Where the leaves need gradients, forward and backward are captured by PyTorch's
+    make_graphed_callables (its warm-up calls compile), so `grads` replays the backward's graph;
+    else the forward alone (bench.graphed). What the timed passes mean is unchanged: each
+    replays what a training step would."""
+    from attngym import bench
+
+    if any(t.requires_grad for t in rank.leaves):
+        call = torch.cuda.make_graphed_callables(lambda *_: first(rank.attend()), rank.leaves)
+        leaves = rank.leaves
+        return dataclasses.replace(rank, attend=lambda: call(*leaves))
+    replay = bench.graphed(lambda: first(rank.attend()), rank.device)
+    return dataclasses.replace(rank, attend=replay)
 
 
 def first_call(rank: Rank, call: Callable[[], Any] | None = None, *, backward: bool) -> float:

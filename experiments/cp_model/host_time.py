@@ -78,7 +78,8 @@ def profile(fn, label: str, calls: int = 10) -> None:
     prof.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(25)
     print(f"--- host profile of {label} ({calls} calls) ---\n{out.getvalue()}")
 
 

@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto (default:
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph (default:
 # all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -132,6 +132,23 @@ if has step_auto; then  # topology=auto on the window and documents rows, P=8, w
     shape.seq_len=131072 topology.world_size=8 hydra.run.dir=step_auto_window_p8
   T_TIMEOUT=420 t step_auto_documents_p8 $SIM attention=document shape.seq_len=131072 \
     topology.world_size=8 hydra.run.dir=step_auto_documents_p8
+fi
+if has graph; then  # topology.cuda_graph: the captured calls exact, then the host-bound rows
+  export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  T_TIMEOUT=240 t graph_gpu_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+    -k "replay or alltoall or cuda_graphs" "$ROOT/tests/distributed/test_cp_gpu.py" \
+    "$ROOT/tests/distributed/test_copy_engine_gpu.py" "$ROOT/tests/distributed/test_cp_task.py"
+  unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
+  SIM="$AG topology.simulate=true topology.transport=nccl topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  T_TIMEOUT=110 t graph_allgather_window_p8 $SIM topology=allgather topology.layout=contiguous \
+    attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072 \
+    topology.world_size=8 hydra.run.dir=graph_allgather_window_p8
+  T_TIMEOUT=150 t graph_ring_causal_128k_p64 $SIM topology=ring topology.layout=zigzag \
+    attention=causal shape.seq_len=131072 topology.world_size=64 topology.fabric=hgx_h200 \
+    hydra.run.dir=graph_ring_causal_128k_p64
+  T_TIMEOUT=150 t graph_ring_documents_p8 $SIM topology=ring topology.layout=balanced \
+    attention=document shape.seq_len=131072 topology.world_size=8 \
+    hydra.run.dir=graph_ring_documents_p8
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"

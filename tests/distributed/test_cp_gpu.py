@@ -308,14 +308,16 @@ def test_ring_forward_replays_in_a_cuda_graph():
     assert rel < 1e-5, rel
 
 
-def _graphed_fwd_bwd_worker(rank, world_size, transport):
+def _graphed_fwd_bwd_worker(rank, world_size, transport, scheme, variant_name, layout):
     """The whole CP call, forward and backward, through torch.cuda.make_graphed_callables (its
     warm-up, then one graph each way), replayed twice on new inputs: out and dq, dk, dv against
     the eager call on the same inputs (a second replay finds the signal pads as the first left
     them)."""
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(rank)
-    variant = variants.get("causal").to(device)
+    variant = _variants([variant_name])[variant_name].to(device)
+    fn = {"ring": ring_attention, "allgather": allgather_attention,
+          "ulysses": ulysses_attention}[scheme]  # fmt: skip
 
     def draw():
         q = torch.randn(1, 4, 512, 64, generator=gen).to(device).requires_grad_()
@@ -323,7 +325,7 @@ def _graphed_fwd_bwd_worker(rank, world_size, transport):
                     for _ in range(2))  # fmt: skip
 
     def call(q, k, v):
-        return ring_attention(q, k, v, variant, layout="zigzag", transport=transport)
+        return fn(q, k, v, variant, layout=layout, transport=transport)
 
     graphed = torch.cuda.make_graphed_callables(call, draw())
     errors = []
@@ -338,15 +340,27 @@ def _graphed_fwd_bwd_worker(rank, world_size, transport):
     return errors
 
 
+GRAPHED = [
+    ("ring", "causal", "zigzag"),
+    ("allgather", "sliding_window", "contiguous"),  # the uneven exchange of a halo
+    ("allgather", "document", "balanced"),  # the overlapped exchange
+    ("ulysses", "document", "contiguous"),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", transports())
-def test_ring_forward_and_backward_replay_as_cuda_graphs(transport, monkeypatch):
+@pytest.mark.parametrize("scheme, variant, layout", GRAPHED)
+def test_cp_forward_and_backward_replay_as_cuda_graphs(
+    scheme, variant, layout, transport, monkeypatch
+):
     """A whole CP call captured as CUDA graphs, forward and backward (PyTorch's
     make_graphed_callables), gives the eager result on new inputs: no host sync and no host
-    state in the call that a replay would miss."""
+    state in the call that a replay would miss (what topology.options.cuda_graph relies on)."""
     if (reason := skip_reason(transport, 2)) is not None:
         pytest.skip(reason)
     if torch.cuda.device_count() < 2:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
-    rel = launch(_graphed_fwd_bwd_worker, 2, args=(transport,), device="cuda", timeout_s=300)
-    assert max(rel) < 1e-5, f"{transport}: relative errors of out, dq, dk, dv = {rel}"
+    rel = launch(_graphed_fwd_bwd_worker, 2, args=(transport, scheme, variant, layout),
+                 device="cuda", timeout_s=300)  # fmt: skip
+    assert max(rel) < 1e-5, f"{scheme} {variant} {transport}: out, dq, dk, dv rel. errors {rel}"

@@ -318,6 +318,45 @@ def test_cp_run_on_two_gpus_times_torch_cp_forward_and_backward(
     assert metrics["peak_mem_bytes"] > 0 and metrics["torch_cp_peak_mem_bytes"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("topology", "layout", "attention"),
+    [("ring", "zigzag", "causal"), ("allgather", "contiguous", "sliding_window")],
+)
+def test_cp_run_with_cuda_graphs_is_validated_and_timed(
+    tmp_path, attngym_cli, topology, layout, attention
+):
+    """topology.cuda_graph=true: each rank's call captured as forward and backward graphs, the
+    replays validated against float64 and timed, the one-device call graphed alike (two ranks
+    share one GPU over the copy engine where the box has one)."""
+    run_dir = tmp_path / "run"
+    one_gpu = torch.cuda.device_count() < 2
+    proc = attngym_cli(
+        [
+            f"topology={topology}",
+            "topology.world_size=2",
+            f"topology.layout={layout}",
+            "topology.cuda_graph=true",
+            *(["topology.transport=copy_engine"] if one_gpu else []),
+            f"attention={attention}",
+            "shape.seq_len=4096",
+            "shape.heads=4",
+            "shape.head_dim=64",
+            "baselines=[]",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+        env={"ATTNGYM_PROGRESS": "0", "NCCL_NVLS_ENABLE": "0",
+             **({"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if one_gpu else {})},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["validation"] == "ok", metrics
+    for name in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "single_fwd_bwd_ms"):
+        assert metrics[name] > 0, name
+
+
 def test_ulysses_heads_and_layout_are_checked_before_any_rank_starts():
     from attngym.errors import ConfigError
     from attngym.tasks.context_parallel import check_hardware
