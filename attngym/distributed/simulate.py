@@ -92,9 +92,7 @@ class ItemTime:
 Timer = Callable[[Item, str], ItemTime]
 
 
-def bench_timer(
-    device: torch.device, warmup: int, repeats: int, cuda_graph: bool = False
-) -> Timer:
+def bench_timer(device: torch.device, warmup: int, repeats: int, cuda_graph: bool = False) -> Timer:
     """The project's stream timing (bench.stream_time: the device's and the host's time per
     call) of an item's pass, with the device peak it adds. cuda_graph: each pass captured as a
     CUDA graph and its replay timed (bench.graphed), as a rank whose call is captured
