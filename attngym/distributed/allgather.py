@@ -244,8 +244,8 @@ def _call_keys(pieces, take, tail=()) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Variant -> {(layout, rank, device, block size, backend, plan, tables, backward, part):
-# PositionedCall}.
-_MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall]] = (
+# PositionedCall; the same + ("rows",): the received call's query rows}.
+_MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall | slice]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -253,13 +253,13 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall]] = (
 def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") -> PositionedCall:
     """This rank's call at the global positions of its queries and its keys: `part` "all" (the
     one call's keys, key_positions), "own" (its own shard's) or "received" (the exchange's rows,
-    sources in rank order, as they arrive). Memoised per variant."""
-    tables = kernels.offsets_as_tables(call.options.kernel_options)
-    key = (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan, tables,
-           call.backward, part)  # fmt: skip
+    sources in rank order, as they arrive; its queries only `_reading_rows`). Memoised per
+    variant."""
+    key = _mapped_key(call, q, plan, part)
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
         layout, r = call.layout, call.rank
+        q_pos = layout.positions(r, q.device)
         if part == "all":
             kv_pos = key_positions(layout, r, plan, q.device)
         elif part == "own":
@@ -269,8 +269,42 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") ->
             kv_pos = torch.cat([every[src][a:b] for src, runs in enumerate(plan.runs[r])
                                 for a, b in runs])  # fmt: skip
         name = f"{call.variant.name}@{layout.name}.rank{r}.{part}"
-        per[key] = positioned(call, layout.positions(r, q.device), kv_pos, name)
+        pc = positioned(call, q_pos, kv_pos, name)
+        if part == "received":
+            rows = _reading_rows(pc.block_mask, q_pos.numel())
+            if rows != slice(0, q_pos.numel()):
+                pc = positioned(call, q_pos[rows], kv_pos, f"{name}[{rows.start}:{rows.stop}]")
+            per[key + ("rows",)] = rows
+        per[key] = pc
     return per[key]
+
+
+def _mapped_key(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str) -> tuple:
+    tables = kernels.offsets_as_tables(call.options.kernel_options)
+    return (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan,
+            tables, call.backward, part)  # fmt: skip
+
+
+def _received_rows(call: CPCall, q: torch.Tensor, plan: ReadPlan) -> slice:
+    """The query rows of this rank's "received" call (_mapped)."""
+    _mapped(call, q, plan, "received")
+    return _MAPPED[call.variant][_mapped_key(call, q, plan, "received") + ("rows",)]
+
+
+def _reading_rows(block_mask, n: int) -> slice:
+    """The span of query rows whose blocks read any key of `block_mask` (all n where it is None).
+    The received rows of a window's halo are read by the shard's first rows only: the rest of a
+    call over every row would run empty blocks, and its backward write dq rows of zeros."""
+    if block_mask is None:
+        return slice(0, n)
+    reads = block_mask.kv_num_blocks.sum(dim=(0, 1))
+    if block_mask.full_kv_num_blocks is not None:
+        reads = reads + block_mask.full_kv_num_blocks.sum(dim=(0, 1))
+    blocks = torch.nonzero(reads).flatten().tolist()
+    if not blocks:
+        return slice(0, n)
+    size = block_mask.BLOCK_SIZE[0]
+    return slice(blocks[0] * size, min(n, (blocks[-1] + 1) * size))
 
 
 class _MappedCall(torch.autograd.Function):
@@ -316,6 +350,39 @@ def _part_grads(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
     return grads
 
 
+def _merged_rows(call: CPCall, q, out, lse, rows: slice, part) -> tuple:
+    """(out, lse) of the own keys' call with `part`, the received rows' (out, lse) over query
+    rows `rows`, merged in by their lse (cp.Accumulator) and written back into those rows."""
+    if rows == slice(0, q.shape[2]):
+        acc = Accumulator.of(call, q, out.shape[-1], expected={(0, rows.stop): 2})
+        acc.add(rows, out, lse)
+        acc.add(rows, *part)
+        return acc.result()
+    acc = Accumulator.of(
+        call, q[:, :, rows], out.shape[-1], expected={(0, rows.stop - rows.start): 2}
+    )
+    whole = slice(0, rows.stop - rows.start)
+    acc.add(whole, out[:, :, rows], lse[:, :, rows])
+    acc.add(whole, *part)
+    merged_out, merged_lse = acc.result()
+    out[:, :, rows] = merged_out
+    lse = lse.to(merged_lse.dtype)
+    lse[:, :, rows] = merged_lse
+    return out, lse
+
+
+def _rows_of(saved: Saved, rows: slice) -> Saved:
+    """`saved` at query rows `rows` (the received call's), its converted lse with them."""
+    if rows == slice(0, saved.q.shape[2]):
+        return saved
+    lse2 = (
+        None
+        if saved.lse2 is None
+        else {(0, rows.stop - rows.start): saved.lse2[(0, saved.q.shape[2])][:, :, rows]}
+    )
+    return Saved(*(t[:, :, rows] for t in (saved.q, saved.out, saved.lse, saved.dout)), lse2)
+
+
 def mapped_call(call: CPCall, q, k, v, pc: PositionedCall):
     """(out, lse) of the rank's call at positions `pc`, differentiable w.r.t. q, k, v: through
     flex's backward op (_MappedCall) where the call's backward is flex, else through the kernel's
@@ -352,12 +419,12 @@ class _Overlapped(torch.autograd.Function):
         q, k, v = (t.detach() for t in (q, k, v))
         rows = _sent_rows(plan, call.rank, k.device)
         started = ex.start(_packed(k, v, rows))
-        n, received = q.shape[2], plan.received(call.rank)
+        received = plan.received(call.rank)
         own = _mapped(call, q, plan, "own")
         got = _mapped(call, q, plan, "received") if received else None
-        acc = Accumulator.of(call, q, v.shape[-1], expected={(0, n): 1 + bool(received)})
+        reading = _received_rows(call, q, plan) if received else slice(0, 0)
         clock.start()
-        acc.add(slice(0, n), *attend(call, q, k, v, 0, 0, own.block_mask, variant=own.variant))
+        out, lse = attend(call, q, k, v, 0, 0, own.block_mask, variant=own.variant)
         clock.stop("step_compute_ms")
         clock.start()
         kv = _unpacked(ex.wait(started), k)
@@ -365,12 +432,17 @@ class _Overlapped(torch.autograd.Function):
         k_r, v_r = kv[0].contiguous(), kv[1].contiguous()
         if received:
             clock.start()
-            acc.add(slice(0, n), *attend(call, q, k_r, v_r, 0, 0, got.block_mask,
-                                         variant=got.variant))  # fmt: skip
+            out, lse = _merged_rows(
+                call,
+                q,
+                out,
+                lse,
+                reading,
+                attend(call, q[:, :, reading], k_r, v_r, 0, 0, got.block_mask, variant=got.variant),
+            )
             clock.stop("step_compute_ms")
-        out, lse = acc.result()
         ctx.save_for_backward(q, k, v, k_r, v_r, out, lse, rows)
-        ctx.call, ctx.ex, ctx.parts = call, ex, (own, got)
+        ctx.call, ctx.ex, ctx.parts, ctx.reading = call, ex, (own, got), reading
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -386,11 +458,12 @@ class _Overlapped(torch.autograd.Function):
         if call.backward == "flex":
             lse2 = {(0, n): flex_backward.kernel_lse(lse, call.options.kernel_options, q.dtype)}
         saved = Saved(q, out, lse, dout, lse2)
-        dq = GradSum(q.shape, lse.dtype, q.device, expected={(0, n): 1 + (got is not None)})
+        a, b = ctx.reading.start, ctx.reading.stop
+        dq = GradSum(q.shape, lse.dtype, q.device, expected={(a, b): 2} if b > a else None)
         home = k_r.new_zeros((2, *k_r.shape))
         if got is not None:
-            dq_r, dk_r, dv_r = _part_grads(call, saved, k_r, v_r, got)
-            dq.add(0, dq_r)
+            dq_r, dk_r, dv_r = _part_grads(call, _rows_of(saved, ctx.reading), k_r, v_r, got)
+            dq.add(a, dq_r)
             home = torch.stack([dk_r, dv_r])
         back = ctx.ex.inverse()
         started = back.start(home.permute(3, 0, 1, 2, 4).reshape(-1))
@@ -638,24 +711,25 @@ def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> Ran
         parts.append(("received", *(torch.cat([t[src][:, :, a:b] for src, a, b in got], dim=2)
                                     for t in (ks, vs))))  # fmt: skip
     fwd_ms, bwd_ms, host = [], [], [0.0, 0.0]
+    own = _mapped(call, q_r, plan, "own")
+    with torch.no_grad():  # the own keys' partial, which the received rows' call merges into
+        own_partial = attend(call, q_r, ks[r], vs[r], 0, 0, own.block_mask, variant=own.variant)
     for part, k_p, v_p in parts:
         pc = _mapped(call, q_r, plan, part)
-        merged = part == "received"
+        rows = _received_rows(call, q_r, plan) if part == "received" else slice(0, n)
+        q_p = q_r[:, :, rows]
 
-        def fwd(pc=pc, k_p=k_p, v_p=v_p, merged=merged):
+        def fwd(pc=pc, q_p=q_p, k_p=k_p, v_p=v_p, rows=rows, merged=part == "received"):
             with torch.no_grad():
-                out, lse = attend(call, q_r, k_p, v_p, 0, 0, pc.block_mask, variant=pc.variant)
-                if merged:  # folded into the own keys' partial, as the accumulator does
-                    acc = Accumulator.of(call, q_r, v_p.shape[-1], expected={(0, n): 2})
-                    acc.add(slice(0, n), out.clone(), lse.clone())
-                    acc.add(slice(0, n), out, lse)
-                    acc.result()
+                out, lse = attend(call, q_p, k_p, v_p, 0, 0, pc.block_mask, variant=pc.variant)
+                if merged:  # into the own keys' partial at its rows, as _Overlapped does
+                    _merged_rows(call, q_r, *own_partial, rows, (out, lse))
 
-        def bwd(pc=pc, k_p=k_p, v_p=v_p):
+        def bwd(pc=pc, k_p=k_p, v_p=v_p, rows=rows):
             with torch.no_grad():
-                _part_grads(call, saved, k_p, v_p, pc)
+                _part_grads(call, _rows_of(saved, rows), k_p, v_p, pc)
 
-        key = ("allgather", part, tuple(q_r.shape), tuple(k_p.shape),
+        key = ("allgather", part, tuple(q_p.shape), tuple(k_p.shape),
                clock.mask_key(pc.block_mask))  # fmt: skip
         item = Item(key=key, fwd=fwd, bwd=bwd if saved is not None else None,
                     block_masks=(pc.block_mask,))  # fmt: skip

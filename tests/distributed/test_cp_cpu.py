@@ -129,6 +129,14 @@ def _attention_worker(rank, world_size):
                     overlap_layouts, backward=backward, overlap=True,
                 )
             )  # fmt: skip
+        # Blocks of 4 rows: the received rows' call covers only the query blocks that read
+        # them (the window's halo: the shard's first rows), merged into those rows alone.
+        errors.update(
+            _parity(
+                rank, world_size, name, variant, 4, kv_heads, (allgather_attention,),
+                ("contiguous",), overlap=True, block_size=(4, 4),
+            )
+        )  # fmt: skip
     # The ring's placement priced per pair kernel (here another one than by blocks: rank 0
     # holds the second half), handed to shard and to the call as one Layout.
     from attngym.distributed import layout as layouts
@@ -239,7 +247,7 @@ def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
-    assert len(errors) == 4 * (2 * 3 + 2 + 4) + 1  # + the ring on its pair-priced placement
+    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1) + 1  # + the ring on its pair-priced placement
     assert reruns["ring_attention", "flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no re-run
     # zigzag: a step is one call over the rank's two chunks, so one re-run per step
     assert reruns["ring_attention", "recompute"] == (2, 5, "recompute")
