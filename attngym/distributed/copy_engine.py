@@ -36,7 +36,9 @@ Contract (every class):
                  synchronising on it) is released instead of hanging. The data behind that flag is
                  garbage; every later call on the object raises RuntimeError, and `synchronize()`
                  blocks the host with a bounded wait and raises RuntimeError on timeout. Waits
-                 recorded inside a CUDA graph capture are not watched at replay.
+                 recorded inside a CUDA graph capture are not watched at replay; the watchdog
+                 polls in relaxed capture mode, so it never invalidates a capture running in
+                 another thread.
 
 Layout of a signal pad (int32 words, this rank's pad, written by peers):
     CopyEngineAllGather  [0, P): FREE from peer p ("your shard may go into my buffer");
