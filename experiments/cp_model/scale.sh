@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph (default:
-# all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows
+# (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -149,6 +149,15 @@ if has graph; then  # topology.cuda_graph: the captured calls exact, then the ho
   T_TIMEOUT=150 t graph_ring_documents_p8 $SIM topology=ring topology.layout=balanced \
     attention=document shape.seq_len=131072 topology.world_size=8 \
     hydra.run.dir=graph_ring_documents_p8
+fi
+if has graph_rows; then  # with graphs: the received rows' call over its reading rows; auto's picks
+  SIM="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072 topology.world_size=8"
+  T_TIMEOUT=100 t graph_rows_window_p8 $SIM topology=allgather topology.layout=contiguous \
+    topology.transport=nccl topology.options.overlap=true $WIN hydra.run.dir=graph_rows_window_p8
+  T_TIMEOUT=200 t graph_auto_window_p8 $SIM topology=auto $WIN hydra.run.dir=graph_auto_window_p8
+  T_TIMEOUT=280 t graph_auto_documents_p8 $SIM topology=auto attention=document \
+    shape.seq_len=131072 topology.world_size=8 hydra.run.dir=graph_auto_documents_p8
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
