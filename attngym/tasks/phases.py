@@ -124,12 +124,23 @@ def graphed(rank: Rank) -> Rank:
     else the forward alone (bench.graphed). What the timed passes mean is unchanged: each
     replays what a training step would."""
     from attngym import bench
+    from attngym.errors import ConfigError
 
-    if any(t.requires_grad for t in rank.leaves):
-        call = torch.cuda.make_graphed_callables(lambda *_: first(rank.attend()), rank.leaves)
-        leaves = rank.leaves
-        return dataclasses.replace(rank, attend=lambda: call(*leaves))
-    replay = bench.graphed(lambda: first(rank.attend()), rank.device)
+    try:
+        if any(t.requires_grad for t in rank.leaves):
+            call = torch.cuda.make_graphed_callables(lambda *_: first(rank.attend()), rank.leaves)
+            leaves = rank.leaves
+            return dataclasses.replace(rank, attend=lambda: call(*leaves))
+        replay = bench.graphed(lambda: first(rank.attend()), rank.device)
+    except RuntimeError as exc:
+        if "captur" not in str(exc):  # not CUDA refusing the capture: the call's own error
+            raise
+        raise ConfigError(
+            "topology.cuda_graph",
+            f"the call cannot be captured as a CUDA graph ({str(exc).splitlines()[0]}): it "
+            "synchronises with the host or moves tensors through it; use "
+            "topology.cuda_graph=false",
+        ) from exc
     return dataclasses.replace(rank, attend=replay)
 
 

@@ -357,6 +357,25 @@ def test_cp_run_with_cuda_graphs_is_validated_and_timed(
         assert metrics[name] > 0, name
 
 
+@pytest.mark.gpu
+def test_a_call_that_cannot_be_captured_is_refused_naming_the_key():
+    """A call that reads a value back to the host mid-call cannot be a CUDA graph: the run
+    fails on topology.cuda_graph, not on a CUDA error."""
+    from attngym.errors import ConfigError
+    from attngym.tasks import phases
+
+    x = torch.randn(64, device="cuda", requires_grad=True)
+
+    def attend():
+        return x * (2.0 if x.sum().item() > 0 else 3.0)  # .item(): a host sync
+
+    rank = phases.Rank(attend=attend, leaves=(x,), grad_out=torch.ones_like(x),
+                       device=x.device, warmup=1, repeats=1)  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot be captured") as info:
+        phases.graphed(rank)
+    assert info.value.key == "topology.cuda_graph"
+
+
 def test_ulysses_heads_and_layout_are_checked_before_any_rank_starts():
     from attngym.errors import ConfigError
     from attngym.tasks.context_parallel import check_hardware
