@@ -634,6 +634,11 @@ def simulate_allgather(sc: SimulatedCall) -> Simulation:
     sim.bytes_moved, sim.peak_mem_bytes = sent, buffers
     sim.extra["torch_cp"] = whole_shards
     sim.extra["pattern"] = pattern
+    plan = read_plan(ranks.call(0), ranks.qs[0]) if sc.world_size > 1 else None
+    if overlap is None and plan is not None and plan.moves and not plan.gathers:
+        # The default split (or not) around the exchange is a rule of thumb: the other way may
+        # be faster (a halo's small second call once the host is out of the way, CUDA graphs).
+        sim.extra["alternatives"] = [{"overlap": not plan.overlaps(None)}]
     return sim
 
 

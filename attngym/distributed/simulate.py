@@ -125,7 +125,10 @@ class Simulation:
     real run's CPStats would report.
 
     extra: what a scheme's own pricing needs beyond the ranks (hybrid: the in-group exchange and
-    its across scheme; all-gather: the ranks of PyTorch's whole-shard scheme), its business.
+    its across scheme; all-gather: the ranks of PyTorch's whole-shard scheme), its business;
+    and "alternatives", where a scheme sets it: option sets of its own that would run this
+    call another way, for topology=auto to simulate too (all-gather: the overlap its default
+    did not take).
     """
 
     world_size: int

@@ -629,6 +629,7 @@ def simulate_hybrid(sc: SimulatedCall) -> Simulation:
     )
     inner.extra["across"] = across
     inner.extra["a2a_size"] = a2a_size
+    inner.extra.pop("alternatives", None)  # the across scheme's own: hybrid runs it at defaults
     inner.stride = a2a_size  # the across scheme's ranks, a2a_size apart
     inner.bytes_moved += int((qkv + out) * keep)
     inner.pairs_computed *= a2a_size

@@ -1,8 +1,10 @@
 """`topology=auto` (attngym.distributed.auto): simulate the candidates, price them, pick one.
 
 Each candidate scheme and layout is simulated once on this device (cp_simulate.simulated: the
-same ranks, plans and kernels a `topology.simulate=true` run of it times) and priced on the run's
-fabric for each transport; the fastest predicted is the pick. The run records
+same ranks, plans and kernels a `topology.simulate=true` run of it times), and again with each
+option set its simulation names as another way to run it (Simulation.extra "alternatives": the
+all-gather's overlap), and priced on the run's fabric for each transport; the fastest predicted
+is the pick. The run records
 
     auto_pick, auto_pick_ms        the pick (scheme/layout/transport) and its predicted time
     auto_runner_up, auto_runner_up_ms   the next fastest
@@ -55,7 +57,8 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
         spec = registry.get("topology", name)
         wanted = opts["layouts"] or LAYOUTS if topo.layout == PICK else (topo.layout,)
         for layout in (x for x in wanted if spec.takes_layout(x)):
-            for own in _option_sets(name, settings):
+            option_sets = _option_sets(name, settings)
+            for own in option_sets:  # grows by the alternatives a simulation names
                 label = "/".join([name, layout, *(f"{k}={v}" for k, v in own.items())])
                 candidate = _candidate(settings, name, layout, topo.transport, own)
                 try:
@@ -63,6 +66,7 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
                 except ConfigError as err:  # this scheme's rules refuse the run
                     left_out[label] = str(err)
                     continue
+                option_sets += [{**own, **alt} for alt in result[0].extra.get("alternatives", ())]
                 for transport in _transports(settings, opts["transports"]):
                     fab = fabric_of(candidate, transport)
                     prediction = spec.price(result[0], fab, do_bwd)

@@ -66,3 +66,21 @@ def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_pat
     assert table["pick"] == m["auto_pick"] and len(table["candidates"]) == m["auto_candidates"]
     ms = [c["predicted_ms"] for c in table["candidates"]]
     assert ms == sorted(ms)
+
+
+def test_auto_simulates_the_allgathers_overlap_both_ways(tmp_path):
+    """A window's halo is exchanged, not gathered: auto prices the all-gather with its default
+    (no split around the exchange) and with the overlap, and records both."""
+    import attngym
+
+    attngym.run(
+        overrides=["topology=auto", "topology.simulate=true", "topology.world_size=4",
+                   "topology.layout=contiguous", "topology.options.candidates=[allgather]",
+                   "attention=sliding_window", "++attention.window_size=64", "device=cpu",
+                   "shape.seq_len=1024", "shape.heads=2", "shape.head_dim=8", "validate=false",
+                   "baselines=[]", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none"],
+        run_dir=tmp_path / "sim",
+    )  # fmt: skip
+    table = json.loads((tmp_path / "sim" / "auto.json").read_text())
+    options = sorted(json.dumps(c["options"]) for c in table["candidates"])
+    assert sorted(set(options)) == ['{"overlap": true}', "{}"], options

@@ -102,6 +102,14 @@ def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
     sim = simulate(ALLGATHER, q, k, v, g, window, world_size=4, layout="contiguous",
                    timer=_counting_timer([]))  # fmt: skip
     assert all(len(w.fwd_ms) == 1 for w in sim.ranks)
+    # The default's other way is named for topology=auto, where a rank's rows are exchanged;
+    # not once an overlap is given, nor where whole shards are gathered (causal).
+    assert sim.extra["alternatives"] == [{"overlap": True}]
+    assert got[None].extra["alternatives"] == [{"overlap": False}]
+    assert "alternatives" not in got[True].extra
+    causal = simulate(ALLGATHER, q, k, v, g, variants.get("causal"), world_size=4,
+                      layout="contiguous", timer=_counting_timer([]))  # fmt: skip
+    assert "alternatives" not in causal.extra
 
 
 def test_identical_work_is_timed_once():
