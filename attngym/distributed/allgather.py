@@ -353,18 +353,13 @@ def _part_grads(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
 def _merged_rows(call: CPCall, q, out, lse, rows: slice, part) -> tuple:
     """(out, lse) of the own keys' call with `part`, the received rows' (out, lse) over query
     rows `rows`, merged in by their lse (cp.Accumulator) and written back into those rows."""
-    if rows == slice(0, q.shape[2]):
-        acc = Accumulator.of(call, q, out.shape[-1], expected={(0, rows.stop): 2})
-        acc.add(rows, out, lse)
-        acc.add(rows, *part)
-        return acc.result()
-    acc = Accumulator.of(
-        call, q[:, :, rows], out.shape[-1], expected={(0, rows.stop - rows.start): 2}
-    )
-    whole = slice(0, rows.stop - rows.start)
-    acc.add(whole, out[:, :, rows], lse[:, :, rows])
-    acc.add(whole, *part)
+    n = rows.stop - rows.start
+    acc = Accumulator.of(call, q[:, :, rows], out.shape[-1], expected={(0, n): 2})
+    acc.add(slice(0, n), out[:, :, rows], lse[:, :, rows])
+    acc.add(slice(0, n), *part)
     merged_out, merged_lse = acc.result()
+    if n == q.shape[2]:  # every row: the merged tensors are the result
+        return merged_out, merged_lse
     out[:, :, rows] = merged_out
     lse = lse.to(merged_lse.dtype)
     lse[:, :, rows] = merged_lse
