@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels
 # (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -158,6 +158,22 @@ if has graph_rows; then  # with graphs: the received rows' call over its reading
   T_TIMEOUT=200 t graph_auto_window_p8 $SIM topology=auto $WIN hydra.run.dir=graph_auto_window_p8
   T_TIMEOUT=280 t graph_auto_documents_p8 $SIM topology=auto attention=document \
     shape.seq_len=131072 topology.world_size=8 hydra.run.dir=graph_auto_documents_p8
+fi
+if has graph_docs; then  # with graphs: documents P=8 on Ulysses and the overlapped all-gather
+  SIM="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  DOCS="attention=document shape.seq_len=131072 topology.world_size=8 topology.transport=nccl"
+  T_TIMEOUT=150 t graph_ulysses_documents_p8 $SIM topology=ulysses topology.layout=contiguous \
+    $DOCS hydra.run.dir=graph_ulysses_documents_p8
+  T_TIMEOUT=180 t graph_allgather_documents_p8 $SIM topology=allgather topology.layout=balanced \
+    topology.options.overlap=true $DOCS hydra.run.dir=graph_allgather_documents_p8
+fi
+if has graph_kernels; then  # with graphs: the documents ring with half-height forward tiles
+  SIM="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+  DOCS="attention=document shape.seq_len=131072 topology.world_size=8 topology.transport=nccl"
+  T_TIMEOUT=120 t graph_ring_documents_p8_m64 $SIM topology=ring topology.layout=balanced \
+    +kernel_options.fwd_BLOCK_M=64 $DOCS hydra.run.dir=graph_ring_documents_p8_m64
+  t step_times_ring_balanced_documents python3 "$ROOT/experiments/cp_model/step_times.py" \
+    --kind ring --layout balanced --world-size 8 --variant document
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"

@@ -39,6 +39,20 @@ def main() -> None:
         f"one call over the last {n} rows (own keys only): "
         f"{bench.time_fn(share, warmup=2, repeats=5, device=dev).median_ms:.3f} ms fwd+bwd"
     )
+    qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def whole(backward: bool):
+        out, _ = attend_chunk(qa, ka, va, variant, q_offset=0, kv_offset=0)
+        if backward:
+            out.backward(g)
+
+    fwd, both = (bench.time_fn(lambda b=b: whole(b), warmup=2, repeats=5, device=dev).median_ms
+                 for b in (False, True))  # fmt: skip
+    P = a.world_size
+    print(
+        f"one device, whole problem: fwd {fwd:.3f} fwd+bwd {both:.3f} ms; "
+        f"a rank's share (/{P}): fwd {fwd / P:.3f} bwd {(both - fwd) / P:.3f} ms"
+    )
 
 
 if __name__ == "__main__":
