@@ -31,7 +31,12 @@ def _variants(names):
     return {name: made[name]() for name in names}
 
 
-def _worker(rank, world_size, transport, variant_names, backward="auto", layouts=None):
+SCHEMES = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+def _worker(
+    rank, world_size, transport, variant_names, backward="auto", layouts=None, schemes=None
+):
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     S = 1024
@@ -44,7 +49,7 @@ def _worker(rank, world_size, transport, variant_names, backward="auto", layouts
         qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
         ref_out, _ = reference.attention(qr, kr, vr, None, variant.mask_mod)
         ref_out.backward(dout.double())
-        for fn in (ring_attention, allgather_attention):
+        for fn in (SCHEMES[n] for n in schemes or SCHEMES):
             for layout in layouts or ("contiguous", "zigzag"):
                 q_s, k_s, v_s = (
                     shard(t, rank, world_size, layout, variant=variant).requires_grad_()
@@ -65,9 +70,10 @@ def _worker(rank, world_size, transport, variant_names, backward="auto", layouts
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("variant", ["causal", "sliding_window", "document"])
 @pytest.mark.parametrize("transport", transports())
-def test_cp_on_cuda_matches_reference(transport, variant, monkeypatch):
+def test_cp_on_cuda_matches_reference(transport, variant, scheme, monkeypatch):
     ranks = min(max(2, torch.cuda.device_count()), 4) if transport == "nccl" else 2
     if (reason := skip_reason(transport, ranks)) is not None:
         pytest.skip(reason)
@@ -76,7 +82,7 @@ def test_cp_on_cuda_matches_reference(transport, variant, monkeypatch):
     errors = launch(
         _worker,
         ranks,
-        args=(transport, (variant,)),
+        args=(transport, (variant,), "auto", None, (scheme,)),
         device="cuda",
         timeout_s=300,
     )
