@@ -51,14 +51,19 @@ def parser(kind: str) -> argparse.ArgumentParser:
     return p
 
 
+def make_variant(name: str, seq_len: int):
+    """The scaling rows' variant by name: a 1024-token window, causal, or the default documents."""
+    return {
+        "sliding_window": lambda: sliding_window(1024),
+        "causal": causal,
+        "document": lambda: document(documents(seq_len)),
+    }[name]()
+
+
 def problem(a: argparse.Namespace):
     """(variant, q, k, v, grad_out) of the parsed problem on the GPU: B=1, H=8, D=128, bf16."""
     S, dev = a.seq_len, torch.device("cuda")
-    variant = {
-        "sliding_window": lambda: sliding_window(1024),
-        "causal": causal,
-        "document": lambda: document(documents(S)),
-    }[a.variant]().to(dev)
+    variant = make_variant(a.variant, S).to(dev)
     return variant, *(torch.randn(1, 8, S, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
 
 

@@ -18,12 +18,9 @@ import argparse
 import re
 
 import torch
-from host_time import documents  # beside this script
+from host_time import make_variant  # beside this script
 
 from attngym.distributed import grid, layout
-from attngym.variants.causal import causal
-from attngym.variants.document import document
-from attngym.variants.sliding_window import sliding_window
 
 
 def main() -> None:
@@ -36,11 +33,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     a = p.parse_args()
     S, P, B = a.seq_len, a.world_size, a.block
-    variant = {
-        "sliding_window": lambda: sliding_window(1024),
-        "causal": causal,
-        "document": lambda: document(documents(S)),
-    }[a.variant]()
+    variant = make_variant(a.variant, S)
     lay = layout.plan(a.layout, P, S, variant, device="cpu")
     partial, full = grid.block_grid(variant, S, (B, B), "cpu")
     weight = full.float() + layout.BLOCK_COSTS[1] * partial.float()
