@@ -12,6 +12,8 @@ export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
 AG="python3 -m attngym logger=none"
 SHAPE="shape.batch=1 shape.heads=8 shape.head_dim=128"
+GRAPHED="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
+DOCS_P8="attention=document shape.seq_len=131072 topology.world_size=8 topology.transport=nccl"
 has() { [[ $WHAT == *" $1 "* ]]; }
 if has real; then  # two ranks on the one GPU: validated fwd+bwd against float64
   export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
@@ -151,27 +153,22 @@ if has graph; then  # topology.cuda_graph: the captured calls exact, then the ho
     hydra.run.dir=graph_ring_documents_p8
 fi
 if has graph_rows; then  # with graphs: the received rows' call over its reading rows; auto's picks
-  SIM="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
   WIN="attention=sliding_window ++attention.window_size=1024 shape.seq_len=131072 topology.world_size=8"
-  T_TIMEOUT=100 t graph_rows_window_p8 $SIM topology=allgather topology.layout=contiguous \
+  T_TIMEOUT=100 t graph_rows_window_p8 $GRAPHED topology=allgather topology.layout=contiguous \
     topology.transport=nccl topology.options.overlap=true $WIN hydra.run.dir=graph_rows_window_p8
-  T_TIMEOUT=200 t graph_auto_window_p8 $SIM topology=auto $WIN hydra.run.dir=graph_auto_window_p8
-  T_TIMEOUT=280 t graph_auto_documents_p8 $SIM topology=auto attention=document \
+  T_TIMEOUT=200 t graph_auto_window_p8 $GRAPHED topology=auto $WIN hydra.run.dir=graph_auto_window_p8
+  T_TIMEOUT=280 t graph_auto_documents_p8 $GRAPHED topology=auto attention=document \
     shape.seq_len=131072 topology.world_size=8 hydra.run.dir=graph_auto_documents_p8
 fi
 if has graph_docs; then  # with graphs: documents P=8 on Ulysses and the overlapped all-gather
-  SIM="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
-  DOCS="attention=document shape.seq_len=131072 topology.world_size=8 topology.transport=nccl"
-  T_TIMEOUT=150 t graph_ulysses_documents_p8 $SIM topology=ulysses topology.layout=contiguous \
-    $DOCS hydra.run.dir=graph_ulysses_documents_p8
-  T_TIMEOUT=180 t graph_allgather_documents_p8 $SIM topology=allgather topology.layout=balanced \
-    topology.options.overlap=true $DOCS hydra.run.dir=graph_allgather_documents_p8
+  T_TIMEOUT=150 t graph_ulysses_documents_p8 $GRAPHED topology=ulysses topology.layout=contiguous \
+    $DOCS_P8 hydra.run.dir=graph_ulysses_documents_p8
+  T_TIMEOUT=180 t graph_allgather_documents_p8 $GRAPHED topology=allgather topology.layout=balanced \
+    topology.options.overlap=true $DOCS_P8 hydra.run.dir=graph_allgather_documents_p8
 fi
 if has graph_kernels; then  # with graphs: the documents ring with half-height forward tiles
-  SIM="$AG topology.simulate=true topology.cuda_graph=true validate=false baselines=[] $SHAPE benchmark.warmup=1 benchmark.repeats=5"
-  DOCS="attention=document shape.seq_len=131072 topology.world_size=8 topology.transport=nccl"
-  T_TIMEOUT=120 t graph_ring_documents_p8_m64 $SIM topology=ring topology.layout=balanced \
-    +kernel_options.fwd_BLOCK_M=64 $DOCS hydra.run.dir=graph_ring_documents_p8_m64
+  T_TIMEOUT=120 t graph_ring_documents_p8_m64 $GRAPHED topology=ring topology.layout=balanced \
+    +kernel_options.fwd_BLOCK_M=64 $DOCS_P8 hydra.run.dir=graph_ring_documents_p8_m64
   t step_times_ring_balanced_documents python3 "$ROOT/experiments/cp_model/step_times.py" \
     --kind ring --layout balanced --world-size 8 --variant document
 fi
