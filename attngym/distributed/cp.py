@@ -31,6 +31,7 @@ Backward of one pair (`CPOptions.backward`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -150,6 +151,8 @@ class CPCall:
     # _pair_plan's key and returning (skip, block_mask), or None to build it (grid.GridPlans:
     # cut from the whole sequence's block grid, on flex).
     plans: Any = None
+    # A backward will follow: autograd records the call (what the forward keeps for it).
+    grad: bool = True
 
     def chunks(self, rank: int) -> list[tuple[int, int]]:
         """The (global offset, length) chunks of `rank`'s shard."""
@@ -699,6 +702,10 @@ class GradSum:
     others (a channel's receive slot, valid until released) are read at once and never kept.
     `expected` (pieces per row range, where known) makes the first piece of a range that
     expects more a sum at once, so it is not held beside its sum_dtype copy when the next comes.
+    `fused` (CUDA, compiled calls): the sums of two dtypes and a whole sum's cast run compiled
+    (`compiled_sums`), at the memory's speed; eager, each is an unvectorised cast kernel at
+    about half of it (measured on the H200), and a ring pays them at every step (its dq, and
+    the dK/dV it passes on).
     """
 
     def __init__(
@@ -707,10 +714,12 @@ class GradSum:
         sum_dtype: torch.dtype,
         device,
         expected: Mapping[tuple[int, int], int] | None = None,
+        fused: bool = False,
     ):
         self.shape = tuple(shape)
         self.sum_dtype, self.device = sum_dtype, device
         self._expected = expected or {}
+        self._add, self._add_into = compiled_sums() if fused else (_cast_add, _add_into)
         self._ranges: list[_Rows] = []  # disjoint, by start
 
     def add(
@@ -756,16 +765,14 @@ class GradSum:
 
     def _plus(self, r: _Rows, piece: torch.Tensor, last: bool) -> None:
         if r.owned:
-            r.value.add_(piece)
+            self._add_into(r.value, piece)
             return
         if last:  # a kernel's output, ours to write: the exact sum, rounded once, in place
             exact = r.value.to(self.sum_dtype) if piece.dtype != self.sum_dtype else r.value
             r.value.copy_(piece + exact)
             return
-        if piece.dtype == self.sum_dtype:  # float32 + bfloat16 promotes: one exact add
-            r.value = piece + r.value
-        elif r.value.dtype == self.sum_dtype:
-            r.value = r.value + piece
+        if self.sum_dtype in (piece.dtype, r.value.dtype):  # float32 + bfloat16: one exact add
+            r.value = self._add(piece, r.value, self.sum_dtype)
         else:
             r.value = r.value.to(self.sum_dtype)
             r.value.add_(piece)
@@ -777,7 +784,8 @@ class GradSum:
         n = self.shape[-2]
         ranges, self._ranges = self._ranges, []
         if len(ranges) == 1 and tuple(ranges[0].value.shape) == self.shape:
-            return ranges[0].value.to(dtype)
+            whole = ranges[0].value
+            return whole if whole.dtype == dtype else self._add(whole, None, dtype)
         roots = [r.root for r in ranges if r.root is not None and r.root.dtype == dtype]
         out = roots[0] if roots else torch.empty(self.shape, dtype=dtype, device=self.device)
         del roots
@@ -793,6 +801,25 @@ class GradSum:
         if covered < n:
             out.narrow(-2, covered, n - covered).zero_()
         return out
+
+
+def _cast_add(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """a + b (or a alone) in `dtype`, a new tensor; one of them is in `dtype` already, so the
+    sum promotes to it exactly (float32 + bfloat16)."""
+    return a.to(dtype) if b is None else (a + b).to(dtype)
+
+
+def _add_into(a: torch.Tensor, b: torch.Tensor) -> None:
+    """a += b in a's dtype, in place."""
+    a.add_(b)
+
+
+@functools.cache
+def compiled_sums():
+    """`_cast_add` and `_add_into` compiled (dynamic=False: one graph per shape and dtypes):
+    each one vectorised kernel that reads its inputs once and writes the result (in place for
+    `_add_into`, as the compiled merge writes its accumulator)."""
+    return torch.compile(_cast_add, dynamic=False), torch.compile(_add_into, dynamic=False)
 
 
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:
@@ -966,5 +993,6 @@ def run(
     if stats is not None:
         stats.backward = call.backward
     if isinstance(function, type) and issubclass(function, torch.autograd.Function):
-        return function.apply(q, k, v, call)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return function.apply(q, k, v, dataclasses.replace(call, grad=grad))
     return function(q, k, v, call)

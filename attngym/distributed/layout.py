@@ -78,27 +78,44 @@ BLOCK_COSTS = (1.0, 1.82)
 # program (305.1 ms for 523776 blocks x 8 heads over 132 SMs, causal 128K in BLOCK_COSTS' source).
 LAUNCH_COST = 2.0
 
+# A ring step call over a whole q shard (PairKernels.shards), fitted to the ring's 64 step calls
+# on packed documents at P=8 (experiments/cp_model, step_times.py, H200, 128K, B=1 H=8 D=128;
+# R^2 0.976 in two runs): in units of the blocks' spread over the SMs (7.95 us per full block and
+# program), each call also waits 0.34 of its longest block row (forward, dq) and 0.16 of its
+# longest block column (dK/dV) and costs 46 of its own (the merge, the gradient sums, the
+# backward's preprocessing and each kernel's reads and writes of the whole shard).
+STEP_TAIL = (0.34, 0.16)
+STEP_LAUNCH = 46.0
+# The swap search's work per split, in (q block, rank) entries priced: about a second on a CPU
+# core; P=8 at 128K searches to the end well inside it, P=64 at 1M tries a few thousand swaps.
+SWAP_SEARCH = 10**9
+
 
 @dataclasses.dataclass(frozen=True)
 class PairKernels:
-    """How the cost model (`balanced`, `time_imbalance`) prices a scheme that runs one kernel per (q
-    chunk, kv chunk) pair (TopologySpec.pair_kernels: a pairwise scheme of your own; the ring runs
-    one kernel per step over a shard of several chunks). Such a kernel runs one program per (batch,
-    head, block row) over `slots` parallel units, so it takes the slower of its blocks spread over
-    the units and its longest block row (its longest column, in the backward), plus a launch: a thin
-    pair whose rows read whole documents costs more than its blocks say. Priced by blocks alone, a
-    ring of pair kernels over packed documents was 1.43x imbalanced in time at a block imbalance of
-    1.02 (experiments/cp_model).
+    """How the cost model (`balanced`, `time_imbalance`) prices a scheme that runs one kernel per
+    pair of q and kv pieces: per (q chunk, kv chunk) pair (TopologySpec.pair_kernels: a pairwise
+    scheme of your own), or with `shards` per (q shard, kv shard) pair (TopologySpec.step_kernels:
+    the ring, whose step is one call over shards of several chunks). Such a kernel runs one program
+    per (batch, head, block row) over `slots` parallel units, so beside its blocks spread over the
+    units it waits for its longest block row (its longest column, in the backward): a thin pair
+    whose rows read whole documents costs more than its blocks say. Priced by blocks alone, a ring
+    of pair kernels over packed documents was 1.43x imbalanced in time at a block imbalance of
+    1.02 (experiments/cp_model). A chunk pair's kernel takes the slower of its spread and its
+    longest row or column, plus `launch`; a shard pair's (many programs, of rows cut from the
+    shard's start) its spread plus STEP_TAIL of its longest row and column, plus `launch`.
 
     Attributes:
         programs: programs per block row, batch x query heads.
         slots: programs the device runs at once (CUDA: its SM count).
-        launch: a kernel's fixed cost, in full-block times (LAUNCH_COST).
+        launch: a kernel's fixed cost, in full-block times of one program.
+        shards: one kernel per (q shard, kv shard) pair rather than per chunk pair.
     """
 
     programs: int
     slots: int
     launch: float = LAUNCH_COST
+    shards: bool = False
 
     def __post_init__(self):
         for name in ("programs", "slots"):
@@ -109,13 +126,17 @@ class PairKernels:
             raise ValueError(f"PairKernels.launch must be >= 0, got {self.launch!r}")
 
 
-def pair_kernels(batch_heads: int, device: torch.device | str) -> PairKernels | None:
-    """The pair-kernel pricing on `device`: its SM count on CUDA; None elsewhere (a CPU kernel
-    has no waves to speak of, and blocks price it)."""
+def pair_kernels(
+    batch_heads: int, device: torch.device | str, shards: bool = False
+) -> PairKernels | None:
+    """The pair-kernel pricing on `device` (per shard pair with `shards`: STEP_LAUNCH): its SM
+    count on CUDA; None elsewhere (a CPU kernel has no waves to speak of, and blocks price it)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return PairKernels(batch_heads, torch.cuda.get_device_properties(device).multi_processor_count)
+    slots = torch.cuda.get_device_properties(device).multi_processor_count
+    launch = STEP_LAUNCH if shards else LAUNCH_COST
+    return PairKernels(batch_heads, slots, launch, shards)
 
 
 def is_user_layout(layout: Any) -> bool:
@@ -254,15 +275,43 @@ class _TimeModel:
         """Predicted time of each rank of `placement` (any number of ranks: `balanced` prices
         single pieces as one-piece ranks), in full-block times."""
         chunks = [c for rank in placement for c in rank]
+        k = self.kernels
+        if k is None:  # one call per rank: its shard against every key in order
+            q_groups, kv_groups = placement, [[(0, self.seq_len)]]
+        elif k.shards:  # one kernel per (q shard, kv shard) pair
+            q_groups = kv_groups = placement
+        else:  # one kernel per (q chunk, kv chunk) pair
+            q_groups = kv_groups = [[c] for c in chunks]
+        cost, q_group, kv_group = self.block_costs_of(q_groups, kv_groups, chunks)
+        # [q group, kv group]: the blocks' total time, then the pair kernel's price.
+        by_kv = torch.zeros(len(q_group), len(kv_groups), dtype=torch.float64)
+        by_kv.index_add_(1, kv_group, cost)  # [q block, kv group]
+        total = torch.zeros(len(q_groups), len(kv_groups), dtype=torch.float64)
+        total.index_add_(0, q_group, by_kv)
+        if k is None:
+            return total.sum(1).tolist()
+        by_q = torch.zeros(len(q_groups), len(kv_group), dtype=torch.float64)
+        by_q.index_add_(0, q_group, cost)  # [q group, kv block]
+        rows = q_group.unsqueeze(1).expand_as(by_kv)
+        cols = kv_group.unsqueeze(0).expand_as(by_q)
+        row = torch.zeros_like(total).scatter_reduce_(0, rows, by_kv, "amax")  # longest row
+        col = torch.zeros_like(total).scatter_reduce_(1, cols, by_q, "amax")  # longest column
+        price = _pair_price(k, total, row, col)
+        if k.shards:
+            return price.sum(1).tolist()
+        rank_of = torch.tensor([r for r, rank in enumerate(placement) for _ in rank])
+        times = torch.zeros(len(placement), dtype=torch.float64)
+        return times.index_add_(0, rank_of, price.sum(1)).tolist()
+
+    def block_costs_of(self, q_groups, kv_groups, chunks=()) -> tuple[torch.Tensor, ...]:
+        """Each kernel block's cost when each group's chunks are laid end to end and cut into
+        blocks from the group's start: ([q block, kv block] costs, the q group of each q block,
+        the kv group of each kv block). `chunks`: boundaries the tiles must also divide."""
         block_q, block_kv = self.block_size
         tile = math.gcd(block_q, block_kv, *(x for c in chunks for x in c))
         if tile not in self._tiles:
             self._tiles[tile] = _block_classes(self.variant, self.seq_len, tile, self.device)
         classes = self._tiles[tile]
-        if self.kernels is None:  # one call per rank: its shard against every key in order
-            q_groups, kv_groups = placement, [[(0, self.seq_len)]]
-        else:  # one kernel per (q chunk, kv chunk) pair
-            q_groups = kv_groups = [[c] for c in chunks]
         tiles = self.seq_len // tile
         q_block, q_group = _kernel_blocks(q_groups, tile, block_q, tiles)
         kv_block, kv_group = _kernel_blocks(kv_groups, tile, block_kv, tiles)
@@ -280,26 +329,73 @@ class _TimeModel:
         cost = torch.zeros(kept.shape, dtype=torch.float64)
         cost[kept] = partial_cost
         cost[full] = full_cost
-        # [q group, kv group]: the blocks' total time, then the pair kernel's price.
-        by_kv = torch.zeros(len(q_group), len(kv_groups), dtype=torch.float64)
-        by_kv.index_add_(1, kv_group, cost)  # [q block, kv group]
-        total = torch.zeros(len(q_groups), len(kv_groups), dtype=torch.float64)
-        total.index_add_(0, q_group, by_kv)
-        if self.kernels is None:
-            return total.sum(1).tolist()
-        by_q = torch.zeros(len(q_groups), len(kv_group), dtype=torch.float64)
-        by_q.index_add_(0, q_group, cost)  # [q group, kv block]
-        rows = q_group.unsqueeze(1).expand_as(by_kv)
-        cols = kv_group.unsqueeze(0).expand_as(by_q)
-        longest = torch.maximum(
-            torch.zeros_like(total).scatter_reduce_(0, rows, by_kv, "amax"),  # a block row
-            torch.zeros_like(total).scatter_reduce_(1, cols, by_q, "amax"),  # a block column
-        )
-        k = self.kernels
-        price = torch.maximum(total * k.programs / k.slots, longest) + k.launch * (total > 0)
-        rank_of = torch.tensor([r for r, rank in enumerate(placement) for _ in rank])
-        times = torch.zeros(len(placement), dtype=torch.float64)
-        return times.index_add_(0, rank_of, price.sum(1)).tolist()
+        return cost, q_group, kv_group
+
+
+def _pair_price(k: PairKernels, total, row, col) -> torch.Tensor:
+    """[q piece, kv piece] kernel prices (PairKernels) from the blocks' total time and the
+    longest block row and column of each pair; a chunk pair that computes nothing costs 0."""
+    spread = total * k.programs / k.slots
+    if k.shards:  # a ring step pays its fixed part computing or not: its transfers pass through
+        return spread + STEP_TAIL[0] * row + STEP_TAIL[1] * col + k.launch
+    return torch.maximum(spread, torch.maximum(row, col)) + k.launch * (total > 0)
+
+
+class _ShardPairPrices:
+    """PairKernels.shards' rank times of placements made of whole equal pieces aligned to the
+    blocks (a rank's kernel blocks are then the pieces' own, whatever their order), from
+    per-piece sums of the block costs: a swap of two pieces is priced in microseconds, not by
+    reading the mask's tiles again, so `balanced` can search swaps."""
+
+    def __init__(self, model: _TimeModel, piece: int):
+        S = model.seq_len
+        cost, _, _ = model.block_costs_of([[(0, S)]], [[(0, S)]], [(0, piece)])
+        n, nq, nkv = S // piece, *cost.shape
+        self.q_per, self.kv_per = nq // n, nkv // n
+        self.by_kv_piece = cost.reshape(nq, n, self.kv_per).sum(2)  # [q block, kv piece]
+        self.by_q_piece = cost.reshape(n, self.q_per, nkv).sum(1)  # [q piece, kv block]
+        self.total = self.by_kv_piece.reshape(n, self.q_per, n).sum(1)  # [q piece, kv piece]
+        self.kernels = model.kernels
+
+    def rank_times(self, owner: torch.Tensor, ranks: int) -> torch.Tensor:
+        """(ranks,) predicted times when piece i is on rank owner[i] (sums in a fixed order,
+        index_add rather than a BLAS product, so every rank searches alike)."""
+        f64 = torch.float64
+        by_q_rank = torch.zeros(ranks, len(owner), dtype=f64).index_add_(0, owner, self.total)
+        total = torch.zeros(ranks, ranks, dtype=f64).index_add_(1, owner, by_q_rank)
+        nq, nkv = len(self.by_kv_piece), self.by_q_piece.shape[1]
+        rows = torch.zeros(nq, ranks, dtype=f64).index_add_(1, owner, self.by_kv_piece)
+        q_rank = owner.repeat_interleave(self.q_per).unsqueeze(1).expand_as(rows)
+        row = torch.zeros(ranks, ranks, dtype=f64).scatter_reduce_(0, q_rank, rows, "amax")
+        cols = torch.zeros(ranks, nkv, dtype=f64).index_add_(0, owner, self.by_q_piece)
+        kv_rank = owner.repeat_interleave(self.kv_per).unsqueeze(0).expand_as(cols)
+        col = torch.zeros(ranks, ranks, dtype=f64).scatter_reduce_(1, kv_rank, cols, "amax")
+        return _pair_price(self.kernels, total, row, col).sum(1)
+
+
+def _swapped(owner: torch.Tensor, prices: _ShardPairPrices, ranks: int) -> torch.Tensor:
+    """The placement `owner` improved by swapping pieces between ranks while some swap of a
+    piece of the slowest rank makes the slowest rank of all faster (a local search: each round
+    takes the best such swap), within SWAP_SEARCH's work (counted, not timed: every rank stops
+    at the same swap)."""
+    owner = owner.clone()
+    times = prices.rank_times(owner, ranks)
+    trials = SWAP_SEARCH // (len(prices.by_kv_piece) * ranks)
+    while trials > 0:
+        slowest, best = float(times.max()), None
+        for i in (owner == int(times.argmax())).nonzero()[:, 0].tolist():
+            for j in (owner != owner[i]).nonzero()[:, 0].tolist():
+                owner[[i, j]] = owner[[j, i]]
+                trial = prices.rank_times(owner, ranks)
+                owner[[i, j]] = owner[[j, i]]
+                trials -= 1
+                if float(trial.max()) < slowest * (1 - 1e-9):
+                    slowest, best = float(trial.max()), (i, j, trial)
+        if best is None:
+            break
+        i, j, times = best
+        owner[[i, j]] = owner[[j, i]]
+    return owner
 
 
 def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
@@ -342,10 +438,19 @@ def _balanced(
         size = seq_len // n
         guide = model.rank_times([[(i * size, size)] for i in range(n)])
         owned = _greedy(guide, world_size)
+        # A ring's steps (shard pairs): swaps searched at every split, as a step's fixed part
+        # makes the mean itself depend on the split.
+        searched = kernels is not None and kernels.shards and not size % math.lcm(*block_size)
+        if searched:
+            owner = torch.empty(n, dtype=torch.long)
+            for r, pieces_r in enumerate(owned):
+                owner[pieces_r] = r
+            owner = _swapped(owner, _ShardPairPrices(model, size), world_size)
+            owned = [(owner == r).nonzero()[:, 0].tolist() for r in range(world_size)]
         placement = tuple(_joined([(i * size, size) for i in o]) for o in owned)
         times = model.rank_times(placement)
         candidates.append((max(times), placement))
-        if max(times) <= GOOD_ENOUGH * sum(times) / world_size:
+        if max(times) <= GOOD_ENOUGH * sum(times) / world_size and not searched:
             break
     for fixed in ("zigzag", "contiguous"):
         placement = _fixed(fixed, world_size, seq_len).placement

@@ -18,10 +18,13 @@ Contract (P ranks, this rank r, channels from `transport`):
       chunk that meets one K/V pair keeps the kernel's output as it is; so at world size 1 the call
       is one kernel forward and one backward).
     * Backward computes each step's gradient (its one call's, or its pair's) from the merged out and
-      lse (CPOptions.backward: flex's backward op, or its forward re-run; see cp.py). K/V travel
-      again as in the forward. The other ranks' dK/dV of a shard (rows held at step 1) travel one
-      push behind them: a rank adds its contribution and pushes the sum on; the last push goes home
-      (the next ring hop after P steps, else straight back). Gradient pieces are summed as they come
+      lse (CPOptions.backward: flex's backward op, or its forward re-run; see cp.py), steps 1 ..
+      steps-1 first and the own shard last. The rows held at step 1 are kept from the forward
+      (one K/V slot's copy, held from the forward to the backward), so the first step waits for
+      no transfer; K/V travel again from hop 2 on. The other ranks' dK/dV of a shard (rows held
+      at step 1) travel one push behind them: a rank adds its contribution and pushes the sum
+      on; the last push goes home (the next ring hop after P steps, else straight back) while
+      the home rank computes its own shard's step. Gradient pieces are summed as they come
       (cp.GradSum): in float32 only where two pieces meet, nothing filled.
     * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
       BlockMask live as long as the Variant object).
@@ -182,12 +185,13 @@ def _pieces(
     return per[key]
 
 
-def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan):
-    """For each hop i = 1 .. steps - 1: (channel, its local step). Hops of one width share a
-    channel (widths only shrink, so they are consecutive); each channel counts its steps from 1."""
-    out, first = {}, 1
-    for i in range(1, plan.steps):
-        if plan.widths[i] != plan.widths[i - 1] and i > 1:
+def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan, start: int = 1):
+    """For each hop i = start .. steps - 1: (channel, its local step). Hops of one width share a
+    channel (widths only shrink, so they are consecutive); each channel counts its steps from 1
+    (the backward starts at hop 2: the rows of hop 1 were kept from the forward)."""
+    out, first = {}, start
+    for i in range(start, plan.steps):
+        if i > start and plan.widths[i] != plan.widths[i - 1]:
             first = i
         shape = (*like.shape[:2], plan.widths[i], like.shape[3])
         out[i] = (_channel(call, shape, like.device, dtype, tag), i - first + 1)
@@ -215,7 +219,8 @@ def backward_step(
         shape = (*k_held.shape[:2], plan.widths[1], k_held.shape[3])
         window, offset = (plan.starts[s][i], plan.widths[i]), plan.starts[s][i] - plan.starts[s][1]
     sum_dtype, device = saved.lse.dtype, saved.q.device
-    dk, dv = GradSum(shape, sum_dtype, device), GradSum(shape, sum_dtype, device)
+    fused = call.options.compile and device.type == "cuda"
+    dk, dv = (GradSum(shape, sum_dtype, device, fused=fused) for _ in range(2))
     backward_pairs(call, saved, k_held, v_held, s, dq, dk, dv, window=window, dkv_offset=offset)
     return dk, dv
 
@@ -229,12 +234,15 @@ class _RingAttention(torch.autograd.Function):
         acc = Accumulator.of(cfg, q, v.shape[-1], expected=_pieces(cfg, q, plan))
         kv = (k, v)  # the own shard as is (no stacked copy); a received slot is (2, B, G, rows, D)
         hops = _hops(cfg, k, k.dtype, "kv", plan)
+        kept = None  # the rows held at step 1, kept for the backward's first step
         for i in range(plan.steps):
             s = (r - i) % P
             if i > 0:
                 clock.start()
                 kv = hops[i][0].recv(hops[i][1])
                 clock.stop("step_wait_ms")
+                if i == 1 and cfg.grad:
+                    kept = kv.clone()
             if i < plan.steps - 1:  # the transfer of step i + 1 overlaps this step's compute
                 part = _slice(kv, plan, s, i + 1)
                 hops[i + 1][0].send(part, hops[i + 1][1] - 1)
@@ -250,13 +258,13 @@ class _RingAttention(torch.autograd.Function):
         out, lse = acc.result()
         if stats is not None:
             stats.lse = lse
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, kept)
         ctx.cfg, ctx.plan = cfg, plan
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, kept = ctx.saved_tensors
         cfg: CPCall = ctx.cfg
         plan: RingPlan = ctx.plan
         P, r, steps = cfg.world_size, cfg.rank, plan.steps
@@ -274,25 +282,30 @@ class _RingAttention(torch.autograd.Function):
         # dq: a q chunk that meets several pairs sums from its first piece on. dK/dV keep their
         # first piece (the own shard's, often the only one but for what comes home).
         masks = "flex" if cfg.backward == "flex" else cfg.backend  # as backward_pairs reads
-        dq = GradSum(q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan, masks))
-        kv = (k, v)
-        dk_own, dv_own = backward_step(cfg, saved, k, v, r, 0, plan, dq)  # this rank's own shard
+        fused = cfg.options.compile and q.device.type == "cuda"
+        dq = GradSum(
+            q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan, masks), fused=fused
+        )
         if steps == 1:  # no shard leaves its rank
+            dk_own, dv_own = backward_step(cfg, saved, k, v, r, 0, plan, dq)
             return dq.total(q.dtype), dk_own.total(k.dtype), dv_own.total(v.dtype), None
-        # Contributions of the other ranks to shard s lie in the rows held at step 1; they
-        # accumulate along the ring in a buffer of that width, then go home: one more ring hop
-        # after all P steps, else straight back over the steps - 1 hops travelled.
-        hops = _hops(cfg, k, k.dtype, "kv", plan)
-        hops[1][0].send(_slice(kv, plan, r, 1), hops[1][1] - 1)  # K/V travel again, as forward
+        # Steps 1 .. steps - 1 first, from the rows kept at step 1 on; K/V travel again from hop
+        # 2. Contributions of the other ranks to shard s lie in the rows held at step 1; they
+        # accumulate along the ring in a buffer of that width, then go home (one more ring hop
+        # after all P steps, else straight back over the steps - 1 hops travelled) while this
+        # rank computes its own shard's step last.
+        hops = _hops(cfg, k, k.dtype, "kv", plan, start=2)
         wide = (*k.shape[:2], plan.widths[1], k.shape[3])
         chain = _channel(cfg, wide, q.device, sum_dtype, "dkv")
         home = chain if steps == P else _channel(
             cfg, wide, q.device, sum_dtype, "dkv_home", hops=steps - 1
         )  # fmt: skip
         stats = cfg.stats
+        kv = kept
         for i in range(1, steps):
             s = (r - i) % P
-            kv = hops[i][0].recv(hops[i][1])
+            if i > 1:
+                kv = hops[i][0].recv(hops[i][1])
             if i < steps - 1:
                 onward = _slice(kv, plan, s, i + 1)
                 hops[i + 1][0].send(onward, hops[i + 1][1] - 1)
@@ -311,9 +324,11 @@ class _RingAttention(torch.autograd.Function):
             if stats is not None:
                 stats.bytes_sent += sum(t.numel() * t.element_size() for t in part)
             del part, dk_part, dv_part  # the channel holds what it still reads
-            _release(hops, i, steps)
             if i > 1:
+                _release(hops, i, steps)
                 chain.release(i - 1)
+        del kv
+        dk_own, dv_own = backward_step(cfg, saved, k, v, r, 0, plan, dq)  # the push home flies
         last = steps - 1 if home is chain else 1
         back = home.recv(last)
         dk_own.add(plan.starts[r][1], back[0], fresh=False, last=True)
@@ -472,10 +487,11 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
             times.append(timed.ms)
             host[j] += timed.host_ms
         if saved is not None:
-            # During step i's compute: the K/V of step i + 1 and the dK/dV pushed after step
-            # i - 1 (the last step's push is the tail).
-            onward = kv_bytes[i + 1] if i + 1 < plan.steps else 0
-            bwd_moving.append(onward + (dkv_bytes if i > 1 else 0))
+            # During step i's compute: the K/V of step i + 1 (from hop 2: hop 1's rows are
+            # kept from the forward) and the dK/dV pushed after step i - 1; the own shard's
+            # step runs last, while the last push goes home.
+            onward = kv_bytes[i + 1] if 1 <= i < plan.steps - 1 else 0
+            bwd_moving.append(onward + (dkv_bytes if i > 1 or (i == 0 and plan.steps > 1) else 0))
         fwd_in.append(kv_bytes[i] if i > 0 else 0)
     slots = 2 * kv_bytes[1] if plan.steps > 1 else 0
     work = RankWork(
@@ -483,11 +499,11 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         bwd_ms=tuple(bwd_ms),
         fwd_bytes=tuple(fwd_in),
         bwd_bytes=tuple(bwd_moving),
-        tail_bwd_bytes=dkv_bytes if saved is not None else 0,
         host_fwd_ms=host[0],
         host_bwd_ms=host[1],
     )
-    return work, sum(kv_bytes[1 : plan.steps]), slots + (2 * dkv_bytes if saved else 0)
+    kept = kv_bytes[1] if saved is not None and plan.steps > 1 else 0  # step 1's rows, kept
+    return work, sum(kv_bytes[1 : plan.steps]), slots + kept + (2 * dkv_bytes if saved else 0)
 
 
 def _step_structure(call, q_r, s, window, clock) -> tuple:
@@ -506,24 +522,39 @@ def _step_structure(call, q_r, s, window, clock) -> tuple:
 
 def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
     """Ring step i of rank call.rank as an Item: its forward_step and backward_step on the rows
-    it holds, the sums written out as the ring's step writes them."""
+    it holds, the sums so far added and written out as the ring's step writes them."""
     start, width = plan.starts[s][i], plan.widths[i]
     k_h, v_h = (t.narrow(2, start, width).contiguous() for t in (k_s, v_s))
     acc = Accumulator.of(call, q_r, v_s.shape[-1])
 
     def fwd():
         with torch.no_grad():
+            if i == 1 and saved is not None:  # the rows held at step 1, kept for the backward
+                torch.stack([k_h, v_h])
             forward_step(call, acc, q_r, k_h, v_h, s, i, plan)
 
     bwd = None
     if saved is not None:
+        # As the ring's step: its dq goes into the shard's float32 sum (a rank's steps all add
+        # there), and from step 2 on the dK/dV so far arrive (a receive slot's worth) and are
+        # added in.
+        sum_dtype, device = saved.lse.dtype, q_r.device
+        fused = call.options.compile and device.type == "cuda"
+        dq_sum = torch.randn(q_r.shape, dtype=sum_dtype, device=device)
+        wide = (*k_s.shape[:2], plan.widths[min(1, plan.steps - 1)], k_s.shape[3])
+        so_far = torch.randn((2, *wide), dtype=sum_dtype, device=device) if i > 1 else None
 
         def bwd():
             with torch.no_grad():
-                dq = GradSum(q_r.shape, saved.lse.dtype, q_r.device)
+                dq = GradSum(q_r.shape, sum_dtype, device, expected={(0, q_r.shape[2]): 2},
+                             fused=fused)  # fmt: skip
+                dq.add(0, dq_sum, fresh=True)  # the sum so far, as the ring holds it
                 dk, dv = backward_step(call, saved, k_h, v_h, s, i, plan, dq)
-                out_dtype = k_s.dtype if i == 0 else saved.lse.dtype
-                for grad, dtype in ((dq, q_r.dtype), (dk, out_dtype), (dv, out_dtype)):
+                if so_far is not None:
+                    dk.add(0, so_far[0], fresh=False)
+                    dv.add(0, so_far[1], fresh=False)
+                out_dtype = k_s.dtype if i == 0 else sum_dtype
+                for grad, dtype in ((dk, out_dtype), (dv, out_dtype)):
                     grad.total(dtype)
 
     if one_call_steps(call):
@@ -536,7 +567,8 @@ def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
 
 def ring_rank_ms(work: RankWork, fab: Fabric, backward: bool, crossing: float = 0.0) -> float:
     """Per step, max(compute of step i, transfer of step i + 1's data), summed; backward: each
-    step's compute against the pushes in flight during it, then the last dK/dV push home.
+    step's compute against the pushes in flight during it (the last dK/dV push home flies during
+    the own shard's step, which the ring's backward runs last), then any tail.
 
     fwd_bytes[i] is what arrives for step i (fwd_bytes[0] = 0: the own shard); bwd_bytes[i] what
     moves during backward step i; `crossing`: the share of a push that crosses NVLink domains
@@ -564,5 +596,5 @@ def price_ring(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
 
 RING = TopologySpec(
     name="ring", attention=ring_attention, layouts=LAYOUTS, user_layouts=True,
-    timer=ring_transfer_ms, simulate=simulate_ring, price=price_ring,
+    timer=ring_transfer_ms, step_kernels=True, simulate=simulate_ring, price=price_ring,
 )  # fmt: skip

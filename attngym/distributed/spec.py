@@ -46,6 +46,8 @@ class TopologySpec:
         pair_kernels: it runs one kernel per (q chunk, kv chunk) pair, so its `balanced`
             placement prices pieces per pair kernel (layout.PairKernels); else by the blocks of
             one call per rank.
+        step_kernels: it runs one kernel per (q shard, kv shard) pair, a ring step over shards
+            of several chunks, so its `balanced` placement prices those (PairKernels.shards).
         simulate: (simulate.SimulatedCall) -> simulate.Simulation: every rank's work, timed on
             one device through the call's clock; None: it cannot be simulated.
         price: (Simulation, transfer_model.Fabric, backward) -> transfer_model.Prediction: the
@@ -66,6 +68,7 @@ class TopologySpec:
     timer: Callable[..., list[float]] | None = None
     shards: Callable[[Any], int] | None = None
     pair_kernels: bool = False
+    step_kernels: bool = False
     simulate: Callable[..., Any] | None = None
     price: Callable[..., Any] | None = None
     binder: Callable[..., TopologySpec] | None = None
@@ -179,7 +182,7 @@ class TopologySpec:
             return layout
         from attngym.distributed import layout as layouts
 
-        kernels = layouts.pair_kernels(batch_heads, device) if self.pair_kernels else None
+        kernels = self.kernel_pricing(batch_heads, device)
         try:
             return layouts.resolve(
                 layout, world_size, seq_len, variant, device, kernels, block_size=block_size
@@ -188,6 +191,15 @@ class TopologySpec:
             if err.key != "layout":
                 raise
             raise ConfigError("topology.layout", str(err).removeprefix("layout: ")) from None
+
+    def kernel_pricing(self, batch_heads: int, device):
+        """How `balanced` prices this topology's kernels on `device` (layout.PairKernels), or
+        None: by the blocks of one call per rank."""
+        from attngym.distributed import layout as layouts
+
+        if not (self.pair_kernels or self.step_kernels):
+            return None
+        return layouts.pair_kernels(batch_heads, device, shards=self.step_kernels)
 
     def transfer_ms(self, transport, k_s, timeout_s: float, repeats: int) -> list[float] | None:
         """Each step's transfer alone, in ms, `repeats` times over (collective on the ranks), with

@@ -65,7 +65,7 @@ def placement_imbalance(spec, settings: Settings, layout, variant, shards: int, 
         return {"load_imbalance": 1.0, "load_time_imbalance": 1.0}
     shape, seq_len = settings.shape, settings.shape.seq_len
     used = layouts.plan(layout, shards, seq_len)
-    kernels = layouts.pair_kernels(shape.batch * shape.heads, device) if spec.pair_kernels else None
+    kernels = spec.kernel_pricing(shape.batch * shape.heads, device)
     return {
         "load_imbalance": layouts.load_imbalance(
             used, variant, shards, seq_len, settings.block_size, device

@@ -31,10 +31,14 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--block", type=int, default=128)
+    p.add_argument("--slots", type=int, default=0,
+                   help="the GPU's SMs: the ring's placement as a run there plans it (0: by "
+                        "blocks, as runs before the ring priced its step calls)")  # fmt: skip
     a = p.parse_args()
     S, P, B = a.seq_len, a.world_size, a.block
     variant = make_variant(a.variant, S)
-    lay = layout.plan(a.layout, P, S, variant, device="cpu")
+    kernels = layout.PairKernels(8, a.slots, layout.STEP_LAUNCH, shards=True) if a.slots else None
+    lay = layout.plan(a.layout, P, S, variant, device="cpu", kernels=kernels)
     partial, full = grid.block_grid(variant, S, (B, B), "cpu")
     weight = full.float() + layout.BLOCK_COSTS[1] * partial.float()
     blocks = [

@@ -73,7 +73,7 @@ def _block_price(keep, block_q, block_kv):
 def _predicted(placed, variant, block_size, kernels=None):
     """Each rank's predicted time from the dense mask, written apart from layout._TimeModel: one
     call per rank (its shard's rows in order against every key), or one kernel per chunk pair
-    priced as PairKernels says."""
+    or per shard pair (PairKernels.shards) priced as PairKernels says."""
     S = placed.seq_len
     keys = torch.arange(S)
     times = []
@@ -83,6 +83,21 @@ def _predicted(placed, variant, block_size, kernels=None):
             times.append(float(_block_price(keep, *block_size).sum()))
             continue
         total = 0.0
+        if kernels.shards:  # every ring step: spread, part of its longest row and column, fixed
+            for kv_rank in range(placed.world_size):
+                keep = reference.dense_mask(
+                    variant.mask_mod, 1, 1, placed.positions(r), placed.positions(kv_rank)
+                )[0, 0]
+                price = _block_price(keep, *block_size)
+                row_tail, col_tail = layout.STEP_TAIL
+                total += float(
+                    price.sum() * kernels.programs / kernels.slots
+                    + row_tail * price.sum(1).max()
+                    + col_tail * price.sum(0).max()
+                    + kernels.launch
+                )
+            times.append(total)
+            continue
         for qo, qn in placed.chunks(r):
             for kv_rank in range(placed.world_size):
                 for ko, kn in placed.chunks(kv_rank):
@@ -97,18 +112,25 @@ def _predicted(placed, variant, block_size, kernels=None):
     return times
 
 
+# Pair kernels per chunk pair, and per shard pair (a ring step), on a device of 2 slots.
+PRICINGS = (
+    layout.PairKernels(programs=3, slots=2),
+    layout.PairKernels(programs=3, slots=2, launch=layout.STEP_LAUNCH, shards=True),
+)
+
+
 @pytest.mark.parametrize("block_size", [(8, 8), (8, 4)])
 def test_time_imbalance_is_each_ranks_predicted_time_from_the_dense_mask(rng, block_size):
     """Chunks of 12 tokens straddle the 8-token blocks: a block is full only where all its
     entries are kept, and the ring's kernels cut blocks from each chunk's start."""
     docs = variants.get("document", doc_lengths=_document_lengths(rng, 48, 3))
     placed = layout.Layout("mine", 2, 48, (((0, 12), (36, 12)), ((12, 24),)))
-    for kernels in (None, layout.PairKernels(programs=3, slots=2)):
+    for kernels in (None, *PRICINGS):
         times = _predicted(placed, docs, block_size, kernels)
         got = layout.time_imbalance(placed, docs, 2, 48, block_size, kernels=kernels)
         assert got == pytest.approx(max(times) / (sum(times) / 2), rel=1e-12), (kernels, times)
     # Balanced places by that price: its slowest rank is no slower than zigzag's or contiguous's.
-    for kernels in (None, layout.PairKernels(programs=3, slots=2)):
+    for kernels in (None, *PRICINGS):
         slowest = {
             name: max(
                 _predicted(
@@ -121,6 +143,36 @@ def test_time_imbalance_is_each_ranks_predicted_time_from_the_dense_mask(rng, bl
             for name in ("balanced", "zigzag", "contiguous")
         }
         assert slowest["balanced"] <= min(slowest["zigzag"], slowest["contiguous"]), slowest
+
+
+def test_swap_search_prices_pieces_as_the_model_does_and_makes_the_slowest_rank_faster(rng):
+    """The ring's placement search prices a swap from per-piece sums: the same times as the
+    cost model on every placement it visits, and a slowest rank no slower than greedy's."""
+    S, P, piece = 256, 4, 16
+    docs = variants.get("document", doc_lengths=_document_lengths(rng, S, 5))
+    kernels = PRICINGS[1]
+    model = layout._TimeModel(docs, S, (8, 8), "cpu", kernels)
+    prices = layout._ShardPairPrices(model, piece)
+    n = S // piece
+    for _ in range(5):
+        owner = torch.randperm(n, generator=rng) % P
+        placement = [[(i * piece, piece) for i in (owner == r).nonzero()[:, 0].tolist()]
+                     for r in range(P)]  # fmt: skip
+        expected = model.rank_times([layout._joined(c) for c in placement])
+        assert prices.rank_times(owner, P).tolist() == pytest.approx(expected, rel=1e-12)
+    start = torch.arange(n) % P
+    searched = layout._swapped(start, prices, P)
+    assert torch.bincount(searched, minlength=P).tolist() == [n // P] * P  # pieces per rank
+    assert prices.rank_times(searched, P).max() <= prices.rank_times(start, P).max()
+
+
+def test_the_ring_prices_its_placement_per_step_call():
+    """The ring's step is one call per shard pair: its balanced placement is priced so on CUDA
+    (the SM count is the device's), by blocks elsewhere."""
+    from attngym.distributed.topologies import TOPOLOGIES
+
+    assert TOPOLOGIES["ring"].step_kernels and not TOPOLOGIES["allgather"].step_kernels
+    assert TOPOLOGIES["ring"].kernel_pricing(8, "cpu") is None
 
 
 def _document_lengths(rng, seq_len, count):
