@@ -597,7 +597,8 @@ class Accumulator:
     chunks) keeps its partial as the kernel returned it: nothing is allocated, filled or merged,
     and `result` hands that partial back unchanged. A chunk that meets several (`expected`, from
     the call's pairs) becomes a float32 (float64) accumulator at its first partial, cast once,
-    into which the rest are folded (`merge_into`; the compiled, fused merge when `fused`, CUDA),
+    into which the rest are folded (`merge_into`; the compiled, fused merge and casts when
+    `fused`, CUDA),
     so no partial is held beside it. Merging the first partial into zeros with lse -inf would
     give it back exactly, so the result is the same as that of a zero-filled accumulator.
     """
@@ -615,6 +616,7 @@ class Accumulator:
         self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.shape = (*q.shape[:3], dv)
         self._merge = compiled_merge_into() if fused else merge_into
+        self._cast = compiled_sums()[0] if fused else _cast_add
         self._expected = expected or {}
         self._chunks: dict[tuple[int, int], list] = {}  # (start, stop) -> [out, lse, merged]
 
@@ -631,7 +633,7 @@ class Accumulator:
         held = self._chunks.get(key)
         if held is None:
             if self._expected.get(key, 1) > 1:
-                out_i, lse_i = out_i.to(self.acc_dtype), lse_i.to(self.acc_dtype)
+                out_i, lse_i = _to(self._cast, out_i, self.acc_dtype), lse_i.to(self.acc_dtype)
             self._chunks[key] = [out_i, lse_i, self._expected.get(key, 1) > 1]
             return
         out, lse, merged = held
@@ -647,7 +649,7 @@ class Accumulator:
         chunks, self._chunks = self._chunks, {}  # consumed: each chunk let go once written
         if list(chunks) == [(0, n)]:
             out, lse, _ = chunks.pop((0, n))
-            return out.to(self.dtype), lse.to(self.acc_dtype)
+            return _to(self._cast, out, self.dtype), lse.to(self.acc_dtype)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.shape[:3], dtype=self.acc_dtype, device=self.device)
         covered = 0
@@ -759,17 +761,13 @@ class GradSum:
         if not fresh:  # not ours to keep: a copy, in the sum dtype
             return _Rows(a, b, value.to(self.sum_dtype, copy=True), True, None, 0)
         if self._expected.get((a, b), 1) > 1:  # more to come: the sum starts now
-            return _Rows(a, b, value.to(self.sum_dtype), True, None, 0)
+            return _Rows(a, b, _to(self._add, value, self.sum_dtype), True, None, 0)
         whole = start == 0 and tuple(piece.shape) == self.shape
         return _Rows(a, b, value, piece.dtype == self.sum_dtype, piece if whole else None, 0)
 
     def _plus(self, r: _Rows, piece: torch.Tensor, last: bool) -> None:
-        if r.owned:
-            self._add_into(r.value, piece)
-            return
-        if last:  # a kernel's output, ours to write: the exact sum, rounded once, in place
-            exact = r.value.to(self.sum_dtype) if piece.dtype != self.sum_dtype else r.value
-            r.value.copy_(piece + exact)
+        if r.owned or last:  # ours to write (last: the exact sum, rounded once, in place)
+            self._add_into(r.value, piece, self.sum_dtype)
             return
         if self.sum_dtype in (piece.dtype, r.value.dtype):  # float32 + bfloat16: one exact add
             r.value = self._add(piece, r.value, self.sum_dtype)
@@ -784,8 +782,7 @@ class GradSum:
         n = self.shape[-2]
         ranges, self._ranges = self._ranges, []
         if len(ranges) == 1 and tuple(ranges[0].value.shape) == self.shape:
-            whole = ranges[0].value
-            return whole if whole.dtype == dtype else self._add(whole, None, dtype)
+            return _to(self._add, ranges[0].value, dtype)
         roots = [r.root for r in ranges if r.root is not None and r.root.dtype == dtype]
         out = roots[0] if roots else torch.empty(self.shape, dtype=dtype, device=self.device)
         del roots
@@ -809,9 +806,17 @@ def _cast_add(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> to
     return a.to(dtype) if b is None else (a + b).to(dtype)
 
 
-def _add_into(a: torch.Tensor, b: torch.Tensor) -> None:
-    """a += b in a's dtype, in place."""
-    a.add_(b)
+def _to(cast_add, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype` through `cast_add` (eager or compiled), x itself when it is already."""
+    return x if x.dtype == dtype else cast_add(x, None, dtype)
+
+
+def _add_into(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """a = a + b in place, the sum exact in `dtype` and rounded once to a's dtype."""
+    if a.dtype == dtype:
+        a.add_(b)
+    else:
+        a.copy_(a.to(dtype) + b.to(dtype))
 
 
 @functools.cache

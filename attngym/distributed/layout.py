@@ -10,6 +10,9 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 (m = 1, 2 or 4), each piece priced by the cost model below, and a greedy
                 placement (largest piece first, to the least loaded rank that still has room)
                 gives every rank n/P pieces; pieces adjacent on a rank merge into one chunk.
+                Priced per ring step (PairKernels.shards), the greedy placement is then improved
+                by swapping pieces between ranks while the slowest rank gets faster (at every
+                split, as a step's fixed part makes the mean depend on the split).
                 Each such placement, zigzag and contiguous are then priced as a whole, and the
                 one whose slowest rank is fastest is kept (named "balanced" whichever it is): a
                 piece's price is only a guide (a rank's blocks may straddle its pieces), so
@@ -26,7 +29,9 @@ runs costs BLOCK_COSTS (full, partial) in units of a full block's time. Without 
 each rank runs one call, its shard's rows in shard order against the whole sequence's keys in
 position order, cut into blocks of `block_size` from the shard's start; with `PairKernels` (a
 TopologySpec with pair_kernels) each rank runs one kernel per (its q chunk, any kv chunk) pair,
-blocks cut from each chunk's start, priced as PairKernels says. Two measures, named apart:
+blocks cut from each chunk's start, or with `shards` (step_kernels: the ring) one per (its q
+shard, any kv shard) pair, blocks cut from each shard's start, priced as PairKernels says. Two
+measures, named apart:
 
     time_imbalance  predicted time imbalance: max over mean of the ranks' predicted times under
                     this model (with PairKernels a layout's total varies with its launches and

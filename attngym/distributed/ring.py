@@ -522,37 +522,55 @@ def _step_structure(call, q_r, s, window, clock) -> tuple:
 
 def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
     """Ring step i of rank call.rank as an Item: its forward_step and backward_step on the rows
-    it holds, the sums so far added and written out as the ring's step writes them."""
+    it holds, with the sums the ring's step does: the partials merged, the dq pieces and the
+    dK/dV so far added; the own step (the backward's last) also starts and writes out the
+    shard's sums and adds the dK/dV that come home."""
     start, width = plan.starts[s][i], plan.widths[i]
     k_h, v_h = (t.narrow(2, start, width).contiguous() for t in (k_s, v_s))
-    acc = Accumulator.of(call, q_r, v_s.shape[-1])
+    dv_dim, whole = v_s.shape[-1], (0, q_r.shape[2])
+    partials = _pieces(call, q_r, plan)  # per q chunk, over the steps
+    acc = Accumulator.of(call, q_r, dv_dim)
 
     def fwd():
         with torch.no_grad():
             if i == 1 and saved is not None:  # the rows held at step 1, kept for the backward
                 torch.stack([k_h, v_h])
-            forward_step(call, acc, q_r, k_h, v_h, s, i, plan)
+            if i == 0:  # the own step starts the sum (its partial cast); the call writes it out
+                own = Accumulator.of(call, q_r, dv_dim, expected=partials)
+                forward_step(call, own, q_r, k_h, v_h, s, i, plan)
+                own.result()
+            else:
+                forward_step(call, acc, q_r, k_h, v_h, s, i, plan)
 
     bwd = None
     if saved is not None:
-        # As the ring's step: its dq goes into the shard's float32 sum (a rank's steps all add
-        # there), and from step 2 on the dK/dV so far arrive (a receive slot's worth) and are
-        # added in.
         sum_dtype, device = saved.lse.dtype, q_r.device
         fused = call.options.compile and device.type == "cuda"
+        pieces = _pieces(call, q_r, plan, "flex" if call.backward == "flex" else call.backend)
+        summed = pieces.get(whole, 1) > 1  # dq is a float32 sum of the steps' pieces
         dq_sum = torch.randn(q_r.shape, dtype=sum_dtype, device=device)
         wide = (*k_s.shape[:2], plan.widths[min(1, plan.steps - 1)], k_s.shape[3])
+        # From step 2 on the dK/dV so far arrive (a receive slot's worth); at the own step the
+        # sums come home.
         so_far = torch.randn((2, *wide), dtype=sum_dtype, device=device) if i > 1 else None
+        home = (torch.randn((2, *wide), dtype=sum_dtype, device=device)
+                if i == 0 and plan.steps > 1 else None)  # fmt: skip
 
         def bwd():
             with torch.no_grad():
-                dq = GradSum(q_r.shape, sum_dtype, device, expected={(0, q_r.shape[2]): 2},
-                             fused=fused)  # fmt: skip
-                dq.add(0, dq_sum, fresh=True)  # the sum so far, as the ring holds it
+                dq = GradSum(q_r.shape, sum_dtype, device, expected=pieces, fused=fused)
+                if summed and i != 1:  # the sum so far (step 1's piece starts it, cast)
+                    dq.add(0, dq_sum)
                 dk, dv = backward_step(call, saved, k_h, v_h, s, i, plan, dq)
                 if so_far is not None:
                     dk.add(0, so_far[0], fresh=False)
                     dv.add(0, so_far[1], fresh=False)
+                if home is not None:
+                    at = plan.starts[call.rank][1]
+                    dk.add(at, home[0], fresh=False, last=True)
+                    dv.add(at, home[1], fresh=False, last=True)
+                if i == 0:
+                    dq.total(q_r.dtype)
                 out_dtype = k_s.dtype if i == 0 else sum_dtype
                 for grad, dtype in ((dk, out_dtype), (dv, out_dtype)):
                     grad.total(dtype)
