@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again
 # (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -184,6 +184,15 @@ if has ring_docs; then  # the ring's placement per step call, its backward's ord
   TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 t ring_balanced_documents_16k $AG topology=ring \
     topology.layout=balanced topology.world_size=2 $SHAPE attention=document \
     shape.seq_len=16384 hydra.run.dir=ring_balanced_documents_16k
+  T_TIMEOUT=150 t ring_docs_graph_p8 $GRAPHED topology=ring topology.layout=balanced $DOCS_P8 \
+    hydra.run.dir=ring_docs_graph_p8
+  t ring_docs_step_times python3 "$ROOT/experiments/cp_model/step_times.py" \
+    --kind ring --layout balanced --world-size 8 --variant document
+fi
+if has ring_docs_again; then  # the same row with every sum of the ring's steps priced
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t ring_docs_gpu_tests python3 -m \
+    pytest -q -p no:cacheprovider -m "gpu or multigpu" -k "cp_on_cuda and ring" \
+    "$ROOT/tests/distributed/test_cp_gpu.py"
   T_TIMEOUT=150 t ring_docs_graph_p8 $GRAPHED topology=ring topology.layout=balanced $DOCS_P8 \
     hydra.run.dir=ring_docs_graph_p8
   t ring_docs_step_times python3 "$ROOT/experiments/cp_model/step_times.py" \
