@@ -197,6 +197,10 @@ if has ring_docs_again; then  # the same row with every sum of the ring's steps 
     hydra.run.dir=ring_docs_graph_p8
   t ring_docs_step_times python3 "$ROOT/experiments/cp_model/step_times.py" \
     --kind ring --layout balanced --world-size 8 --variant document
+  for kind in ring allgather; do  # world size 1 beside the one-device call, validated
+    T_TIMEOUT=120 t ws1_${kind}_documents_64k $AG topology=$kind topology.world_size=1 $SHAPE \
+      attention=document shape.seq_len=65536 hydra.run.dir=ws1_${kind}_documents_64k
+  done
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
