@@ -91,9 +91,10 @@ LAUNCH_COST = 2.0
 # backward's preprocessing and each kernel's reads and writes of the whole shard).
 STEP_TAIL = (0.34, 0.16)
 STEP_LAUNCH = 46.0
-# The swap search's work per split, in (q block, rank) entries priced: about a second on a CPU
-# core; P=8 at 128K searches to the end well inside it, P=64 at 1M tries a few thousand swaps.
-SWAP_SEARCH = 10**9
+# The swap search's work per split, in (q block, rank) entries priced (counted, not timed, so
+# every rank stops at the same swap): P=8 at 128K searches to its end inside it (0.6e8, under a
+# second on a CPU core); P=64 stops after about 1500 swaps tried at 128K, 190 at 1M.
+SWAP_SEARCH = 10**8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +276,7 @@ class _TimeModel:
     kernels: PairKernels | None = None
     block_costs: tuple[float, float] = BLOCK_COSTS
     _tiles: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
+    _whole: torch.Tensor | None = dataclasses.field(default=None, init=False)
 
     def rank_times(self, placement: Sequence[Sequence[tuple[int, int]]]) -> list[float]:
         """Predicted time of each rank of `placement` (any number of ranks: `balanced` prices
@@ -307,6 +309,13 @@ class _TimeModel:
         rank_of = torch.tensor([r for r, rank in enumerate(placement) for _ in rank])
         times = torch.zeros(len(placement), dtype=torch.float64)
         return times.index_add_(0, rank_of, price.sum(1)).tolist()
+
+    def whole_block_costs(self) -> torch.Tensor:
+        """[q block, kv block] costs of the whole sequence in position order (computed once)."""
+        if self._whole is None:
+            whole = [[(0, self.seq_len)]]
+            self._whole = self.block_costs_of(whole, whole)[0]
+        return self._whole
 
     def block_costs_of(self, q_groups, kv_groups, chunks=()) -> tuple[torch.Tensor, ...]:
         """Each kernel block's cost when each group's chunks are laid end to end and cut into
@@ -353,9 +362,9 @@ class _ShardPairPrices:
     reading the mask's tiles again, so `balanced` can search swaps."""
 
     def __init__(self, model: _TimeModel, piece: int):
-        S = model.seq_len
-        cost, _, _ = model.block_costs_of([[(0, S)]], [[(0, S)]], [(0, piece)])
-        n, nq, nkv = S // piece, *cost.shape
+        cost = model.whole_block_costs()
+        n, nq, nkv = model.seq_len // piece, *cost.shape
+        self.piece = piece
         self.q_per, self.kv_per = nq // n, nkv // n
         self.by_kv_piece = cost.reshape(nq, n, self.kv_per).sum(2)  # [q block, kv piece]
         self.by_q_piece = cost.reshape(n, self.q_per, nkv).sum(1)  # [q piece, kv block]
@@ -378,6 +387,14 @@ class _ShardPairPrices:
         return _pair_price(self.kernels, total, row, col).sum(1)
 
 
+def _owner(owned: Sequence[Sequence[int]], n: int) -> torch.Tensor:
+    """(n,) the rank of each piece, from each rank's pieces."""
+    owner = torch.empty(n, dtype=torch.long)
+    for r, pieces_r in enumerate(owned):
+        owner[list(pieces_r)] = r
+    return owner
+
+
 def _swapped(owner: torch.Tensor, prices: _ShardPairPrices, ranks: int) -> torch.Tensor:
     """The placement `owner` improved by swapping pieces between ranks while some swap of a
     piece of the slowest rank makes the slowest rank of all faster (a local search: each round
@@ -388,14 +405,15 @@ def _swapped(owner: torch.Tensor, prices: _ShardPairPrices, ranks: int) -> torch
     trials = SWAP_SEARCH // (len(prices.by_kv_piece) * ranks)
     while trials > 0:
         slowest, best = float(times.max()), None
-        for i in (owner == int(times.argmax())).nonzero()[:, 0].tolist():
-            for j in (owner != owner[i]).nonzero()[:, 0].tolist():
-                owner[[i, j]] = owner[[j, i]]
-                trial = prices.rank_times(owner, ranks)
-                owner[[i, j]] = owner[[j, i]]
-                trials -= 1
-                if float(trial.max()) < slowest * (1 - 1e-9):
-                    slowest, best = float(trial.max()), (i, j, trial)
+        swaps = [(i, j) for i in (owner == int(times.argmax())).nonzero()[:, 0].tolist()
+                 for j in (owner != owner[i]).nonzero()[:, 0].tolist()]  # fmt: skip
+        for i, j in swaps[:trials]:
+            owner[[i, j]] = owner[[j, i]]
+            trial = prices.rank_times(owner, ranks)
+            owner[[i, j]] = owner[[j, i]]
+            if float(trial.max()) < slowest * (1 - 1e-9):
+                slowest, best = float(trial.max()), (i, j, trial)
+        trials -= len(swaps)
         if best is None:
             break
         i, j, times = best
@@ -435,31 +453,40 @@ def _balanced(
     _needs_variant("balanced", variant)
     check_seq_len(seq_len, world_size, "balanced")  # so zigzag and contiguous fit as well
     model = _TimeModel(variant, seq_len, block_size, device, kernels, block_costs)
-    candidates = []
+    candidates, by_pieces = [], {}
     for m in BALANCE_SPLITS:
         n = 2 * world_size * m
         if seq_len % n:
             break
         size = seq_len // n
-        guide = model.rank_times([[(i * size, size)] for i in range(n)])
-        owned = _greedy(guide, world_size)
-        # A ring's steps (shard pairs): swaps searched at every split, as a step's fixed part
-        # makes the mean itself depend on the split.
+        # A ring's steps (shard pairs) of whole pieces: priced from per-piece sums, and swaps
+        # searched at every split, as a step's fixed part makes the mean depend on the split.
         searched = kernels is not None and kernels.shards and not size % math.lcm(*block_size)
         if searched:
-            owner = torch.empty(n, dtype=torch.long)
-            for r, pieces_r in enumerate(owned):
-                owner[pieces_r] = r
-            owner = _swapped(owner, _ShardPairPrices(model, size), world_size)
+            prices = by_pieces[size] = _ShardPairPrices(model, size)
+            owned = _greedy(prices.rank_times(torch.arange(n), n).tolist(), world_size)
+            owner = _swapped(_owner(owned, n), prices, world_size)
             owned = [(owner == r).nonzero()[:, 0].tolist() for r in range(world_size)]
+            times = prices.rank_times(owner, world_size).tolist()
+        else:
+            owned = _greedy(model.rank_times([[(i * size, size)] for i in range(n)]), world_size)
         placement = tuple(_joined([(i * size, size) for i in o]) for o in owned)
-        times = model.rank_times(placement)
+        if not searched:
+            times = model.rank_times(placement)
         candidates.append((max(times), placement))
         if max(times) <= GOOD_ENOUGH * sum(times) / world_size and not searched:
             break
     for fixed in ("zigzag", "contiguous"):
         placement = _fixed(fixed, world_size, seq_len).placement
-        candidates.append((max(model.rank_times(placement)), placement))
+        prices = by_pieces.get(seq_len // (2 * world_size))  # their pieces are these
+        if prices is None:
+            times = model.rank_times(placement)
+        else:
+            piece = prices.piece
+            owned = [[i for o, n in chunks for i in range(o // piece, (o + n) // piece)]
+                     for chunks in placement]  # fmt: skip
+            times = prices.rank_times(_owner(owned, 2 * world_size), world_size).tolist()
+        candidates.append((max(times), placement))
     # The slowest rank sets the call's time; the first of equals wins (fewest pieces).
     slowest, best = candidates[0]
     for its_slowest, placement in candidates[1:]:

@@ -164,6 +164,11 @@ def test_swap_search_prices_pieces_as_the_model_does_and_makes_the_slowest_rank_
     searched = layout._swapped(start, prices, P)
     assert torch.bincount(searched, minlength=P).tolist() == [n // P] * P  # pieces per rank
     assert prices.rank_times(searched, P).max() <= prices.rank_times(start, P).max()
+    # The placement that search gives, priced by the model, beats zigzag's and contiguous's.
+    plans = {name: layout.plan(name, P, S, docs, (8, 8), kernels=kernels)
+             for name in ("balanced", "zigzag", "contiguous")}  # fmt: skip
+    slowest = {name: max(model.rank_times(placed.placement)) for name, placed in plans.items()}
+    assert slowest["balanced"] <= min(slowest["zigzag"], slowest["contiguous"]), slowest
 
 
 def test_the_ring_prices_its_placement_per_step_call():
