@@ -25,7 +25,8 @@ def main() -> None:
                               lambda: cast_add(piece, None, torch.float32), 6 * n),
         "fp32 + bf16 (new)": (lambda: _cast_add(total, piece, torch.float32),
                               lambda: cast_add(total, piece, torch.float32), 10 * n),
-        "fp32 += bf16": (lambda: _add_into(total, piece), lambda: add_into(total, piece), 10 * n),
+        "fp32 += bf16": (lambda: _add_into(total, piece, torch.float32),
+                         lambda: add_into(total, piece, torch.float32), 10 * n),
     }  # fmt: skip
     for name, (eager, compiled, nbytes) in cases.items():
         times = [bench.time_fn(fn, warmup=3, repeats=20, device=dev).median_ms
