@@ -276,7 +276,7 @@ class _TimeModel:
     kernels: PairKernels | None = None
     block_costs: tuple[float, float] = BLOCK_COSTS
     _tiles: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
-    _whole: torch.Tensor | None = dataclasses.field(default=None, init=False)
+    _whole: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, init=False)
 
     def rank_times(self, placement: Sequence[Sequence[tuple[int, int]]]) -> list[float]:
         """Predicted time of each rank of `placement` (any number of ranks: `balanced` prices
@@ -310,17 +310,21 @@ class _TimeModel:
         times = torch.zeros(len(placement), dtype=torch.float64)
         return times.index_add_(0, rank_of, price.sum(1)).tolist()
 
-    def whole_block_costs(self) -> torch.Tensor:
-        """[q block, kv block] costs of the whole sequence in position order (computed once)."""
+    def whole_block_kinds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([q block, kv block] full, partial) int32 flags of the whole sequence in position
+        order (computed once): exact, so sums of them are the same on every rank."""
         if self._whole is None:
             whole = [[(0, self.seq_len)]]
-            self._whole = self.block_costs_of(whole, whole)[0]
+            self._whole = self.block_costs_of(whole, whole, kinds=True)
         return self._whole
 
-    def block_costs_of(self, q_groups, kv_groups, chunks=()) -> tuple[torch.Tensor, ...]:
+    def block_costs_of(
+        self, q_groups, kv_groups, chunks=(), kinds: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Each kernel block's cost when each group's chunks are laid end to end and cut into
         blocks from the group's start: ([q block, kv block] costs, the q group of each q block,
-        the kv group of each kv block). `chunks`: boundaries the tiles must also divide."""
+        the kv group of each kv block). `chunks`: boundaries the tiles must also divide.
+        kinds: (full, partial) int32 flags of each block instead."""
         block_q, block_kv = self.block_size
         tile = math.gcd(block_q, block_kv, *(x for c in chunks for x in c))
         if tile not in self._tiles:
@@ -339,6 +343,8 @@ class _TimeModel:
         size = torch.outer(torch.bincount(q_block), torch.bincount(kv_block))
         kept = per_block((classes != EMPTY).int()) > 0
         full = per_block((classes == FULL).int()) == size
+        if kinds:
+            return full.int(), (kept & ~full).int()
         full_cost, partial_cost = self.block_costs
         cost = torch.zeros(kept.shape, dtype=torch.float64)
         cost[kept] = partial_cost
@@ -362,13 +368,20 @@ class _ShardPairPrices:
     reading the mask's tiles again, so `balanced` can search swaps."""
 
     def __init__(self, model: _TimeModel, piece: int):
-        cost = model.whole_block_costs()
-        n, nq, nkv = model.seq_len // piece, *cost.shape
+        full, partial = model.whole_block_kinds()
+        n, nq, nkv = model.seq_len // piece, *full.shape
         self.piece = piece
         self.q_per, self.kv_per = nq // n, nkv // n
-        self.by_kv_piece = cost.reshape(nq, n, self.kv_per).sum(2)  # [q block, kv piece]
-        self.by_q_piece = cost.reshape(n, self.q_per, nkv).sum(1)  # [q piece, kv block]
-        self.total = self.by_kv_piece.reshape(n, self.q_per, n).sum(1)  # [q piece, kv piece]
+        full_cost, partial_cost = model.block_costs
+
+        def cost(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # of exact block counts
+            return f.double() * full_cost + p.double() * partial_cost
+
+        by_kv = [k.reshape(nq, n, self.kv_per).sum(2) for k in (full, partial)]
+        by_q = [k.reshape(n, self.q_per, nkv).sum(1) for k in (full, partial)]
+        self.by_kv_piece = cost(*by_kv)  # [q block, kv piece]
+        self.by_q_piece = cost(*by_q)  # [q piece, kv block]
+        self.total = cost(*(k.reshape(n, self.q_per, n).sum(1) for k in by_kv))  # [q, kv piece]
         self.kernels = model.kernels
 
     def rank_times(self, owner: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -384,7 +397,8 @@ class _ShardPairPrices:
         cols = torch.zeros(ranks, nkv, dtype=f64).index_add_(0, owner, self.by_q_piece)
         kv_rank = owner.repeat_interleave(self.kv_per).unsqueeze(0).expand_as(cols)
         col = torch.zeros(ranks, ranks, dtype=f64).scatter_reduce_(1, kv_rank, cols, "amax")
-        return _pair_price(self.kernels, total, row, col).sum(1)
+        price = _pair_price(self.kernels, total, row, col)
+        return torch.zeros(ranks, 1, dtype=f64).index_add_(1, owner.new_zeros(ranks), price)[:, 0]
 
 
 def _owner(owned: Sequence[Sequence[int]], n: int) -> torch.Tensor:
