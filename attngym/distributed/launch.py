@@ -6,7 +6,8 @@ Contract:
       (MASTER_ADDR/PORT on a free local port, RANK, WORLD_SIZE, LOCAL_RANK, and NCCL_NVLS_ENABLE=0,
       TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1), picks its GPU, creates the
       process group (gloo on CPU, "cpu:gloo,cuda:nccl" on CUDA, timeout `timeout_s`), runs
-      `fn(rank, world_size, *args)` and destroys the group. Rank 0's return value comes back to the
+      `fn(rank, world_size, *args)`, waits for every rank (rank 0 hosts the group's store) and
+      destroys the group. Rank 0's return value comes back to the
       caller (pickled through a private temporary directory).
     * Failure: the caller gets RankFailure saying which rank failed and how (exit code, signal,
       the exception and its traceback, or "made no progress"); a ConfigError raised on a rank is
@@ -341,6 +342,9 @@ def _rank_main(
         if rank == 0:
             with open(pathlib.Path(result_dir) / "result.pkl", "wb") as f:
                 pickle.dump(result, f)
+        # Rank 0 hosts the group's store: a rank done first waits for the rest, so no rank loses
+        # the store while it still talks to it (a subgroup made late, a last collective).
+        dist.barrier()
     except BaseException as e:
         logging.getLogger(__name__).exception("rank %d failed", rank)
         if isinstance(e, ConfigError):  # (key, message): the caller re-raises it as itself
