@@ -21,11 +21,12 @@ Contract (P ranks, this rank r, channels from `transport`):
       lse (CPOptions.backward: flex's backward op, or its forward re-run; see cp.py), steps 1 ..
       steps-1 first and the own shard last. The rows held at step 1 are kept from the forward
       (one K/V slot's copy, held from the forward to the backward; none where autograd records
-      no backward), so the first step waits for no transfer; K/V travel again from hop 2 on. The other ranks' dK/dV of a shard (rows held
-      at step 1) travel one push behind them: a rank adds its contribution and pushes the sum
-      on; the last push goes home (the next ring hop after P steps, else straight back) while
-      the home rank computes its own shard's step. Gradient pieces are summed as they come
-      (cp.GradSum): in float32 only where two pieces meet, nothing filled.
+      no backward), so the first step waits for no transfer; K/V travel again from hop 2 on.
+      The other ranks' dK/dV of a shard (rows held at step 1) travel one push behind them: a
+      rank adds its contribution and pushes the sum on; the last push goes home (the next ring
+      hop after P steps, else straight back) while the home rank computes its own shard's step.
+      Gradient pieces are summed as they come (cp.GradSum): in float32 only where two pieces
+      meet, nothing filled.
     * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
       BlockMask live as long as the Variant object).
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.
