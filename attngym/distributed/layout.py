@@ -289,7 +289,8 @@ class _TimeModel:
             q_groups = kv_groups = placement
         else:  # one kernel per (q chunk, kv chunk) pair
             q_groups = kv_groups = [[c] for c in chunks]
-        cost, q_group, kv_group = self.block_costs_of(q_groups, kv_groups, chunks)
+        full, partial, q_group, kv_group = self.block_kinds(q_groups, kv_groups, chunks)
+        cost = self.cost(full, partial)
         # [q group, kv group]: the blocks' total time, then the pair kernel's price.
         by_kv = torch.zeros(len(q_group), len(kv_groups), dtype=torch.float64)
         by_kv.index_add_(1, kv_group, cost)  # [q block, kv group]
@@ -315,16 +316,19 @@ class _TimeModel:
         order (computed once): exact, so sums of them are the same on every rank."""
         if self._whole is None:
             whole = [[(0, self.seq_len)]]
-            self._whole = self.block_costs_of(whole, whole, kinds=True)
+            self._whole = self.block_kinds(whole, whole)[:2]
         return self._whole
 
-    def block_costs_of(
-        self, q_groups, kv_groups, chunks=(), kinds: bool = False
-    ) -> tuple[torch.Tensor, ...]:
-        """Each kernel block's cost when each group's chunks are laid end to end and cut into
-        blocks from the group's start: ([q block, kv block] costs, the q group of each q block,
-        the kv group of each kv block). `chunks`: boundaries the tiles must also divide.
-        kinds: (full, partial) int32 flags of each block instead."""
+    def cost(self, full: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        """float64 time of `full` and `partial` blocks (flags, or exact counts of them)."""
+        full_cost, partial_cost = self.block_costs
+        return full.double() * full_cost + partial.double() * partial_cost
+
+    def block_kinds(self, q_groups, kv_groups, chunks=()) -> tuple[torch.Tensor, ...]:
+        """Which kernel blocks are full and which partial when each group's chunks are laid end
+        to end and cut into blocks from the group's start: ([q block, kv block] full flags,
+        partial flags, both int32; the q group of each q block, the kv group of each kv block).
+        `chunks`: boundaries the tiles must also divide."""
         block_q, block_kv = self.block_size
         tile = math.gcd(block_q, block_kv, *(x for c in chunks for x in c))
         if tile not in self._tiles:
@@ -343,13 +347,7 @@ class _TimeModel:
         size = torch.outer(torch.bincount(q_block), torch.bincount(kv_block))
         kept = per_block((classes != EMPTY).int()) > 0
         full = per_block((classes == FULL).int()) == size
-        if kinds:
-            return full.int(), (kept & ~full).int()
-        full_cost, partial_cost = self.block_costs
-        cost = torch.zeros(kept.shape, dtype=torch.float64)
-        cost[kept] = partial_cost
-        cost[full] = full_cost
-        return cost, q_group, kv_group
+        return full.int(), (kept & ~full).int(), q_group, kv_group
 
 
 def _pair_price(k: PairKernels, total, row, col) -> torch.Tensor:
@@ -372,16 +370,12 @@ class _ShardPairPrices:
         n, nq, nkv = model.seq_len // piece, *full.shape
         self.piece = piece
         self.q_per, self.kv_per = nq // n, nkv // n
-        full_cost, partial_cost = model.block_costs
-
-        def cost(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # of exact block counts
-            return f.double() * full_cost + p.double() * partial_cost
-
+        # Exact block counts per piece, priced once each.
         by_kv = [k.reshape(nq, n, self.kv_per).sum(2) for k in (full, partial)]
         by_q = [k.reshape(n, self.q_per, nkv).sum(1) for k in (full, partial)]
-        self.by_kv_piece = cost(*by_kv)  # [q block, kv piece]
-        self.by_q_piece = cost(*by_q)  # [q piece, kv block]
-        self.total = cost(*(k.reshape(n, self.q_per, n).sum(1) for k in by_kv))  # [q, kv piece]
+        self.by_kv_piece = model.cost(*by_kv)  # [q block, kv piece]
+        self.by_q_piece = model.cost(*by_q)  # [q piece, kv block]
+        self.total = model.cost(*(k.reshape(n, self.q_per, n).sum(1) for k in by_kv))
         self.kernels = model.kernels
 
     def rank_times(self, owner: torch.Tensor, ranks: int) -> torch.Tensor:
