@@ -354,7 +354,7 @@ def _merged_rows(call: CPCall, q, out, lse, rows: slice, part) -> tuple:
     """(out, lse) of the own keys' call with `part`, the received rows' (out, lse) over query
     rows `rows`, merged in by their lse (cp.Accumulator) and written back into those rows."""
     n = rows.stop - rows.start
-    acc = Accumulator.of(call, q[:, :, rows], out.shape[-1], expected={(0, n): 2})
+    acc = Accumulator.of(call, q[:, :, rows], out.shape[-1])
     acc.add(slice(0, n), out[:, :, rows], lse[:, :, rows])
     acc.add(slice(0, n), *part)
     merged_out, merged_lse = acc.result()
@@ -453,8 +453,8 @@ class _Overlapped(torch.autograd.Function):
         if call.backward == "flex":
             lse2 = {(0, n): flex_backward.kernel_lse(lse, call.options.kernel_options, q.dtype)}
         saved = Saved(q, out, lse, dout, lse2)
-        a, b = ctx.reading.start, ctx.reading.stop
-        dq = GradSum(q.shape, lse.dtype, q.device, expected={(a, b): 2} if b > a else None)
+        a = ctx.reading.start
+        dq = GradSum.of(call, q.shape, lse.dtype, q.device)
         home = k_r.new_zeros((2, *k_r.shape))
         if got is not None:
             dq_r, dk_r, dv_r = _part_grads(call, _rows_of(saved, ctx.reading), k_r, v_r, got)

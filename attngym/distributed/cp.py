@@ -11,10 +11,11 @@ how K/V travel; what they share lives here:
     pairs        the plan of (q chunk, kv chunk) pairs against one K/V shard (or the rows of it
                  held), masked ones skipped; rows_read / runs_read: which rows of a shard a rank
                  reads
-    Accumulator  the running lse merge of a rank's output (compiled, fused, on CUDA); a q chunk
-                 that meets one pair keeps the kernel's partial as is (nothing filled or merged)
-    GradSum      the sum of a gradient's pieces, allocated with them: a single piece is handed
-                 back as is, float32 only where two pieces meet
+    Accumulator  the lse merge of a rank's output: partials held as the kernels gave them and
+                 merged in one pass (compiled on CUDA); a q chunk that meets one pair keeps the
+                 kernel's partial as is (nothing filled or merged)
+    GradSum      the sum of a gradient's pieces, held and added in one pass: a single piece is
+                 handed back as is, float32 only where two pieces meet
     forward_pairs / backward_pairs   attend, or differentiate, this rank's q over one K/V shard
     StepClock    per-step host timings for CPStats
 
@@ -30,8 +31,8 @@ Backward of one pair (`CPOptions.backward`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -44,7 +45,7 @@ import torch
 from attngym import kernels, reference
 from attngym.distributed import layout as layouts
 from attngym.distributed.grid import plans_for
-from attngym.distributed.merge import compiled_merge_into, merge_into, weights
+from attngym.distributed.merge import compiled_sums, merged_weights, weighted_sum, weights
 from attngym.errors import choice_error
 from attngym.variants.base import Variant
 
@@ -590,57 +591,64 @@ def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None)
     )  # fmt: skip
 
 
-class Accumulator:
-    """Running merge of the partials (out, lse) of this rank's q chunks, one entry per chunk.
+# Pieces of one sum held before they are added. A step's partial (or gradient piece) is kept as
+# the kernel returned it, and up to HELD of them are added in one pass that reads each once and
+# writes the sum once (Accumulator, GradSum). Added as each came, every piece cost a read and a
+# write of the float32 sum, the largest cost of a ring step's own after its kernel. With 8, a
+# ring of 8 ranks sums its steps in one pass; memory: 8 pieces beside the sum, at most.
+HELD = 8
 
-    A chunk that meets a single K/V pair (every chunk at world size 1, a local mask's far
-    chunks) keeps its partial as the kernel returned it: nothing is allocated, filled or merged,
-    and `result` hands that partial back unchanged. A chunk that meets several (`expected`, from
-    the call's pairs) becomes a float32 (float64) accumulator at its first partial, cast once,
-    into which the rest are folded (`merge_into`; the compiled, fused merge and casts when
-    `fused`, CUDA),
-    so no partial is held beside it. Merging the first partial into zeros with lse -inf would
-    give it back exactly, so the result is the same as that of a zero-filled accumulator.
+
+class Accumulator:
+    """The lse merge of the partials (out, lse) of this rank's q chunks, one entry per chunk.
+
+    Partials are held as the kernels returned them and merged in one pass (merge.merged_weights
+    and merge.weighted_sum, compiled when `fused`: CUDA, compiled calls): at `result` straight
+    into q's dtype, or, when a chunk holds HELD and one more comes, into one float32 (float64)
+    partial that takes their place. A chunk that meets a single pair (every chunk at world size
+    1, a local mask's far chunks) gets its partial back unchanged: nothing allocated or merged.
     """
 
-    def __init__(
-        self,
-        q: torch.Tensor,
-        dv: int,
-        *,
-        fused: bool = False,
-        expected: Mapping[tuple[int, int], int] | None = None,
-    ):
-        """expected: partials per chunk (start, stop) of rows; a chunk left out expects one."""
+    def __init__(self, q: torch.Tensor, dv: int, *, fused: bool = False):
         self.dtype, self.device = q.dtype, q.device
         self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.shape = (*q.shape[:3], dv)
-        self._merge = compiled_merge_into() if fused else merge_into
-        self._cast = compiled_sums()[0] if fused else _cast_add
-        self._expected = expected or {}
-        self._chunks: dict[tuple[int, int], list] = {}  # (start, stop) -> [out, lse, merged]
+        self._weights, self._sum = compiled_sums() if fused else (merged_weights, weighted_sum)
+        self._chunks: dict[tuple[int, int], list] = {}  # (start, stop) -> [(out, lse), ...]
 
     @classmethod
-    def of(cls, call: CPCall, q: torch.Tensor, dv: int, expected=None) -> Accumulator:
+    def of(cls, call: CPCall, q: torch.Tensor, dv: int) -> Accumulator:
         """The accumulator of a call: fused where the call compiles its kernels on CUDA."""
-        fused = call.options.compile and q.device.type == "cuda"
-        return cls(q, dv, fused=fused, expected=expected)
+        return cls(q, dv, fused=call.options.compile and q.device.type == "cuda")
 
     def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
-        """Fold one pair's partial over q rows `rows` (a chunk of the shard) in; out_i and lse_i
-        are the kernel's own new tensors (kept, and written into once merged)."""
-        key = (rows.start, rows.stop)
-        held = self._chunks.get(key)
-        if held is None:
-            if self._expected.get(key, 1) > 1:
-                out_i, lse_i = _to(self._cast, out_i, self.acc_dtype), lse_i.to(self.acc_dtype)
-            self._chunks[key] = [out_i, lse_i, self._expected.get(key, 1) > 1]
-            return
-        out, lse, merged = held
-        if not merged:  # more partials than expected: the first one is cast now
-            out, lse = out.to(self.acc_dtype), lse.to(self.acc_dtype)
-            held[:] = [out, lse, True]
-        self._merge(out, lse, out_i, lse_i)
+        """Hold one pair's partial over q rows `rows` (a chunk of the shard); out_i and lse_i
+        are the kernel's own new tensors."""
+        held = self._chunks.setdefault((rows.start, rows.stop), [])
+        if len(held) == HELD:
+            held[:] = [self._merged(held, self.acc_dtype)]
+        held.append((out_i, lse_i))
+
+    def fork(self) -> Accumulator:
+        """A copy holding the same partials (shared, never written): the simulation times one
+        step's add from the state the steps before it leave."""
+        twin = copy.copy(self)
+        twin._chunks = {key: list(held) for key, held in self._chunks.items()}
+        return twin
+
+    def held(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, stop, partials held) of each chunk: what the next add or result costs."""
+        return tuple((a, b, len(held)) for (a, b), held in sorted(self._chunks.items()))
+
+    def _merged(self, held: list, dtype: torch.dtype, out: torch.Tensor | None = None):
+        """(out in `dtype`, lse) of the partials `held`, written into `out` when given."""
+        if len(held) == 1:
+            out_c, lse = held[0]
+            if out is None:
+                return _to(self._sum, out_c, dtype), lse.to(self.acc_dtype)
+            return out.copy_(out_c), lse.to(self.acc_dtype)
+        lse, ws = self._weights([lse.to(self.acc_dtype) for _, lse in held])
+        return self._sum([o for o, _ in held], ws, self.acc_dtype, dtype, out), lse
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse in the accumulator dtype) over the whole shard; rows no pair
@@ -648,18 +656,17 @@ class Accumulator:
         n = self.shape[2]
         chunks, self._chunks = self._chunks, {}  # consumed: each chunk let go once written
         if list(chunks) == [(0, n)]:
-            out, lse, _ = chunks.pop((0, n))
-            return _to(self._cast, out, self.dtype), lse.to(self.acc_dtype)
+            return self._merged(chunks.pop((0, n)), self.dtype)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.shape[:3], dtype=self.acc_dtype, device=self.device)
         covered = 0
         for start, stop in sorted(chunks):
-            out_c, lse_c, _ = chunks.pop((start, stop))
             if start > covered:
                 _no_key(out, lse, covered, start)
-            out[:, :, start:stop].copy_(out_c)
+            held = chunks.pop((start, stop))
+            _, lse_c = self._merged(held, self.dtype, out=out[:, :, start:stop])
             lse[:, :, start:stop].copy_(lse_c)
-            del out_c, lse_c
+            del held, lse_c
             covered = stop
         if covered < n:
             _no_key(out, lse, covered, n)
@@ -673,18 +680,16 @@ def _no_key(out: torch.Tensor, lse: torch.Tensor, start: int, stop: int) -> None
 
 @dataclasses.dataclass
 class _Rows:
-    """One row range of a GradSum: its value, and whether the sum may write into it."""
+    """One row range of a GradSum: the pieces over it, held until they are added."""
 
     start: int
     stop: int
-    value: torch.Tensor  # (..., stop - start, D)
-    owned: bool  # a sum_dtype tensor of this GradSum's (or a kernel's new one): add in place
-    root: torch.Tensor | None  # the kernel output `value` is rows start.. of (root_start = 0)
-    root_start: int
+    pieces: list[torch.Tensor]  # each (..., stop - start, D), ours to write; [0] may be a sum
+    root: torch.Tensor | None  # pieces[0] is rows start.. of this whole kernel output
 
     def narrow(self, start: int, stop: int) -> _Rows:
-        value = self.value.narrow(-2, start - self.start, stop - start)
-        return _Rows(start, stop, value, self.owned, self.root, self.root_start)
+        pieces = [p.narrow(-2, start - self.start, stop - start) for p in self.pieces]
+        return _Rows(start, stop, pieces, self.root)
 
 
 class GradSum:
@@ -693,36 +698,30 @@ class GradSum:
     A rank's dq, and each shard's dK/dV, get one piece per chunk pair: often a single one (every
     piece at world size 1), often over a band of the rows (a halo). A zero-filled float32
     accumulator of full size, added into and cast back, costs about as much as the kernel on a
-    thin band, so instead each row range keeps its first piece as the kernel returned it (its
-    exact value); a second piece over the same rows makes that range a sum in `sum_dtype`
-    (float32, float64 for float64 inputs), as the accumulator was, so the totals are the same.
-    Ranges never overlap: a piece that cuts a range splits it (views, no copy). `total` writes
-    each range once into the result: in place into a kernel output that covers every row when
-    there is one, and hands a single whole piece back unchanged.
+    thin band, so instead each row range holds its pieces as the kernels returned them, and
+    adds them in one pass in `sum_dtype` (float32, float64 for float64 inputs; in order, so the
+    totals are those of that accumulator): at `total` straight into the result's dtype, or into
+    one sum_dtype piece when HELD are held and one more comes. Ranges never overlap: a piece
+    that cuts a range splits it (views, no copy). `total` writes each range once into the
+    result: in place into a kernel output that covers every row when there is one, and hands a
+    single whole piece back unchanged.
 
     Pieces marked fresh are a kernel's own new outputs, which the sum may keep and write into;
-    others (a channel's receive slot, valid until released) are read at once and never kept.
-    `expected` (pieces per row range, where known) makes the first piece of a range that
-    expects more a sum at once, so it is not held beside its sum_dtype copy when the next comes.
-    `fused` (CUDA, compiled calls): the sums of two dtypes and a whole sum's cast run compiled
-    (`compiled_sums`), at the memory's speed; eager, each is an unvectorised cast kernel at
-    about half of it (measured on the H200), and a ring pays them at every step (its dq, and
-    the dK/dV it passes on).
+    others (a channel's receive slot, valid until released) are added at once and never kept.
+    `fused` (CUDA, compiled calls): the sums run compiled (merge.compiled_sums).
     """
 
-    def __init__(
-        self,
-        shape,
-        sum_dtype: torch.dtype,
-        device,
-        expected: Mapping[tuple[int, int], int] | None = None,
-        fused: bool = False,
-    ):
+    def __init__(self, shape, sum_dtype: torch.dtype, device, fused: bool = False):
         self.shape = tuple(shape)
         self.sum_dtype, self.device = sum_dtype, device
-        self._expected = expected or {}
-        self._add, self._add_into = compiled_sums() if fused else (_cast_add, _add_into)
+        self._sum = compiled_sums()[1] if fused else weighted_sum
         self._ranges: list[_Rows] = []  # disjoint, by start
+
+    @classmethod
+    def of(cls, call: CPCall, shape, sum_dtype: torch.dtype, device) -> GradSum:
+        """The sum of a call's gradient: fused where the call compiles its kernels on CUDA."""
+        fused = call.options.compile and torch.device(device).type == "cuda"
+        return cls(shape, sum_dtype, device, fused=fused)
 
     def add(
         self, start: int, piece: torch.Tensor, *, fresh: bool = True, last: bool = False
@@ -743,12 +742,23 @@ class GradSum:
                 continue
             if r.start > pos:
                 kept.append(self._new(pos, r.start, piece, start, fresh))
-            self._plus(r, piece.narrow(-2, r.start - start, r.stop - r.start), last)
+            self._plus(r, piece.narrow(-2, r.start - start, r.stop - r.start), fresh, last)
             pos = r.stop
         if pos < stop:
             kept.append(self._new(pos, stop, piece, start, fresh))
         if kept:
             self._ranges = sorted(self._ranges + kept, key=lambda r: r.start)
+
+    def fork(self) -> GradSum:
+        """A copy holding the same pieces (shared): the simulation times one step's pieces
+        from the state the steps before it leave."""
+        twin = copy.copy(self)
+        twin._ranges = [dataclasses.replace(r, pieces=list(r.pieces)) for r in self._ranges]
+        return twin
+
+    def held(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, stop, pieces held) of each row range: what the next add or total costs."""
+        return tuple((r.start, r.stop, len(r.pieces)) for r in self._ranges)
 
     def _split(self, at: int) -> None:
         for j, r in enumerate(self._ranges):
@@ -759,30 +769,33 @@ class GradSum:
     def _new(self, a: int, b: int, piece: torch.Tensor, start: int, fresh: bool) -> _Rows:
         value = piece if b - a == piece.shape[-2] else piece.narrow(-2, a - start, b - a)
         if not fresh:  # not ours to keep: a copy, in the sum dtype
-            return _Rows(a, b, value.to(self.sum_dtype, copy=True), True, None, 0)
-        if self._expected.get((a, b), 1) > 1:  # more to come: the sum starts now
-            return _Rows(a, b, _to(self._add, value, self.sum_dtype), True, None, 0)
+            return _Rows(a, b, [value.to(self.sum_dtype, copy=True)], None)
         whole = start == 0 and tuple(piece.shape) == self.shape
-        return _Rows(a, b, value, piece.dtype == self.sum_dtype, piece if whole else None, 0)
+        return _Rows(a, b, [value], piece if whole else None)
 
-    def _plus(self, r: _Rows, piece: torch.Tensor, last: bool) -> None:
-        if r.owned or last:  # ours to write (last: the exact sum, rounded once, in place)
-            self._add_into(r.value, piece, self.sum_dtype)
-            return
-        if self.sum_dtype in (piece.dtype, r.value.dtype):  # float32 + bfloat16: one exact add
-            r.value = self._add(piece, r.value, self.sum_dtype)
-        else:
-            r.value = r.value.to(self.sum_dtype)
-            r.value.add_(piece)
-        r.owned, r.root = True, None
+    def _plus(self, r: _Rows, piece: torch.Tensor, fresh: bool, last: bool) -> None:
+        if last:  # the exact sum, rounded once, into the rows kept
+            first = r.pieces[0]
+            self._sum([*r.pieces, piece], None, self.sum_dtype, first.dtype, first)
+            r.pieces = [first]
+        elif fresh:  # held, added with the others later
+            if len(r.pieces) == HELD:
+                r.pieces, r.root = [self._sum(r.pieces, None, self.sum_dtype, self.sum_dtype)], None
+            r.pieces.append(piece)
+        else:  # read now: the slot it lies in is released after this
+            pieces = [*r.pieces, piece]
+            r.pieces, r.root = [self._sum(pieces, None, self.sum_dtype, self.sum_dtype)], None
 
     def total(self, dtype: torch.dtype) -> torch.Tensor:
         """The sum over every row in `dtype` (0 on rows no piece reached). It consumes the sum:
-        each range is let go once written, so its sum_dtype copy does not outlive it."""
+        each range is let go once written, so its pieces do not outlive it."""
         n = self.shape[-2]
         ranges, self._ranges = self._ranges, []
-        if len(ranges) == 1 and tuple(ranges[0].value.shape) == self.shape:
-            return _to(self._add, ranges[0].value, dtype)
+        if len(ranges) == 1 and (ranges[0].start, ranges[0].stop) == (0, n):
+            pieces = ranges.pop().pieces
+            if len(pieces) == 1:
+                return _to(self._sum, pieces[0], dtype)
+            return self._sum(pieces, None, self.sum_dtype, dtype)
         roots = [r.root for r in ranges if r.root is not None and r.root.dtype == dtype]
         out = roots[0] if roots else torch.empty(self.shape, dtype=dtype, device=self.device)
         del roots
@@ -791,8 +804,9 @@ class GradSum:
             r = ranges.pop(0)
             if r.start > covered:
                 out.narrow(-2, covered, r.start - covered).zero_()
-            if r.root is not out:  # a view of `out` at its own rows is already in place
-                out.narrow(-2, r.start, r.stop - r.start).copy_(r.value)
+            if r.root is not out or len(r.pieces) > 1:  # else already in place
+                rows = out.narrow(-2, r.start, r.stop - r.start)
+                self._sum(r.pieces, None, self.sum_dtype, dtype, rows)
             covered = r.stop
             del r
         if covered < n:
@@ -800,31 +814,10 @@ class GradSum:
         return out
 
 
-def _cast_add(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """a + b (or a alone) in `dtype`, a new tensor; one of them is in `dtype` already, so the
-    sum promotes to it exactly (float32 + bfloat16)."""
-    return a.to(dtype) if b is None else (a + b).to(dtype)
-
-
-def _to(cast_add, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype` through `cast_add` (eager or compiled), x itself when it is already."""
-    return x if x.dtype == dtype else cast_add(x, None, dtype)
-
-
-def _add_into(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
-    """a = a + b in place, the sum exact in `dtype` and rounded once to a's dtype."""
-    if a.dtype == dtype:
-        a.add_(b)
-    else:
-        a.copy_(a.to(dtype) + b.to(dtype))
-
-
-@functools.cache
-def compiled_sums():
-    """`_cast_add` and `_add_into` compiled (dynamic=False: one graph per shape and dtypes):
-    each one vectorised kernel that reads its inputs once and writes the result (in place for
-    `_add_into`, as the compiled merge writes its accumulator)."""
-    return torch.compile(_cast_add, dynamic=False), torch.compile(_add_into, dynamic=False)
+def _to(sum_fn, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype` through `sum_fn` (merge.weighted_sum, eager or compiled), x itself when it
+    is already."""
+    return x if x.dtype == dtype else sum_fn([x], None, dtype, dtype)
 
 
 def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=None) -> None:

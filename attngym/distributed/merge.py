@@ -5,10 +5,10 @@ where a row saw no key), attention over the union of the K_i is
 
     lse = log Σ_i exp(lse_i),    out = Σ_i w_i · out_i,    w_i = exp(lse_i − lse).
 
-Rows where every lse_i is -inf stay out = 0, lse = -inf (no NaN). Context-parallel forward folds
-each chunk pair's partial into its accumulator with `merge_into` (compiled on CUDA:
-`compiled_merge_into`); `merge` combines a list;
-backward splits the output gradient with the same weights (`weights`).
+Rows where every lse_i is -inf stay out = 0, lse = -inf (no NaN). `merge` combines a list
+(differentiable); context-parallel calls hold a rank's partials and merge several in one pass
+(cp.Accumulator, compiled on CUDA: `compiled_sums`); backward splits the output gradient with
+the same weights (`weights`).
 """
 
 from __future__ import annotations
@@ -34,41 +34,52 @@ def weights(lse_i: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, torch.zeros_like(diff), torch.exp(diff))
 
 
-def _fold_weights(
-    lse: torch.Tensor, lse_i: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(merged lse, weight of the running out, weight of out_i) for folding one partial in."""
-    lse_i = lse_i.to(lse.dtype)
-    new = torch.logaddexp(lse, lse_i)  # -inf where both are
-    return new, weights(lse, new).unsqueeze(-1), weights(lse_i, new).unsqueeze(-1)
+def merged_weights(lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(lse, [w_i]) of partials with log-sum-exps `lses`, in one pass over them: lse in the
+    dtype of lses[0], each w_i (B, H, S, 1), 0 where lse_i is -inf (and on rows no partial
+    reached, whose lse is -inf)."""
+    dtype = lses[0].dtype
+    lses = [x.to(dtype) for x in lses]
+    top = functools.reduce(torch.maximum, lses)
+    top = torch.where(torch.isneginf(top), 0.0, top)  # a row no partial reached: all e_i = 0
+    e = [torch.exp(x - top) for x in lses]
+    total = functools.reduce(torch.add, e)
+    seen = total > 0
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
+    share = torch.where(seen, 1.0 / torch.where(seen, total, 1.0), 0.0)
+    return lse, [(x * share).unsqueeze(-1) for x in e]
 
 
-def merge_into(
-    out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor
-) -> None:
-    """Fold one partial `(out_i, lse_i)` into the running `(out, lse)`, in place (no autograd).
-
-    This is what a context-parallel step pays per chunk pair, so it touches `out` in two passes
-    (scale by w_old, add w_i · out_i) and allocates nothing of its size; `out` and `lse` may be
-    views (rows of a larger accumulator).
-
-    Args:
-        out: (B, H, S, D) accumulator in lse's dtype; 0 where lse is -inf.
-        lse: (B, H, S) running log-sum-exp (float32 or float64); -inf on rows with no key yet.
-        out_i: (B, H, S, D) partial output, any float dtype.
-        lse_i: (B, H, S) partial log-sum-exp; -inf on rows with no key.
-    """
-    new, w, w_i = _fold_weights(lse, lse_i)
-    out.mul_(w).addcmul_(out_i, w_i)
-    lse.copy_(new)
+def weighted_sum(
+    tensors: Sequence[torch.Tensor],
+    ws: Sequence[torch.Tensor] | None,
+    sum_dtype: torch.dtype,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_i w_i · x_i (each w_i 1 when `ws` is None), added in `sum_dtype` in order, rounded once
+    to `dtype`: a new tensor, or written into `out` (which may be one of the x_i) and returned.
+    The merge's second half, and the whole of a gradient's sum."""
+    total = None  # added into in place, so eager allocates nothing more than the sum
+    for i, x in enumerate(tensors):
+        if total is None:
+            total = x.to(sum_dtype, copy=True) if ws is None else x * ws[i].to(sum_dtype)
+        elif ws is None:
+            total.add_(x)
+        else:
+            total.addcmul_(x, ws[i])
+    if out is None:
+        return total.to(dtype)
+    return out.copy_(total)
 
 
 @functools.cache
-def compiled_merge_into():
-    """`merge_into` compiled (dynamic=False): the weights and both passes over `out` become one
-    or two fused kernels instead of about ten elementwise launches per chunk pair. Inductor
-    writes the mutated views in place; one graph per chunk shape."""
-    return torch.compile(merge_into, dynamic=False)
+def compiled_sums():
+    """`merged_weights` and `weighted_sum` compiled (dynamic=False: one graph per count, shape
+    and dtype): each one kernel that reads its inputs once and writes its result, where eager
+    runs an unvectorised kernel per cast and per add (about half the memory's speed on an
+    H200), and about ten small launches per partial for the weights."""
+    return torch.compile(merged_weights, dynamic=False), torch.compile(weighted_sum, dynamic=False)
 
 
 def merge(
@@ -94,10 +105,6 @@ def merge(
         raise ValueError(
             f"merge needs as many outs as lses (>= 1), got {len(outs)} and {len(lses)}"
         )
-    acc_dtype = lses[0].dtype
-    out = torch.zeros_like(outs[0], dtype=acc_dtype)
-    lse = torch.full_like(lses[0], float("-inf"), dtype=acc_dtype)
-    for out_i, lse_i in zip(outs, lses, strict=True):
-        lse, w, w_i = _fold_weights(lse, lse_i)
-        out = torch.addcmul(out * w, out_i.to(acc_dtype), w_i)
-    return out.to(outs[0].dtype if out_dtype is None else out_dtype), lse
+    lse, ws = merged_weights(lses)
+    dtype = outs[0].dtype if out_dtype is None else out_dtype
+    return weighted_sum(outs, ws, lse.dtype, dtype), lse

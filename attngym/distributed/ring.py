@@ -14,9 +14,9 @@ Contract (P ranks, this rank r, channels from `transport`):
       host issues a compiled call more slowly than the device runs a pair of small chunks, so pair
       kernels would leave the device waiting). After the compute the slot is released: the onward
       push out of it is queued (joined first where it went out on the next, narrower channel), so
-      the slot may be overwritten. Partials are folded in with merge.merge_into (cp.Accumulator: a q
-      chunk that meets one K/V pair keeps the kernel's output as it is; so at world size 1 the call
-      is one kernel forward and one backward).
+      the slot may be overwritten. Partials are held and merged in one pass at the end
+      (cp.Accumulator: a q chunk that meets one K/V pair keeps the kernel's output as it is; so at
+      world size 1 the call is one kernel forward and one backward).
     * Backward computes each step's gradient (its one call's, or its pair's) from the merged out and
       lse (CPOptions.backward: flex's backward op, or its forward re-run; see cp.py), steps 1 ..
       steps-1 first and the own shard last. The rows held at step 1 are kept from the forward
@@ -25,8 +25,8 @@ Contract (P ranks, this rank r, channels from `transport`):
       The other ranks' dK/dV of a shard (rows held at step 1) travel one push behind them: a
       rank adds its contribution and pushes the sum on; the last push goes home (the next ring
       hop after P steps, else straight back) while the home rank computes its own shard's step.
-      Gradient pieces are summed as they come (cp.GradSum): in float32 only where two pieces
-      meet, nothing filled.
+      Gradient pieces are held and summed in one pass (cp.GradSum): in float32 only where two
+      pieces meet, nothing filled; the dK/dV a rank passes on are summed at its step.
     * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
       BlockMask live as long as the Variant object).
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.
@@ -48,6 +48,7 @@ import torch
 
 from attngym.distributed import flex_backward
 from attngym.distributed.cp import (
+    HELD,
     Accumulator,
     CPCall,
     CPOptions,
@@ -155,35 +156,23 @@ def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
     return RingPlan(steps, tuple(widths), tuple(starts))
 
 
-# Variant -> {(layout, rank, B, H, block size, backend, device): {q chunk rows: pairs}}.
-_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _pieces(
-    call: CPCall, q: torch.Tensor, plan: RingPlan, masks: str | None = None
-) -> dict[tuple[int, int], int]:
-    """How many pairs meet each of this rank's q row ranges over the ring's steps, by (start,
-    stop) of local rows (memoised): the partials of its output (whole q chunks), or with `masks`
-    (the backward's block masks) the pieces of its dq, each pair cut to the rows it reads as
-    backward_pairs cuts it (cp.read_part)."""
-    key = (call.layout, call.rank, *q.shape[:2], call.options.block_size, call.backend, q.device,
-           masks)  # fmt: skip
-    per = _PIECES.setdefault(call.variant, {})
-    if key not in per:
-        counts: dict[tuple[int, int], int] = {}
-        for i in range(plan.steps):
-            s = (call.rank - i) % call.world_size
-            window = (plan.starts[s][i], plan.widths[i])
-            if one_call_steps(call):  # a step's one call covers the whole shard
-                if step_call(call, q, s, window) is not None:
-                    counts[0, q.shape[2]] = counts.get((0, q.shape[2]), 0) + 1
-                continue
-            # block_masks given: the same pairs, not counted in call.stats
-            for pair in pairs(call, q, s, block_masks=masks or call.backend, window=window):
-                q_rows = pair[0] if masks is None else read_part(call, q, pair, masks)[0]
-                counts[q_rows.start, q_rows.stop] = counts.get((q_rows.start, q_rows.stop), 0) + 1
-        per[key] = counts
-    return per[key]
+def _step_rows(
+    call: CPCall, q: torch.Tensor, plan: RingPlan, i: int, masks: str | None = None
+) -> list[tuple[int, int]]:
+    """The local q rows (start, stop) of the pieces ring step i adds to this rank's sums: its
+    partials (whole q chunks), or with `masks` (the backward's block masks) its dq pieces, each
+    pair cut to the rows it reads as backward_pairs cuts it (cp.read_part). The simulation
+    replays them to time a step from the sums the steps before it leave."""
+    s = (call.rank - i) % call.world_size
+    window = (plan.starts[s][i], plan.widths[i])
+    if one_call_steps(call):  # a step's one call covers the whole shard
+        return [(0, q.shape[2])] if step_call(call, q, s, window) is not None else []
+    rows = []
+    # block_masks given: the same pairs, not counted in call.stats
+    for pair in pairs(call, q, s, block_masks=masks or call.backend, window=window):
+        q_rows = pair[0] if masks is None else read_part(call, q, pair, masks)[0]
+        rows.append((q_rows.start, q_rows.stop))
+    return rows
 
 
 def _hops(call: CPCall, like: torch.Tensor, dtype, tag: str, plan: RingPlan, start: int = 1):
@@ -219,9 +208,7 @@ def backward_step(
     else:
         shape = (*k_held.shape[:2], plan.widths[1], k_held.shape[3])
         window, offset = (plan.starts[s][i], plan.widths[i]), plan.starts[s][i] - plan.starts[s][1]
-    sum_dtype, device = saved.lse.dtype, saved.q.device
-    fused = call.options.compile and device.type == "cuda"
-    dk, dv = (GradSum(shape, sum_dtype, device, fused=fused) for _ in range(2))
+    dk, dv = (GradSum.of(call, shape, saved.lse.dtype, saved.q.device) for _ in range(2))
     backward_pairs(call, saved, k_held, v_held, s, dq, dk, dv, window=window, dkv_offset=offset)
     return dk, dv
 
@@ -232,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
         P, r = cfg.world_size, cfg.rank
         plan = ring_plan(cfg, q)
         stats, clock = cfg.stats, StepClock(cfg.stats, q.device)
-        acc = Accumulator.of(cfg, q, v.shape[-1], expected=_pieces(cfg, q, plan))
+        acc = Accumulator.of(cfg, q, v.shape[-1])
         kv = (k, v)  # the own shard as is (no stacked copy); a received slot is (2, B, G, rows, D)
         hops = _hops(cfg, k, k.dtype, "kv", plan)
         kept = None  # the rows held at step 1, kept for the backward's first step
@@ -280,13 +267,9 @@ class _RingAttention(torch.autograd.Function):
                 )
                 start += length
         saved = Saved(q, out, lse, dout, lse2)
-        # dq: a q chunk that meets several pairs sums from its first piece on. dK/dV keep their
-        # first piece (the own shard's, often the only one but for what comes home).
-        masks = "flex" if cfg.backward == "flex" else cfg.backend  # as backward_pairs reads
-        fused = cfg.options.compile and q.device.type == "cuda"
-        dq = GradSum(
-            q.shape, sum_dtype, q.device, expected=_pieces(cfg, q, plan, masks), fused=fused
-        )
+        # dq: the steps' pieces, summed in one pass at the end. dK/dV keep their first piece
+        # (the own shard's, often the only one but for what comes home).
+        dq = GradSum.of(cfg, q.shape, sum_dtype, q.device)
         if steps == 1:  # no shard leaves its rank
             dk_own, dv_own = backward_step(cfg, saved, k, v, r, 0, plan, dq)
             return dq.total(q.dtype), dk_own.total(k.dtype), dv_own.total(v.dtype), None
@@ -469,14 +452,19 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     acc_size = 8 if q_r.dtype == torch.float64 else 4
     dkv_bytes = nbytes(2, b, g, plan.widths[1], d, itemsize=acc_size) if plan.steps > 1 else 0
     fwd_ms, bwd_ms, fwd_in, bwd_moving, host = [], [], [], [], [0.0, 0.0]
+    dv_dim = ranks.vs[0].shape[-1]
+    held = _held_before(call, q_r, dv_dim, plan, saved)
     for i in range(plan.steps):
         s = (r - i) % P
         window = (plan.starts[s][i], plan.widths[i])
         pairs(counted, q_r, s, window=window)  # counts computed / skipped pairs, as the forward
         structure = _step_structure(call, q_r, s, window, clock)
-        # The held rows' sizes matter to the backward's sums too: part of the key.
+        # The held rows' sizes matter to the backward's sums too, and what the step adds to
+        # (the first hop's rows kept; the dK/dV so far, or coming home), and the sums held
+        # where the step adds them up: part of the key.
+        role = "own" if i == 0 else "first" if i == 1 else "later"
         key = ("ring", tuple(q_r.shape), plan.widths[i], plan.widths[min(1, plan.steps - 1)],
-               structure)  # fmt: skip
+               structure, role, held[i])  # fmt: skip
 
         def build(s=s, i=i, key=key):
             return _step_item(call, q_r, ranks.ks[s], ranks.vs[s], s, i, plan, saved, key)
@@ -484,7 +472,8 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         for j, (which, times) in enumerate((("fwd", fwd_ms), ("bwd", bwd_ms))):
             if which == "bwd" and saved is None:
                 continue
-            timed = clock.time(build, which, key) if structure else ItemTime(0.0)
+            adds_up = held[i][j] is not None  # the step sums what is held: timed, even if empty
+            timed = clock.time(build, which, key) if structure or adds_up else ItemTime(0.0)
             times.append(timed.ms)
             host[j] += timed.host_ms
         if saved is not None:
@@ -521,35 +510,91 @@ def _step_structure(call, q_r, s, window, clock) -> tuple:
     )
 
 
+def _held_before(call, q_r, dv_dim: int, plan: RingPlan, saved) -> list[tuple]:
+    """Per step i: (forward, backward) the sums this rank holds before the step, where the
+    step's time depends on them: the step that adds them up (the forward's last; the backward's
+    own, run last) or adds to a sum holding cp.HELD pieces; else None (the step only holds its
+    pieces). Replayed with the pieces' shapes only (on "meta")."""
+    last = {"fwd": plan.steps - 1, "bwd": 0}
+    out = [[None, None] for _ in range(plan.steps)]
+    for j, which in enumerate(("fwd", "bwd") if saved is not None else ("fwd",)):
+        sums = _sums(call, q_r, dv_dim, saved, which, "meta")
+        for i in _order(plan, which):
+            now = sums.held()
+            if i == last[which] or any(count >= HELD for *_, count in now):
+                out[i][j] = now
+            _add_step(sums, call, q_r, dv_dim, plan, i, which)
+    return [tuple(x) for x in out]
+
+
+def _order(plan: RingPlan, which: str) -> list[int]:
+    """The steps in the order a pass runs them: the forward 0 .. steps - 1, the backward
+    1 .. steps - 1 and the own shard's last."""
+    return list(range(plan.steps)) if which == "fwd" else [*range(1, plan.steps), 0]
+
+
+def _sums(call, q_r, dv_dim: int, saved, which: str, device):
+    """A new sum of this rank's pass, as the ring makes it: the forward's Accumulator, the
+    backward's dq GradSum (compiled as the call's on its own device; plain on "meta")."""
+    device = torch.device(device)
+    on = device == q_r.device
+    if which == "fwd":
+        like = q_r if on else torch.empty(q_r.shape, dtype=q_r.dtype, device=device)
+        return Accumulator.of(call, like, dv_dim) if on else Accumulator(like, dv_dim)
+    if on:
+        return GradSum.of(call, q_r.shape, saved.lse.dtype, device)
+    return GradSum(q_r.shape, saved.lse.dtype, device)
+
+
+def _add_step(sums, call, q_r, dv_dim: int, plan: RingPlan, i: int, which: str) -> None:
+    """Add random pieces of the shapes step i adds (_step_rows) to `sums`, on its device."""
+    b, h, _, d = q_r.shape
+    device, gen = sums.device, torch.randn
+    if which == "fwd":
+        for a, z in _step_rows(call, q_r, plan, i):
+            out_i = gen(b, h, z - a, dv_dim, device=device).to(q_r.dtype)
+            sums.add(slice(a, z), out_i, gen(b, h, z - a, dtype=sums.acc_dtype, device=device))
+        return
+    masks = "flex" if call.backward == "flex" else call.backend  # as backward_pairs reads
+    for a, z in _step_rows(call, q_r, plan, i, masks):
+        sums.add(a, gen(b, h, z - a, d, device=device).to(q_r.dtype))
+
+
 def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
     """Ring step i of rank call.rank as an Item: its forward_step and backward_step on the rows
-    it holds, with the sums the ring's step does: the partials merged, the dq pieces and the
-    dK/dV so far added; the own step (the backward's last) also starts and writes out the
-    shard's sums and adds the dK/dV that come home."""
+    it holds, with the sums the ring's step does: the partials and dq pieces held, added up by
+    the step that sums them (or adds to HELD of them), from the pieces the steps before it
+    leave; the dK/dV so far added; the own step (the backward's last) also writes out the
+    shard's dK/dV and adds those that come home."""
     start, width = plan.starts[s][i], plan.widths[i]
     k_h, v_h = (t.narrow(2, start, width).contiguous() for t in (k_s, v_s))
-    dv_dim, whole = v_s.shape[-1], (0, q_r.shape[2])
-    partials = _pieces(call, q_r, plan)  # per q chunk, over the steps
-    acc = Accumulator.of(call, q_r, dv_dim)
+    dv_dim = v_s.shape[-1]
+    held = key[-1]
+
+    @functools.cache
+    def before(which: str):
+        """The sums the steps before leave (fresh ones where the step only holds its pieces).
+        Built at the first call, which the timer keeps apart (compilation), so that a timer
+        pricing block masks builds none of it."""
+        sums = _sums(call, q_r, dv_dim, saved, which, q_r.device)
+        if held[0 if which == "fwd" else 1] is not None:
+            order = _order(plan, which)
+            for j in order[: order.index(i)]:
+                _add_step(sums, call, q_r, dv_dim, plan, j, which)
+        return sums
 
     def fwd():
         with torch.no_grad():
             if i == 1 and saved is not None:  # the rows held at step 1, kept for the backward
                 torch.stack([k_h, v_h])
-            if i == 0:  # the own step starts the sum (its partial cast); the call writes it out
-                own = Accumulator.of(call, q_r, dv_dim, expected=partials)
-                forward_step(call, own, q_r, k_h, v_h, s, i, plan)
-                own.result()
-            else:
-                forward_step(call, acc, q_r, k_h, v_h, s, i, plan)
+            acc = before("fwd").fork()
+            forward_step(call, acc, q_r, k_h, v_h, s, i, plan)
+            if i == plan.steps - 1:  # the last step: the partials merged, the output written
+                acc.result()
 
     bwd = None
     if saved is not None:
         sum_dtype, device = saved.lse.dtype, q_r.device
-        fused = call.options.compile and device.type == "cuda"
-        pieces = _pieces(call, q_r, plan, "flex" if call.backward == "flex" else call.backend)
-        summed = pieces.get(whole, 1) > 1  # dq is a float32 sum of the steps' pieces
-        dq_sum = torch.randn(q_r.shape, dtype=sum_dtype, device=device)
         wide = (*k_s.shape[:2], plan.widths[min(1, plan.steps - 1)], k_s.shape[3])
         # From step 2 on the dK/dV so far arrive (a receive slot's worth); at the own step the
         # sums come home.
@@ -559,9 +604,7 @@ def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
 
         def bwd():
             with torch.no_grad():
-                dq = GradSum(q_r.shape, sum_dtype, device, expected=pieces, fused=fused)
-                if summed and i != 1:  # the sum so far (step 1's piece starts it, cast)
-                    dq.add(0, dq_sum)
+                dq = before("bwd").fork()
                 dk, dv = backward_step(call, saved, k_h, v_h, s, i, plan, dq)
                 if so_far is not None:
                     dk.add(0, so_far[0], fresh=False)
@@ -570,14 +613,15 @@ def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
                     at = plan.starts[call.rank][1]
                     dk.add(at, home[0], fresh=False, last=True)
                     dv.add(at, home[1], fresh=False, last=True)
-                if i == 0:
+                if i == 0:  # the last step: dq's pieces summed and written out
                     dq.total(q_r.dtype)
                 out_dtype = k_s.dtype if i == 0 else sum_dtype
                 for grad, dtype in ((dk, out_dtype), (dv, out_dtype)):
                     grad.total(dtype)
 
     if one_call_steps(call):
-        masks = (step_call(call, q_r, s, (start, width)).block_mask,)
+        step = step_call(call, q_r, s, (start, width))
+        masks = () if step is None else (step.block_mask,)
     else:
         masks = tuple(bm for *_, bm in pairs(call, q_r, s, block_masks="flex",
                                              window=(start, width)))  # fmt: skip

@@ -102,9 +102,9 @@ def bench_timer(device: torch.device, warmup: int, repeats: int, cuda_graph: boo
 
     def timer(item: Item, which: str) -> ItemTime:
         fn = item.fwd if which == "fwd" else item.bwd
-        # First calls apart (compilation), as phases.first_call: two, as a ring step's first
-        # call keeps its partials and the next ones merge into them (the merge compiles then),
-        # which a warmup of 0 would otherwise time.
+        # First calls apart (compilation, and the sums an item builds at its first call: a
+        # ring step's, from the pieces the steps before it leave), as phases.first_call: two,
+        # so that a warmup of 0 times none of it.
         fn()
         fn()
         sync(device)

@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums
 # (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -201,6 +201,22 @@ if has ring_docs_again; then  # the same row with every sum of the ring's steps 
     T_TIMEOUT=120 t ws1_${kind}_documents_64k $AG topology=$kind topology.world_size=1 $SHAPE \
       attention=document shape.seq_len=65536 hydra.run.dir=ws1_${kind}_documents_64k
   done
+fi
+if has ring_sums; then  # the steps' partials and dq pieces held and added in one pass (cp.HELD)
+  t grad_sums python3 "$ROOT/experiments/cp_model/grad_sums.py"
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t ring_sums_gpu_tests python3 -m \
+    pytest -q -p no:cacheprovider -m "gpu or multigpu" -k "(cp_on_cuda and ring) or compiled_sums" \
+    "$ROOT/tests/distributed/test_cp_gpu.py"
+  T_TIMEOUT=150 t ring_sums_graph_p8 $GRAPHED topology=ring topology.layout=balanced $DOCS_P8 \
+    hydra.run.dir=ring_sums_graph_p8
+  for kind in ring allgather; do  # world size 1 beside the one-device call, validated
+    T_TIMEOUT=120 t sums_ws1_${kind}_documents_64k $AG topology=$kind topology.world_size=1 \
+      $SHAPE attention=document shape.seq_len=65536 hydra.run.dir=sums_ws1_${kind}_documents_64k
+  done
+  T_TIMEOUT=180 t sums_allgather_graph_p8 $GRAPHED topology=allgather topology.layout=balanced \
+    topology.options.overlap=true $DOCS_P8 hydra.run.dir=sums_allgather_graph_p8
+  t ring_sums_step_times python3 "$ROOT/experiments/cp_model/step_times.py" \
+    --kind ring --layout balanced --world-size 8 --variant document
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"

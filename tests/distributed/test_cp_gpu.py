@@ -255,24 +255,31 @@ def test_flash_backend_runs_every_topologys_forward_and_backward(transport, monk
 
 
 @pytest.mark.gpu
-def test_compiled_merge_matches_eager_merge_on_accumulator_views():
-    """The fused (compiled) merge writes the same rows as the eager one, empty rows included."""
-    from attngym.distributed.merge import compiled_merge_into, merge_into
+def test_compiled_sums_match_eager_ones_on_accumulator_views():
+    """The fused (compiled) merge and sum give the rows the eager ones give, empty rows
+    included, written into a view of a larger tensor as the accumulators write them."""
+    from attngym.distributed.merge import compiled_sums, merged_weights, weighted_sum
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    acc = torch.randn(1, 4, 512, 64, generator=gen, device="cuda")
-    lse = torch.randn(1, 4, 512, generator=gen, device="cuda")
-    lse[0, 0, :7], acc[0, 0, :7] = float("-inf"), 0.0  # rows no key reached yet
-    out_i = torch.randn(1, 4, 256, 64, generator=gen, device="cuda").bfloat16()
-    lse_i = torch.randn(1, 4, 256, generator=gen, device="cuda")
-    lse_i[0, 1, :5] = float("-inf")  # rows this pair does not reach
-    rows = slice(128, 384)
-    want_acc, want_lse = acc.clone(), lse.clone()
-    merge_into(want_acc[:, :, rows], want_lse[:, :, rows], out_i, lse_i)
-    compiled_merge_into()(acc[:, :, rows], lse[:, :, rows], out_i, lse_i)
+    outs = [torch.randn(1, 4, 256, 64, generator=gen, device="cuda").bfloat16() for _ in range(5)]
+    lses = [torch.randn(1, 4, 256, generator=gen, device="cuda") for _ in range(5)]
+    for lse_i in lses:
+        lse_i[0, 0, :7] = float("-inf")  # rows no pair reached
+    lses[2][0, 1, :5] = float("-inf")  # rows one pair does not reach
+    weights_of, summed = compiled_sums()
+    want_lse, want_ws = merged_weights(lses)
+    lse, ws = weights_of(lses)
     # float32 both ways; the fused kernel may round exp/log differently by an ulp or two.
-    torch.testing.assert_close(acc, want_acc, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    rows = slice(128, 384)
+    want, got = (torch.zeros(1, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weighted_sum(outs, want_ws, torch.float32, torch.bfloat16, want[:, :, rows])
+    summed(outs, ws, torch.float32, torch.bfloat16, got[:, :, rows])
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)  # a bf16 ulp
+    assert (got[0, 0, 128:135] == 0).all() and (got[:, :, :128] == 0).all()
+    plain = summed(outs, None, torch.float32, torch.bfloat16)  # the gradients' sum
+    want = weighted_sum(outs, None, torch.float32, torch.bfloat16)
+    torch.testing.assert_close(plain.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 def _graph_worker(rank, world_size):

@@ -16,9 +16,8 @@ import random
 import pytest
 import torch
 
-from attngym.distributed.cp import Accumulator, GradSum
+from attngym.distributed.cp import HELD, Accumulator, GradSum
 from attngym.distributed.launch import launch
-from attngym.distributed.merge import merge_into
 
 from .gpu_ranks import skip_reason, transports
 
@@ -83,8 +82,10 @@ def test_ring_allocates_no_more_than_the_allgather_at_one_and_two_ranks(monkeypa
     causal (whole shards): the ring's float32 sums exist only where pieces meet.
 
     Slack in the backward: two (B, H, S/P) float32, the lse the ring saves and its base-2 copy for
-    flex's op. On zigzag a ring step is one call over the shard's two chunks, summed in a float32
-    out of the whole shard where the all-gather writes its bf16 out once. On CUDA the all-gather's
+    flex's op. On zigzag a ring step is one call over the shard's two chunks: the ring holds the
+    steps' partials of the whole shard and adds them up once, eager (as here) through a float32
+    sum of the shard, where the all-gather writes its bf16 out once (compiled, on CUDA, one
+    kernel writes the bf16 out from the partials). On CUDA the all-gather's
     compiled flex holds as much (it saves its lse, and its backward allocates a zero lse gradient),
     which this count cannot see: both lie inside the reference kernel here. For the window both move
     exactly the halo, so the ring may also hold its second receive slot: two (K, V) halos (the
@@ -112,8 +113,8 @@ def test_ring_allocates_no_more_than_the_allgather_at_one_and_two_ranks(monkeypa
                     if name == "fwd_bwd":
                         slack += 2 * 2 * 128 * 16 * 2  # the rows kept from the forward
                 if layout == "zigzag":  # a step's one call spans the shard's two chunks: the
-                    # ring sums it in a float32 out of the shard (the all-gather's is bf16)
-                    slack += (seq_len // world_size) * 2 * 16 * (4 - 2)
+                    # ring adds the held partials up in a float32 sum of the shard
+                    slack += (seq_len // world_size) * 2 * 16 * 4
                 assert ring <= gather + slack, (world_size, layout, variant, name, ring, gather)
     # The halo pairs' gradients cover their bands: the ring's backward below the all-gather's
     # with no slack (before each returned whole-chunk pieces: 528 against 448 KB).
@@ -137,7 +138,7 @@ def test_gradsum_equals_the_zero_filled_float32_accumulator_bit_for_bit(seed):
     n = 24
     shape = (1, 2, n, 4)
     pieces = []
-    for _ in range(rng.randint(1, 6)):
+    for _ in range(rng.randint(1, 2 * HELD)):  # past HELD: added up in groups, in order
         start = rng.randrange(n)
         rows = rng.randint(1, n - start)
         fresh = rng.random() < 0.7  # a kernel's output (bf16), else a received float32 slot
@@ -177,34 +178,50 @@ def test_gradsum_hands_a_single_whole_piece_back_and_writes_bands_into_it():
     assert torch.equal(empty.total(torch.float32), torch.zeros(1, 2, 8, 4))  # no piece: zeros
 
 
-def test_accumulator_keeps_a_single_partial_and_merges_two_as_before():
-    gen = torch.Generator().manual_seed(0)
+def _float64_merge(shape, partials):
+    """The float64 merge of partials over rows 0.. of a (1, 2, n, 4) shard: (out, lse)."""
+    out, lse = torch.zeros(shape, dtype=torch.float64), torch.full(shape[:3], float("-inf"))
+    lse = lse.double()
+    for out_i, lse_i in partials:
+        m = out_i.shape[2]
+        new = torch.logaddexp(lse[:, :, :m], lse_i.double())
+        w_old = torch.nan_to_num(torch.exp(lse[:, :, :m] - new))
+        w_new = torch.nan_to_num(torch.exp(lse_i.double() - new))
+        out[:, :, :m] = out[:, :, :m] * w_old[..., None] + out_i.double() * w_new[..., None]
+        lse[:, :, :m] = new
+    return out, lse
+
+
+@pytest.mark.parametrize("count", [2, HELD, HELD + 3])
+def test_accumulator_merges_held_partials_in_one_pass_as_float64_does(count):
+    gen = torch.Generator().manual_seed(count)
     q = torch.randn(1, 2, 16, 4, generator=gen).bfloat16()
     partials = [
-        (torch.randn(1, 2, 8, 4, generator=gen).bfloat16(), torch.randn(1, 2, 8, generator=gen))
-        for _ in range(3)
+        (torch.randn(1, 2, 8, 4, generator=gen).bfloat16(), 3 * torch.randn(1, 2, 8, generator=gen))
+        for _ in range(count)
     ]
-    partials[1][1][0, 0, :3] = float("-inf")  # rows the second pair does not reach
-    # Old: zeros and -inf over the shard, every partial merged in, cast once. Rows 8.. of the
-    # shard get no partial here (out 0, lse -inf), rows 0..7 two.
-    old_out = torch.zeros(1, 2, 16, 4)
-    old_lse = torch.full((1, 2, 16), float("-inf"))
+    for j in range(count):  # rows some pairs do not reach; row 7 none at all
+        partials[j][1][0, 0, 7] = float("-inf")
+    partials[1][1][0, 1, :3] = float("-inf")
     acc = Accumulator(q, 4)
-    for out_i, lse_i in partials[:2]:
-        merge_into(old_out[:, :, :8], old_lse[:, :, :8], out_i, lse_i)
-        acc.add(slice(0, 8), out_i.clone(), lse_i.clone())
+    for out_i, lse_i in partials:
+        acc.add(slice(0, 8), out_i, lse_i)
+        assert all(held <= HELD for *_, held in acc.held())
     out, lse = acc.result()
-    assert torch.equal(out, old_out.bfloat16()) and torch.equal(lse, old_lse)
-    # Told that rows 0..7 meet two pairs, the accumulator casts the first partial at once.
-    acc = Accumulator(q, 4, expected={(0, 8): 2})
-    for out_i, lse_i in partials[:2]:
-        acc.add(slice(0, 8), out_i.clone(), lse_i.clone())
-    assert acc._chunks[0, 8][0].dtype == torch.float32
-    out, lse = acc.result()
-    assert torch.equal(out, old_out.bfloat16()) and torch.equal(lse, old_lse)
+    want_out, want_lse = _float64_merge((1, 2, 16, 4), partials)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)  # -inf included
+    torch.testing.assert_close(out.double(), want_out, rtol=8e-3, atol=8e-3)  # bf16 rounding
+    assert (out[:, :, 8:] == 0).all() and torch.isneginf(lse[:, :, 8:]).all()  # no pair here
+    assert (out[0, 0, 7] == 0).all() and not out.isnan().any()
+
+
+def test_accumulator_hands_a_single_partial_back_unchanged():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 16, 4, generator=gen).bfloat16()
     acc = Accumulator(q, 4)
-    acc.add(slice(0, 16), partials[2][0].repeat(1, 1, 2, 1), partials[2][1].repeat(1, 1, 2))
-    kept = acc._chunks[0, 16][0]
+    kept = torch.randn(1, 2, 16, 4, generator=gen).bfloat16()
+    acc.add(slice(0, 16), kept, torch.randn(1, 2, 16, generator=gen))
     assert acc.result()[0] is kept  # world size 1: the kernel's own output
 
 

@@ -113,7 +113,9 @@ def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
 
 
 def test_identical_work_is_timed_once():
-    """Causal zigzag at P=16: 16 ranks x 16 steps of pairs, a handful of distinct structures."""
+    """Causal zigzag at P=16: 16 ranks x 16 steps of pairs, a handful of distinct structures
+    (with each step's role, and the steps that add up the sums held: every HELD-th and the
+    last of each pass)."""
     q, k, v, g = make_inputs(Shape(batch=1, heads=1, seq_len=4096, head_dim=8), 0, "cpu",
                              torch.float32)  # fmt: skip
     calls: list = []
@@ -130,7 +132,7 @@ def test_identical_work_is_timed_once():
         timer=_counting_timer(calls),
     )
     assert sim.items == 2 * 16 * 16  # fwd and bwd of every step of every rank
-    assert sim.timed == len(calls) == len(set(calls)) and sim.timed <= 8
+    assert sim.timed == len(calls) == len(set(calls)) and sim.timed <= 20
     assert len(sim.ranks) == 16 and all(len(w.fwd_ms) == 16 for w in sim.ranks)
 
 
