@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums ring_sums_p64
 # (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums ring_sums_p64} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -217,6 +217,11 @@ if has ring_sums; then  # the steps' partials and dq pieces held and added in on
     topology.options.overlap=true $DOCS_P8 hydra.run.dir=sums_allgather_graph_p8
   t ring_sums_step_times python3 "$ROOT/experiments/cp_model/step_times.py" \
     --kind ring --layout balanced --world-size 8 --variant document
+fi
+if has ring_sums_p64; then  # the same at 64 steps: the sums added up every HELD pieces
+  T_TIMEOUT=150 t sums_graph_ring_causal_128k_p64 $GRAPHED topology=ring topology.layout=zigzag \
+    topology.transport=nccl attention=causal shape.seq_len=131072 topology.world_size=64 \
+    topology.fabric=hgx_h200 hydra.run.dir=sums_graph_ring_causal_128k_p64
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"
