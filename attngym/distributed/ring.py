@@ -441,7 +441,8 @@ def simulate_ring(sc: SimulatedCall) -> Simulation:
 
 
 def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int, int]:
-    """Rank r's RankWork, the bytes it sends in a forward and its channels' slots."""
+    """Rank r's RankWork, the bytes it sends in a forward and the bytes it holds beside the
+    timed compute: its channels' slots, the rows kept, the dK/dV sums and the pieces held."""
     P, q_r = ranks.world_size, ranks.qs[r]
     call, counted = ranks.call(r), ranks.call(r, counted=True)
     saved = ranks.saved[r] if ranks.saved is not None else None
@@ -453,7 +454,7 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     dkv_bytes = nbytes(2, b, g, plan.widths[1], d, itemsize=acc_size) if plan.steps > 1 else 0
     fwd_ms, bwd_ms, fwd_in, bwd_moving, host = [], [], [], [], [0.0, 0.0]
     dv_dim = ranks.vs[0].shape[-1]
-    held = _held_before(call, q_r, dv_dim, plan, saved)
+    held, held_bytes = _held_before(call, q_r, dv_dim, plan, saved)
     for i in range(plan.steps):
         s = (r - i) % P
         window = (plan.starts[s][i], plan.widths[i])
@@ -493,7 +494,8 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
         host_bwd_ms=host[1],
     )
     kept = kv_bytes[1] if saved is not None and plan.steps > 1 else 0  # step 1's rows, kept
-    return work, sum(kv_bytes[1 : plan.steps]), slots + kept + (2 * dkv_bytes if saved else 0)
+    buffers = slots + kept + (2 * dkv_bytes if saved else 0) + held_bytes  # + pieces held
+    return work, sum(kv_bytes[1 : plan.steps]), buffers
 
 
 def _step_structure(call, q_r, s, window, clock) -> tuple:
@@ -510,13 +512,15 @@ def _step_structure(call, q_r, s, window, clock) -> tuple:
     )
 
 
-def _held_before(call, q_r, dv_dim: int, plan: RingPlan, saved) -> list[tuple]:
+def _held_before(call, q_r, dv_dim: int, plan: RingPlan, saved) -> tuple[list[tuple], int]:
     """Per step i: (forward, backward) the sums this rank holds before the step, where the
     step's time depends on them: the step that adds them up (the forward's last; the backward's
     own, run last) or adds to a sum holding cp.HELD pieces; else None (the step only holds its
-    pieces). Replayed with the pieces' shapes only (on "meta")."""
+    pieces). And the most bytes of pieces held at once. Replayed with the pieces' shapes only
+    (on "meta")."""
     last = {"fwd": plan.steps - 1, "bwd": 0}
-    out = [[None, None] for _ in range(plan.steps)]
+    out, most = [[None, None] for _ in range(plan.steps)], 0
+    row = q_r.shape[0] * q_r.shape[1] * max(q_r.shape[3], dv_dim) * q_r.element_size()
     for j, which in enumerate(("fwd", "bwd") if saved is not None else ("fwd",)):
         sums = _sums(call, q_r, dv_dim, saved, which, "meta")
         for i in _order(plan, which):
@@ -524,7 +528,8 @@ def _held_before(call, q_r, dv_dim: int, plan: RingPlan, saved) -> list[tuple]:
             if i == last[which] or any(count >= HELD for *_, count in now):
                 out[i][j] = now
             _add_step(sums, call, q_r, dv_dim, plan, i, which)
-    return [tuple(x) for x in out]
+            most = max(most, sum((b - a) * count for a, b, count in sums.held()) * row)
+    return [tuple(x) for x in out], most
 
 
 def _order(plan: RingPlan, which: str) -> list[int]:
@@ -534,16 +539,13 @@ def _order(plan: RingPlan, which: str) -> list[int]:
 
 
 def _sums(call, q_r, dv_dim: int, saved, which: str, device):
-    """A new sum of this rank's pass, as the ring makes it: the forward's Accumulator, the
-    backward's dq GradSum (compiled as the call's on its own device; plain on "meta")."""
+    """A new sum of this rank's pass on `device`, as the ring makes it: the forward's
+    Accumulator, the backward's dq GradSum."""
     device = torch.device(device)
-    on = device == q_r.device
     if which == "fwd":
-        like = q_r if on else torch.empty(q_r.shape, dtype=q_r.dtype, device=device)
-        return Accumulator.of(call, like, dv_dim) if on else Accumulator(like, dv_dim)
-    if on:
-        return GradSum.of(call, q_r.shape, saved.lse.dtype, device)
-    return GradSum(q_r.shape, saved.lse.dtype, device)
+        like = q_r if device == q_r.device else torch.empty_like(q_r, device=device)
+        return Accumulator.of(call, like, dv_dim)
+    return GradSum.of(call, q_r.shape, saved.lse.dtype, device)
 
 
 def _add_step(sums, call, q_r, dv_dim: int, plan: RingPlan, i: int, which: str) -> None:
