@@ -595,7 +595,8 @@ def attend(call: CPCall, q, k, v, q_offset, kv_offset, block_mask, variant=None)
 # the kernel returned it, and up to HELD of them are added in one pass that reads each once and
 # writes the sum once (Accumulator, GradSum). Added as each came, every piece cost a read and a
 # write of the float32 sum, the largest cost of a ring step's own after its kernel. With 8, a
-# ring of 8 ranks sums its steps in one pass; memory: 8 pieces beside the sum, at most.
+# ring of 8 ranks sums its steps in one pass. Memory: at most 8 pieces of a sum are held (the
+# first may be the float32 sum of earlier ones).
 HELD = 8
 
 
