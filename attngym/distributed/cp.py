@@ -806,8 +806,14 @@ class GradSum:
             if r.start > covered:
                 out.narrow(-2, covered, r.start - covered).zero_()
             if r.root is not out or len(r.pieces) > 1:  # else already in place
-                rows = out.narrow(-2, r.start, r.stop - r.start)
-                self._sum(r.pieces, None, self.sum_dtype, dtype, rows)
+                # Summed apart, then copied: `out` may be a kernel output these pieces view,
+                # and a compiled call given two views of one storage (the output rows and a
+                # piece) went wrong (wrong gradients on CUDA, an error on CPU).
+                summed = r.pieces[0] if len(r.pieces) == 1 else self._sum(
+                    r.pieces, None, self.sum_dtype, dtype
+                )  # fmt: skip
+                out.narrow(-2, r.start, r.stop - r.start).copy_(summed)
+                del summed
             covered = r.stop
             del r
         if covered < n:

@@ -2,11 +2,11 @@
 # CP at scale on one H200: the new paths validated with two ranks sharing the GPU, planning a
 # user's mask, and topology=auto's picks on the scaling rows (simulated ranks, B=1 H=8 D=128
 # bf16). From the repository root:   bash experiments/cp_model/scale.sh OUT [PHASE...]
-# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums ring_sums_p64
+# PHASE: real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums ring_sums_p64 overlap_again
 # (default: all; each fits one 10-minute call). T_TIMEOUT bounds one run (default 300 s).
 set -u
 OUT=${1:?usage: scale.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums ring_sums_p64} "
+WHAT=" ${*:-real plan auto big ring exchange exchange_docs step step_window step_auto graph graph_rows graph_docs graph_kernels step_kernels ring_docs ring_docs_again ring_sums ring_sums_p64 overlap_again} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 readme_masks $W
@@ -222,6 +222,17 @@ if has ring_sums_p64; then  # the same at 64 steps: the sums added up every HELD
   T_TIMEOUT=150 t sums_graph_ring_causal_128k_p64 $GRAPHED topology=ring topology.layout=zigzag \
     topology.transport=nccl attention=causal shape.seq_len=131072 topology.world_size=64 \
     topology.fabric=hgx_h200 hydra.run.dir=sums_graph_ring_causal_128k_p64
+fi
+if has overlap_again; then  # the overlapped all-gather after the sums' fix: reference, then runs
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t overlap_gpu_tests python3 -m \
+    pytest -q -p no:cacheprovider -m "gpu or multigpu" -k "overlapped_allgather or compiled_sums" \
+    "$ROOT/tests/distributed/test_cp_gpu.py"
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=120 t overlap_allgather_documents_16k $AG \
+    topology=allgather topology.layout=balanced topology.world_size=2 topology.options.overlap=true \
+    $SHAPE attention=document shape.seq_len=16384 hydra.run.dir=overlap_allgather_documents_16k
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t overlap_auto_documents_16k $AG \
+    topology=auto topology.world_size=2 $SHAPE attention=document shape.seq_len=16384 \
+    hydra.run.dir=overlap_auto_documents_16k
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"

@@ -8,6 +8,8 @@ relative; 2e-3 leaves room for the flex kernel's own accumulation order.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -35,8 +37,9 @@ SCHEMES = {"ring": ring_attention, "allgather": allgather_attention}
 
 
 def _worker(
-    rank, world_size, transport, variant_names, backward="auto", layouts=None, schemes=None
-):
+    rank, world_size, transport, variant_names, backward="auto", layouts=None, schemes=None,
+    **scheme_options,
+):  # fmt: skip
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     S = 1024
@@ -56,8 +59,9 @@ def _worker(
                     for t in (q, k, v)
                 )
                 out = fn(
-                    q_s, k_s, v_s, variant, layout=layout, transport=transport, backward=backward
-                )
+                    q_s, k_s, v_s, variant, layout=layout, transport=transport, backward=backward,
+                    **scheme_options,
+                )  # fmt: skip
                 out.backward(shard(dout, rank, world_size, layout, variant=variant))
                 errors[(name, fn.__name__, layout)] = relative_errors(
                     (out, q_s.grad, k_s.grad, v_s.grad),
@@ -86,6 +90,24 @@ def test_cp_on_cuda_matches_reference(transport, variant, scheme, monkeypatch):
         device="cuda",
         timeout_s=300,
     )
+    for case, rel in errors.items():
+        assert max(rel) < REL, f"{transport} {case}: relative errors of out, dq, dk, dv = {rel}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", transports())
+def test_overlapped_allgather_on_cuda_matches_reference(transport, monkeypatch):
+    """The all-gather's exchange overlapped with its own keys' call: the received rows' partial
+    merged into theirs, and in the backward their dq added to the own keys' (several row
+    ranges of one sum), on every layout."""
+    if (reason := skip_reason(transport, 2)) is not None:
+        pytest.skip(reason)
+    if torch.cuda.device_count() < 2:
+        monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    layouts = ("contiguous", "zigzag", "balanced")
+    args = (transport, ("sliding_window", "document"), "auto", layouts, ("allgather",))
+    worker = functools.partial(_worker, overlap=True)
+    errors = launch(worker, 2, args=args, device="cuda", timeout_s=300)
     for case, rel in errors.items():
         assert max(rel) < REL, f"{transport} {case}: relative errors of out, dq, dk, dv = {rel}"
 

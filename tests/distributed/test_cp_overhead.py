@@ -178,6 +178,31 @@ def test_gradsum_hands_a_single_whole_piece_back_and_writes_bands_into_it():
     assert torch.equal(empty.total(torch.float32), torch.zeros(1, 2, 8, 4))  # no piece: zeros
 
 
+def test_compiled_gradsum_writes_bands_into_a_kernel_output_that_shares_its_storage():
+    """flex's backward returns dq, dk, dv in one storage. The compiled sums (fused, as on CUDA;
+    here Inductor's CPU code) write a band's sum into that dq, and a home band into dk, and
+    leave the other gradients alone. Passing the band both as a piece and as the output view
+    broke the compiled call (wrong gradients on CUDA, an error on CPU)."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, 2, 64, 8)
+    for fused in (False, True):
+        grads = torch.randn(3, *shape, generator=gen).bfloat16()  # dq, dk, dv of one kernel
+        before, (dq_i, dk_i, _) = grads.clone(), grads.unbind()
+        band, home = torch.randn(1, 2, 16, 8, generator=gen).bfloat16(), torch.randn(1, 2, 8, 8)
+        dq = GradSum(shape, torch.float32, "cpu", fused=fused)
+        dq.add(8, band)  # the received rows' piece first, as the overlapped all-gather adds it
+        dq.add(0, dq_i)
+        dk = GradSum(shape, torch.float32, "cpu", fused=fused)
+        dk.add(0, dk_i)
+        dk.add(40, home, fresh=False, last=True)  # what comes home, into the kept rows
+        assert dq.total(torch.bfloat16) is dq_i and dk.total(torch.bfloat16) is dk_i
+        want = before.float()
+        want[0, :, :, 8:24] += band.float()
+        want[1, :, :, 40:48] += home
+        # dv untouched; each band's sum exact in float32, rounded once
+        assert torch.equal(grads, want.bfloat16())
+
+
 def _float64_merge(shape, partials):
     """The float64 merge of partials over rows 0.. of a (1, 2, n, 4) shard: (out, lse)."""
     out, lse = torch.zeros(shape, dtype=torch.float64), torch.full(shape[:3], float("-inf"))
