@@ -58,8 +58,9 @@ def weighted_sum(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · x_i (each w_i 1 when `ws` is None), added in `sum_dtype` in order, rounded once
-    to `dtype`: a new tensor, or written into `out` (which may be one of the x_i) and returned.
-    The merge's second half, and the whole of a gradient's sum."""
+    to `dtype`: a new tensor, or written into `out` and returned. `out` may be one of the x_i
+    itself, but compiled, not another view of its storage (Inductor mishandles that). The
+    merge's second half, and the whole of a gradient's sum."""
     total = None  # added into in place, so eager allocates nothing more than the sum
     for i, x in enumerate(tensors):
         if total is None:
