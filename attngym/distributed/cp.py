@@ -641,15 +641,13 @@ class Accumulator:
         """(start, stop, partials held) of each chunk: what the next add or result costs."""
         return tuple((a, b, len(held)) for (a, b), held in sorted(self._chunks.items()))
 
-    def _merged(self, held: list, dtype: torch.dtype, out: torch.Tensor | None = None):
-        """(out in `dtype`, lse) of the partials `held`, written into `out` when given."""
+    def _merged(self, held: list, dtype: torch.dtype):
+        """(out in `dtype`, lse) of the partials `held`."""
         if len(held) == 1:
-            out_c, lse = held[0]
-            if out is None:
-                return _to(self._sum, out_c, dtype), lse.to(self.acc_dtype)
-            return out.copy_(out_c), lse.to(self.acc_dtype)
+            out, lse = held[0]
+            return _to(self._sum, out, dtype), lse.to(self.acc_dtype)
         lse, ws = self._weights([lse.to(self.acc_dtype) for _, lse in held])
-        return self._sum([o for o, _ in held], ws, self.acc_dtype, dtype, out), lse
+        return self._sum([out for out, _ in held], ws, self.acc_dtype, dtype), lse
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse in the accumulator dtype) over the whole shard; rows no pair
@@ -664,10 +662,10 @@ class Accumulator:
         for start, stop in sorted(chunks):
             if start > covered:
                 _no_key(out, lse, covered, start)
-            held = chunks.pop((start, stop))
-            _, lse_c = self._merged(held, self.dtype, out=out[:, :, start:stop])
+            out_c, lse_c = self._merged(chunks.pop((start, stop)), self.dtype)
+            out[:, :, start:stop].copy_(out_c)
             lse[:, :, start:stop].copy_(lse_c)
-            del held, lse_c
+            del out_c, lse_c
             covered = stop
         if covered < n:
             _no_key(out, lse, covered, n)

@@ -468,7 +468,8 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
                structure, role, held[i])  # fmt: skip
 
         def build(s=s, i=i, key=key):
-            return _step_item(call, q_r, ranks.ks[s], ranks.vs[s], s, i, plan, saved, key)
+            return _step_item(call, q_r, ranks.ks[s], ranks.vs[s], s, i, plan, saved, key,
+                              held[i])  # fmt: skip
 
         for j, (which, times) in enumerate((("fwd", fwd_ms), ("bwd", bwd_ms))):
             if which == "bwd" and saved is None:
@@ -562,16 +563,16 @@ def _add_step(sums, call, q_r, dv_dim: int, plan: RingPlan, i: int, which: str) 
         sums.add(a, gen(b, h, z - a, d, device=device).to(q_r.dtype))
 
 
-def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key) -> Item:
+def _step_item(call, q_r, k_s, v_s, s, i, plan, saved, key, held) -> Item:
     """Ring step i of rank call.rank as an Item: its forward_step and backward_step on the rows
     it holds, with the sums the ring's step does: the partials and dq pieces held, added up by
     the step that sums them (or adds to HELD of them), from the pieces the steps before it
     leave; the dK/dV so far added; the own step (the backward's last) also writes out the
-    shard's dK/dV and adds those that come home."""
+    shard's dK/dV and adds those that come home. `held`: the step's (forward, backward) entry
+    of _held_before."""
     start, width = plan.starts[s][i], plan.widths[i]
     k_h, v_h = (t.narrow(2, start, width).contiguous() for t in (k_s, v_s))
     dv_dim = v_s.shape[-1]
-    held = key[-1]
 
     @functools.cache
     def before(which: str):
