@@ -233,7 +233,7 @@ def attend_backward(
         block_mask: the pair's BlockMask (attngym.kernels.make_block_mask, full when unmasked).
         compile: compile the op on CUDA (False, or CPU: the op's dense eager implementation).
         lse2: `kernel_lse(lse, kernel_options, q.dtype)` when the caller has it already (one
-            conversion for every pair of a backward); computed from lse when None.
+            conversion for every pair of a backward), any strides; computed from lse when None.
         q_positions, kv_positions: the global position of each query row and key (int32, as
             position_table's) where they are not one run at an offset: the rows of several
             chunks (a ring step over a rank's whole shard, the all-gather's keys); the other
@@ -313,7 +313,9 @@ def op_args(
         k,
         v,
         out,
-        lse2.detach(),
+        # flex's Triton kernels read the lse as (B·H, rows) whatever its strides: a row slice of
+        # a longer lse (a call over some of a shard's rows) gave them other rows' values
+        lse2.detach().contiguous(),
         dout,
         graphs.nested,
         block,

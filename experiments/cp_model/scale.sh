@@ -223,7 +223,7 @@ if has ring_sums_p64; then  # the same at 64 steps: the sums added up every HELD
     topology.transport=nccl attention=causal shape.seq_len=131072 topology.world_size=64 \
     topology.fabric=hgx_h200 hydra.run.dir=sums_graph_ring_causal_128k_p64
 fi
-if has overlap_again; then  # the overlapped all-gather after the sums' fix: reference, then runs
+if has overlap_again; then  # the overlapped all-gather after the sums' fix: reference, runs, then P=8 re-timed
   TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t overlap_gpu_tests python3 -m \
     pytest -q -p no:cacheprovider -m "gpu or multigpu" -k "overlapped_allgather or compiled_sums" \
     "$ROOT/tests/distributed/test_cp_gpu.py"
@@ -233,6 +233,8 @@ if has overlap_again; then  # the overlapped all-gather after the sums' fix: ref
   TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t overlap_auto_documents_16k $AG \
     topology=auto topology.world_size=2 $SHAPE attention=document shape.seq_len=16384 \
     hydra.run.dir=overlap_auto_documents_16k
+  T_TIMEOUT=180 t overlap_allgather_graph_p8 $GRAPHED topology=allgather topology.layout=balanced \
+    topology.options.overlap=true $DOCS_P8 hydra.run.dir=overlap_allgather_graph_p8
 fi
 for d in "$W"/*/; do  # metrics and auto.json of every run
   [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename $d).metrics.json"

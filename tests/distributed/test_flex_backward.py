@@ -99,6 +99,26 @@ def test_eager_op_gives_each_pairs_share_of_the_gradient(case, tables, monkeypat
     assert max(errors) < TOL, f"{case}: max |err| of dq, dk, dv = {errors}"
 
 
+def test_the_op_reads_a_given_lse_of_some_rows_as_a_contiguous_tensor():
+    """A call over some of a shard's rows (the overlapped all-gather's received rows) passes a
+    row slice of the shard's converted lse. flex's Triton kernels index the lse as (B·H, rows)
+    whatever its strides, so the op must get those rows packed, with their values unchanged."""
+    variant = _cases()["causal"]
+    q, k, v, out, lse, dout, _ = _problem(variant)
+    rows = slice(HALF, S)
+    whole = flex_backward.kernel_lse(lse, None, q.dtype)
+    assert not whole[:, :, rows].is_contiguous()  # the case this guards
+    block_mask = kernels.make_block_mask(variant, HALF, S, q_offset=HALF, block_size=(8, 8))
+    _, args = flex_backward.op_args(
+        q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], dout[:, :, rows], variant,
+        q_offset=HALF, kv_offset=0, block_mask=block_mask, scale=None, kernel_options=None,
+        lse2=whole[:, :, rows],
+    )  # fmt: skip
+    lse2 = args[4]
+    assert lse2.is_contiguous()
+    assert torch.equal(lse2, whole[:, :, rows])
+
+
 def test_dynamo_traces_the_op_once_per_variant_and_reuses_it():
     import torch._dynamo.testing
 
