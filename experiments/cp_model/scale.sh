@@ -223,7 +223,7 @@ if has ring_sums_p64; then  # the same at 64 steps: the sums added up every HELD
     topology.transport=nccl attention=causal shape.seq_len=131072 topology.world_size=64 \
     topology.fabric=hgx_h200 hydra.run.dir=sums_graph_ring_causal_128k_p64
 fi
-if has overlap_again; then  # the overlapped all-gather after the sums' fix: reference, runs, then P=8 re-timed
+if has overlap_again; then  # the overlapped all-gather, fixed: reference, runs, P=8 re-timed
   TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 T_TIMEOUT=200 t overlap_gpu_tests python3 -m \
     pytest -q -p no:cacheprovider -m "gpu or multigpu" -k "overlapped_allgather or compiled_sums" \
     "$ROOT/tests/distributed/test_cp_gpu.py"
