@@ -806,7 +806,7 @@ class GradSum:
             if r.root is not out or len(r.pieces) > 1:  # else already in place
                 # Summed apart, then copied: `out` may be a kernel output these pieces view,
                 # and a compiled call given two views of one storage (the output rows and a
-                # piece) went wrong (wrong gradients on CUDA, an error on CPU).
+                # piece) raises in Inductor's CPU code.
                 summed = r.pieces[0] if len(r.pieces) == 1 else self._sum(
                     r.pieces, None, self.sum_dtype, dtype
                 )  # fmt: skip

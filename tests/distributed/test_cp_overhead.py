@@ -179,10 +179,10 @@ def test_gradsum_hands_a_single_whole_piece_back_and_writes_bands_into_it():
 
 
 def test_compiled_gradsum_writes_bands_into_a_kernel_output_that_shares_its_storage():
-    """flex's backward returns dq, dk, dv in one storage. The compiled sums (fused, as on CUDA;
-    here Inductor's CPU code) write a band's sum into that dq, and a home band into dk, and
-    leave the other gradients alone. Passing the band both as a piece and as the output view
-    broke the compiled call (wrong gradients on CUDA, an error on CPU)."""
+    """dq, dk and dv of one kernel in one storage. The compiled sums (fused, as on CUDA; here
+    Inductor's CPU code) write a band's sum into that dq, and a home band into dk, and leave
+    the other gradients alone. Passing the band both as a piece and as the output view made
+    the compiled call raise."""
     gen = torch.Generator().manual_seed(0)
     shape = (1, 2, 64, 8)
     for fused in (False, True):
