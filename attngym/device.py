@@ -9,6 +9,7 @@ CUDA's allocator peak adds on a GPU, what the process's peak resident set size a
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import platform
 import re
@@ -21,6 +22,30 @@ log = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
+
+# The unary ops ATen hands to MKL's vector math library (aten/src/ATen/cpu/vml.h), for float32 and
+# float64 tensors on the CPU.
+_VML_OPS = (
+    "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2",
+    "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+@functools.cache
+def settle_cpu_math() -> None:
+    """Call each of MKL's vector math functions once, on one thread, before any parallel use.
+
+    oneMKL (2024.2, as in PyTorch's wheels) picks each function's kernel on its first call; when
+    that first call runs on several intra-op threads at once, one thread can compute its whole
+    chunk with a low-accuracy kernel (pytorch/pytorch#188792): a float64 `exp` off by ~1e-9 in a
+    process's first large call, and exact from the second on. A one-element call runs on the
+    calling thread alone, so after this every process computes the same bits. Cheap (~1 ms);
+    once per process; every process that computes on the CPU calls it before its first kernel.
+    """
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for op in _VML_OPS:
+            getattr(torch, op)(one)
 
 
 def resolve_device(name: str | torch.device) -> torch.device:

@@ -149,8 +149,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     naming the holder, exit code 1, before it reads or writes anything.
     """
     from attngym import kernels
+    from attngym.device import settle_cpu_math
     from attngym.distributed.launch import join_slurm_step
 
+    settle_cpu_math()  # before the job's first parallel CPU op (see its docstring)
     join_slurm_step()  # a task of a SLURM step is a rank (a submitit job starts here)
     timeline.begin(_job_start())
     try:

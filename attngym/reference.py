@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from attngym.device import settle_cpu_math
 from attngym.variants.base import MaskMod, ScoreMod
 
 
@@ -93,6 +94,7 @@ def attention(
     if kv_positions is None:
         kv_positions = torch.arange(seq_kv, device=q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    settle_cpu_math()  # the same bits in every process (see its docstring)
 
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if kv_heads != heads:

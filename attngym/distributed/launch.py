@@ -328,8 +328,10 @@ def _rank_main(
     _REPORT_TO = result_dir if rank == 0 else None
     import torch.distributed as dist
 
+    from attngym.device import settle_cpu_math
     from attngym.distributed.transport import clear_cache
 
+    settle_cpu_math()  # before the rank's first parallel CPU op (see its docstring)
     try:
         _set_device(device, rank)
         dist.init_process_group(
