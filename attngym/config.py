@@ -913,6 +913,33 @@ def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
             )
 
 
+# Inductor's backward kernel walks one tile inside the other (static asserts in its template):
+# (outer, inner) where the inner tile must be a multiple of the outer one.
+NESTED_BACKWARD_TILES = (("BLOCK_M1", "BLOCK_N1"), ("BLOCK_N2", "BLOCK_M2"))
+
+
+def _triton_backward_tiles_nest(data: dict[str, Any]) -> None:
+    """On CUDA, Triton flex's backward needs BLOCK_N1 a multiple of BLOCK_M1 (dK, dV) and
+    BLOCK_M2 a multiple of BLOCK_N2 (dQ), else its template fails to compile (a CompilationError
+    in bwd_dkdv_inner or bwd_dq_inner, after the compile has started): refused here at once."""
+    options = data["kernel_options"]
+    if (
+        _flash(options)
+        or "bwd" not in data["passes"]
+        or not str(data["device"]["name"]).startswith("cuda")
+    ):
+        return
+    for outer, inner in NESTED_BACKWARD_TILES:
+        keys = [f"bwd_{t}" if f"bwd_{t}" in options else t for t in (outer, inner)]
+        small, large = (options.get(k) for k in keys)
+        if isinstance(small, int) and isinstance(large, int) and small > 0 and large % small:
+            raise ConfigError(
+                f"kernel_options.{keys[1]}",
+                f"{large} must be a multiple of kernel_options.{keys[0]} ({small}): Triton "
+                f"flex's backward walks {outer} tiles inside each {inner} one",
+            )
+
+
 def backward_block_error(
     blocks: Mapping[str, int], tiles: Sequence[tuple[int, int, int, int]]
 ) -> tuple[str, str] | None:
@@ -967,12 +994,26 @@ def flash_refusal(settings: Settings) -> str | None:
     """Why this single-device run could not take FlexAttention's FLASH backend: the first FLASH
     rule its settings break with BACKEND=FLASH and block_size=flash, in one line; None where
     every rule passes (the kernel may still refuse what no rule here knows)."""
-    device = settings.device
-    blocks = _flash_block_size(device) if device == "cuda" else settings.block_size
+    return flash_refusal_of(
+        settings.device, settings.dtype, settings.compile, settings.kernel_options,
+        settings.block_size,
+    )  # fmt: skip
+
+
+def flash_refusal_of(
+    device: str,
+    dtype: str,
+    compile: bool,
+    kernel_options: Mapping[str, Any],
+    block_size: tuple[int, int] | None = None,
+) -> str | None:
+    """flash_refusal from the values themselves (the tuner asks before any run has Settings);
+    `block_size` only matters off CUDA, where FLASH's own is not known."""
+    blocks = _flash_block_size(device) if device == "cuda" else (block_size or (128, 128))
     data = {
-        "kernel_options": {**settings.kernel_options, "BACKEND": "FLASH"},
-        "dtype": settings.dtype,
-        "compile": settings.compile,
+        "kernel_options": {**kernel_options, "BACKEND": "FLASH"},
+        "dtype": dtype,
+        "compile": compile,
         "device": {"name": device},
         "block_size": {"q": blocks[0], "kv": blocks[1]},
     }
@@ -996,6 +1037,7 @@ VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
 RESOLVED_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _flash_needs_16_bit,
     _triton_tiles_divide_blocks,
+    _triton_backward_tiles_nest,
     _triton_backward_has_a_kernel,
     _topology_rules,
     _cuda_graph,

@@ -485,8 +485,9 @@ def _check_value_key(arg: str) -> None:
 def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
     """The tuner's study: one per variant (your own named by its label or import paths), shape,
     device and dtype (`auto` resolved here), so a second tuning command of the same problem
-    resumes the same study."""
+    resumes the same study, as long as the search space (tuning.SEARCH_SPACE) is the same."""
     from attngym.device import auto_dtype, resolve_device
+    from attngym.tuning import SEARCH_SPACE
 
     device = resolve_device(device).type
     dtype = auto_dtype(device) if dtype == "auto" else dtype
@@ -494,6 +495,7 @@ def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
     if attention.get("name") == "custom":
         parts += [attention.get(k) for k in ("label", "mask_mod", "score_mod") if attention.get(k)]
     parts += [f"b{shape.batch}h{shape.heads}s{shape.seq_len}d{shape.head_dim}", device, dtype]
+    parts.append(f"space{SEARCH_SPACE}")
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(str(p) for p in parts))
 
 

@@ -200,24 +200,68 @@ def choose_backend(
     return flash, f"FLASH (Triton not taken: FLASH measured {speedup:.2f}x Triton)"
 
 
-# The tuner's block sizes for Triton trials (block_sizes); FLASH trials take block_size=flash.
+# The tuner's block sizes for Triton trials (search_space); FLASH trials take block_size=flash.
 TUNED_BLOCK_SIZES = (64, 128)
+# Triton's tiles the tuner draws: each divides every size of TUNED_BLOCK_SIZES, as Inductor needs.
+TUNED_TILES = (32, 64)
+TUNED_WARPS = (4, 8)
+TUNED_STAGES = (1, 2, 3)
+# The search space's version, in the study's name: a study kept from another space (other
+# parameters, or the same ones drawn another way) is not continued, since Optuna refuses it.
+SEARCH_SPACE = 2
 
 
-def block_sizes(cfg: Any, trial: Any) -> None:
-    """The block sizes of a tuning trial, which depend on the backend the trial asks for (Hydra's
-    Optuna sweeper calls this as its `custom_search_space`, after the preset's params): a FLASH
-    trial runs the one block size FLASH has on this GPU (`block_size=flash`; any other would fail
-    and waste the trial), a Triton trial searches `block_size.q` and `.kv` over those of
-    TUNED_BLOCK_SIZES that have a Triton backward kernel here (triton_block_sizes)."""
-    backend = next(
-        (v for k, v in trial.params.items() if k.endswith("kernel_options.BACKEND")), None
-    )
-    if backend == FLASH:
-        trial.suggest_categorical("block_size", ["flash"])
-        return
+def search_space(cfg: Any, trial: Any) -> None:
+    """Everything a tuning trial draws, from what can run where the study runs (Hydra's Optuna
+    sweeper calls this as its `custom_search_space`, after the preset's own params, if any).
+
+    - The backend: FLASH only where the run could take it (`tuner_backends`); else none is drawn.
+    - A FLASH trial runs the one block size FLASH has on this GPU (`block_size=flash`).
+    - A Triton trial draws `block_size.q` and `.kv` among TUNED_BLOCK_SIZES less those with no
+      Triton backward kernel here (`triton_block_sizes`), and on CUDA Triton's tiles, warps and
+      stages, forward and backward, nested as Inductor's backward kernel asserts (BLOCK_N1 a
+      multiple of BLOCK_M1, BLOCK_M2 of BLOCK_N2: a CompilationError otherwise). A CPU runs eager
+      flex, which has no kernel options: block sizes only.
+    Nested tiles are integers on a range that moves (Optuna allows that of integers, not of
+    categorical choices); every other parameter is a fixed categorical choice.
+    """
+    backends = tuner_backends(cfg)
+    if len(backends) > 1:
+        if trial.suggest_categorical("+kernel_options.BACKEND", backends) == FLASH:
+            trial.suggest_categorical("block_size", ["flash"])
+            return
     for side, sizes in triton_block_sizes(cfg).items():
         trial.suggest_categorical(f"block_size.{side}", sizes)
+    if not backends:  # a CPU
+        return
+    option = "+kernel_options."
+    low, high, step = TUNED_TILES[0], TUNED_TILES[-1], TUNED_TILES[0]
+    for name in ("fwd_BLOCK_M", "fwd_BLOCK_N"):
+        trial.suggest_int(option + name, low, high, step=step)
+    for outer, inner in (("bwd_BLOCK_M1", "bwd_BLOCK_N1"), ("bwd_BLOCK_N2", "bwd_BLOCK_M2")):
+        first = trial.suggest_int(option + outer, low, high, step=step)
+        trial.suggest_int(option + inner, first, high, step=step)
+    for stage in ("fwd_", "bwd_"):
+        trial.suggest_categorical(f"{option}{stage}num_warps", list(TUNED_WARPS))
+        trial.suggest_categorical(f"{option}{stage}num_stages", list(TUNED_STAGES))
+
+
+def tuner_backends(cfg: Any) -> list[str]:
+    """The backends a tuning study may try here: none on a CPU (eager flex has one), Triton on
+    CUDA, and FLASH beside it where no FLASH rule refuses this run (attngym.config.flash_refusal:
+    a 16-bit dtype, compiled, flash-attn-4 importable); one list for the whole study."""
+    from attngym.config import flash_refusal_of
+    from attngym.device import auto_dtype, resolve_device
+
+    device = resolve_device(cfg.device.name).type
+    if device != "cuda":
+        return []
+    dtype = auto_dtype(device) if cfg.dtype == "auto" else cfg.dtype
+    refused = flash_refusal_of(device, dtype, bool(cfg.compile), dict(cfg.kernel_options or {}))
+    if refused:
+        log.info("tuning: FLASH not searched: %s", refused)
+        return ["TRITON"]
+    return ["TRITON", FLASH]
 
 
 def triton_block_sizes(cfg: Any) -> dict[str, list[int]]:
@@ -264,7 +308,9 @@ def _better(value: float, than: float, metric: str) -> bool:
     return value > than if higher_is_better(metric) else value < than
 
 
-def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[str, Any]]:
+def winners(
+    rows: Sequence[Mapping[str, str]], metric: str, *, skip_defaults: bool = False
+) -> dict[str, dict[str, Any]]:
     """The fastest ok, validated configuration per (capability or "cpu", variant, head_dim) by
     `metric` (higher_is_better says which way); rows of one configuration count by their median.
 
@@ -279,6 +325,8 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
         rows: summary.csv rows (strings), with columns capability, variant, head_dim, block_q,
             block_kv, status, `metric` and `kernel_options.<NAME>` ones.
         metric: e.g. "fwd_bwd_tflops" or "fwd_tflops".
+        skip_defaults: rows of FlexAttention's defaults (is_default) are no candidates (the
+            tuner, which asks what beats them; a block-size sweep may find them fastest).
 
     Returns:
         {"sm90": {"causal/d128": {"block_size": [...], "kernel_options": {...}, metric: x,
@@ -300,6 +348,8 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
             if col.startswith(OPTION_PREFIX) and v not in ("", None)
         }
         part = "flash" if options.get("BACKEND") == FLASH else "triton"
+        if skip_defaults and part == "triton" and is_default(row, options):
+            continue  # FlexAttention's defaults themselves: what the others must beat
         if part == "flash":  # FLASH picks its own tiles: a trial's Triton options meant nothing
             options = {k: v for k, v in options.items() if not k.startswith(TRITON_TILE_OPTIONS)}
         entry = {
@@ -359,22 +409,53 @@ def winners(rows: Sequence[Mapping[str, str]], metric: str) -> dict[str, dict[st
     return table
 
 
+def is_default(row: Mapping[str, str], options: Mapping[str, Any]) -> bool:
+    """Whether a Triton row ran FlexAttention's defaults: the default block size, no option."""
+    blocks = (int(row["block_q"]), int(row["block_kv"]))
+    return blocks == DEFAULT_BLOCK_SIZE and not {k for k in options if k != "BACKEND"}
+
+
+def nothing_won(rows: Sequence[Mapping[str, str]], metric: str) -> str:
+    """Why `winners` found nothing, in words: no trial ran, none validated, or none beat the
+    defaults (with the best trial's and the defaults' medians)."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get(metric)]
+    if not ok:
+        return f"none of the {len(rows)} trials ran ok with {metric}"
+    valid = [r for r in ok if str(r.get("validation") or "ok").startswith("ok")]
+    if not valid:
+        return f"none of the {len(ok)} trials that ran validated"
+    best = min(valid, key=lambda r: float(r[metric]) * (-1 if higher_is_better(metric) else 1))
+    defaults = [float(r[c]) for r in valid if (c := f"{TRITON_REFERENCE}_{metric}") and r.get(c)]
+    against = f", FlexAttention's defaults {statistics.median(defaults):.4g}" if defaults else ""
+    return (
+        f"no configuration of {len(valid)} validated trials beat FlexAttention's defaults in "
+        f"its own run (best {metric} {float(best[metric]):.4g}{against}): the defaults stay"
+    )
+
+
 def update(
-    source: Path, metric: str, path: Path = TABLE, *, keep_better: bool = False
+    source: Path,
+    metric: str,
+    path: Path = TABLE,
+    *,
+    keep_better: bool = False,
+    skip_defaults: bool = False,
 ) -> dict[str, Any]:
     """Merge the winners of `source` (a sweep folder holding summary.csv, or a CSV file) into
     the table at `path`; return the merged table. Each part (Triton, FLASH) replaces only its own
     kind: a FLASH measurement keeps an entry's Triton winner and the other way round.
     `keep_better`: an entry already holding a better `metric` stays (the tuner's study goes on
-    over several sweeps)."""
+    over several sweeps). `skip_defaults`: as in `winners`; where nothing wins, the ValueError
+    says why (nothing_won)."""
     source = Path(source)
     summary = source if source.suffix == ".csv" else source / "summary.csv"
     if not summary.exists():
         raise FileNotFoundError(f"{summary} not found: run the sweep (it writes summary.csv)")
     with summary.open(newline="") as f:
-        found = winners(list(csv.DictReader(f)), metric)
+        rows = list(csv.DictReader(f))
+    found = winners(rows, metric, skip_defaults=skip_defaults)
     if not found:
-        raise ValueError(f"no ok row with {metric!r} and a GPU capability in {summary}")
+        raise ValueError(nothing_won(rows, metric))
     label = source.stem if source.suffix == ".csv" else source.name
     table = load(path)
     for gpu, entries in found.items():

@@ -1013,6 +1013,88 @@ def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_comp
     refuse(resolved("cpu", 64, fwd_BLOCK_M=128))  # eager flex on a CPU: no tiles
 
 
+def test_backward_tiles_that_do_not_nest_are_refused_before_the_compile():
+    """Inductor's backward template asserts BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 ==
+    0: a tuning trial on the H200 drew M1 64 with N1 32 and failed in bwd_dkdv_inner, compiling."""
+    from attngym import config
+
+    def resolved(device="cuda", passes=("fwd", "bwd"), **options):
+        return {"kernel_options": options, "device": {"name": device}, "passes": list(passes)}
+
+    refuse = config._triton_backward_tiles_nest
+    with pytest.raises(ConfigError, match=r"32 must be a multiple of kernel_options.bwd_BLOCK_M1 \(64\)") as info:  # noqa: E501
+        refuse(resolved(bwd_BLOCK_M1=64, bwd_BLOCK_N1=32))
+    assert info.value.key == "kernel_options.bwd_BLOCK_N1"
+    with pytest.raises(ConfigError, match=r"BLOCK_M2") as info:
+        refuse(resolved(BLOCK_N2=64, bwd_BLOCK_M2=32))  # with or without the bwd_ prefix
+    assert info.value.key == "kernel_options.bwd_BLOCK_M2"
+    refuse(resolved(bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_N2=32, bwd_BLOCK_M2=64))  # nested
+    refuse(resolved(bwd_BLOCK_M1=64, bwd_BLOCK_N1=64))  # equal tiles nest
+    refuse(resolved(bwd_BLOCK_M1=64, bwd_BLOCK_N1=32, BACKEND="FLASH"))  # FLASH's own tiles
+    refuse(resolved("cpu", bwd_BLOCK_M1=64, bwd_BLOCK_N1=32))  # eager flex: no tiles
+    refuse(resolved(passes=("fwd",), bwd_BLOCK_M1=64, bwd_BLOCK_N1=32))  # no backward compiled
+
+
+def _trial(seed=0):
+    """A real Optuna trial of an in-memory study, as the tuner's sweeper hands one over."""
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed)).ask()
+
+
+def _tune_cfg(device="cpu", dtype="auto"):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"passes": ["fwd", "bwd"], "dtype": dtype, "compile": True,
+                             "compile_mode": "default", "kernel_options": {},
+                             "device": {"name": device}, "shape": {"head_dim": 128}})  # fmt: skip
+
+
+def test_the_tuner_draws_block_sizes_alone_on_a_cpu():
+    """Eager flex on a CPU has no kernel options and one backend: a trial draws block sizes."""
+    from attngym import tuning
+
+    trial = _trial()
+    tuning.search_space(_tune_cfg(), trial)
+    assert set(trial.params) == {"block_size.q", "block_size.kv"}
+
+
+def test_the_tuner_draws_flash_only_where_it_can_run_and_tiles_that_nest(monkeypatch):
+    """On CUDA (faked: the capability and device, Inductor's tiles as on an H200): FLASH is drawn
+    only where flash-attn-4 imports and the dtype is 16-bit; Triton trials draw tiles that divide
+    the block sizes and nest, so every drawn configuration passes the config's own rules."""
+    import torch
+
+    from attngym import config, device, tuning
+
+    monkeypatch.setattr(device, "resolve_device", lambda name: torch.device(name))
+    monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: H200_D128_BACKWARD)
+    monkeypatch.setattr(device, "get_flash_block_size", lambda *a: (256, 128))
+    monkeypatch.setattr(tuning, "flash_missing", lambda: "flash_attn.cute is not importable")
+    assert tuning.tuner_backends(_tune_cfg("cuda")) == ["TRITON"]
+    monkeypatch.setattr(tuning, "flash_missing", lambda: None)
+    assert tuning.tuner_backends(_tune_cfg("cuda", "float32")) == ["TRITON"]
+    assert tuning.tuner_backends(_tune_cfg("cuda")) == ["TRITON", "FLASH"]
+    seen = set()
+    for seed in range(40):
+        trial = _trial(seed)
+        tuning.search_space(_tune_cfg("cuda"), trial)
+        params = {k.lstrip("+"): v for k, v in trial.params.items()}
+        backend = params.pop("kernel_options.BACKEND")
+        seen.add(backend)
+        if backend == "FLASH":
+            assert params == {"block_size": "flash"}
+            continue
+        assert (params["block_size.q"], params["block_size.kv"]) == (128, 128)
+        options = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("kernel_")}
+        assert len(options) == 10
+        data = {"kernel_options": options, "device": {"name": "cuda"}, "passes": ["fwd", "bwd"],
+                "block_size": {"q": 128, "kv": 128}}  # fmt: skip
+        config._triton_tiles_divide_blocks(data)
+        config._triton_backward_tiles_nest(data)
+    assert seen == {"TRITON", "FLASH"}
+
+
 # Inductor's backward tiles (M1, N1, M2, N2) for flex on an H200 at head_dim 128, bfloat16
 H200_D128_BACKWARD = [(64, 128, 128, 64)]
 

@@ -1,6 +1,7 @@
 """The tuner end to end on CPU ranks of eager flex: Hydra's real Optuna sweeper over a user's own
-mask, a study in SQLite that a second command resumes, failed trials (FLASH cannot run float32
-on a CPU) never winning, the winner in the user's tuned table, and `block_size=tuned` taking it."""
+mask, a study in SQLite that a second command resumes, trials of what can run here only (block
+sizes on a CPU: no FLASH, no Triton kernel options), the winner in the user's tuned table, and
+`block_size=tuned` taking it."""
 
 from __future__ import annotations
 
@@ -54,10 +55,9 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
                         f"hydra.sweeper.n_trials={trials}", f"hydra.sweep.dir={sweep}")  # fmt: skip
         these = _rows(sweep)
         assert len(these) == trials, done.stderr[-2000:]
-        failed = [r for r in these if r["status"] != "ok"]
-        # The only trials that fail ask for FLASH, which needs a 16-bit dtype; the exit code says.
-        assert all("FLASH needs a 16-bit dtype" in r["error"] for r in failed)
-        assert done.returncode == (1 if failed else 0), done.stderr[-2000:]
+        # A CPU runs eager flex: every trial can run, none asks for FLASH or Triton's options.
+        assert [r["status"] for r in these] == ["ok"] * trials, done.stderr[-2000:]
+        assert done.returncode == 0, done.stderr[-2000:]
         rows += [r for r in these if r["status"] == "ok"]
         every += these
 
@@ -68,28 +68,29 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
     assert summary.n_trials == 7  # the second command went on with the same study
     assert summary.study_name.startswith("custom-stripes.stripes-b1h2s256d16-cpu-float32")
 
-    # The block sizes follow the backend (attngym.tuning.block_sizes): FLASH trials never sample
-    # a block size FLASH cannot run.
-    backends = {"kernel_options.BACKEND=FLASH" in row["overrides"] for row in every}
-    assert backends == {True, False}  # the sampler's seed draws both in these 7 trials
+    # What a CPU trial draws (attngym.tuning.search_space): the block sizes, nothing else.
     for row in every:
-        flash = "kernel_options.BACKEND=FLASH" in row["overrides"]
-        assert ("block_size=flash" in row["overrides"]) == flash, row["overrides"]
-        assert ("block_size.q=" in row["overrides"]) == (not flash), row["overrides"]
+        drawn = sorted(o.split("=")[0] for o in row["overrides"].split() if "block_size" in o
+                       or "kernel_options" in o)  # fmt: skip
+        assert drawn == ["block_size.kv", "block_size.q"], row["overrides"]
 
     # Every trial timed FlexAttention's defaults beside itself; only a trial that beat them can
     # win (timings of a 256-token CPU call are noise: either outcome is the rule at work).
-    assert all(r["flex_default_fwd_ms"] for r in rows)
-    beat = [r for r in rows if float(r["fwd_ms"]) < float(r["flex_default_fwd_ms"])]
+    # (a trial that draws the defaults themselves is its own: the baseline says so and is skipped)
+    for r in rows:
+        defaults = r["block_q"] == r["block_kv"] == "128"
+        assert bool(r["flex_default_fwd_ms"]) != defaults, r
+        assert defaults == r["flex_default_status"].startswith("skipped: flex already runs"), r
+    # The table holds a configuration that beat the defaults in its own sweep, by its median.
     table_path = tmp_path / "cache" / "attngym" / "tuned.json"
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     entry = table.get("cpu", {}).get(f"{rows[0]['variant']}/d16")
-    if beat:
-        best = min(beat, key=lambda r: float(r["fwd_ms"]))
-        assert entry["fwd_ms"] == pytest.approx(float(best["fwd_ms"]), rel=1e-3)
-        assert entry["block_size"] == [int(best["block_q"]), int(best["block_kv"])]
-    else:
-        assert entry is None
+    if entry is not None:
+        assert entry["block_size"] != list(tuning.DEFAULT_BLOCK_SIZE)  # the defaults never win
+        runs = [r for r in rows if [int(r["block_q"]), int(r["block_kv"])] == entry["block_size"]]
+        assert entry["fwd_ms"] < max(float(r["flex_default_fwd_ms"]) for r in runs)
+    else:  # and the command said why, in one line
+        assert "nothing beat" in done.stdout or "beat FlexAttention's defaults" in done.stdout
 
     run = tmp_path / "run"
     done = _attngym(tmp_path, *SMOKE, *MASK, "block_size=tuned", "logger=none",

@@ -323,3 +323,30 @@ def test_trials_of_one_configuration_count_by_their_median():
     assert flash["runs"] == 2 and flash["fwd_bwd_ms"] == 1.808
     assert flash["over_triton"] == round(1.4795 / 1.808, 3) < 1  # recorded, never taken
     assert tuning.choose_backend({"flash": flash}, None, None)[0] is None
+
+
+def test_the_tuner_never_writes_the_defaults_and_says_in_one_line_why_nothing_won(tmp_path):
+    """A study whose trials are the defaults or slower than them in their own run writes
+    nothing; the reason names the best trial and the defaults' median."""
+    base = {"capability": "9.0", "variant": "mine", "head_dim": "128", "seq_len": "8192",
+            "status": "ok", "validation": "ok"}  # fmt: skip
+    rows = [
+        {**base, "block_q": "128", "block_kv": "128", "fwd_bwd_ms": "9.0"},  # the defaults
+        {**base, "block_q": "128", "block_kv": "128", "fwd_bwd_ms": "9.5",
+         "kernel_options.fwd_num_warps": "4", "flex_default_fwd_bwd_ms": "9.1"},
+    ]  # fmt: skip
+    assert tuning.winners(rows, "fwd_bwd_ms")["sm90"]["mine/d128"]["fwd_bwd_ms"] == 9.0
+    assert tuning.winners(rows, "fwd_bwd_ms", skip_defaults=True) == {}
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    with (sweep / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for row in rows for k in row}))
+        writer.writeheader()
+        writer.writerows(rows)
+    with pytest.raises(ValueError) as info:
+        tuning.update(sweep, "fwd_bwd_ms", tmp_path / "t.json", skip_defaults=True)
+    assert str(info.value) == (
+        "no configuration of 2 validated trials beat FlexAttention's defaults in its own run "
+        "(best fwd_bwd_ms 9, FlexAttention's defaults 9.1): the defaults stay"
+    )
+    assert not (tmp_path / "t.json").exists()

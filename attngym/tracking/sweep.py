@@ -720,9 +720,9 @@ def write_tuned(sweep_dir: Path, objective: Any) -> None:
     path = tuning.user_table()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = tuning.update(sweep_dir, metric, path, keep_better=True)
-    except (OSError, ValueError) as exc:  # no ok job yet, a read-only cache folder
-        log.warning("tuning: nothing written to %s: %s", path, exc)
+        table = tuning.update(sweep_dir, metric, path, keep_better=True, skip_defaults=True)
+    except (OSError, ValueError) as exc:  # nothing beat the defaults, a read-only cache folder
+        print(f"attngym: tuning: nothing written to {path}: {exc}", flush=True)
         return
     for gpu, entries in sorted(table.items()):
         for name, entry in sorted(entries.items()):
