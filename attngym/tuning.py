@@ -226,7 +226,8 @@ def search_space(cfg: Any, trial: Any) -> None:
     categorical choices); every other parameter is a fixed categorical choice.
     """
     backends = tuner_backends(cfg)
-    if len(backends) > 1 and trial.suggest_categorical("+kernel_options.BACKEND", backends) == FLASH:
+    backend = "+kernel_options.BACKEND"
+    if len(backends) > 1 and trial.suggest_categorical(backend, backends) == FLASH:
         trial.suggest_categorical("block_size", ["flash"])
         return
     for side, sizes in triton_block_sizes(cfg).items():

@@ -1022,7 +1022,9 @@ def test_backward_tiles_that_do_not_nest_are_refused_before_the_compile():
         return {"kernel_options": options, "device": {"name": device}, "passes": list(passes)}
 
     refuse = config._triton_backward_tiles_nest
-    with pytest.raises(ConfigError, match=r"32 must be a multiple of kernel_options.bwd_BLOCK_M1 \(64\)") as info:  # noqa: E501
+    with pytest.raises(
+        ConfigError, match=r"32 must be a multiple of kernel_options.bwd_BLOCK_M1 \(64\)"
+    ) as info:  # noqa: E501
         refuse(resolved(bwd_BLOCK_M1=64, bwd_BLOCK_N1=32))
     assert info.value.key == "kernel_options.bwd_BLOCK_N1"
     with pytest.raises(ConfigError, match=r"BLOCK_M2") as info:
