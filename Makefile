@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: setup run test wheel-check lint format clean
+.PHONY: setup run test test-gpu wheel-check lint format clean
 
 # Each step says what it installs, and pip shows its downloads (a first setup takes ~2 minutes).
 $(VENV)/.installed: pyproject.toml
@@ -48,6 +48,17 @@ ifeq ($(strip $(ARGS)),)
 else
 	$(PY) -m pytest -q $(ARGS)
 endif
+
+# The GPU suite (tests marked gpu or multigpu) on this machine's GPUs, in one go: GPU_WORKERS
+# pytest workers share the GPU(s) (their compiles run side by side); ranks share one GPU where a
+# transport can (copy_engine over gloo), and the rest skip with their reason (nccl and multigpu
+# want a GPU per rank). pytest's summary of failures and skips ends it. On a machine whose Python
+# already has torch and attngym's needs (a GPU image), skip the venv: make test-gpu PY=python3.
+GPU_WORKERS ?= 4
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
+	TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+	NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 $(PY) -m pytest -q -n $(GPU_WORKERS) \
+	  -m "gpu or multigpu" -rfEs --durations=10 -p no:cacheprovider tests $(ARGS)
 
 # Build the wheel, install it into a fresh venv and run it from outside the repository (CI).
 wheel-check: setup

@@ -11,8 +11,11 @@ FOLDER, each row's prediction is read from the summary.csv files under FOLDER (m
 measurement by `PREDICT=1 study.sh`, matched by case, topology, layout and world size) instead
 of simulated now.
 
-Scaling (--scaling): predicted tables for P = 2, 8, 64 on causal 128K .. 1M and documents, each
-row with its bottleneck (scaling.md, scaling.json).
+Scaling (--scaling): the predicted scaling table (scaling.md, scaling.json): a 1024-token window
+at 128K on 2 and 8 ranks, documents at 128K on 8 ranks on every scheme, causal 1M on 64 ranks of
+8-GPU nodes (hgx_h200), each scheme with CUDA graphs, with its efficiency, bottleneck and bytes
+moved and needed; the file records the date, commit, GPU and torch it was made with (the
+README's table is rendered from it: scripts/render_tables.py).
 
     python scripts/check_cp_model.py experiments/multi_gpu_cp --out experiments/cp_model
     python scripts/check_cp_model.py experiments/multi_gpu_cp --dry-run        # the commands
@@ -27,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,12 +44,33 @@ from typing import Any
 DROPPED = ("topology.world_size=", "validate_rows=", "hydra.")
 SIMULATE = ["topology.simulate=true", "validate=false", "baselines=[]", "logger=none"]
 CLOSE = 0.05  # a pick measured this close to the fastest is a tie, not a miss
-WORLD_SIZES = (2, 8, 64)
 SCALING_SHAPE = ["shape.batch=1", "shape.heads=8", "shape.head_dim=128"]
-CAUSAL_LENGTHS = (131072, 262144, 524288, 1048576)
+# Each scaling case: its name, its overrides, the world sizes, and each scheme's (topology,
+# layout, extra overrides); every run simulated with CUDA graphs (the host issues a rank's call in
+# microseconds: what a training step that captures its graphs gets).
+SCALING_CASES: tuple[tuple[str, list[str], tuple[int, ...], list[tuple[str, str, list[str]]]], ...] = (
+    (
+        "window(1024) 128K",
+        ["attention=sliding_window", "++attention.window_size=1024", "shape.seq_len=131072"],
+        (2, 8),
+        [("ring", "contiguous", []), ("allgather", "contiguous", []),
+         ("ulysses", "contiguous", [])],
+    ),
+    (
+        "documents 128K",
+        ["attention=document", "shape.seq_len=131072", "topology.transport=nccl"],
+        (8,),
+        [("ring", "balanced", []), ("allgather", "balanced", []), ("ulysses", "contiguous", []),
+         ("hybrid", "zigzag", ["topology.options.a2a_size=4"])],
+    ),
+    (
+        "causal 1M",
+        ["attention=causal", "shape.seq_len=1048576", "topology.fabric=hgx_h200"],
+        (64,),
+        [("ring", "zigzag", []), ("hybrid", "zigzag", [])],
+    ),
+)  # fmt: skip
 LONG = 524288  # from here a scaling run times fewer calls (_timing)
-# The study's 8 unequal documents (experiments/multi_gpu_cp/study.sh), scaled to the length.
-STUDY_DOCS = (28835, 5242, 23592, 10485, 20971, 7864, 26214, 7869)
 
 
 def _rows(folder: Path, pattern: str) -> list[dict[str, str]]:
@@ -239,32 +265,6 @@ def _timing(overrides: list[str]) -> list[str]:
     return ["benchmark.warmup=1", "benchmark.repeats=5"]
 
 
-def _scaling_cases() -> list[tuple[str, list[str], list[tuple[str, str, list[str]]]]]:
-    """(case, overrides, [(topology, layout, extra overrides)]) of the scaling tables."""
-    seq_cases = [
-        (f"causal {s // 1024}K", ["attention=causal", f"shape.seq_len={s}"]) for s in CAUSAL_LENGTHS
-    ]
-    for s in (131072, 1048576):
-        scale = s / sum(STUDY_DOCS)
-        docs = [round(d * scale) for d in STUDY_DOCS]
-        docs[-1] += s - sum(docs)
-        seq_cases.append(
-            (f"documents {s // 1024}K", ["attention=document", f"shape.seq_len={s}",
-                                         f"++attention.doc_lengths=[{','.join(map(str, docs))}]"])
-        )  # fmt: skip
-    out = []
-    for name, overrides in seq_cases:
-        layout = "balanced" if name.startswith("documents") else "zigzag"
-        topologies = [
-            ("ring", layout, []),
-            ("allgather", layout, []),
-            ("ulysses", "zigzag", []),
-            ("hybrid", "zigzag", ["topology.options.a2a_size=8"]),
-        ]
-        out.append((name, overrides, topologies))
-    return out
-
-
 def scaling(args: argparse.Namespace) -> int:
     done = {}
     if args.resume:  # rows of an earlier, interrupted run: kept
@@ -273,7 +273,7 @@ def scaling(args: argparse.Namespace) -> int:
             return 2
         done = {_key(r): r for r in json.loads(args.resume.read_text())["rows"]}
     table: list[dict[str, Any]] = []
-    cases = [name for name, _, _ in _scaling_cases()]
+    cases = [name for name, *_ in SCALING_CASES]
 
     def save() -> None:  # every resumed row stays, also those of cases this run leaves out
         if args.dry_run:
@@ -283,25 +283,21 @@ def scaling(args: argparse.Namespace) -> int:
                                  r["world_size"]))  # fmt: skip
         _write(args.out, "scaling", {"rows": rows}, _scaling_md(rows))
 
-    for name, overrides, topologies in _scaling_cases():
+    for name, overrides, world_sizes, topologies in SCALING_CASES:
         if args.cases and not any(c in name for c in args.cases):
             continue
         single = next(
             ({"fwd_bwd": r["single_fwd_bwd_ms"]} for r in done.values()
              if r["case"] == name and r.get("single_fwd_bwd_ms")), {}
         )  # fmt: skip
-        for P in args.world_sizes:
+        for P in args.world_sizes or world_sizes:
             for topology, layout, extra in topologies:
                 if args.topologies and topology not in args.topologies:
-                    continue
-                if topology == "ulysses" and P > 8:
-                    continue  # 8 heads split over at most 8 ranks; hybrid takes over
-                if topology == "hybrid" and P <= 8:
                     continue
                 runs = [
                     "+experiment=ring_attention", *SCALING_SHAPE, *overrides,
                     f"topology={topology}", f"topology.layout={layout}", *extra,
-                    f"topology.world_size={P}", f"topology.fabric={args.fabric}", *SIMULATE,
+                    f"topology.world_size={P}", *SIMULATE, "topology.cuda_graph=true",
                     *_timing(overrides),
                     # the one-device run does not depend on P: timed once per case
                     f"topology.compare_one_device={str(not (single or args.no_single)).lower()}",
@@ -322,9 +318,11 @@ def scaling(args: argparse.Namespace) -> int:
                      "predicted_fwd_bwd_ms": predicted, "efficiency_fwd_bwd": efficiency,
                      "bottleneck": metrics.get("bottleneck"),
                      "time_imbalance": metrics.get("time_imbalance"),
-                     "bytes_moved": metrics.get("bytes_moved"), "sim_s": metrics.get("sim_s"),
+                     "bytes_moved": metrics.get("bytes_moved"),
+                     "bytes_needed": metrics.get("bytes_needed"), "sim_s": metrics.get("sim_s"),
                      "fabric": metrics.get("fabric"),
-                     "single_fwd_bwd_ms": single.get("fwd_bwd")}
+                     "single_fwd_bwd_ms": single.get("fwd_bwd"),
+                     "measured": _provenance(metrics, args.commit)}
                 )  # fmt: skip
                 save()  # row by row: an interrupted run keeps its rows
     if args.dry_run:
@@ -338,18 +336,42 @@ def _key(row: dict[str, Any]) -> tuple[str, str, int]:
     return row["case"], row["topology"], row["world_size"]
 
 
+def _provenance(metrics: dict[str, Any], commit: str | None) -> dict[str, Any] | None:
+    """When, on what code and on which device a row was made (the commit given, else the
+    checkout's: a machine the tree was copied to without its history has none)."""
+    if not metrics:
+        return None
+    if commit is None:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                check=True, cwd=Path(__file__).parent,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"date": datetime.date.today().isoformat(), "commit": commit,
+            "device_name": metrics.get("device_name"), "torch": metrics.get("torch")}  # fmt: skip
+
+
 def _scaling_md(table: list[dict[str, Any]]) -> str:
     lines = [
-        "| case | topology | layout | P | predicted fwd+bwd ms | efficiency | bottleneck | "
-        "time imbalance | simulation s |",
-        "|---|---|---|--:|--:|--:|---|--:|--:|",
+        "| case | topology | layout | P | fabric | predicted fwd+bwd ms | efficiency | "
+        "bottleneck | time imbalance | MiB moved | MiB needed | simulation s |",
+        "|---|---|---|--:|---|--:|--:|---|--:|--:|--:|--:|",
     ]
     for r in table:
+        mib = [None if r.get(k) is None else r[k] / 2**20 for k in ("bytes_moved", "bytes_needed")]
         lines.append(
             f"| {r['case']} | {r['topology']} | {r['layout']} | {r['world_size']} | "
-            f"{_fmt(r['predicted_fwd_bwd_ms'])} | {_fmt(r['efficiency_fwd_bwd'])} | "
-            f"{r['bottleneck'] or ''} | {_fmt(r['time_imbalance'], 3)} | {_fmt(r['sim_s'], 1)} |"
+            f"{r.get('fabric') or ''} | {_fmt(r['predicted_fwd_bwd_ms'])} | "
+            f"{_fmt(r['efficiency_fwd_bwd'])} | {r['bottleneck'] or ''} | "
+            f"{_fmt(r['time_imbalance'], 3)} | {_fmt(mib[0], 1)} | {_fmt(mib[1], 1)} | "
+            f"{_fmt(r['sim_s'], 1)} |"
         )
+    made = sorted({(m["date"], m["commit"], m["device_name"], m["torch"]) for r in table
+                   if (m := r.get("measured")) and m.get("date")})  # fmt: skip
+    for date, commit, gpu, torch in made:
+        lines.append(f"\nMade on {date} at commit {commit}, {gpu}, torch {torch}.")
     return "\n".join(lines) + "\n"
 
 
@@ -372,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
     parser.add_argument("--scaling", action="store_true", help="the predicted scaling tables")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
-    parser.add_argument("--fabric", default="h200_nvlink", help="scaling: topology.fabric")
+    parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[], help="scaling: instead of each case's"
+    )
     parser.add_argument("--cases", nargs="+", default=[], help="scaling: cases containing these")
     parser.add_argument("--topologies", nargs="+", default=[], help="scaling: only these")
     parser.add_argument(
@@ -382,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume", type=Path, help="scaling: a scaling.json whose rows are kept, not rerun"
     )
+    parser.add_argument("--commit", help="scaling: the commit the runs are made on (else git's)")
     args = parser.parse_args(argv)
     return scaling(args) if args.scaling else check(args)
 

@@ -399,3 +399,58 @@ def test_cp_forward_and_backward_replay_as_cuda_graphs(
     rel = launch(_graphed_fwd_bwd_worker, 2, args=(transport, scheme, variant, layout),
                  device="cuda", timeout_s=300)  # fmt: skip
     assert max(rel) < 1e-5, f"{scheme} {variant} {transport}: out, dq, dk, dv rel. errors {rel}"
+
+
+def _bits_worker(rank, world_size, transport, calls):
+    """Each scheme's output and gradients, called `calls` times on the same inputs: a digest per
+    call of every rank's bits (gathered), so a read that races a transfer's arrival, or a sum
+    whose order changes, shows as a second digest."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(5)
+    S = 2048
+    q, dout = (torch.randn(1, 4, S, 64, generator=gen).to(device) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, 64, generator=gen).to(device) for _ in range(2))
+    cases = [("ring", "sliding_window", "contiguous", {}), ("ring", "document", "zigzag", {}),
+             ("allgather", "document", "balanced", {"overlap": True}),
+             ("ulysses", "document", "contiguous", {})]  # fmt: skip
+    fns = {**SCHEMES, "ulysses": ulysses_attention}
+    digests = {}
+    for scheme, name, layout, options in cases:
+        variant = _variants([name])[name].to(device)
+        for _ in range(calls):
+            q_s, k_s, v_s = (
+                shard(t, rank, world_size, layout, variant=variant).requires_grad_()
+                for t in (q, k, v)
+            )
+            out = fns[scheme](q_s, k_s, v_s, variant, layout=layout, transport=transport,
+                              **options)  # fmt: skip
+            out.backward(shard(dout, rank, world_size, layout, variant=variant))
+            bits = torch.cat([t.detach().flatten() for t in (out, q_s.grad, k_s.grad, v_s.grad)])
+            every = [torch.empty_like(bits) for _ in range(world_size)]
+            dist.all_gather(every, bits)
+            digest = hashlib.sha256(torch.cat(every).cpu().numpy().tobytes()).hexdigest()
+            digests.setdefault((scheme, name, layout), []).append(digest)
+    return digests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", transports())
+def test_cp_on_cuda_gives_the_same_bits_call_after_call_and_process_after_process(
+    transport, monkeypatch
+):
+    """What made the CPU parity differ from run to run was a first call's kernel choice; on CUDA
+    the transports' streams and the copy engine's signals are the suspects: every call of every
+    scheme, in two fresh pairs of ranks, must give one set of bits."""
+    if (reason := skip_reason(transport, 2)) is not None:
+        pytest.skip(reason)
+    if torch.cuda.device_count() < 2:
+        monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    runs = [launch(_bits_worker, 2, args=(transport, 4), device="cuda", timeout_s=300)
+            for _ in range(2)]  # fmt: skip
+    for case in runs[0]:
+        seen = {d for run in runs for d in run[case]}
+        assert len(seen) == 1, f"{transport} {case}: {len(seen)} different results in 8 calls"

@@ -471,15 +471,20 @@ def test_scaling_resume_keeps_every_row_when_cases_narrow_or_a_run_is_cut(tmp_pa
                 "time_imbalance": 1.0, "sim_s": 1.0, "single_fwd_bwd_ms": 2 * ms}  # fmt: skip
 
     resume = tmp_path / "resume.json"
-    resume.write_text(json.dumps({"rows": [row("causal 128K", 3.0), row("documents 1024K", 7.0)]}))
+    resume.write_text(json.dumps({"rows": [row("window(1024) 128K", 3.0), row("causal 1M", 7.0)]}))
     args = ["--scaling", "--resume", str(resume), "--world-sizes", "2", "--topologies", "ring"]
-    new = {"predicted_fwd_bwd_ms": 1.5, "bottleneck": "compute", "single_fwd_bwd_ms": 3.1}
+    new = {"predicted_fwd_bwd_ms": 1.5, "bottleneck": "compute", "single_fwd_bwd_ms": 3.1,
+           "device_name": "NVIDIA H200", "torch": "2.11.0"}  # fmt: skip
     monkeypatch.setattr(check_cp_model, "_simulated", lambda *a: new)
-    assert check_cp_model.main([*args, "--out", str(tmp_path / "a"), "--cases", "128K"]) == 0
+    out = ["--out", str(tmp_path / "a"), "--cases", "128K", "--commit", "abc1234"]
+    assert check_cp_model.main([*args, *out]) == 0
     rows = {r["case"]: r for r in json.loads((tmp_path / "a/scaling.json").read_text())["rows"]}
-    assert set(rows) == {"causal 128K", "documents 128K", "documents 1024K"}
-    assert rows["causal 128K"]["predicted_fwd_bwd_ms"] == 3.0  # resumed, not re-run
+    assert set(rows) == {"window(1024) 128K", "documents 128K", "causal 1M"}
+    assert rows["window(1024) 128K"]["predicted_fwd_bwd_ms"] == 3.0  # resumed, not re-run
     assert rows["documents 128K"]["efficiency_fwd_bwd"] == pytest.approx(3.1 / 2 / 1.5)
+    made = rows["documents 128K"]["measured"]
+    assert made["commit"] == "abc1234" and made["device_name"] == "NVIDIA H200"
+    assert f"Made on {made['date']} at commit abc1234" in (tmp_path / "a/scaling.md").read_text()
 
     def cut(*a):
         raise KeyboardInterrupt("cut")
@@ -488,7 +493,7 @@ def test_scaling_resume_keeps_every_row_when_cases_narrow_or_a_run_is_cut(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         check_cp_model.main([*args, "--out", str(tmp_path / "b")])
     rows = json.loads((tmp_path / "b/scaling.json").read_text())["rows"]
-    assert {r["case"] for r in rows} == {"causal 128K", "documents 1024K"}
+    assert {r["case"] for r in rows} == {"window(1024) 128K", "causal 1M"}
 
 
 def test_check_reads_predictions_kept_from_before_the_measurement(tmp_path):
