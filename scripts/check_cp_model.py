@@ -48,7 +48,8 @@ SCALING_SHAPE = ["shape.batch=1", "shape.heads=8", "shape.head_dim=128"]
 # Each scaling case: its name, its overrides, the world sizes, and each scheme's (topology,
 # layout, extra overrides); every run simulated with CUDA graphs (the host issues a rank's call in
 # microseconds: what a training step that captures its graphs gets).
-SCALING_CASES: tuple[tuple[str, list[str], tuple[int, ...], list[tuple[str, str, list[str]]]], ...] = (
+Scheme = tuple[str, str, list[str]]  # (topology, layout, extra overrides)
+SCALING_CASES: tuple[tuple[str, list[str], tuple[int, ...], list[Scheme]], ...] = (
     (
         "window(1024) 128K",
         ["attention=sliding_window", "++attention.window_size=1024", "shape.seq_len=131072"],
