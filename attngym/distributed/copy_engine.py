@@ -22,7 +22,11 @@ Contract (every class):
                  the push for step i+1 may be in flight while step i is being computed.
                  CopyEngineAllToAll, CopyEngineExchange: one exchange, finished on the current
                  stream when it returns.
-    ownership    The symmetric buffers belong to the object and live as long as it. A gathered
+    ownership    A part handed to a push is read on the side stream, possibly after the caller
+                 dropped it: eagerly the allocator is told (record_stream); inside a CUDA graph
+                 capture, which cannot record stream uses, the object holds the part until the
+                 current stream waits for the side stream again (wait, join).
+                 The symmetric buffers belong to the object and live as long as it. A gathered
                  buffer returned by `wait` is valid until the next `start` overwrites it; the free
                  signal of that `start` is queued behind all work already on the current stream
                  (a backward that reads the gather included). A received slot is valid until
@@ -278,6 +282,7 @@ class _CopyEngineBase:
         self.dtype = dtype
         self.timeout_s = float(timeout_s)
         self._error: str | None = None
+        self._held: list[torch.Tensor] = []  # parts the side stream reads, in a capture
         self._ops = _StreamMemOps()
         with torch.cuda.device(device):
             self._mem = _SymmetricBuffer(buffer_shape, dtype, device, self.group, pad_words)
@@ -320,6 +325,19 @@ class _CopyEngineBase:
             event.record(stream)
             deadline = time.monotonic() + self.timeout_s
             _WATCHDOG.watch(_Watch(self, event, deadline, word, what))
+
+    def _keep_until_joined(self, items: Sequence[torch.Tensor]) -> None:
+        """The side stream reads `items` after the caller may have dropped them. Outside a CUDA
+        graph capture the allocator is told (record_stream) and keeps their memory until those
+        reads are done. A capture cannot record stream uses, and its pool would hand a dropped
+        part's memory to the next allocation on the capture stream, whose kernel then overwrites
+        it before the copy engine reads it at replay (a ring's dK/dV push under load): the object
+        holds them instead, until the current stream waits for the side stream again."""
+        if torch.cuda.is_current_stream_capturing():
+            self._held.extend(items)
+        else:
+            for part in items:
+                part.record_stream(self._side)
 
     def _set_flag(self, stream: torch.cuda.Stream, rank: int, word: int) -> None:
         self._ops.write(stream, self._mem.word(rank, word), 1)
@@ -447,9 +465,7 @@ class CopyEngineAllGather(_CopyEngineBase):
                             dst.copy_(rows[j])
                     if p != r:
                         self._set_flag(self._side, p, p_world + r)
-            if not torch.cuda.is_current_stream_capturing():
-                for part in items:
-                    part.record_stream(self._side)
+            self._keep_until_joined(items)
         self._pending = True
 
     def wait(self, parts: Parts) -> torch.Tensor:
@@ -475,6 +491,7 @@ class CopyEngineAllGather(_CopyEngineBase):
                 if p != self.rank:
                     self._wait_flag(cur, p_world + p, f"rank {p}'s shard")
             cur.wait_stream(self._side)
+        self._held.clear()  # the current stream now follows every read of the parts
         self._pending = False
         if torch.is_grad_enabled() and any(t.requires_grad for t in items):
             return _GatherFunction.apply(self, *items)
@@ -615,9 +632,7 @@ class CopyEngineChannel(_CopyEngineBase):
                 for dst, part in zip(self._dst_views[slot], items, strict=True):
                     dst.copy_(part)
                 self._set_flag(self._side, self.dst, slot)
-            if not torch.cuda.is_current_stream_capturing():
-                for part in items:
-                    part.record_stream(self._side)
+            self._keep_until_joined(items)
 
     def recv(self, i: int) -> torch.Tensor:
         """Queue the wait for step i's data; return this rank's slot (num_parts, *part_shape).
@@ -646,6 +661,7 @@ class CopyEngineChannel(_CopyEngineBase):
         self._check_alive()
         with torch.cuda.device(self.device):
             torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._held.clear()  # the current stream now follows every read of the parts
 
 
 # ----------------------------------------------------------------------------- all-to-all
