@@ -202,12 +202,18 @@ def choose_backend(
 
 # The tuner's block sizes for Triton trials (search_space); FLASH trials take block_size=flash.
 TUNED_BLOCK_SIZES = (64, 128)
-# Triton's tiles the tuner draws: each divides every size of TUNED_BLOCK_SIZES, as Inductor needs.
-TUNED_TILES = (32, 64)
+# Triton's tiles the tuner draws. Inductor's backward walks one tile inside another (BLOCK_N1 a
+# multiple of BLOCK_M1, BLOCK_M2 of BLOCK_N2: config.NESTED_BACKWARD_TILES), so each pair draws
+# its inner tile from SMALL_TILES and its outer one from LARGE_TILES: every small one divides every
+# large one, and any draw nests. The forward's BLOCK_M is a large tile, its BLOCK_N a small one,
+# as Inductor's own defaults are on Hopper (128 x 64). Tiles that do not divide every block size
+# the study draws are left out, so a tile always divides its block.
+SMALL_TILES = (32, 64)
+LARGE_TILES = (64, 128)
 TUNED_WARPS = (4, 8)
 TUNED_STAGES = (1, 2, 3)
 # The search space's version, in the study's name: a study kept from another space (other
-# parameters, or the same ones drawn another way) is not continued, since Optuna refuses it.
+# parameters, or other choices) is not continued, since Optuna refuses a changed distribution.
 SEARCH_SPACE = 2
 
 
@@ -218,29 +224,29 @@ def search_space(cfg: Any, trial: Any) -> None:
     - The backend: FLASH only where the run could take it (`tuner_backends`); else none is drawn.
     - A FLASH trial runs the one block size FLASH has on this GPU (`block_size=flash`).
     - A Triton trial draws `block_size.q` and `.kv` among TUNED_BLOCK_SIZES less those with no
-      Triton backward kernel here (`triton_block_sizes`), and on CUDA Triton's tiles, warps and
-      stages, forward and backward, nested as Inductor's backward kernel asserts (BLOCK_N1 a
-      multiple of BLOCK_M1, BLOCK_M2 of BLOCK_N2: a CompilationError otherwise). A CPU runs eager
-      flex, which has no kernel options: block sizes only.
-    Nested tiles are integers on a range that moves (Optuna allows that of integers, not of
-    categorical choices); every other parameter is a fixed categorical choice.
+      Triton backward kernel here (`triton_block_sizes`), and on CUDA Triton's tiles (nested as
+      Inductor's backward asserts, dividing the block sizes), warps and stages, forward and
+      backward. A CPU runs eager flex, which has no kernel options: block sizes only.
+    Every choice list is the same for the whole study, as Optuna needs.
     """
     backends = tuner_backends(cfg)
     backend = "+kernel_options.BACKEND"
     if len(backends) > 1 and trial.suggest_categorical(backend, backends) == FLASH:
         trial.suggest_categorical("block_size", ["flash"])
         return
-    for side, sizes in triton_block_sizes(cfg).items():
+    blocks = triton_block_sizes(cfg)
+    for side, sizes in blocks.items():
         trial.suggest_categorical(f"block_size.{side}", sizes)
     if not backends:  # a CPU
         return
+    every = [size for sizes in blocks.values() for size in sizes]
+    small, large = ([t for t in tiles if all(b % t == 0 for b in every)]
+                    for tiles in (SMALL_TILES, LARGE_TILES))  # fmt: skip
     option = "+kernel_options."
-    low, high, step = TUNED_TILES[0], TUNED_TILES[-1], TUNED_TILES[0]
-    for name in ("fwd_BLOCK_M", "fwd_BLOCK_N"):
-        trial.suggest_int(option + name, low, high, step=step)
-    for outer, inner in (("bwd_BLOCK_M1", "bwd_BLOCK_N1"), ("bwd_BLOCK_N2", "bwd_BLOCK_M2")):
-        first = trial.suggest_int(option + outer, low, high, step=step)
-        trial.suggest_int(option + inner, first, high, step=step)
+    for name, tiles in (("fwd_BLOCK_M", large), ("fwd_BLOCK_N", small),
+                        ("bwd_BLOCK_M1", small), ("bwd_BLOCK_N1", large),
+                        ("bwd_BLOCK_N2", small), ("bwd_BLOCK_M2", large)):  # fmt: skip
+        trial.suggest_categorical(option + name, tiles)
     for stage in ("fwd_", "bwd_"):
         trial.suggest_categorical(f"{option}{stage}num_warps", list(TUNED_WARPS))
         trial.suggest_categorical(f"{option}{stage}num_stages", list(TUNED_STAGES))
