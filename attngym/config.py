@@ -60,11 +60,14 @@ Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # a resolved dtype
 Device = Literal["cpu", "cuda"]  # a resolved device
 Pass = Literal["fwd", "bwd"]
 # sdpa: SDPA's own dispatch; sdpa_<backend>: that backend forced; sdpa_dense_mask: the variant as a
-# dense mask/bias; flex_default: compiled flex at (128, 128) with no kernel options (the contender
-# a tuned block size or kernel options are measured against). These run in single-device runs.
+# dense mask/bias; varlen, flash_varlen: FlashAttention's varlen kernels (PyTorch's varlen_attn,
+# flash-attn's flash_attn_varlen_func) for documents and windows (attngym.varlen); flex_default:
+# compiled flex at (128, 128) with no kernel options (the contender a tuned block size or kernel
+# options are measured against). These run in single-device runs.
 SingleBaseline = Literal[
-    "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask", "flex_default"
-]
+    "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask", "varlen",
+    "flash_varlen", "flex_default",
+]  # fmt: skip
 # torch_cp: PyTorch's own flex context parallelism; it runs in context-parallel runs. Each task
 # runs the baselines of its own kind, so one default list serves both.
 CPBaseline = Literal["torch_cp"]
@@ -347,7 +350,16 @@ class Settings:
     passes: tuple[Pass, ...] = setting(("fwd", "bwd"), what="pass", non_empty=True)
     """What to time; bwd also times fwd+bwd."""
     baselines: tuple[Baseline, ...] = setting(
-        ("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask", "torch_cp"),
+        (
+            "sdpa",
+            "sdpa_cudnn",
+            "sdpa_flash",
+            "sdpa_efficient",
+            "sdpa_dense_mask",
+            "varlen",
+            "flash_varlen",
+            "torch_cp",
+        ),
         what="baseline",
     )
     """Contenders timed on the same inputs; each is skipped, with the reason, where it does not

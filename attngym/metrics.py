@@ -28,8 +28,9 @@ PASS_PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd_bwd": ("fwd", "bwd")}
 PASSES = tuple(PASS_PARTS)
 
 # The flex_over_<baseline>_<pass> ratios worth a column in results tables (every other ratio is
-# in metrics.json): flex against the fastest SDPA, a dense-mask SDPA and flex untuned.
-HEADLINE_BASELINES = ("best_sdpa", "sdpa_dense_mask", "flex_default")
+# in metrics.json): flex against the fastest contender (SDPA's and the varlen kernels), the
+# fastest SDPA, a dense-mask SDPA and flex untuned.
+HEADLINE_BASELINES = ("best", "best_sdpa", "sdpa_dense_mask", "flex_default")
 
 # What a placeholder of a row's name stands for: a regular expression, and the values a table
 # column is made for (None: any name matching, no column of its own).
@@ -549,6 +550,15 @@ METRICS: tuple[Metric, ...] = (
         shown="run",
     ),
     M(
+        "best_<pass>",
+        "best contender {pass}",
+        "",
+        "the fastest contender a user would pick instead that ran and agreed with flex: SDPA's "
+        "and FlashAttention's varlen kernels",
+        column=False,
+    ),
+    M("best_<pass>_ms", "best contender {pass} (ms)", "ms", "its time, median", column=False),
+    M(
         "best_sdpa_<pass>",
         "best SDPA {pass}",
         "",
@@ -557,6 +567,20 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("best_sdpa_<pass>_ms", "best SDPA {pass} (ms)", "ms", "its time, median", column=False),
     M("<baseline>_status", "{baseline}", "", "ok or skipped: <reason>", column=False),
+    M(
+        "<baseline>_err_out_rel",
+        "{baseline} rel err out",
+        "",
+        "a varlen kernel's output against flex's on the validated rows",
+        column=False,
+    ),
+    M(
+        "<baseline>_validation",
+        "{baseline} validation",
+        "",
+        "ok, or failed beyond twice the dtype's tolerance (which fails the run)",
+        column=False,
+    ),
     M(
         "<baseline>_<pass>_ms",
         "{baseline} {pass} (ms)",

@@ -79,19 +79,30 @@ def timing_spread(metrics: dict[str, Any]) -> str | None:
 
 
 def _said_already(key: str, metrics: dict[str, Any]) -> bool:
-    """flex against the dense-mask SDPA when that is the best SDPA: the best-SDPA row says it."""
+    """A headline another headline row says already: flex against the best SDPA when the best
+    contender is that SDPA one, against a contender that is the best or the best SDPA."""
     if not key.startswith("flex_over_"):
         return False
     rest = key.removeprefix("flex_over_")
     pass_name = next(p for p in ("fwd_bwd", "fwd", "bwd") if rest.endswith(f"_{p}"))
     baseline = rest.removesuffix(f"_{pass_name}")
-    return baseline != "best_sdpa" and metrics.get(f"best_sdpa_{pass_name}") == baseline
+    best, best_sdpa = (metrics.get(f"{h}_{pass_name}") for h in ("best", "best_sdpa"))
+    if baseline == "best":
+        return False
+    if baseline == "best_sdpa":
+        return best_sdpa == best
+    return baseline in (best, best_sdpa)
+
+
+_HEADLINE_LABELS = {"best": "best", "best_sdpa": "best SDPA"}
 
 
 def _label(key: str, metrics: dict[str, Any]) -> str:
-    if key.startswith("flex_over_best_sdpa_"):
-        best = metrics.get(f"best_sdpa_{key.removeprefix('flex_over_best_sdpa_')}")
-        return label(key).replace("best_sdpa", f"best SDPA ({best})" if best else "best SDPA")
+    for headline, words in _HEADLINE_LABELS.items():
+        prefix = f"flex_over_{headline}_"
+        if key.startswith(prefix) and key.removeprefix(prefix) in ("fwd", "bwd", "fwd_bwd"):
+            winner = metrics.get(f"{headline}_{key.removeprefix(prefix)}")
+            return label(key).replace(headline, f"{words} ({winner})" if winner else words)
     return label(key)
 
 

@@ -158,6 +158,8 @@ def test_every_experiment_composes(hydra_ctx, name):
             "sdpa_flash",
             "sdpa_efficient",
             "sdpa_dense_mask",
+            "varlen",
+            "flash_varlen",
         ]
         listed = [v.strip() for v in params.attention.split(",")]
         assert listed == [

@@ -271,7 +271,7 @@ def _rank_phases(job: RankJob, metrics: dict[str, Any], spawned: bool) -> dict[s
         report(metrics)
     with rank0_work(topo.timeout_s), timeline.phase("one_device"):
         metrics.update(one_device(job))
-    _fold_torch_cp_verdict(metrics)
+    phases.fold_disagreement(metrics, "torch_cp")
     job.whole = None
     if spawned:  # the caller's timeline takes these in (run_context_parallel)
         metrics[RANK_TIME] = timeline.current().metrics()  # type: ignore[union-attr]
@@ -788,16 +788,3 @@ def _torch_cp_agreement(job: RankJob, call: Callable[[], torch.Tensor]) -> dict[
         "torch_cp_err_out_max_abs": max_abs_error(theirs, ours),
         "torch_cp_validation": verdict if verdict == "ok" else f"{verdict} ({s.dtype})",
     }
-
-
-def _fold_torch_cp_verdict(metrics: dict[str, Any]) -> None:
-    """A torch_cp disagreement fails the run: attngym, PyTorch, or the comparison is wrong."""
-    verdict = metrics.get("torch_cp_validation")
-    if not (isinstance(verdict, str) and verdict.startswith("failed")):
-        return
-    own = metrics.get("validation")
-    disagreement = f"attngym and torch_cp disagree: {verdict.removeprefix('failed: ')}"
-    if isinstance(own, str) and own.startswith("failed"):
-        metrics["validation"] = f"{own}; {disagreement}"
-    else:
-        metrics["validation"] = f"failed: {disagreement}"

@@ -9,7 +9,9 @@ are not skewed by different data, allocator state or clocks. The order is fixed:
    stays O(rows x S) whatever S is; gradients too on CUDA, by feeding the output gradient only on
    the sampled rows (then dk and dv of both sides depend on those rows alone);
 4. timings of fwd, and on CUDA bwd and fwd+bwd, with peak memory;
-5. baselines that apply, timed the same way; those that do not are recorded with the reason.
+5. baselines that apply, timed the same way; those that do not are recorded with the reason. The
+   varlen kernels (attngym.varlen) read q, k, v packed as they take them, and their output is
+   checked against flex's: a disagreement fails the run, as torch_cp's does in a CP run.
 
 Steps 2 and 4 (and the timing in 5) are attngym.tasks.phases at world size 1, the phases the
 context-parallel task runs on every rank; what each timed metric means is written there.
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from attngym import kernels, reference, registry, timeline, validation
+from attngym import kernels, reference, registry, timeline, validation, varlen
 from attngym.config import Settings
 from attngym.device import sync
 from attngym.fileio import atomic_write
@@ -71,7 +73,10 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
         with timeline.phase("profile"):
             metrics.update(_profile(settings, job.rank.attend, job.rank.device, run_dir))
     _time_baselines(job, flex, metrics)
-    metrics.update(_best_sdpa(metrics, flex))
+    metrics.update(_best(metrics, flex, "best_sdpa", SDPA_FAMILY))
+    metrics.update(_best(metrics, flex, "best", SDPA_FAMILY + varlen.KERNELS))
+    for name in varlen.KERNELS:
+        phases.fold_disagreement(metrics, name)
     return metrics
 
 
@@ -227,6 +232,17 @@ def _time_baselines(job: OneDevice, flex: dict[str, Any], metrics: dict[str, Any
             _time_baseline(name, job, flex, flops, metrics)
 
 
+@dataclasses.dataclass(kw_only=True)
+class Contender:
+    """A baseline's call, and where it differs from flex's: its own leaves and output gradient
+    (`rank`: a varlen kernel reads q, k, v packed as (T, H, D), made once outside the timing),
+    and how its output reads as flex's (B, H, S, D) to be checked against it (`unpack`)."""
+
+    call: Callable[[], Any]
+    rank: phases.Rank | None = None
+    unpack: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 def _time_baseline(
     name: str, job: OneDevice, flex: dict[str, Any], flops: dict[str, dict], metrics: dict
 ) -> None:
@@ -235,15 +251,21 @@ def _time_baseline(
 
     s = job.settings
     if name in s.skipped_baselines:  # the memory estimate: it alone would not fit
-        fn, reason = None, s.skipped_baselines[name]
+        contender, reason = None, s.skipped_baselines[name]
+    elif name in varlen.KERNELS:
+        contender, reason = _varlen(name, job)
     else:
         fn, reason = _baseline(name, job.variant, job.q, job.k, job.v, s, job.rank.device)
-    metrics[f"{name}_status"] = "ok" if fn is not None else f"skipped: {reason}"
-    if fn is None:
+        contender = None if fn is None else Contender(call=fn)
+    metrics[f"{name}_status"] = "ok" if contender is not None else f"skipped: {reason}"
+    if contender is None:
         log.info("baseline %s skipped: %s", name, reason)
         return
+    rank = contender.rank or job.rank
+    if contender.unpack is not None:
+        metrics.update(_agreement(name, job, contender))
     failures: dict[str, str] = {}
-    times = phases.time_passes(job.rank, job.passes, fn, label=name, failures=failures)
+    times = phases.time_passes(rank, job.passes, contender.call, label=name, failures=failures)
     if failures:  # e.g. a forced SDPA backend with a forward but no backward for these inputs
         missing = ", ".join(failures)
         reason = next(iter(failures.values()))
@@ -259,31 +281,73 @@ def _time_baseline(
         )
         if flex.get(p):
             metrics[speedup_metric(name, p)] = timing.median_ms / flex[p].median_ms
-    del fn
+    del contender
 
 
-def _best_sdpa(metrics: dict[str, Any], flex_ms: dict[str, Any]) -> dict[str, Any]:
-    """The headline: flex against the fastest SDPA contender that ran, per pass.
+def _varlen(name: str, job: OneDevice) -> tuple[Contender | None, str]:
+    """A varlen kernel on the run's q, k, v packed as it reads them (attngym.varlen), with its
+    own leaves and output gradient so the timed calls hold no packing; or (None, why not)."""
+    q, k, v = job.q, job.k, job.v
+    why = varlen.refusal(name, job.variant, q.device, q.dtype, gqa=k.shape[1] != q.shape[1])
+    if why is not None:
+        return None, why
+    batch = q.shape[0]
+    leaves = tuple(varlen.pack(t.detach()).requires_grad_(job.do_bwd) for t in (q, k, v))
+    call = varlen.call(name, job.variant, *leaves, batch)
+    rank = dataclasses.replace(
+        job.rank, attend=call, leaves=leaves, grad_out=varlen.pack(job.grad_out)
+    )
+    return Contender(call=call, rank=rank, unpack=lambda out: varlen.unpack(out, batch)), ""
+
+
+def _agreement(name: str, job: OneDevice, contender: Contender) -> dict[str, Any]:
+    """The contender's output against flex's on the validated rows, judged as torch_cp's is: two
+    kernels each within RTOL of the float64 truth agree within about 2 x RTOL; a wrong mask,
+    window or packing gives errors of order 1e-1 to 1."""
+    s = job.settings
+    if not s.validate:
+        return {f"{name}_validation": "not run (validate=false)"}
+    with torch.no_grad():
+        theirs = contender.unpack(phases.first(contender.call()))
+        ours = phases.first(job.rank.attend())
+    rows = validation.sample_rows(s.shape.seq_len, s.validate_rows, s.seed, theirs.device)
+    theirs, ours = theirs[:, :, rows], ours[:, :, rows]
+    limit = 2 * validation.RTOL[s.dtype]
+    err = validation.rel_error(theirs, ours)
+    verdict = "ok" if err <= limit else f"failed: {name}_err_out_rel={err:.3g} > {limit:g}"
+    return {
+        f"{name}_err_out_rel": err,
+        f"{name}_validation": verdict if verdict == "ok" else f"{verdict} ({s.dtype})",
+    }
+
+
+# The contenders `best_sdpa` chooses from; `best` also from the varlen kernels.
+SDPA_FAMILY = ("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense_mask")
+
+
+def _best(
+    metrics: dict[str, Any], flex_ms: dict[str, Any], headline: str, among: tuple[str, ...]
+) -> dict[str, Any]:
+    """A headline: flex against the fastest of `among` that ran (and agreed with flex), per pass.
 
     Returns:
-        `best_sdpa_<pass>` (the contender's name), `best_sdpa_<pass>_ms` and
-        `flex_over_best_sdpa_<pass>` (its time / flex's time; > 1: flex is faster).
+        `<headline>_<pass>` (the contender's name), `<headline>_<pass>_ms` and
+        `flex_over_<headline>_<pass>` (its time / flex's time; > 1: flex is faster).
     """
-    from attngym.config import BASELINES
-
     out: dict[str, Any] = {}
     for p, timing in flex_ms.items():
         times = {
             name: metrics[baseline_metric(name, p, "ms")]
-            for name in BASELINES
-            if name.startswith("sdpa") and metrics.get(baseline_metric(name, p, "ms"))
+            for name in among
+            if metrics.get(baseline_metric(name, p, "ms"))
+            and not str(metrics.get(f"{name}_validation", "")).startswith("failed")
         }
         if not times or timing is None:
             continue
         best = min(times, key=times.get)
-        out[f"best_sdpa_{p}"] = best
-        out[f"best_sdpa_{p}_ms"] = times[best]
-        out[speedup_metric("best_sdpa", p)] = times[best] / timing.median_ms
+        out[f"{headline}_{p}"] = best
+        out[f"{headline}_{p}_ms"] = times[best]
+        out[speedup_metric(headline, p)] = times[best] / timing.median_ms
     return out
 
 

@@ -28,6 +28,39 @@ Bind = Callable[[Mapping[str, torch.Tensor]], "tuple[ScoreMod | None, MaskMod | 
 BlockRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class Varlen:
+    """A mask as FlashAttention's varlen kernels take it: packed sequences (documents) and a
+    window inside each, what `torch.nn.attention.varlen.varlen_attn` and flash-attn's
+    `flash_attn_varlen_func` express with `cu_seqlens` and `window_size` (attngym.varlen).
+
+    Attributes:
+        documents: the lengths of the packed documents, in order (None: one, the whole sequence).
+        left, right: how many keys before and after the query it may see, inside its document,
+            -1 for no bound (FlashAttention's `window_size`): (-1, -1) full, (-1, 0) causal,
+            (w, 0) a causal window of look-back w, (w, w) a band.
+    """
+
+    documents: tuple[int, ...] | None = None
+    left: int = -1
+    right: int = -1
+
+    def both(self, other: Varlen) -> Varlen | None:
+        """The mask both keep (a composed variant's), or None where no varlen form has it:
+        two different splits into documents."""
+        if None not in (self.documents, other.documents) and self.documents != other.documents:
+            return None
+
+        def tighter(a: int, b: int) -> int:
+            return b if a < 0 else a if b < 0 else min(a, b)
+
+        return Varlen(
+            documents=self.documents if self.documents is not None else other.documents,
+            left=tighter(self.left, other.left),
+            right=tighter(self.right, other.right),
+        )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Variant:
     """An attention variant: FlexAttention callbacks plus the facts attngym needs about them.
@@ -41,6 +74,8 @@ class Variant:
         bind: rebuilds `(score_mod, mask_mod)` from moved buffers; required when buffers exist.
         seq_len: the only sequence length the variant is defined for, or None for any.
         sdpa: "full" or "causal" when SDPA computes the same thing (is_causal), else None.
+        varlen: the mask as FlashAttention's varlen kernels take it (Varlen), or None where they
+            cannot (a score_mod, any mask that is not documents and windows).
         block_rule: the mask's block classes in closed form, so a block mask at long sequences
             needs no evaluation of every (query, key) pair (attngym.kernels.make_block_mask);
             None: create_block_mask evaluates the mask_mod. Called with each q block's and each
@@ -57,6 +92,7 @@ class Variant:
     bind: Bind | None = None
     seq_len: int | None = None
     sdpa: str | None = None
+    varlen: Varlen | None = None
     block_rule: BlockRule | None = None
 
     def __post_init__(self):
@@ -163,6 +199,11 @@ def compose(*variants: Variant) -> Variant:
     sdpa = None
     if all(s in ("full", "causal") for s in sdpas):
         sdpa = "causal" if "causal" in sdpas else "full"
+    varlen = variants[0].varlen
+    for v in variants[1:]:
+        varlen = varlen.both(v.varlen) if None not in (varlen, v.varlen) else None
+    if score_mod is not None:  # FlashAttention's varlen kernels take no score_mod
+        varlen = None
     return Variant(
         name="+".join(v.name for v in variants),
         params={v.name: dict(v.params) for v in variants},
@@ -172,6 +213,7 @@ def compose(*variants: Variant) -> Variant:
         bind=bind if prefixed else None,
         seq_len=seq_lens.pop() if seq_lens else None,
         sdpa=sdpa,
+        varlen=varlen,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attngym.variants.base import Variant, register
+from attngym.variants.base import Variant, Varlen, register
 
 
 def _causal_mask(b, h, q_idx, kv_idx):
@@ -14,7 +14,7 @@ def _causal_mask(b, h, q_idx, kv_idx):
 @register("full")
 def full() -> Variant:
     """Every query attends to every key: no score_mod, no mask_mod."""
-    return Variant(name="full", sdpa="full")
+    return Variant(name="full", sdpa="full", varlen=Varlen())
 
 
 @register("causal")
@@ -24,7 +24,13 @@ def causal() -> Variant:
     Note:
         A query attends to its own position and every earlier one: `q_idx >= kv_idx`.
     """
-    return Variant(name="causal", mask_mod=_causal_mask, sdpa="causal", block_rule=causal_blocks)
+    return Variant(
+        name="causal",
+        mask_mod=_causal_mask,
+        sdpa="causal",
+        varlen=Varlen(right=0),
+        block_rule=causal_blocks,
+    )
 
 
 def causal_blocks(q_lo, q_hi, kv_lo, kv_hi):

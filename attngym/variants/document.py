@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from attngym.variants.base import Variant, positive_int, register
+from attngym.variants.base import Variant, Varlen, positive_int, register
 from attngym.variants.causal import classes
 
 
@@ -73,6 +73,7 @@ def document(doc_lengths: Sequence[int], causal: bool = True) -> Variant:
         bind=bind,
         seq_len=sum(lengths),
         sdpa=sdpa,
+        varlen=Varlen(documents=tuple(lengths), right=0 if causal else -1),
         block_rule=functools.partial(_document_blocks, doc_ids, starts, ends, causal),
     )
 

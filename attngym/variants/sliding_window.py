@@ -8,7 +8,7 @@ the same cost; the bidirectional band is Longformer's encoder-side local attenti
 
 from __future__ import annotations
 
-from attngym.variants.base import Variant, positive_int, register
+from attngym.variants.base import Variant, Varlen, positive_int, register
 from attngym.variants.causal import classes
 
 
@@ -38,6 +38,7 @@ def sliding_window(window_size: int) -> Variant:
         name="sliding_window",
         params={"window_size": window_size},
         mask_mod=mask_mod,
+        varlen=Varlen(left=window_size, right=0),
         block_rule=block_rule,
     )
 
@@ -59,7 +60,10 @@ def bidirectional_sliding_window(window_size: int) -> Variant:
 
     mask_mod.__name__ = f"bidirectional_sliding_window_{window_size}"
     return Variant(
-        name="bidirectional_sliding_window", params={"window_size": window_size}, mask_mod=mask_mod
+        name="bidirectional_sliding_window",
+        params={"window_size": window_size},
+        mask_mod=mask_mod,
+        varlen=Varlen(left=window_size, right=window_size),
     )
 
 
