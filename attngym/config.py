@@ -925,8 +925,8 @@ def _triton_tiles_divide_blocks(data: dict[str, Any]) -> None:
             )
 
 
-# Inductor's backward kernel walks one tile inside the other (static asserts in its template):
-# (outer, inner) where the inner tile must be a multiple of the outer one.
+# Inductor's backward kernel walks several inner tiles inside an outer one (static asserts in
+# its template): (inner, outer), the outer tile a multiple of the inner one.
 NESTED_BACKWARD_TILES = (("BLOCK_M1", "BLOCK_N1"), ("BLOCK_N2", "BLOCK_M2"))
 
 
@@ -941,14 +941,14 @@ def _triton_backward_tiles_nest(data: dict[str, Any]) -> None:
         or not str(data["device"]["name"]).startswith("cuda")
     ):
         return
-    for outer, inner in NESTED_BACKWARD_TILES:
-        keys = [f"bwd_{t}" if f"bwd_{t}" in options else t for t in (outer, inner)]
+    for inner, outer in NESTED_BACKWARD_TILES:
+        keys = [f"bwd_{t}" if f"bwd_{t}" in options else t for t in (inner, outer)]
         small, large = (options.get(k) for k in keys)
         if isinstance(small, int) and isinstance(large, int) and small > 0 and large % small:
             raise ConfigError(
                 f"kernel_options.{keys[1]}",
                 f"{large} must be a multiple of kernel_options.{keys[0]} ({small}): Triton "
-                f"flex's backward walks {outer} tiles inside each {inner} one",
+                f"flex's backward walks {inner} tiles inside each {outer} one",
             )
 
 

@@ -485,9 +485,9 @@ def _check_value_key(arg: str) -> None:
 def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
     """The tuner's study: one per variant (your own named by its label or import paths), shape,
     device and dtype (`auto` resolved here), so a second tuning command of the same problem
-    resumes the same study, as long as the search space (tuning.SEARCH_SPACE) is the same."""
+    resumes the same study, as long as the search space (tune_search.SEARCH_SPACE) is the same."""
     from attngym.device import auto_dtype, resolve_device
-    from attngym.tuning import SEARCH_SPACE
+    from attngym.tune_search import SEARCH_SPACE
 
     device = resolve_device(device).type
     dtype = auto_dtype(device) if dtype == "auto" else dtype

@@ -1056,10 +1056,10 @@ def _tune_cfg(device="cpu", dtype="auto"):
 
 def test_the_tuner_draws_block_sizes_alone_on_a_cpu():
     """Eager flex on a CPU has no kernel options and one backend: a trial draws block sizes."""
-    from attngym import tuning
+    from attngym import tune_search
 
     trial = _trial()
-    tuning.search_space(_tune_cfg(), trial)
+    tune_search.search_space(_tune_cfg(), trial)
     assert set(trial.params) == {"block_size.q", "block_size.kv"}
 
 
@@ -1069,20 +1069,20 @@ def test_the_tuner_draws_flash_only_where_it_can_run_and_tiles_that_nest(monkeyp
     the block sizes and nest, so every drawn configuration passes the config's own rules."""
     import torch
 
-    from attngym import config, device, tuning
+    from attngym import config, device, tune_search, tuning
 
     monkeypatch.setattr(device, "resolve_device", lambda name: torch.device(name))
     monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: H200_D128_BACKWARD)
     monkeypatch.setattr(device, "get_flash_block_size", lambda *a: (256, 128))
     monkeypatch.setattr(tuning, "flash_missing", lambda: "flash_attn.cute is not importable")
-    assert tuning.tuner_backends(_tune_cfg("cuda")) == ["TRITON"]
+    assert tune_search.tuner_backends(_tune_cfg("cuda")) == ["TRITON"]
     monkeypatch.setattr(tuning, "flash_missing", lambda: None)
-    assert tuning.tuner_backends(_tune_cfg("cuda", "float32")) == ["TRITON"]
-    assert tuning.tuner_backends(_tune_cfg("cuda")) == ["TRITON", "FLASH"]
+    assert tune_search.tuner_backends(_tune_cfg("cuda", "float32")) == ["TRITON"]
+    assert tune_search.tuner_backends(_tune_cfg("cuda")) == ["TRITON", "FLASH"]
     seen = set()
     for seed in range(40):
         trial = _trial(seed)
-        tuning.search_space(_tune_cfg("cuda"), trial)
+        tune_search.search_space(_tune_cfg("cuda"), trial)
         params = {k.lstrip("+"): v for k, v in trial.params.items()}
         backend = params.pop("kernel_options.BACKEND")
         seen.add(backend)
