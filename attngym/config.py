@@ -301,6 +301,46 @@ class Topology:
     copy_engine or nccl; simulate: each rank's items captured and replayed the same way."""
 
 
+Distribution = Literal["fixed", "uniform", "lognormal", "zipf", "file"]  # attngym.workload's
+
+
+def _positive_number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(key, f"must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Workload:
+    """What the run attends: the config's one batch (none), or a stream of batches of packed
+    documents whose lengths follow a distribution (documents; attngym.workload), each batch's
+    variant the config's with that batch's documents (attngym.variants.spec.with_documents)."""
+
+    name: Literal["none", "documents"] = "none"
+    """none: one batch, the config's own mask; documents: `batches` batches of packed documents."""
+    distribution: Distribution = "lognormal"
+    """How document lengths are drawn: fixed (length), uniform (min_len..max_len), lognormal
+    (median, sigma), zipf (min_len x Pareto(exponent)), file (workload.file)."""
+    batches: int = 16
+    """How many batches the workload holds."""
+    seed: int = setting(0, low=0)
+    """Seeds the draw of lengths."""
+    length: int = 2048
+    """fixed: every document's length."""
+    min_len: int = 64
+    """uniform, lognormal, zipf: the shortest document."""
+    max_len: int | None = None
+    """uniform, lognormal, zipf: the longest document; null: shape.seq_len."""
+    median: int = 2048
+    """lognormal: the median document length."""
+    sigma: float = setting(1.0, check=_positive_number)
+    """lognormal: the spread of log lengths (1.0: a tenth of documents past 3.6x the median)."""
+    exponent: float = setting(1.5, check=_positive_number)
+    """zipf: the power law's exponent (smaller: a longer tail)."""
+    file: str | None = None
+    """file: one document length a line, or one JSON list of lengths a line (given batches)."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class Benchmark:
     warmup: int = setting(2, low=0)
@@ -321,6 +361,7 @@ class Settings:
     shape: Shape = dataclasses.field(default_factory=Shape)
     topology: Topology = dataclasses.field(default_factory=Topology)
     benchmark: Benchmark = dataclasses.field(default_factory=Benchmark)
+    workload: Workload = dataclasses.field(default_factory=Workload)
     device: Auto | Device = setting(AUTO, keys=("name",), what="device")
     """cpu | cuda; auto = cuda when torch sees a GPU, else cpu (attngym.device.resolve_device)."""
     dtype: Auto | Dtype = AUTO
@@ -1037,9 +1078,42 @@ def flash_refusal_of(
     return None
 
 
+def _workload(data: dict[str, Any]) -> None:
+    """workload=documents: its batches can be made (a file read, its lines checked) and the
+    attention entry has documents for them to set."""
+    spec = data["workload"]
+    if spec["name"] == "none":
+        return
+    from attngym import workload
+    from attngym.variants.spec import with_documents
+
+    top = spec["max_len"]
+    if top is not None and top < spec["min_len"]:
+        raise ConfigError("workload.max_len", f"{top} is below min_len ({spec['min_len']})")
+    try:
+        first = workload_batches(data)[0]
+    except workload.WorkloadError as err:
+        raise ConfigError(f"workload.{err.key}", str(err)) from None
+    with_documents(data["attention"], first)
+
+
+def workload_batches(data: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    """The document lengths of every batch of the config's workload (attngym.workload.batches);
+    [] for workload=none."""
+    from attngym import workload
+
+    spec = data["workload"]
+    if spec["name"] == "none":
+        return []
+    params = {k: v for k, v in spec.items() if k not in ("name", "distribution", "batches")}
+    return workload.batches(spec["distribution"], count=spec["batches"],
+                            seq_len=data["shape"]["seq_len"], **params)  # fmt: skip
+
+
 # The rules on values alone, in this order (check_config and from_config).
 VALUE_RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _kv_heads_divide_heads,
+    _workload,
     _topology_rules,
     _simulation,
     _flash_needs_16_bit,

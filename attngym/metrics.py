@@ -32,6 +32,17 @@ PASSES = tuple(PASS_PARTS)
 # fastest SDPA, a dense-mask SDPA and flex untuned.
 HEADLINE_BASELINES = ("best", "best_sdpa", "sdpa_dense_mask", "flex_default")
 
+# The numbers of a workload's batch rows that a workload run aggregates (attngym.tasks.workloads),
+# each as <name>_<stat> over the batches.
+WORKLOAD_AGGREGATES = (
+    "block_mask_ms", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
+    "fwd_kept_tflops", "fwd_bwd_kept_tflops", "flex_over_best_fwd", "flex_over_best_fwd_bwd",
+    "efficiency", "efficiency_fwd_bwd", "load_time_imbalance", "time_imbalance", "bytes_moved",
+    "bytes_needed", "planning_ms", "predicted_fwd_bwd_ms", "predicted_efficiency_fwd_bwd",
+    "attngym_over_torch_cp_fwd_bwd",
+)  # fmt: skip
+WORKLOAD_STATS = ("mean", "p50", "p95", "max")
+
 # What a placeholder of a row's name stands for: a regular expression, and the values a table
 # column is made for (None: any name matching, no column of its own).
 PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -40,6 +51,8 @@ PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "baseline": ("[a-z][a-z0-9_]*?", None),  # a name of attngym.config.BASELINES
     "NAME": ("[A-Za-z0-9_]+", None),  # a flex_attention kernel option
     "phase": ("[a-z][a-z0-9_]*", None),  # a phase of attngym.timeline.PHASES, or baseline_<name>
+    "aggregated": ("|".join(sorted(WORKLOAD_AGGREGATES, key=len, reverse=True)), None),
+    "stat": ("|".join(WORKLOAD_STATS), None),
 }
 
 # Units format_value reads: "bytes" (MiB, GiB), "TFLOP/s" (one decimal); the others label.
@@ -181,6 +194,40 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("bwd_tflops", "bwd TFLOP/s", "TFLOP/s", "achieved backward TFLOP/s"),
     M("fwd_bwd_tflops", "fwd+bwd TFLOP/s", "TFLOP/s", "achieved fwd+bwd TFLOP/s", shown="run"),
+    M(
+        "block_mask_ms",
+        "block mask (ms)",
+        "ms",
+        "building the run's block mask on its device, once (a workload: each batch's)",
+    ),
+    # A workload (workload=documents, attngym.tasks.workloads): batches of packed documents, each
+    # a row of batches.csv; on such a run the plain timings above are their mean.
+    M("workload", "workload", "", "none (one batch) or documents (batches of packed documents)"),
+    M("workload_distribution", "lengths from", "", "how document lengths are drawn"),
+    M("workload_batches", "batches", "", "batches in the workload", shown="run"),
+    M("workload_batches_done", "batches done", "", "batches run so far", column=False),
+    M(
+        "tokens_per_s",
+        "tokens/s",
+        "tokens/s",
+        "the workload's tokens (batches x B x S) over its summed fwd+bwd (else fwd) time",
+        shown="run",
+    ),
+    M(
+        "<pass>_kept_tflops",
+        "{pass} kept TFLOP/s",
+        "TFLOP/s",
+        "the FLOPs the mask keeps over the pass's time (a batch row's; unlike <pass>_tflops, "
+        "partial blocks' masked entries are not credited)",
+        column=False,
+    ),
+    M(
+        "<aggregated>_<stat>",
+        "{aggregated} {stat}",
+        "",
+        "a batch row's number over the workload's batches: mean, median, 95th percentile, max",
+        column=False,
+    ),
     # How near the device's limit, and what it cost (tasks.phases.limits).
     M(
         "mask_density",

@@ -806,13 +806,14 @@ def test_the_walker_names_the_dotted_key_of_every_setting():
 
     keys = known_keys()
     sections = {key.split(".")[0] for key in keys if "." in key}
-    assert sections == {"shape", "topology", "benchmark", "device", "block_size", "profiler"}
+    assert sections == {"shape", "topology", "benchmark", "workload", "device", "block_size",
+                        "profiler"}  # fmt: skip
     for key in keys:
         with pytest.raises(ConfigError) as info:
             check_config(_with(key, ["?"]))
         assert info.value.key == key, (key, str(info.value))
         assert "'?'" in str(info.value), str(info.value)
-    for key in ("shape", "topology", "benchmark", "device", "block_size"):  # a section, not a map
+    for key in ("shape", "topology", "benchmark", "workload", "device", "block_size"):  # no map
         with pytest.raises(ConfigError, match=rf"^{key}: must be a mapping, got 3$"):
             check_config({"attention": {"name": "causal"}, key: 3})
         check_config({"attention": {"name": "causal"}, key: None})  # null: every default

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,10 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
         `metrics`: flat metrics named as in attngym.metrics (status is set by the caller).
     """
     metrics = {} if metrics is None else metrics
+    if settings.workload.name != "none":  # each batch a run of this task (tasks.workloads)
+        from attngym.tasks import workloads
+
+        return workloads.run(settings, run_dir, metrics, run)
     metrics.update(settings.describe())
     job = _prepare(settings, metrics)
     with timeline.phase("first_call"):
@@ -114,9 +119,12 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
             shape, settings.seed, device, torch_dtype(settings.dtype), requires_grad=do_bwd
         )
     with timeline.phase("block_mask"):
+        start = time.perf_counter()
         block_mask = kernels.make_block_mask(
             variant, shape.seq_len, shape.seq_len, block_size=settings.block_size, device=device
         )
+        sync(device)
+        metrics["block_mask_ms"] = 1e3 * (time.perf_counter() - start)
     metrics.update(phases.mask_work(variant.mask_mod, block_mask, shape.batch, shape.heads))
     sparsity, density = metrics["sparsity"], metrics["mask_density"]
     use_compile = settings.compile and device.type == "cuda"

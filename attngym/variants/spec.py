@@ -112,3 +112,30 @@ def build_variant(
             f"{detail} describes {variant.seq_len} tokens but shape.seq_len={seq_len}; {hint}",
         )
     return variant
+
+
+def with_documents(attention: Mapping[str, Any], lengths: Sequence[int], *,
+                   key: str = "attention") -> dict[str, Any]:  # fmt: skip
+    """The attention entry with its documents replaced by `lengths` (a workload's batch): the
+    document variant's doc_lengths, in a composed entry every part that has documents.
+
+    Raises:
+        ConfigError: (workload) the entry has no documents to replace.
+    """
+    if "compose" in attention:
+        parts, found = [], False
+        for part in attention["compose"]:
+            try:
+                parts.append(with_documents(part, lengths, key=key))
+                found = True
+            except ConfigError:
+                parts.append(dict(part))
+        if found:
+            return {**attention, "compose": parts}
+    elif attention.get("name") == "document":
+        return {**attention, "doc_lengths": list(lengths)}
+    raise ConfigError(
+        "workload",
+        f"{key} {attention.get('name')!r} has no documents for a workload's batches to set: use "
+        "attention=document, or compose it with your mask",
+    )

@@ -1,0 +1,115 @@
+"""Workloads of packed documents: the draw and the packing, the config's checks, and a run that
+validates and times every batch (rows in batches.csv, aggregates in metrics.json)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+
+from attngym import workload
+from attngym.config import check_config
+from attngym.errors import ConfigError
+from attngym.variants.spec import build_variant, with_documents
+
+
+@pytest.mark.parametrize("distribution", ["fixed", "uniform", "lognormal", "zipf"])
+def test_every_batch_packs_documents_into_the_sequence_exactly(distribution):
+    made = workload.batches(distribution, count=20, seq_len=4096, seed=3, length=700,
+                            min_len=32, max_len=3000, median=300)  # fmt: skip
+    assert len(made) == 20
+    for docs in made:
+        assert sum(docs) == 4096 and min(docs) >= 1
+        assert max(docs[:-1], default=0) <= 3000  # only the last one is cut to fit
+    again = workload.batches(distribution, count=20, seq_len=4096, seed=3, length=700,
+                             min_len=32, max_len=3000, median=300)  # fmt: skip
+    assert again == made  # seeded
+    if distribution == "fixed":
+        assert made[0] == (700,) * 5 + (596,)
+
+
+def test_a_lognormal_corpus_has_its_median_and_a_long_tail():
+    docs = [n for b in workload.batches("lognormal", count=64, seq_len=131072, median=2048,
+                                        sigma=1.2, max_len=65536) for n in b[:-1]]  # fmt: skip
+    assert 1700 < statistics.median(docs) < 2500
+    assert max(docs) > 16 * 2048  # the tail reaches far past the median
+
+
+def test_a_file_gives_lengths_or_whole_batches(tmp_path):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("# a corpus\n300\n500\n\n224\n")
+    assert workload.batches("file", count=2, seq_len=1024, file=lengths) == [
+        (300, 500, 224), (300, 500, 224),
+    ]  # fmt: skip
+    given = tmp_path / "batches.txt"
+    given.write_text("[1000, 24]\n[1024]\n[24, 1000]\n")
+    assert workload.batches("file", count=2, seq_len=1024, file=given) == [(1000, 24), (1024,)]
+    with pytest.raises(workload.WorkloadError, match="gives 3 batches, fewer than 4"):
+        workload.batches("file", count=4, seq_len=1024, file=given)
+    given.write_text("[1000, 20]\n")
+    with pytest.raises(workload.WorkloadError, match=r"batches.txt:1: the lengths sum to 1020"):
+        workload.batches("file", count=1, seq_len=1024, file=given)
+    lengths.write_text("300\nabc\n")
+    with pytest.raises(workload.WorkloadError, match=r"lengths.txt:2: 'abc' is not a positive"):
+        workload.batches("file", count=1, seq_len=1024, file=lengths)
+
+
+def _config(**workload_keys):
+    return {"attention": {"name": "document", "doc_lengths": [512, 512]},
+            "shape": {"seq_len": 1024},
+            "workload": {"name": "documents", **workload_keys}}  # fmt: skip
+
+
+def test_a_bad_workload_is_one_line_naming_its_key(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        check_config(_config(distribution="file"))
+    assert info.value.key == "workload.file"
+    with pytest.raises(ConfigError) as info:
+        check_config(_config(distribution="file", file=str(tmp_path / "none.txt")))
+    assert info.value.key == "workload.file" and "cannot read" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        check_config(_config(min_len=100, max_len=50))
+    assert info.value.key == "workload.max_len"
+    with pytest.raises(ConfigError) as info:
+        check_config({**_config(), "attention": {"name": "causal"}})
+    assert info.value.key == "workload" and "has no documents" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        check_config(_config(distribution="gamma"))
+    assert info.value.key == "workload.distribution"
+    assert check_config(_config())["workload"]["batches"] == 16  # accepted, the defaults
+
+
+def test_a_batch_sets_the_documents_of_a_composed_entry_and_keeps_the_rest():
+    entry = {"name": "doc_window", "compose": [
+        {"name": "document", "doc_lengths": [512, 512]},
+        {"name": "sliding_window", "window_size": 64},
+    ]}  # fmt: skip
+    batch = with_documents(entry, (100, 900, 24))
+    assert batch["compose"][0]["doc_lengths"] == [100, 900, 24]
+    assert batch["compose"][1] == {"name": "sliding_window", "window_size": 64}
+    variant = build_variant(batch, seq_len=1024)
+    assert variant.varlen.documents == (100, 900, 24) and variant.varlen.left == 64
+
+
+def test_a_workload_run_validates_and_times_every_batch(tmp_path, attngym_cli):
+    args = ["workload=documents", "attention=document", "workload.batches=3",
+            "workload.median=100", "shape.seq_len=512", "shape.heads=2", "shape.head_dim=16",
+            "benchmark.warmup=0", "benchmark.repeats=2", "logger=none", "device=cpu",
+            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with (tmp_path / "run" / "batches.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    want = workload.batches("lognormal", count=3, seq_len=512, median=100)
+    assert [int(r["documents"]) for r in rows] == [len(b) for b in want]
+    assert [int(r["doc_len_max"]) for r in rows] == [max(b) for b in want]
+    assert all(r["validation"] == "ok" and float(r["err_out_rel"]) < 1e-4 for r in rows)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["workload_batches"] == 3 and metrics["validation"] == "ok"
+    times = [float(r["fwd_ms"]) for r in rows]
+    assert metrics["fwd_ms_mean"] == pytest.approx(statistics.fmean(times))
+    assert metrics["fwd_ms_max"] == pytest.approx(max(times))
+    assert metrics["tokens_per_s"] == pytest.approx(3 * 512 / (sum(times) / 1e3))
+    assert "batches" in done.stdout and "tokens/s" in done.stdout
