@@ -204,6 +204,13 @@ METRICS: tuple[Metric, ...] = (
     # a row of batches.csv; on such a run the plain timings above are their mean.
     M("workload", "workload", "", "none (one batch) or documents (batches of packed documents)"),
     M("workload_distribution", "lengths from", "", "how document lengths are drawn"),
+    M(
+        "planning_ms",
+        "planning (ms)",
+        "ms",
+        "context parallelism: placing the sequence on the ranks (a balanced layout plans from "
+        "the block mask), once per run or batch",
+    ),
     M("workload_batches", "batches", "", "batches in the workload", shown="run"),
     M("workload_batches_done", "batches done", "", "batches run so far", column=False),
     M(

@@ -113,3 +113,32 @@ def test_a_workload_run_validates_and_times_every_batch(tmp_path, attngym_cli):
     assert metrics["fwd_ms_max"] == pytest.approx(max(times))
     assert metrics["tokens_per_s"] == pytest.approx(3 * 512 / (sum(times) / 1e3))
     assert "batches" in done.stdout and "tokens/s" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["ring", "allgather", "ulysses"])
+def test_every_batch_of_a_cp_workload_matches_float64_forward_and_backward(
+    tmp_path, attngym_cli, topology
+):
+    """Given batches on two CPU ranks (the reference kernel gives the CP call a backward): a
+    batch of one document, and a document longer than a rank's shard of 256 tokens; each
+    batch's out, dq, dk and dv against float64, and its placement planned (and timed)."""
+    (tmp_path / "given.txt").write_text("[300, 200, 12]\n[512]\n[100, 412]\n")
+    layout = "balanced" if topology != "ulysses" else "zigzag"
+    args = ["workload=documents", "workload.distribution=file", "workload.file=given.txt",
+            "workload.batches=3", "attention=document", f"topology={topology}",
+            "topology.world_size=2", f"topology.layout={layout}", "shape.seq_len=512",
+            "shape.heads=2", "shape.head_dim=16", "benchmark.warmup=0", "benchmark.repeats=1",
+            "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with (tmp_path / "run" / "batches.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["documents"]) for r in rows] == [3, 1, 2]
+    for r in rows:
+        assert r["validation"] == "ok"
+        errors = [float(r[k]) for k in ("err_out_rel", "err_dq_rel", "err_dk_rel", "err_dv_rel")]
+        assert max(errors) < 1e-4, (r["batch"], errors)  # float32 ranks against float64
+        assert float(r["planning_ms"]) > 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["workload_batches"] == 3 and metrics["planning_ms_max"] > 0

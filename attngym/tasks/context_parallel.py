@@ -160,6 +160,13 @@ def run_context_parallel(
     from attngym.distributed.launch import launch
 
     metrics = {} if metrics is None else metrics
+    if settings.workload.name != "none":  # each batch a run of this task (tasks.workloads)
+        from attngym.tasks import workloads
+
+        def one_batch(batch: Settings, folder: Path, into: dict[str, Any]) -> dict[str, Any]:
+            return run_context_parallel(batch, folder, kind, into)
+
+        return workloads.run(settings, run_dir, metrics, one_batch)
     if registry.get("topology", kind).chooses:  # auto: the model picks a topology to run
         from attngym.tasks.cp_auto import choose
 
@@ -417,6 +424,9 @@ def shard(job: RankJob) -> dict[str, Any]:
     s = job.settings
     # First: hybrid resolves its groups here and refuses a bad group size before any tensor.
     shards = job.spec.sequence_shards(s)
+    start = time.perf_counter()
+    job.layout  # noqa: B018  (planned here, timed: a balanced placement reads the block mask)
+    planning_ms = 1e3 * (time.perf_counter() - start)
     whole = make_inputs(s.shape, s.seed, "cpu", torch.float32)  # q, k, v, grad_out
     job.shards = tuple(job.mine(t).to(device=job.device, dtype=job.dtype) for t in whole)
     job.whole = tuple(t.to(job.dtype) for t in whole) if job.rank == 0 else None
@@ -433,6 +443,7 @@ def shard(job: RankJob) -> dict[str, Any]:
         sum_over_devices=job.sum_over_devices,
     )
     return {
+        "planning_ms": planning_ms,
         **placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device),
         **kv_needed(s, job.layout, job.variant, shards, job.device),
     }
