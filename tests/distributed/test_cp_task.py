@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from attngym.config import Benchmark, Settings, Shape, Topology
-from attngym.tasks.context_parallel import _fold_torch_cp_verdict, torch_cp_skip_reason
-from attngym.tasks.phases import NO_CPU_BWD
+from attngym.tasks.context_parallel import torch_cp_skip_reason
+from attngym.tasks.phases import NO_CPU_BWD, fold_disagreement
 
 
 @pytest.mark.parametrize(
@@ -268,16 +268,16 @@ def test_torch_cp_skip_reasons_name_what_differs(change, reason):
 
 def test_torch_cp_disagreement_fails_the_run_verdict():
     agreed = {"validation": "ok", "torch_cp_validation": "ok"}
-    _fold_torch_cp_verdict(agreed)
+    fold_disagreement(agreed, "torch_cp")
     assert agreed["validation"] == "ok"
     bad = "failed: torch_cp_err_out_rel=0.3 > 0.0002 (float32)"
     alone = {"validation": "ok", "torch_cp_validation": bad}
-    _fold_torch_cp_verdict(alone)
+    fold_disagreement(alone, "torch_cp")
     assert alone["validation"] == (
         "failed: attngym and torch_cp disagree: torch_cp_err_out_rel=0.3 > 0.0002 (float32)"
     )
     both = {"validation": "failed: err_out_rel=0.5 > 0.0001 (float32)", "torch_cp_validation": bad}
-    _fold_torch_cp_verdict(both)
+    fold_disagreement(both, "torch_cp")
     assert (
         both["validation"].startswith("failed: err_out_rel=0.5")
         and "disagree" in both["validation"]
