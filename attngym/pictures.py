@@ -13,11 +13,14 @@ import logging
 from pathlib import Path
 
 from attngym.config import Settings
+from attngym.tasks.workloads import ROWS_FILE
 
 log = logging.getLogger(__name__)
 
 # Picture name → its file in the run folder (a resumed sweep checks both: attngym.job).
 PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
+# A workload run's picture: each batch's time against its longest document (batches.csv's rows).
+BATCH_PICTURE = "batches.png"
 HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
 # Without a block mask (a CPU run past kernels.COMPILED_MASK_ENTRIES) the pictures evaluate the
 # mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K on one CPU thread, growing
@@ -78,6 +81,8 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
         )
 
     drawn = {}
+    if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
+        drawn.update(_batch_picture(settings, run_dir))
     for name, draw in (("heatmap", heatmap), ("block_mask", block_mask)):
         path = run_dir / PICTURES[name]
         try:
@@ -88,6 +93,28 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
         except Exception as err:
             log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
     return drawn
+
+
+def _batch_picture(settings: Settings, run_dir: Path) -> dict[str, Path]:
+    """batches.png from the run's batches.csv; a failure to draw is a warning, as above."""
+    import csv
+
+    from attngym import viz
+
+    with (run_dir / ROWS_FILE).open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    topo = settings.topology
+    label = "flex" if topo.kind == "single" else f"{topo.kind} ({topo.world_size} ranks)"
+    title = f"{settings.variant.name}: {len(rows)} batches of {settings.shape.seq_len} tokens"
+    path = run_dir / BATCH_PICTURE
+    try:
+        viz.save_batch_times(rows, path, label=label, title=title)
+    except OSError:
+        raise
+    except Exception as err:
+        log.warning("%s not drawn: %s: %s", BATCH_PICTURE, type(err).__name__, err)
+        return {}
+    return {"batches": path}
 
 
 def _block_classes(settings: Settings):
