@@ -123,6 +123,30 @@ METRICS: tuple[Metric, ...] = (
     M("transport", "transport", "", "how shards move between ranks", shown="cp"),
     M("layout", "layout", "", "where each rank's rows of the sequence live", shown="cp"),
     M("scheme", "scheme", "", "topology=custom: your scheme's import path", column=False),
+    M(
+        "callbacks_read",
+        "callbacks read",
+        "",
+        "how each of your callback paths was read: the mask_mod or score_mod itself, or a factory "
+        "and the call made (its parameter names decide; setting its *_args calls it as one)",
+        column=False,
+    ),
+    M("attngym_version", "attngym", "", "the attngym version that ran the job", column=False),
+    M(
+        "code_sources",
+        "code sources",
+        "",
+        "the source file and sha256 of every module your import paths name (callbacks, scheme, "
+        "balancer): a resumed sweep runs a job again when one changed",
+        column=False,
+    ),
+    M(
+        "code_fingerprint",
+        "code fingerprint",
+        "",
+        "one digest of attngym_version and code_sources",
+        column=False,
+    ),
     M("a2a_size", "all-to-all group", "", "hybrid: ranks of one all-to-all group", column=False),
     M("across", "across groups", "", "hybrid: the algorithm between groups", column=False),
     M(

@@ -190,7 +190,7 @@ class TopologySpec:
         except ConfigError as err:  # a user's balancer: named by its config key
             if err.key != "layout":
                 raise
-            raise ConfigError("topology.layout", str(err).removeprefix("layout: ")) from None
+            raise ConfigError("topology.layout", str(err).removeprefix("layout: ")) from err
 
     def kernel_pricing(self, batch_heads: int, device):
         """How `balanced` prices this topology's kernels on `device` (layout.PairKernels), or
