@@ -473,7 +473,15 @@ METRICS: tuple[Metric, ...] = (
         "",
         "simulate: host (a rank's host issues its kernels more slowly than its device runs "
         "them), else compute, transfer or imbalance, whichever keeps the call above balanced "
-        "compute",
+        "compute (none on a CPU: prediction_refused)",
+        shown="cp",
+    ),
+    M(
+        "prediction_refused",
+        "no GPU prediction",
+        "",
+        "simulate or auto on a CPU: why no scaling is predicted (a CPU's compute on a GPU "
+        "fabric), and what to run instead",
         shown="cp",
     ),
     M(
@@ -516,6 +524,27 @@ METRICS: tuple[Metric, ...] = (
     M("auto_runner_up_ms", "auto runner-up (ms)", "ms", "topology=auto: its predicted time"),
     M("auto_why", "auto why", "", "topology=auto: the pick's time, bound and margin", column=False),
     M("auto_candidates", "auto candidates", "", "topology=auto: candidates priced", column=False),
+    M(
+        "auto_simulated",
+        "auto simulated",
+        "",
+        "topology=auto: candidates simulated so far (an interrupted choice keeps the count)",
+        column=False,
+    ),
+    M(
+        "auto_planned",
+        "auto planned",
+        "",
+        "topology=auto: candidates to simulate (grows by the alternatives a simulation names)",
+        column=False,
+    ),
+    M(
+        "auto_best_so_far",
+        "auto best so far",
+        "",
+        "topology=auto: the fastest candidate priced so far and its predicted time",
+        column=False,
+    ),
     M(
         "auto_measured_over_predicted",
         "auto measured / predicted",

@@ -212,7 +212,7 @@ def test_a_function_is_refused_by_the_simulation_and_a_spec_that_declares_it_is_
     settings = _settings("tests.distributed.schemes.PAIRWISE", simulate=True)
     settings.topology.world_size = 4
     metrics = registry.get("task", "custom")(settings, tmp_path)
-    assert metrics["predicted_fwd_ms"] > 0 and metrics["predicted_efficiency"] > 0
+    assert metrics["predicted_fwd_ms"] > 0 and metrics["single_fwd_ms"] > 0
     # K and V of 2 heads x 64 rows x 8 dims in float32, from each of 3 peers
     assert metrics["bytes_moved"] == 2 * 2 * 64 * 8 * 4 * 3
     assert metrics["sim_timed"] <= metrics["sim_items"] == 4
