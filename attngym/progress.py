@@ -61,14 +61,15 @@ class Progress:
         total: int | None,
         label: str,
         *,
-        interval: float = INTERVAL_S,
+        interval: float | None = None,
         counted: Callable[[], int] | None = None,
         line_per_step: bool = False,
     ):
         """Args:
         total: the number of steps (None: unknown).
         label: what the phase is called in the bar and the lines.
-        interval: seconds between two lines when output is redirected (0: none).
+        interval: seconds between two lines when output is redirected (0: none; None:
+            INTERVAL_S).
         counted: returns how many steps are done; polled (every POLL_S on a terminal, before
             each line otherwise, and on `recount()`) instead of counting `update()` calls.
         line_per_step: with output redirected, also a line at each `update()` (steps of
@@ -78,6 +79,7 @@ class Progress:
             isinstance(total, bool) or not isinstance(total, int) or total < 0
         ):
             raise ValueError(f"total must be a non-negative integer or None, got {total!r}")
+        interval = INTERVAL_S if interval is None else interval
         self.total, self.label, self.interval = total, label, interval
         self.line_per_step = line_per_step
         self.done = 0

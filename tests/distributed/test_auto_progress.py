@@ -92,15 +92,26 @@ def test_on_a_cpu_a_simulated_or_auto_run_says_its_device_is_not_the_fabrics(tmp
     assert not re.search(r"^  bottleneck ", table_printed, re.M)  # none claimed in the table
 
 
-def test_a_simulated_run_reports_its_items_while_it_times_them(monkeypatch, caplog):
-    """The progress a simulated run draws: the items timed so far, a line every interval."""
+def test_a_simulated_run_reports_the_items_it_has_timed(tmp_path, monkeypatch, caplog):
+    from attngym import registry
+    from attngym.config import Benchmark, Settings, Shape, Topology
+
     monkeypatch.setattr(progress, "on_terminal", lambda: False)
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.01)  # a line every 10 ms, not every 10 s
     caplog.set_level("INFO", logger="attngym.progress")
-    with progress.Progress(None, "simulated ring over 8 ranks: items timed", interval=0.01) as bar:
-        for _ in range(3):
-            bar.update()
-            time.sleep(0.03)
-    assert re.search(r"items timed: 3/\? done", caplog.text)
+    settings = Settings(
+        attention={"name": "causal"},
+        device="cpu",
+        shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
+        topology=Topology(kind="ring", world_size=4, layout="zigzag", simulate=True),
+        benchmark=Benchmark(warmup=0, repeats=1),
+        baselines=(),
+        validate=False,
+        passes=("fwd",),
+    )
+    metrics = registry.get("task", "ring")(settings, tmp_path)
+    counts = re.findall(r"simulated ring over 4 ranks: items timed: (\d+)/\? done", caplog.text)
+    assert counts and max(map(int, counts)) == metrics["sim_timed"]
 
 
 def test_a_progress_of_slow_steps_says_each_step_and_grows(monkeypatch, caplog):
