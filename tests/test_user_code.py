@@ -113,24 +113,26 @@ def test_a_factory_whose_arguments_all_have_defaults_is_read_as_a_factory(mymask
         "attention.mask_mod: mymasks.random_block as factory random_block(block=32, p=0.3, "
         "seed=0, seq_len=256, device='cpu')"
     )
-    assert "its parameters (block, p, seed, seq_len, device) are not a mask_mod's" in (
-        read.sentence()
+    assert read.sentence() == (
+        "attention.mask_mod: mymasks.random_block is a factory, by its parameter names: "
+        "random_block(block=32, p=0.3, seed=0, seq_len=256, device='cpu')"
     )
 
 
 @pytest.mark.parametrize(
     ("path", "factory", "why"),
     [
-        ("mymasks.dilated_causal", False, "its parameters are a mask_mod's"),
-        ("mymasks.random_block", True, "are not a mask_mod's"),
-        ("mymasks.star", False, "it takes *args"),
-        ("mymasks.fails_to_build", True, "(stride) are not a mask_mod's"),
+        ("mymasks.dilated_causal", False, "by its parameter names"),
+        ("mymasks.random_block", True, "by its parameter names"),
+        ("mymasks.star", False, "by its *args"),
+        ("mymasks.fails_to_build", True, "by its parameter names"),
     ],
 )
 def test_how_each_path_is_read_and_why(mymasks, path, factory, why):
     obj = user_code.resolve(path, key="attention.mask_mod")
     assert custom._is_factory(obj, "mask_mod", None)[0] is factory
-    assert why in custom._is_factory(obj, "mask_mod", None)[1]
+    assert custom._is_factory(obj, "mask_mod", None)[1] == why
+    assert custom._is_factory(obj, "mask_mod", {}) == (True, "its arguments set")
 
 
 def test_four_parameters_without_defaults_read_as_the_mod_whatever_their_names():
@@ -138,7 +140,7 @@ def test_four_parameters_without_defaults_read_as_the_mod_whatever_their_names()
         return (q // 16 + kv // 16) % 2 == 0
 
     factory, why = custom._is_factory(board, "mask_mod", None)
-    assert not factory and why == "it takes 4 arguments, none with a default"
+    assert not factory and why == "by its 4 parameters, none defaulted"
     variant = custom.build({"name": "custom", "mask_mod": board}, seq_len=S, heads=2)
     q_idx, kv_idx = torch.arange(S).view(-1, 1), torch.arange(S).view(1, -1)
     assert torch.equal(_keep(variant), (q_idx // 16 + kv_idx // 16) % 2 == 0)
@@ -173,8 +175,8 @@ def test_empty_mask_args_call_the_path_as_a_factory_with_none(mymasks):
 def test_the_run_says_how_it_read_a_path_in_its_log_and_metrics(mymasks, attngym_cli):
     common = ["attention=custom", "logger=none", f"shape.seq_len={S}", "benchmark.repeats=1"]
     for extra, said in [
-        ([], "its parameters (block, p, seed, seq_len, device) are not a mask_mod's"),
-        (["attention.mask_args={}"], "its arguments are set"),
+        ([], "by its parameter names"),
+        (["attention.mask_args={}"], "its arguments set"),
     ]:
         run = mymasks / f"run{len(extra)}"
         done = attngym_cli(
@@ -183,8 +185,8 @@ def test_the_run_says_how_it_read_a_path_in_its_log_and_metrics(mymasks, attngym
         )
         assert done.returncode == 0, done.stderr[-2000:]
         line = (
-            "attention.mask_mod: mymasks.random_block read as a factory of a mask_mod, called "
-            "as random_block(block=32, p=0.3, seed=0, seq_len=256, device='cpu') (" + said
+            f"attention.mask_mod: mymasks.random_block is a factory, {said}: "
+            "random_block(block=32, p=0.3, seed=0, seq_len=256, device='cpu')"
         )
         assert line in (run / "attngym.log").read_text()
         metrics = json.loads((run / "metrics.json").read_text())

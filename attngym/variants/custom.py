@@ -124,20 +124,19 @@ def _is_factory(obj: Any, kind: str, args: Mapping[str, Any] | None) -> tuple[bo
     (`attention.mask_args: {}` calls it with none)."""
     names = ARGUMENTS[kind]
     if args is not None:
-        return True, "its arguments are set"
+        return True, "its arguments set"
     try:
         params = list(inspect.signature(obj).parameters.values())
     except (TypeError, ValueError):
-        return False, "its signature cannot be read"
+        return False, "its signature unreadable"
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if _named_as(obj, kind):
-        return False, f"its parameters are a {kind}'s ({', '.join(names)})"
+        return False, "by its parameter names"
     if sum(p.default is p.empty for p in positional) == len(names):
-        return False, f"it takes {len(names)} arguments, none with a default"
+        return False, f"by its {len(names)} parameters, none defaulted"
     if not positional and any(p.kind == p.VAR_POSITIONAL for p in params):
-        return False, "it takes *args"
-    mine = ", ".join(p.name for p in params) or "none"
-    return True, f"its parameters ({mine}) are not a {kind}'s ({', '.join(names)})"
+        return False, "by its *args"
+    return True, "by its parameter names"
 
 
 def _named_as(obj: Any, kind: str) -> bool:
@@ -168,17 +167,10 @@ class Reading:
         return f"{self.key}: {self.shown} as {what}"
 
     def sentence(self) -> str:
-        """The run log's line: how, why, and how to read it the other way."""
-        args_key = _args_key(self.key, self.kind)
+        """The run log's line: how, and why (the README says how to read it the other way)."""
         if self.factory:
-            return (
-                f"{self.key}: {self.shown} read as a factory of a {self.kind}, called as "
-                f"{self.call} ({self.why}; {args_key}.NAME=... sets its arguments)"
-            )
-        return (
-            f"{self.key}: {self.shown} read as the {self.kind} itself ({self.why}; "
-            f"{args_key}={{}} would call it as a factory)"
-        )
+            return f"{self.key}: {self.shown} is a factory, {self.why}: {self.call}"
+        return f"{self.key}: {self.shown} is the {self.kind}, {self.why}"
 
 
 def _read(
