@@ -476,12 +476,17 @@ _GENERIC_NAMES = {"mask_mod", "score_mod", "mask", "score", "mod", "fn", "inner"
 
 def _label(fn: Any, path: Any) -> str:
     """The name of a callback in tables and W&B: its __name__ (attention-gym's closures carry
-    their parameters, e.g. sliding_window_64), else the last part of its import path."""
+    their parameters, e.g. sliding_window_64), else the function it was made in (`strided` for
+    `strided.<locals>.mask_mod`), else the last part of its import path."""
     name = getattr(fn, "__name__", None)
     if isinstance(name, str) and name.isidentifier() and name not in _GENERIC_NAMES:
         return name
     if name == "<lambda>":
         return "lambda"
+    qualname = getattr(fn, "__qualname__", "")
+    maker = qualname.rpartition(".<locals>.")[0].rsplit(".", 1)[-1]
+    if maker.isidentifier() and maker not in _GENERIC_NAMES:
+        return maker
     if isinstance(path, str):
         return path.replace(":", ".").rsplit(".", 1)[-1]
     return getattr(path, "__name__", "callback")
