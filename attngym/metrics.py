@@ -417,7 +417,7 @@ METRICS: tuple[Metric, ...] = (
         "bytes_moved",
         "bytes moved",
         "bytes",
-        "in one forward, the most any rank sends",
+        "in one forward, the most any rank sends (null: a scheme of yours that counts none)",
         column=False,
     ),
     M(
@@ -432,7 +432,7 @@ METRICS: tuple[Metric, ...] = (
         "pairs_computed",
         "pairs computed",
         "pairs",
-        "chunk pairs attended, summed over ranks",
+        "chunk pairs attended, summed over ranks (null: a scheme of yours that counts none)",
         column=False,
     ),
     M(

@@ -164,6 +164,7 @@ def _bound(path: str, args: Mapping[str, Any]) -> TopologySpec:
         attention=UserScheme(obj, path, _keywords(obj, path)),
         layouts=LAYOUTS,
         user_layouts=True,
+        fills_stats=False,
     )
 
 

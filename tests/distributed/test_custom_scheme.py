@@ -133,6 +133,8 @@ def test_attngym_run_takes_a_scheme_object_and_refuses_one_ranks_cannot_import(u
     )
     assert metrics["status"] == "ok" and metrics["validation"] == "ok"
     assert metrics["scheme"] == "mycp:my_allgather" and metrics["world_size"] == 2
+    # my_allgather counts nothing into CPStats: not reported, not measured zeros
+    assert metrics["pairs_computed"] is metrics["bytes_moved"] is metrics["pairs_skipped"] is None
 
     def in_the_notebook(q, k, v, variant, *, group, layout, **kwargs):
         return my_allgather(q, k, v, variant, group=group, layout=layout, **kwargs)
