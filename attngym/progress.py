@@ -187,7 +187,12 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self._timer is not None and not counted and self._ran_an_interval():
+        elif (
+            self._timer is not None
+            and not counted
+            and not (self.line_per_step and self.done)  # its last step said it
+            and self._ran_an_interval()
+        ):
             log.info("%s", self.line())
         self._timer = None
 

@@ -37,6 +37,7 @@ def test_auto_says_each_candidate_the_best_so_far_and_the_time_left(tmp_path, at
     steps = [int(i) for i, _, _ in lines]
     # output redirected: a line for each candidate simulated, i of N
     assert sorted(set(steps)) == list(range(1, metrics["auto_simulated"] + 1)), said
+    assert steps.count(metrics["auto_simulated"]) == 1  # the last line once
     assert int(lines[-1][1]) == metrics["auto_planned"] == metrics["auto_simulated"]
     assert all("best so far" in rest for i, _, rest in lines if int(i) > 0)
     assert any("ETA" in rest for _, _, rest in lines)
