@@ -359,3 +359,19 @@ def test_resume_reruns_a_job_whose_mask_was_edited(mymasks, attngym_cli):
     unchanged = attngym_cli(args, mymasks)
     assert unchanged.returncode == 0
     assert len(re.findall(r"already ok in .*, skipping", unchanged.stdout + unchanged.stderr)) == 2
+
+
+def test_a_scheme_error_names_its_line_and_keeps_its_frame(tmp_path, attngym_cli):
+    (tmp_path / "badcp.py").write_text(
+        "def scheme(q, k, v, variant, *, group, layout, **kwargs):\n"
+        "    raise RuntimeError('my scheme is broken')\n"
+    )
+    args = ["topology=custom", "topology.scheme=badcp.scheme", "logger=none"]
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "attngym: error: topology.scheme: badcp.scheme failed on a probe (one CPU rank, causal, "
+        "S=64): RuntimeError: my scheme is broken, at badcp.py:2 (in scheme)"
+    )
+    full = attngym_cli(args, tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert 'badcp.py", line 2, in scheme' in full.stderr
