@@ -76,13 +76,8 @@ FACTORY_RAISES, METHOD_RAISES, ITEM_LINE, RAND_LINE, GRID_RAISES = 21, 25, 29, 3
 
 
 @pytest.fixture
-def mymasks(tmp_path, monkeypatch):
-    """mymasks.py in the working directory, imported afresh."""
-    (tmp_path / "mymasks.py").write_text(MYMASKS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "mymasks", raising=False)
-    yield tmp_path
-    sys.modules.pop("mymasks", None)
+def mymasks(user_module):
+    return user_module("mymasks", MYMASKS)
 
 
 def _keep(variant):
@@ -296,20 +291,34 @@ def test_a_callback_that_fails_past_its_probe_is_one_line_naming_key_file_and_li
     assert f'mymasks.py", line {GRID_RAISES}' in full.stderr
 
 
-def test_a_balancer_error_names_its_line_and_keeps_its_frame(tmp_path, attngym_cli):
-    (tmp_path / "mybal.py").write_text(
-        "def bad(seq_len, world_size):\n    raise ValueError(f'cannot cut {seq_len}')\n"
-    )
-    args = ["topology=ring", "topology.layout=mybal.bad", "topology.world_size=2"]
-    args += ["shape.seq_len=256", "logger=none"]
-    done = attngym_cli(args, tmp_path)
+@pytest.mark.parametrize(
+    ("module", "source", "args", "line"),
+    [
+        (
+            "mybal",
+            "def bad(seq_len, world_size):\n    raise ValueError(f'cannot cut {seq_len}')\n",
+            ["topology=ring", "topology.layout=mybal.bad", "topology.world_size=2"],
+            "topology.layout: mybal.bad raised ValueError: cannot cut 1024, at mybal.py:2 (in bad)",
+        ),
+        (
+            "badcp",
+            "def scheme(q, k, v, variant, *, group, layout, **kwargs):\n"
+            "    raise RuntimeError('my scheme is broken')\n",
+            ["topology=custom", "topology.scheme=badcp.scheme"],
+            "topology.scheme: badcp.scheme failed on a probe (one CPU rank, causal, S=64): "
+            "RuntimeError: my scheme is broken, at badcp.py:2 (in scheme)",
+        ),
+    ],
+)
+def test_a_balancer_or_scheme_error_names_its_line_and_keeps_its_frame(
+    user_module, attngym_cli, module, source, args, line
+):
+    folder = user_module(module, source)
+    done = attngym_cli([*args, "logger=none"], folder)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "attngym: error: topology.layout: mybal.bad raised ValueError: cannot cut 256, at "
-        "mybal.py:2 (in bad)"
-    )
-    full = attngym_cli(args, tmp_path, env={"HYDRA_FULL_ERROR": "1"})
-    assert 'mybal.py", line 2, in bad' in full.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"attngym: error: {line}"
+    full = attngym_cli([*args, "logger=none"], folder, env={"HYDRA_FULL_ERROR": "1"})
+    assert f'{module}.py", line 2, in ' in full.stderr
 
 
 # 3. The record of the code a job ran, and resume.
@@ -359,19 +368,3 @@ def test_resume_reruns_a_job_whose_mask_was_edited(mymasks, attngym_cli):
     unchanged = attngym_cli(args, mymasks)
     assert unchanged.returncode == 0
     assert len(re.findall(r"already ok in .*, skipping", unchanged.stdout + unchanged.stderr)) == 2
-
-
-def test_a_scheme_error_names_its_line_and_keeps_its_frame(tmp_path, attngym_cli):
-    (tmp_path / "badcp.py").write_text(
-        "def scheme(q, k, v, variant, *, group, layout, **kwargs):\n"
-        "    raise RuntimeError('my scheme is broken')\n"
-    )
-    args = ["topology=custom", "topology.scheme=badcp.scheme", "logger=none"]
-    done = attngym_cli(args, tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "attngym: error: topology.scheme: badcp.scheme failed on a probe (one CPU rank, causal, "
-        "S=64): RuntimeError: my scheme is broken, at badcp.py:2 (in scheme)"
-    )
-    full = attngym_cli(args, tmp_path, env={"HYDRA_FULL_ERROR": "1"})
-    assert 'badcp.py", line 2, in scheme' in full.stderr
