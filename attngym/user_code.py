@@ -318,13 +318,18 @@ def _sha256(file: str) -> str | None:
         return None
 
 
+def _attngym_version() -> str:
+    """attngym.__version__, read from the package already loaded (it is, before any of its
+    modules): importing it from here would make an import cycle."""
+    return sys.modules["attngym"].__version__
+
+
 def record(paths: Iterable[str]) -> dict[str, Any]:
     """What a job's metrics.json records of the code it ran: attngym's version, and the source
     file and its sha256 of every module the import paths `paths` name or define their objects
     in (masks, score mods, schemes, balancers; already imported by the run's checks), and one
     fingerprint of all of it; `changed` compares a record with the files as they are now."""
-    from attngym import __version__
-
+    version = _attngym_version()
     sources: dict[str, dict[str, str]] = {}
     for path in paths:
         for name in _module_names(path):
@@ -332,11 +337,11 @@ def record(paths: Iterable[str]) -> dict[str, Any]:
             digest = _sha256(file) if isinstance(file, str) else None
             if digest is not None:
                 sources[name] = {"file": os.path.abspath(file), "sha256": digest}
-    whole = hashlib.sha256(__version__.encode())
+    whole = hashlib.sha256(version.encode())
     for name in sorted(sources):
         whole.update(f"\0{name}\0{sources[name]['sha256']}".encode())
     return {
-        "attngym_version": __version__,
+        "attngym_version": version,
         "code_sources": sources,
         "code_fingerprint": whole.hexdigest()[:12],
     }
@@ -345,14 +350,12 @@ def record(paths: Iterable[str]) -> dict[str, Any]:
 def changed(recorded: Mapping[str, Any]) -> str | None:
     """Why the code a job ran (its metrics.json's `record`) is not the code here now: another
     attngym version, a source file edited or gone; None when it is the same."""
-    from attngym import __version__
-
-    version = recorded.get("attngym_version")
+    version, now = recorded.get("attngym_version"), _attngym_version()
     sources = recorded.get("code_sources")
     if not isinstance(version, str) or not isinstance(sources, Mapping):
         return "its metrics.json records no code fingerprint (an earlier attngym wrote it)"
-    if version != __version__:
-        return f"it ran on attngym {version}, this is attngym {__version__}"
+    if version != now:
+        return f"it ran on attngym {version}, this is attngym {now}"
     for name, source in sorted(sources.items()):
         file = source.get("file") if isinstance(source, Mapping) else None
         if not isinstance(file, str):

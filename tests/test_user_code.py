@@ -368,3 +368,32 @@ def test_resume_reruns_a_job_whose_mask_was_edited(mymasks, attngym_cli):
     unchanged = attngym_cli(args, mymasks)
     assert unchanged.returncode == 0
     assert len(re.findall(r"already ok in .*, skipping", unchanged.stdout + unchanged.stderr)) == 2
+
+
+def test_the_record_covers_every_import_path_of_the_config():
+    from attngym import job
+    from attngym.config import Settings, Topology
+
+    settings = Settings(
+        attention={
+            "name": "both",
+            "compose": [
+                {"name": "custom", "mask_mod": "mymasks.dilated_causal"},
+                {"name": "custom", "score_mod": "mymods.cap", "score_args": {"cap": 2}},
+            ],
+        },
+        topology=Topology(
+            kind="custom",
+            scheme="mycp.my_allgather",
+            layout="mybal.striped",
+            options={"layouts": ["zigzag", "mybal.other"]},
+        ),
+        variant=object(),  # not built: the paths are read from the config
+    )
+    assert job._user_paths(settings) == {
+        "attention.compose.0.mask_mod": "mymasks.dilated_causal",
+        "attention.compose.1.score_mod": "mymods.cap",
+        "topology.scheme": "mycp.my_allgather",
+        "topology.layout": "mybal.striped",
+        "topology.options.layouts.1": "mybal.other",
+    }

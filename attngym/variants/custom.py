@@ -9,6 +9,8 @@ Hydra's `_target_`, or `package.module:name`), resolved from the working directo
 PYTHONPATH, so a `mymasks.py` beside your runs needs no installing. Each names the callback
 itself, or a factory that returns it, called with `attention.mask_args` / `attention.score_args`
 (and with `device=` when it takes one, so the tensors it builds live where the run attends).
+Which of the two, its parameter names say, or its *_args being set (`_is_factory`); the run's
+log and metrics.json say how each path was read (`Reading`).
 
 User code is foreign input: everything that can be judged before any real tensor work is judged
 here, each failure one line naming the config key. The import, the names, the signatures, the
