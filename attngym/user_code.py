@@ -220,7 +220,7 @@ def call_factory(
 def _library_folders() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(folders of code that is never the user's: attngym, torch, Python's own; folders of
     installed packages, the user's only when nothing nearer is)."""
-    own = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    own = [os.path.dirname(os.path.abspath(__file__))]  # attngym/, not the clone around it
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__file__", None):
         own.append(os.path.dirname(os.path.abspath(torch.__file__)))

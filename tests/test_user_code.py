@@ -397,3 +397,15 @@ def test_the_record_covers_every_import_path_of_the_config():
         "topology.layout": "mybal.striped",
         "topology.options.layouts.1": "mybal.other",
     }
+
+
+def test_a_module_beside_the_clone_is_the_users_code(tmp_path):
+    """mymasks.py in the clone's own folder (as the Quick start writes it) is the user's: only
+    the attngym package, torch and Python's own are never theirs."""
+    import os
+    from pathlib import Path
+
+    never, _ = user_code._library_folders()
+    package = Path(user_code.__file__).resolve().parent
+    assert os.path.join(str(package), "") in never
+    assert os.path.join(str(package.parent), "") not in never
