@@ -105,7 +105,7 @@ def test_help_lists_groups_and_cfg_prints_config(tmp_path, attngym_cli):
         assert text in proc.stdout, text
     # Every attention option with its parameters and their defaults, as its file states them.
     assert re.search(r"^  sliding_window +window_size=256$", proc.stdout, re.M)
-    assert re.search(r"^  custom +mask_mod=null, mask_args=\{\}, score_mod=null", proc.stdout, re.M)
+    assert re.search(r"^  custom +mask_mod=null, mask_args=null, score_mod=null", proc.stdout, re.M)
     assert "prefix_length=${div:${shape.seq_len},4}" in proc.stdout
     proc = attngym_cli(["--cfg", "job", "attention=alibi", "shape.heads=8"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
