@@ -2,14 +2,22 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The torch installed when none is importable in the venv: torch 2.13.0 as your pip's index has it
-# (a CPU build where a CPU wheel is the one pip finds; PyPI's Linux wheel is a multi-GB CUDA one).
-# For a CPU build from PyTorch's index: make setup TORCH_SPEC="torch --index-url
-# https://download.pytorch.org/whl/cpu". On a GPU box, install your CUDA torch into .venv first.
+# The torch installed when none is importable in the venv: torch 2.13.0, on a machine with no CUDA
+# device (no GPU in `nvidia-smi -L`, no /dev/nvidia0...) PyTorch's CPU build from its CPU wheel
+# index where that index answers (PyPI's Linux wheel is a multi-GB CUDA one), else from your
+# pip's configured index; `make torch-source` prints the choice and why. On a GPU box with
+# another CUDA than PyPI's, install your CUDA torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# "cpu: why" or "configured: why", detected without torch; the index asked for 5 s at most.
+TORCH_SOURCE = if nvidia-smi -L 2>/dev/null | grep -q '^GPU' || ls /dev/nvidia[0-9]* >/dev/null 2>&1; \
+	then echo "configured: a CUDA device is here"; \
+	elif $(PYTHON) -c 'import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1].rstrip("/") + "/torch/", method="HEAD"), timeout=5)' "$(TORCH_CPU_INDEX)" 2>/dev/null; \
+	then echo "cpu: no CUDA device here"; \
+	else echo "configured: no CUDA device here, but $(TORCH_CPU_INDEX) cannot be reached"; fi
 ARGS ?=
 
-.PHONY: setup run test test-gpu wheel-check lint format clean
+.PHONY: setup torch-source run test test-gpu wheel-check lint format clean
 
 # Each step says what it installs, and pip shows its downloads (a first setup takes ~2 minutes).
 $(VENV)/.installed: pyproject.toml
@@ -17,14 +25,25 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setup 2/4: pip"
 	$(PY) -m pip install --upgrade pip
-	@echo "setup 3/4: torch (skipped when the venv already has one; else $(TORCH_SPEC))"
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "setup 3/4: torch: the venv has one"; \
+	else source=$$($(TORCH_SOURCE)); \
+	case "$$source" in \
+	cpu:*) echo "setup 3/4: torch: $${source#cpu: }: PyTorch's CPU build, $(TORCH_SPEC) from $(TORCH_CPU_INDEX)"; \
+	  $(PY) -m pip install $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX);; \
+	*) echo "setup 3/4: torch: $${source#configured: }: $(TORCH_SPEC) from pip's configured index"; \
+	  $(PY) -m pip install $(TORCH_SPEC);; \
+	esac || exit 1; fi
+	@$(PY) -c "import torch; print('setup 3/4: torch', torch.__version__, 'for CUDA ' + torch.version.cuda if torch.version.cuda else '(a CPU build)')"
 	@echo "setup 4/4: attngym and its dependencies (pyproject.toml), with the dev tools"
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
 	@echo "setup done: $(VENV)"
 
 setup: $(VENV)/.installed
+
+# Where setup takes torch from on this machine, and why (nothing is installed).
+torch-source:
+	@$(TORCH_SOURCE)
 
 run: setup
 	$(PY) -m attngym $(ARGS)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import io
 import os
 import signal
 import sys
@@ -96,6 +97,33 @@ def _as_the_command_line() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """stdout and stderr to /dev/null, Python's and the file descriptors' (the ranks and W&B's
+    child write to those), restored afterwards."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (1, 2)]
+    sink = _Discard()  # never closed: a log handler made meanwhile may keep it
+    with open(os.devnull, "w") as null:
+        try:
+            for fd in (1, 2):
+                os.dup2(null.fileno(), fd)
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                yield
+        finally:
+            for fd, kept in zip((1, 2), saved, strict=True):
+                os.dup2(kept, fd)
+                os.close(kept)
+
+
+class _Discard(io.TextIOBase):
+    """A text stream that keeps nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
 def run(
     *,
     mask_mod: Callable[..., Any] | str | None = None,
@@ -107,6 +135,7 @@ def run(
     scheme_args: Mapping[str, Any] | None = None,
     overrides: Sequence[str] = (),
     run_dir: str | os.PathLike[str] | None = None,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Run one experiment as `attngym [overrides]` does; return its metrics.
 
@@ -121,7 +150,10 @@ def run(
             as an object or an import path: `topology=custom` (attngym.distributed.custom).
         overrides: the command line's override strings, e.g. ["shape.seq_len=4096",
             "topology=ring"]; a sweep (-m) is the command line's.
-        run_dir: the run folder; default outputs/<date>/<time>-<pid> as on the command line.
+        run_dir: the run folder; default outputs/<date>/<time-microseconds>-<pid>, as on the
+            command line.
+        quiet: print nothing (the log lines, the progress, the results table; its ranks' and
+            W&B's children too): the run's attngym.log and metrics.json keep it all.
 
     Returns:
         The run's metrics.json as a dict: status ok, or failed with its error (a failed
@@ -133,6 +165,7 @@ def run(
         KeyboardInterrupt: the run was interrupted (what it measured is in its metrics.json).
     """
     from attngym.cli import entry
+    from attngym.overrides import run_id
     from attngym.tracking import read_metrics
 
     overrides = [str(o) for o in overrides]
@@ -158,13 +191,12 @@ def run(
         extra += ["topology=custom", f"topology.scheme={_value(_path_of(scheme, 'scheme'))}"]
         for key, value in (scheme_args or {}).items():
             extra.append(f"topology.scheme_args.{key}={_value(value)}")
-    if run_dir is None:
-        now = datetime.datetime.now()
-        run_dir = Path("outputs", f"{now:%Y-%m-%d}", f"{now:%H-%M-%S-%f}-{os.getpid()}")
+    if run_dir is None:  # the command line's default (conf/hydra/default.yaml's run.dir)
+        run_dir = Path("outputs", f"{datetime.date.today():%Y-%m-%d}", run_id())
     run_dir = Path(run_dir)
     argv = [*extra, *overrides, f"hydra.run.dir={_value(str(run_dir))}"]
     code: Any = 0
-    with _as_the_command_line():
+    with _as_the_command_line(), _silenced() if quiet else contextlib.nullcontext():
         try:
             entry(argv)
         except SystemExit as stop:

@@ -40,6 +40,16 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
+class UserCodeError(RuntimeError):
+    """The user's code the config names (a callback, scheme or balancer) raised during the run,
+    past the checks before it: one line naming the config key and the user's file and line; the
+    original error is its cause (HYDRA_FULL_ERROR=1 shows its traceback)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
 class RankFailure(RuntimeError):
     """A rank of a distributed run died or timed out; raised on the ranks that outlive it."""
 

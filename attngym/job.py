@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from attngym import pictures, timeline
 from attngym.config import Settings
-from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, RankFailure, failure_text
+from attngym.errors import (
+    CODE_ERRORS,
+    ConfigError,
+    Interrupted,
+    RankFailure,
+    UserCodeError,
+    failure_text,
+)
 from attngym.metrics import printable
 from attngym.overrides import (
     CONF_DIR,
@@ -118,10 +125,12 @@ def _job() -> Job:
 
 def why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
     """Why a sweep job must run again: None when an earlier run of it finished ok with every file
-    written (status ok, `complete: true`, heatmap.png and block_mask.png not empty), "" when it
-    never wrote metrics.json, else what is wrong with what it left. `overrides` are as typed;
+    written (status ok, `complete: true`, heatmap.png and block_mask.png not empty) by the code
+    there is now (attngym's version and the user's modules it recorded: `_code_record`), "" when
+    it never wrote metrics.json, else what is wrong with what it left. `overrides` are as typed;
     the recorded ones are compared as typed too (a folder whose metrics.json holds Hydra's
     forms, `++attention.window_size=128`, resumes alike)."""
+    from attngym import user_code
     from attngym.fileio import regular_size
     from attngym.tracking import read_metrics
 
@@ -138,7 +147,7 @@ def why_rerun(run_dir: Path, overrides: list[str]) -> str | None:
     for name in pictures.PICTURES.values():
         if not regular_size(run_dir / name):  # a symlink is no picture of this run
             return f"its {name} is missing, empty or not a file"
-    return None
+    return user_code.changed(previous)
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
@@ -301,15 +310,22 @@ def _check_and_run(
             settings = from_config(to_plain(cfg))
             preset = attngym_preset(job.preset)
             check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
+        metrics.update(_code_record(settings))
         tracker = _tracker(settings)  # started now when it has work to do before the results
         metrics.update(_run_task(settings, job.run_dir, metrics))
     except Interrupted:
         raise
     except CODE_ERRORS as err:  # a sys.exit in the user's code too: this run fails, no more
-        metrics["error"] = str(err) if isinstance(err, ConfigError) else failure_text(err)
+        err = _blamed(settings, err)
+        metrics["error"] = (
+            str(err) if isinstance(err, ConfigError | UserCodeError) else failure_text(err)
+        )
         if not isinstance(err, ConfigError):
             if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
                 log.error("run failed: %s", err)
+            elif isinstance(err, UserCodeError):  # its traceback: HYDRA_FULL_ERROR=1
+                log.error("run failed: %s", err)
+                log.debug("the traceback of the user's code", exc_info=err.__cause__)
             else:
                 log.exception("run failed")
             return settings, err, tracker
@@ -320,6 +336,54 @@ def _check_and_run(
         return None, err, None  # refused: no picture, no tracker run
     metrics.update(_verdict(metrics))
     return settings, None, tracker
+
+
+def _code_record(settings: Settings) -> dict[str, Any]:
+    """The code the job runs, for metrics.json and a resumed sweep (`why_rerun`): attngym's
+    version and the source of every module named by an import path of the config (callbacks,
+    scheme, balancers; attngym.user_code.record), and how each callback path is read (the
+    callback itself or a factory called with which arguments), which the log says too."""
+    from attngym import user_code
+    from attngym.variants import custom
+
+    reads = custom.readings(settings.attention, settings.device)
+    for read in reads:
+        log.info("%s", read.sentence())
+    record = user_code.record(_user_paths(settings).values())
+    return {**record, "callbacks_read": "; ".join(map(str, reads)) or None}
+
+
+def _blamed(settings: Settings | None, err: BaseException) -> BaseException:
+    """`err`, or where it was raised in the user's code the config names (a callback failing on
+    the run's grids, past its probe), a UserCodeError naming that key, file and line
+    (attngym.user_code.blame): one line instead of two tracebacks."""
+    from attngym import user_code
+
+    if settings is None or isinstance(err, ConfigError):
+        return err
+    blamed = user_code.blame(err, _user_paths(settings))
+    if blamed is None:
+        return err
+    blamed.__cause__ = err
+    return blamed
+
+
+def _user_paths(settings: Settings) -> dict[str, str]:
+    """{config key: import path} of the user's code the config names: callbacks (compose entries
+    too), a custom topology's scheme, balancers (topology.layout, auto's options.layouts)."""
+    from attngym.distributed.layout import is_user_layout
+    from attngym.variants import custom
+
+    topo = settings.topology
+    paths = {key: path for key, _, path, _ in custom.callbacks(settings.attention)}
+    if topo.kind == "custom" and isinstance(topo.scheme, str):
+        paths["topology.scheme"] = topo.scheme
+    if is_user_layout(topo.layout):
+        paths["topology.layout"] = topo.layout
+    for i, layout in enumerate(topo.options.get("layouts") or ()):
+        if is_user_layout(layout):
+            paths[f"topology.options.layouts.{i}"] = layout
+    return paths
 
 
 def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -438,7 +502,9 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print(format_results(metrics, job.run_dir), flush=True)
-    if isinstance(failure, RankFailure | OSError):  # one line: a traceback would say no more
+    if isinstance(failure, UserCodeError) and os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise failure  # the user's traceback, its cause
+    if isinstance(failure, RankFailure | OSError | UserCodeError):  # one line says it all
         print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if failure is not None and not isinstance(failure, Exception):  # a sys.exit of user code

@@ -137,6 +137,30 @@ METRICS: tuple[Metric, ...] = (
     M("transport", "transport", "", "how shards move between ranks", shown="cp"),
     M("layout", "layout", "", "where each rank's rows of the sequence live", shown="cp"),
     M("scheme", "scheme", "", "topology=custom: your scheme's import path", column=False),
+    M(
+        "callbacks_read",
+        "callbacks read",
+        "",
+        "how each of your callback paths was read: the mask_mod or score_mod itself, or a factory "
+        "and the call made (its parameter names decide; setting its *_args calls it as one)",
+        column=False,
+    ),
+    M("attngym_version", "attngym", "", "the attngym version that ran the job", column=False),
+    M(
+        "code_sources",
+        "code sources",
+        "",
+        "the source file and sha256 of every module your import paths name (callbacks, scheme, "
+        "balancer): a resumed sweep runs a job again when one changed",
+        column=False,
+    ),
+    M(
+        "code_fingerprint",
+        "code fingerprint",
+        "",
+        "one digest of attngym_version and code_sources",
+        column=False,
+    ),
     M("a2a_size", "all-to-all group", "", "hybrid: ranks of one all-to-all group", column=False),
     M("across", "across groups", "", "hybrid: the algorithm between groups", column=False),
     M(
@@ -448,7 +472,7 @@ METRICS: tuple[Metric, ...] = (
         "bytes_moved",
         "bytes moved",
         "bytes",
-        "in one forward, the most any rank sends",
+        "in one forward, the most any rank sends (null: a scheme of yours that counts none)",
         column=False,
     ),
     M(
@@ -463,7 +487,7 @@ METRICS: tuple[Metric, ...] = (
         "pairs_computed",
         "pairs computed",
         "pairs",
-        "chunk pairs attended, summed over ranks",
+        "chunk pairs attended, summed over ranks (null: a scheme of yours that counts none)",
         column=False,
     ),
     M(
@@ -504,7 +528,15 @@ METRICS: tuple[Metric, ...] = (
         "",
         "simulate: host (a rank's host issues its kernels more slowly than its device runs "
         "them), else compute, transfer or imbalance, whichever keeps the call above balanced "
-        "compute",
+        "compute (none on a CPU: prediction_refused)",
+        shown="cp",
+    ),
+    M(
+        "prediction_refused",
+        "no GPU prediction",
+        "",
+        "simulate or auto on a CPU: why no scaling is predicted (a CPU's compute on a GPU "
+        "fabric), and what to run instead",
         shown="cp",
     ),
     M(
@@ -547,6 +579,27 @@ METRICS: tuple[Metric, ...] = (
     M("auto_runner_up_ms", "auto runner-up (ms)", "ms", "topology=auto: its predicted time"),
     M("auto_why", "auto why", "", "topology=auto: the pick's time, bound and margin", column=False),
     M("auto_candidates", "auto candidates", "", "topology=auto: candidates priced", column=False),
+    M(
+        "auto_simulated",
+        "auto simulated",
+        "",
+        "topology=auto: candidates simulated so far (an interrupted choice keeps the count)",
+        column=False,
+    ),
+    M(
+        "auto_planned",
+        "auto planned",
+        "",
+        "topology=auto: candidates to simulate (grows by the alternatives a simulation names)",
+        column=False,
+    ),
+    M(
+        "auto_best_so_far",
+        "auto best so far",
+        "",
+        "topology=auto: the fastest candidate priced so far and its predicted time",
+        column=False,
+    ),
     M(
         "auto_measured_over_predicted",
         "auto measured / predicted",

@@ -61,23 +61,30 @@ class Progress:
         total: int | None,
         label: str,
         *,
-        interval: float = INTERVAL_S,
+        interval: float | None = None,
         counted: Callable[[], int] | None = None,
+        line_per_step: bool = False,
     ):
         """Args:
         total: the number of steps (None: unknown).
         label: what the phase is called in the bar and the lines.
-        interval: seconds between two lines when output is redirected (0: none).
+        interval: seconds between two lines when output is redirected (0: none; None:
+            INTERVAL_S).
         counted: returns how many steps are done; polled (every POLL_S on a terminal, before
             each line otherwise, and on `recount()`) instead of counting `update()` calls.
+        line_per_step: with output redirected, also a line at each `update()` (steps of
+            seconds each, such as topology=auto's candidates).
         """
         if total is not None and (
             isinstance(total, bool) or not isinstance(total, int) or total < 0
         ):
             raise ValueError(f"total must be a non-negative integer or None, got {total!r}")
+        interval = INTERVAL_S if interval is None else interval
         self.total, self.label, self.interval = total, label, interval
+        self.line_per_step = line_per_step
         self.done = 0
         self.what = ""
+        self.noted = ""
         self._counted = counted
         self._start = time.monotonic()
         self._bar = None
@@ -102,6 +109,8 @@ class Progress:
         parts = [f"{self.label}: {self.done}/{self.total if self.total is not None else '?'} done"]
         if self.what and (self.total is None or self.done < self.total):
             parts.append(f"running {self.what}")
+        if self.noted:
+            parts.append(self.noted)
         parts.append(f"{_clock(elapsed)} elapsed")
         if self.total and 0 < self.done < self.total:
             parts.append(f"ETA {_clock(elapsed / self.done * (self.total - self.done))}")
@@ -110,14 +119,32 @@ class Progress:
     def running(self, what: str) -> None:
         """Say what the phase is doing now (shown on the bar and in the next line)."""
         self.what = what
+        self._postfix()
+
+    def note(self, text: str) -> None:
+        """A fact the phase has found so far (`best so far ...`), shown after what runs."""
+        self.noted = text
+        self._postfix()
+
+    def _postfix(self) -> None:
         if self._bar is not None:
-            self._bar.set_postfix_str(what, refresh=True)
+            self._bar.set_postfix_str("; ".join(t for t in (self.what, self.noted) if t))
 
     def update(self, steps: int = 1) -> None:
         """`steps` more steps are done."""
         self.done += steps
         if self._bar is not None:
             self._bar.update(steps)
+        elif self.line_per_step and enabled():
+            log.info("%s", self.line())
+
+    def grow(self, steps: int) -> None:
+        """`steps` more steps to do than the total said (work found while working)."""
+        if self.total is not None:
+            self.total += steps
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
 
     def clear(self) -> None:
         """Erase the bar until its next redraw, so a line printed outside `redirect_logging`
@@ -160,7 +187,12 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self._timer is not None and not counted and self._ran_an_interval():
+        elif (
+            self._timer is not None
+            and not counted
+            and not (self.line_per_step and self.done)  # its last step said it
+            and self._ran_an_interval()
+        ):
             log.info("%s", self.line())
         self._timer = None
 

@@ -22,7 +22,6 @@ CPU_SPEEDUP_NOTE = "speed-ups on a CPU: eager flex against SDPA's fused kernel"
 # FlexAttention's CPU kernel has no backward; a context-parallel CPU run differentiates through
 # attngym's dense kernel (attngym.kernels, backend "reference") instead.
 CPU_CP_BWD_NOTE = "bwd on a CPU: the dense reference kernel (FlexAttention has no CPU backward)"
-CPU_ONE_DEVICE_BWD_NOTE = "bwd on a CPU: context-parallel runs time one on the dense kernel"
 
 
 def result_rows(metrics: dict[str, Any]) -> list[str]:
@@ -127,7 +126,7 @@ def _limits_lines(metrics: dict[str, Any]) -> list[str]:
         if metrics.get(f"kernel_path_{p}")
     ]
     said = [f"kernels: {', '.join(paths)}"] if paths else []
-    if metrics.get("flash"):
+    if metrics.get("flash") and metrics.get("device") != "cpu":  # FLASH is a CUDA kernel
         said.append(f"FLASH: {metrics['flash']}")
     if metrics.get("not_measured"):
         said.append(f"not measured here: {metrics['not_measured']}")
@@ -152,6 +151,4 @@ def _cpu_notes(metrics: dict[str, Any]) -> list[str]:
         notes.append(CPU_EFFICIENCY_NOTE)
     if metrics.get("topology") not in (None, "single") and metrics.get("bwd_status") == "ok":
         notes.append(CPU_CP_BWD_NOTE)
-    elif str(metrics.get("bwd_status")).startswith("not available"):
-        notes.append(CPU_ONE_DEVICE_BWD_NOTE)
     return notes

@@ -193,7 +193,7 @@ def largest(metrics: Mapping[str, Any], n: int = LARGEST) -> str:
     top = sorted(phases.items(), key=lambda kv: -kv[1])[:n]
     where = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in top)
     line = f"wall {wall:.1f} s" + (f", most in {where}" if where else "")
-    if metrics.get("recompiles"):
+    if metrics.get("recompiles") and metrics.get("device") != "cpu":  # see _on_compile_start
         line += f"; {metrics['recompiles']} recompiles (see the log)"
     return line
 
@@ -227,8 +227,18 @@ def _on_compile_start(args: Any = None) -> None:
     if _current is not None and by_dynamo and frame_compile.isdigit() and int(frame_compile) > 0:
         reason = _new_guard_failure() or "no reason recorded"
         _current.recompiles.append(reason)
-        log.info("torch.compile recompiles (%s): %s", compile_id, shortened(reason, 45))
+        # Eager flex on a CPU is traced anew for each shape or variant, in a fraction of a
+        # second: said where CUDA runs (Inductor's compiles cost seconds), in the debug log else.
+        level = logging.INFO if _cuda_in_use() else logging.DEBUG
+        log.log(level, "torch.compile recompiles (%s): %s", compile_id, shortened(reason, 45))
         log.debug("torch.compile recompiles (%s), in full: %s", compile_id, reason)
+
+
+def _cuda_in_use() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _on_compile_end(args: Any = None) -> None:

@@ -13,16 +13,27 @@ process has them (`lives_in_this_process`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
+import sysconfig
+import traceback
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, closest, failure_text
+from attngym.errors import (
+    CODE_ERRORS,
+    ConfigError,
+    Interrupted,
+    UserCodeError,
+    closest,
+    failure_text,
+)
 
 # Callables handed over as objects in this process (attngym.run: a lambda, a closure, a function
 # of a notebook cell) are found by path in this module; no other process has them.
@@ -68,13 +79,11 @@ def import_module(module: str, path: str, key: str) -> types.ModuleType:
                 f"{os.getcwd()} and PYTHONPATH); the path is module.name, e.g. "
                 "mymasks.checkerboard for a mymasks.py beside your runs",
             ) from None
-        raise ConfigError(key, f"{path!r}: importing {module} failed: {err}") from None
+        raise ConfigError(key, f"{path!r}: importing {module} failed: {raised(err)}") from err
     except Interrupted:
         raise
     except CODE_ERRORS as err:  # the user's module raised while importing (a SyntaxError too)
-        raise ConfigError(
-            key, f"{path!r}: importing {module} failed: {failure_text(err)}"
-        ) from None
+        raise ConfigError(key, f"{path!r}: importing {module} failed: {raised(err)}") from err
 
 
 def resolve(path: Any, *, key: str) -> Any:
@@ -149,11 +158,12 @@ def check_factory(factory: Any, *, kind: str, path: str, key: str) -> None:
         )
 
 
-def call_factory(
+def factory_call(
     factory: Callable[..., Any], args: Mapping[str, Any], *, path: str, key: str, device: Any
-) -> Any:
-    """factory(**args), its arguments checked against its signature first (and `device` passed
-    when it takes one and the config does not set it)."""
+) -> dict[str, Any]:
+    """The keywords `factory` is called with: `args`, checked against its signature (a name it
+    does not take, a required one left out: ConfigError naming `key.<name>`), and `device` when
+    it takes one and the config does not set it."""
     params = inspect.signature(factory).parameters
     named = {n: p for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     open_keywords = any(p.kind == p.VAR_KEYWORD for p in params.values())
@@ -174,10 +184,210 @@ def call_factory(
             raise ConfigError(
                 f"{key}.{name}", f"{path} needs argument {name!r}: set {key}.{name}=..."
             )
+    return call
+
+
+def described_call(factory: Callable[..., Any], call: Mapping[str, Any]) -> str:
+    """`name(a=1, b=2)`: the call `factory(**call)` with the defaults it fills in, as the run's
+    log and metrics.json say how a factory was called."""
+    arguments: Mapping[str, Any] = call
+    with contextlib.suppress(TypeError, ValueError):
+        bound = inspect.signature(factory).bind_partial(**call)
+        bound.apply_defaults()
+        arguments = bound.arguments
+    name = getattr(factory, "__name__", type(factory).__name__)
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+
+
+def call_factory(
+    factory: Callable[..., Any], args: Mapping[str, Any], *, path: str, key: str, device: Any
+) -> Any:
+    """factory(**args), its arguments checked against its signature first (factory_call)."""
+    call = factory_call(factory, args, path=path, key=key, device=device)
     try:
         return factory(**call)
     except Interrupted:
         raise
     except CODE_ERRORS as err:  # the user's factory refused its arguments
         shown = ", ".join(f"{k}={v!r}" for k, v in call.items())
-        raise ConfigError(key, f"{path}({shown}) raised {failure_text(err)}") from None
+        raise ConfigError(key, f"{path}({shown}) raised {raised(err)}") from err
+
+
+# --------------------------------------------------------------------------------------------
+# Where in the user's code an error was raised
+
+
+def _library_folders() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(folders of code that is never the user's: attngym, torch, Python's own; folders of
+    installed packages, the user's only when nothing nearer is)."""
+    own = [os.path.dirname(os.path.abspath(__file__))]  # attngym/, not the clone around it
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        own.append(os.path.dirname(os.path.abspath(torch.__file__)))
+    paths = sysconfig.get_paths()
+    own += [paths[name] for name in ("stdlib", "platstdlib") if name in paths]
+    installed = [paths[name] for name in ("purelib", "platlib") if name in paths]
+    return tuple(os.path.join(d, "") for d in own), tuple(os.path.join(d, "") for d in installed)
+
+
+# Dynamo's errors name the traced user frame in their text, not in the traceback.
+_QUOTED_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([^\s]+)')
+
+
+def user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of `err` in the user's code: not attngym's, torch's or Python's own,
+    and in an installed package only when no file of the user's own is on the way (attention-gym
+    is the user's code when its mask raises; numpy called by the user's mask is not). Dynamo
+    names a traced frame only in its message (`from user code: File "...", line N`); None
+    when no frame is the user's."""
+    if isinstance(err, SyntaxError) and err.filename and err.lineno:
+        return traceback.FrameSummary(err.filename, err.lineno, "<module>")
+    never, installed = _library_folders()
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(never)
+    ]
+    quoted = [
+        traceback.FrameSummary(name, int(line), func)
+        for name, line, func in _QUOTED_FRAME.findall(str(err))
+        if not os.path.abspath(name).startswith(never)
+    ]
+    frames += quoted
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith(installed)]
+    found = own or frames
+    return found[-1] if found else None
+
+
+def shown_path(filename: str) -> str:
+    """A file as the user reads it: relative to the working directory when inside it."""
+    path = os.path.abspath(filename)
+    cwd = os.path.join(os.getcwd(), "")
+    return path[len(cwd) :] if path.startswith(cwd) else path
+
+
+def location(err: BaseException) -> str:
+    """`mymasks.py:19 (in vm)`: where the user's code raised `err`, or "" where none of its
+    frames is the user's."""
+    frame = user_frame(err)
+    if frame is None:
+        return ""
+    return f"{shown_path(frame.filename)}:{frame.lineno} (in {frame.name})"
+
+
+def raised(err: BaseException) -> str:
+    """failure_text(err)'s first line and where the user's code raised it: `RuntimeError: boom,
+    at mymasks.py:19 (in vm)` (a SyntaxError's text says where already); the whole error and
+    its traceback are the ConfigError's cause (HYDRA_FULL_ERROR=1 shows them)."""
+    text = next((line for line in failure_text(err).splitlines() if line.strip()), "")
+    where = "" if isinstance(err, SyntaxError) else location(err)
+    return f"{text}, at {where}" if where else text
+
+
+# --------------------------------------------------------------------------------------------
+# The code a job ran: what a resumed sweep compares
+
+
+def _module_names(path: str) -> list[str]:
+    """The modules of an import path that are loaded: the one it names, then the one its object
+    was defined in (a closure's factory's, attention-gym's submodule), attngym's own left out
+    (its version stands for them)."""
+    head = path.partition(":")[0] if ":" in path else path.rsplit(".", 1)[0]
+    parts = head.split(".")
+    named = next(
+        (
+            ".".join(parts[:i])
+            for i in range(len(parts), 0, -1)
+            if ".".join(parts[:i]) in sys.modules
+        ),
+        None,
+    )
+    names = [named] if named else []
+    with contextlib.suppress(ConfigError):
+        defined = getattr(resolve(path, key="code"), "__module__", None)
+        if isinstance(defined, str) and defined not in names:
+            names.append(defined)
+    return [n for n in names if n != "attngym" and not n.startswith(("attngym.", objects.__name__))]
+
+
+def _sha256(file: str) -> str | None:
+    try:
+        with open(file, "rb") as source:
+            return hashlib.sha256(source.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _attngym_version() -> str:
+    """attngym.__version__, read from the package already loaded (it is, before any of its
+    modules): importing it from here would make an import cycle."""
+    return sys.modules["attngym"].__version__
+
+
+def record(paths: Iterable[str]) -> dict[str, Any]:
+    """What a job's metrics.json records of the code it ran: attngym's version, and the source
+    file and its sha256 of every module the import paths `paths` name or define their objects
+    in (masks, score mods, schemes, balancers; already imported by the run's checks), and one
+    fingerprint of all of it; `changed` compares a record with the files as they are now."""
+    version = _attngym_version()
+    sources: dict[str, dict[str, str]] = {}
+    for path in paths:
+        for name in _module_names(path):
+            file = getattr(sys.modules.get(name), "__file__", None)
+            digest = _sha256(file) if isinstance(file, str) else None
+            if digest is not None:
+                sources[name] = {"file": os.path.abspath(file), "sha256": digest}
+    whole = hashlib.sha256(version.encode())
+    for name in sorted(sources):
+        whole.update(f"\0{name}\0{sources[name]['sha256']}".encode())
+    return {
+        "attngym_version": version,
+        "code_sources": sources,
+        "code_fingerprint": whole.hexdigest()[:12],
+    }
+
+
+def changed(recorded: Mapping[str, Any]) -> str | None:
+    """Why the code a job ran (its metrics.json's `record`) is not the code here now: another
+    attngym version, a source file edited or gone; None when it is the same."""
+    version, now = recorded.get("attngym_version"), _attngym_version()
+    sources = recorded.get("code_sources")
+    if not isinstance(version, str) or not isinstance(sources, Mapping):
+        return "its metrics.json records no code fingerprint (an earlier attngym wrote it)"
+    if version != now:
+        return f"it ran on attngym {version}, this is attngym {now}"
+    for name, source in sorted(sources.items()):
+        file = source.get("file") if isinstance(source, Mapping) else None
+        if not isinstance(file, str):
+            return f"its record of {name}'s source cannot be read"
+        now = _sha256(file)
+        if now is None:
+            return f"its code changed: {shown_path(file)} ({name}) is gone"
+        if now != source.get("sha256"):
+            return f"its code changed: {shown_path(file)} ({name}) was edited since it ran"
+    return None
+
+
+def blame(err: BaseException, paths: Mapping[str, str]) -> UserCodeError | None:
+    """A UserCodeError naming the config key (of `paths`: key -> import path) whose code raised
+    `err` during the run, past the probe on index grids, with the user's file and line; None
+    when `err` is no Exception or none of its frames is in a module those paths name."""
+    frame = user_frame(err) if isinstance(err, Exception) else None
+    if frame is None:
+        return None
+    file = os.path.abspath(frame.filename)
+    for key, path in paths.items():
+        modules = (sys.modules.get(name) for name in _module_names(path))
+        if any(os.path.abspath(getattr(m, "__file__", None) or "") == file for m in modules):
+            first = next((line for line in str(err).splitlines() if line.strip()), "")
+            hint = (
+                "; callbacks must use tensor ops only: no .item(), int(tensor) or random numbers"
+                if "vmap" in first
+                else ""
+            )
+            return UserCodeError(
+                key,
+                f"{path} raised {type(err).__name__} at {location(err)} during the run (past "
+                f"the probe on index grids): {first}{hint}",
+            )
+    return None

@@ -45,3 +45,21 @@ def attngym_cli():
         )
 
     return run
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """`write(name, source)`: a researcher's `<name>.py` in the working directory (tmp_path, not
+    installed anywhere), imported afresh by the test and dropped after it; returns tmp_path."""
+    written = []
+
+    def write(name, source):
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        written.append(name)
+        return tmp_path
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)

@@ -38,6 +38,42 @@ def test_a_lambda_and_a_variant_run_on_one_device(tmp_path):
     assert built["status"] == "ok" and built["variant"] == "document"
 
 
+def strided_band(stride, width):
+    """A factory, as a notebook's cell writes one: its closure's name says nothing."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((q_idx - kv_idx) % stride == 0) & (q_idx - kv_idx <= width)
+
+    return mask_mod
+
+
+def test_a_closure_is_named_by_the_factory_that_made_it_and_a_quiet_run_prints_nothing(
+    tmp_path, capfd
+):
+    quiet = attngym.run(
+        mask_mod=strided_band(2, 64), overrides=SMALL, run_dir=tmp_path / "q", quiet=True
+    )
+    assert quiet["status"] == "ok" and quiet["variant"] == "strided_band"  # not mask_mod_5
+    printed = capfd.readouterr()
+    assert printed.out == "" and printed.err == ""
+    assert "validated" in (tmp_path / "q" / "attngym.log").read_text()  # the log is whole
+    loud = attngym.run(mask_mod=strided_band(3, 64), overrides=SMALL, run_dir=tmp_path / "l")
+    assert loud["status"] == "ok" and "attngym: ok" in capfd.readouterr().out
+
+
+def test_run_folders_are_named_as_the_readme_says(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    metrics = attngym.run(mask_mod=diagonal_band, overrides=SMALL, quiet=True)
+    run = Path(metrics["run_dir"])
+    assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}-\d+", str(run)), run
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    named = set(re.findall(r"(?:outputs|multirun)/<date>/<[^>]+>[^/` ]*", readme))
+    assert named == {"outputs/<date>/<time>-<pid>", "multirun/<date>/<time>-<pid>"}, named
+
+
 def test_a_callable_that_cannot_reach_new_processes_is_refused_for_context_parallelism():
     with pytest.raises(ConfigError, match="lives only in this process") as err:
         attngym.run(mask_mod=lambda b, h, q, k: q >= k, overrides=["topology=ring"])

@@ -74,13 +74,9 @@ MYMASKS = textwrap.dedent(
 
 
 @pytest.fixture
-def mymasks(tmp_path, monkeypatch):
+def mymasks(user_module):
     """A researcher's mymasks.py in the working directory, not installed anywhere."""
-    (tmp_path / "mymasks.py").write_text(MYMASKS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "mymasks", raising=False)
-    yield tmp_path
-    sys.modules.pop("mymasks", None)
+    return user_module("mymasks", MYMASKS)
 
 
 def custom(**entry):

@@ -46,7 +46,16 @@ def test_metric_schema_imports_without_torch():
 
 REPO = Path(__file__).resolve().parents[1]
 # Keys the run layer (attngym.job) adds to a task's metrics in metrics.json.
-RUN_LAYER_KEYS = ("status", "error", "overrides", "complete")
+RUN_LAYER_KEYS = (
+    "status",
+    "error",
+    "overrides",
+    "complete",
+    "attngym_version",
+    "code_sources",
+    "code_fingerprint",
+    "callbacks_read",
+)
 
 
 def _unknown(keys):

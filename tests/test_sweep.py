@@ -329,6 +329,26 @@ def test_the_printed_summary_fits_a_terminal_and_summary_md_keeps_every_error():
     assert "4 jobs, 1 failed." in md
 
 
+def test_a_failed_sweeps_printed_table_keeps_what_it_measured(tmp_path, attngym_cli):
+    """One job ok, one failed: every column of the ok job has its one value, and the settings
+    (topology, ranks, transport, device, ...) give way before fwd_ms does."""
+    (tmp_path / "mymasks.py").write_text(
+        "def strided(stride):\n"
+        "    def mask_mod(b, h, q_idx, kv_idx):\n"
+        "        return (q_idx >= kv_idx) & ((q_idx - kv_idx) % stride == 0)\n"
+        "    return mask_mod\n"
+    )
+    args = ["-m", "attention=custom", "attention.mask_mod=mymasks.strided", "logger=none",
+            "attention.mask_args.stride=2,abc", "shape.seq_len=128", "benchmark.repeats=1",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 1
+    header = next(ln for ln in done.stdout.splitlines() if ln.startswith("| job"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[:4] == ["job", "overrides", "status", "variant"]
+    assert "fwd_ms" in columns and "topology" not in columns and "transport" not in columns
+
+
 def test_an_interrupted_job_is_counted_apart():
     from attngym.tracking.sweep import outcome_count
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +87,18 @@ def test_wandb_offline_run_holds_images(tmp_path, attngym_cli):
     assert b"++attention" not in data and b"block_size='64'" not in data
     # W&B started before the pictures (tracker.begin) and took the complete run after them.
     assert b"phase_pictures_s" in data and b"wall_s" in data
+    # The log points at the run's folder and how its summary reads offline, not at files/
+    said = re.search(r"wandb \(offline\): (\S+); its summary: (.*) \(import", proc.stdout)
+    assert said and said.group(1) == str(runs[0]), proc.stdout[-2000:]
+    if importlib.util.find_spec("wandb.cli.leet") is not None:  # wandb 0.31
+        assert said.group(2) == f"wandb leet inspect --summary {runs[0]}"
+        shown = subprocess.run(
+            [str(Path(sys.executable).parent / "wandb"), *said.group(2).split()[1:]],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+        )  # fmt: skip
+        assert re.search(r"^\s*fwd_ms\s+\d", shown.stdout, re.M), shown.stdout[-2000:]
+    else:
+        assert said.group(2).startswith("metrics.json in the run folder")
 
 
 class _StuckRun:

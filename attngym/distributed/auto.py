@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from attngym.distributed.layout import LAYOUTS
+from attngym.distributed.layout import LAYOUTS, is_user_layout
 from attngym.distributed.spec import TopologySpec
+from attngym.errors import ConfigError, choice_error
 
 Candidate = Literal["ring", "allgather", "ulysses", "hybrid"]
-CandidateLayout = Literal["contiguous", "zigzag", "balanced"]
 CandidateTransport = Literal["copy_engine", "nccl"]
 CANDIDATES: tuple[str, ...] = ("ring", "allgather", "ulysses", "hybrid")
 PICK = "auto"  # topology.layout=auto: the layout is chosen too
@@ -31,12 +31,21 @@ class AutoOptions:
 
     candidates: tuple[Candidate, ...] = ()
     """The schemes to simulate (default: ring, allgather, ulysses, hybrid)."""
-    layouts: tuple[CandidateLayout, ...] = ()
-    """The layouts to try, each with the schemes that take it (default: every one; a
-    topology.layout other than auto fixes it)."""
+    layouts: tuple[str, ...] = ()
+    """The layouts to try, each with the schemes that take it: contiguous, zigzag, balanced or
+    a balancer of yours (module.function) (default: the three; a topology.layout other than
+    auto fixes it). Checked by `_known_layouts`."""
     transports: tuple[CandidateTransport, ...] = ()
     """The transports to price (default: both measured ones on h200_nvlink and hgx_h200 while
     the ranks fit in one NVLink domain, NCCL beyond; the device's on real CPU ranks)."""
+
+
+def _known_layouts(*, options: dict[str, Any], **_: Any) -> None:
+    """topology.options.layouts names layouts: attngym's, or a balancer's import path."""
+    for layout in options["layouts"]:
+        if layout not in LAYOUTS and not is_user_layout(layout):
+            allowed = (*LAYOUTS, "module.function")
+            raise ConfigError("topology.options.layouts", choice_error("layout", layout, allowed))
 
 
 def _runs_the_pick(*_: Any, **__: Any) -> Any:
@@ -47,6 +56,8 @@ AUTO = TopologySpec(
     name="auto",
     attention=_runs_the_pick,
     layouts=(PICK, *LAYOUTS),
+    user_layouts=True,
     options=AutoOptions,
+    rules=(_known_layouts,),
     chooses=True,
 )

@@ -36,7 +36,7 @@ from typing import Any
 from attngym import user_code
 from attngym.distributed.layout import LAYOUTS
 from attngym.distributed.spec import TopologySpec
-from attngym.errors import CODE_ERRORS, ConfigError, Interrupted, failure_text
+from attngym.errors import CODE_ERRORS, ConfigError, Interrupted
 
 KEY = "topology.scheme"
 ARGS_KEY = "topology.scheme_args"
@@ -164,6 +164,7 @@ def _bound(path: str, args: Mapping[str, Any]) -> TopologySpec:
         attention=UserScheme(obj, path, _keywords(obj, path)),
         layouts=LAYOUTS,
         user_layouts=True,
+        fills_stats=False,
     )
 
 
@@ -201,8 +202,8 @@ def probe(spec: TopologySpec, path: str) -> None:
         raise
     except CODE_ERRORS as err:
         raise ConfigError(
-            KEY, f"{path} failed on a probe (one CPU rank, causal, S=64): {failure_text(err)}"
-        ) from None
+            KEY, f"{path} failed on a probe (one CPU rank, causal, S=64): {user_code.raised(err)}"
+        ) from err
     finally:
         dist.destroy_process_group()
 

@@ -535,8 +535,8 @@ def _user_placement(
     path: str, world_size: int, seq_len: int, variant, block_size: tuple[int, int], device
 ) -> Layout:
     """Call the user's balancer (once per variant: `plan` memoises) and check what it returns."""
-    from attngym import kernels
-    from attngym.errors import CODE_ERRORS, Interrupted, failure_text
+    from attngym import kernels, user_code
+    from attngym.errors import CODE_ERRORS, Interrupted
 
     balancer, takes = _user_balancer(path)
     given = {
@@ -555,7 +555,7 @@ def _user_placement(
     except Interrupted:
         raise
     except CODE_ERRORS as err:
-        raise ConfigError("layout", f"{path} raised {failure_text(err)}") from err
+        raise ConfigError("layout", f"{path} raised {user_code.raised(err)}") from err
     placement = _checked_placement(placed, path, world_size, seq_len)
     return Layout(path, world_size, seq_len, tuple(_joined(chunks) for chunks in placement))
 

@@ -149,8 +149,9 @@ class Clock:
     """Times items once per key, counts how many there were, and keys block masks by structure
     (kept for this simulation only: its BlockMasks go with it)."""
 
-    def __init__(self, timer: Timer):
+    def __init__(self, timer: Timer, on_timed: Callable[[], Any] | None = None):
         self.timer, self.seen, self.items = timer, {}, 0
+        self.on_timed = on_timed  # called after each distinct item is timed (progress)
         self.peak = 0
         self._mask_keys: dict[int, tuple[Any, tuple]] = {}
 
@@ -165,6 +166,8 @@ class Clock:
             timed = self.timer(built, which)
             self.seen[seen] = timed
             self.peak = max(self.peak, timed.peak)
+            if self.on_timed is not None:
+                self.on_timed()
         return self.seen[seen]
 
     def ms(self, item: Item | Callable[[], Item], which: str, key: tuple | None = None) -> float:
@@ -236,6 +239,7 @@ def simulate(
     scheme_options: Mapping[str, Any] | None = None,
     timer: Timer,
     domain_size: int | None = None,
+    on_timed: Callable[[], Any] | None = None,
 ) -> Simulation:
     """Every rank's compute of `spec`'s scheme over `world_size` ranks, timed one after another.
 
@@ -250,6 +254,7 @@ def simulate(
         scheme_options: the scheme's own options (its defaults for those left out).
         timer: how an item is timed (bench_timer for the project's timing).
         domain_size: GPUs per NVLink domain (SimulatedCall.domain_size).
+        on_timed: called after each distinct item is timed (the run's progress).
 
     Returns:
         A Simulation with each rank's RankWork (compute per step, bytes per step).
@@ -257,7 +262,7 @@ def simulate(
     if spec.simulate is None:
         raise ValueError(f"scheme: {spec.name} declares no simulation (TopologySpec.simulate)")
     start = time.perf_counter()
-    clock = Clock(timer)
+    clock = Clock(timer, on_timed)
     variant = variant.to(q.device) if variant.device not in (None, q.device) else variant
     call = SimulatedCall(
         q, k, v, grad_out, variant, world_size, layout, options or CPOptions(),

@@ -57,6 +57,9 @@ class TopologySpec:
         chooses: it picks another topology for each run, which then runs (`auto`: the run
             layer's attngym.tasks.cp_auto simulates and prices the candidates); its own
             `attention` is never called.
+        fills_stats: its calls count their pairs and bytes into the CPStats they are given;
+            False for a user's scheme function, which may not: counts it left at 0 are not
+            reported (null), not measured zeros.
     """
 
     name: str
@@ -73,6 +76,7 @@ class TopologySpec:
     price: Callable[..., Any] | None = None
     binder: Callable[..., TopologySpec] | None = None
     chooses: bool = False
+    fills_stats: bool = True
 
     def bind(
         self, scheme: Any = None, scheme_args: Mapping[str, Any] | None = None
@@ -190,7 +194,7 @@ class TopologySpec:
         except ConfigError as err:  # a user's balancer: named by its config key
             if err.key != "layout":
                 raise
-            raise ConfigError("topology.layout", str(err).removeprefix("layout: ")) from None
+            raise ConfigError("topology.layout", str(err).removeprefix("layout: ")) from err
 
     def kernel_pricing(self, batch_heads: int, device):
         """How `balanced` prices this topology's kernels on `device` (layout.PairKernels), or

@@ -559,13 +559,18 @@ def instrument(job: RankJob) -> dict[str, Any]:
         job.attend(stats)
     repeats = job.settings.benchmark.repeats
     total = torch.distributed.ReduceOp.SUM
+    counts = {
+        "pairs_computed": job.over_ranks(stats.pairs_computed, total),
+        "pairs_skipped": job.over_ranks(stats.pairs_skipped, total),
+        "bytes_moved": job.max_over_ranks(stats.bytes_sent),
+    }
+    if not job.spec.fills_stats and not any(counts.values()):  # a user's scheme counted none
+        counts = dict.fromkeys(counts)  # not reported, not measured zeros
     return {
         "step_compute_ms": (
             statistics.median(stats.step_compute_ms) if stats.step_compute_ms else None
         ),
-        "pairs_computed": job.over_ranks(stats.pairs_computed, total),
-        "pairs_skipped": job.over_ranks(stats.pairs_skipped, total),
-        "bytes_moved": job.max_over_ranks(stats.bytes_sent),
+        **counts,
         "step_transfer_ms": _step_transfer_ms(job, repeats),
     }
 

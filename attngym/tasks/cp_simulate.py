@@ -18,7 +18,9 @@ sim_s (the simulation's wall time), sim_items and sim_timed (items of work, and 
 ones were timed).
 
 On CPU the chunk kernel is the dense reference (FlexAttention runs forward only there), so CPU
-predictions test the machinery, not a GPU's times.
+predictions test the machinery, not a GPU's times: a CPU run says so in one line
+(`cpu_caveat`, also `prediction_refused`) and predicts no scaling (no bottleneck, no
+efficiency).
 """
 
 from __future__ import annotations
@@ -48,9 +50,28 @@ def fabric_of(settings: Settings, transport: str | None = None):
     return fabric(topo.fabric, transport, topo.fabric_gbps, topo.fabric_latency_us)
 
 
-def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device):
+def cpu_caveat(settings: Settings) -> str | None:
+    """On a CPU, the one line that says its predictions are no GPU's and what to run instead;
+    None on a GPU. The ranks' compute is this CPU's (the dense reference kernel) and the fabric
+    a GPU cluster's: their sum ranks this run's candidates, it predicts no GPU's scaling."""
+    if settings.device != "cpu":
+        return None
+    instead = (
+        "to measure CPU ranks use topology.simulate=false"
+        if settings.topology.simulate
+        else "the CPU ranks' own times follow"
+    )
+    return (
+        f"device cpu is not the fabric's ({settings.topology.fabric} prices GPUs): this CPU's "
+        "compute priced on a GPU fabric predicts no GPU's scaling, so no bottleneck or "
+        f"efficiency is predicted; to predict GPUs run this on one (device=cuda); {instead}"
+    )
+
+
+def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device, on_timed=None):
     """The ranks of `spec`'s scheme over topology.world_size on this device (its rules checked
-    first, ConfigError naming the key): (Simulation, the Layout it ran, the variant on device)."""
+    first, ConfigError naming the key): (Simulation, the Layout it ran, the variant on device).
+    on_timed: called after each distinct item of work is timed (progress)."""
     from attngym.distributed.simulate import bench_timer, simulate
     from attngym.distributed.transfer_model import domain_size
     from attngym.tasks.cp_setup import cp_options
@@ -86,6 +107,7 @@ def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device
         scheme_options=topo.options,
         timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats, topo.cuda_graph),
         domain_size=domain_size(topo.fabric),
+        on_timed=on_timed,
     )
     return sim, layout, variant
 
@@ -112,9 +134,15 @@ def run_simulated(
     from attngym.tasks.cp_setup import rank_device, spec_of
 
     device = rank_device(settings)
+    if (caveat := cpu_caveat(settings)) is not None:
+        log.warning("%s", caveat)
+    from attngym.progress import Progress
+
     inputs = simulation_inputs(settings, device)
     spec = spec_of(settings)
-    sim, layout, variant = simulated(settings, spec, inputs, device)
+    label = f"simulated {kind} over {settings.topology.world_size} ranks: items timed"
+    with Progress(None, label) as bar:  # a line every 10 s when redirected: never silent
+        sim, layout, variant = simulated(settings, spec, inputs, device, on_timed=bar.update)
     fab = fabric_of(settings)
     prediction = spec.price(sim, fab, "bwd" in settings.passes)
     return simulated_metrics(
@@ -136,6 +164,7 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
     s, topo = settings, settings.topology
     sim, layout, variant, fab, prediction = result
     device = rank_device(s)
+    caveat = cpu_caveat(s)
     metrics.update(s.describe())
     metrics.update(scheme_metrics(s))
     metrics.update({"simulate": True, "fabric": fab.name})
@@ -155,7 +184,8 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
             "rank_compute_ms_max": max(prediction.rank_compute_ms),
             "rank_host_ms_max": max(prediction.rank_host_ms, default=0.0),
             "time_imbalance": prediction.time_imbalance,
-            "bottleneck": prediction.bottleneck,
+            "bottleneck": None if caveat else prediction.bottleneck,
+            "prediction_refused": caveat,
             "predicted_peak_mem_bytes": sim.peak_mem_bytes,
             "sim_items": sim.items,
             "sim_timed": sim.timed,
@@ -167,7 +197,7 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
         metrics[f"predicted_{name}_fwd_bwd_ms"] = theirs.fwd_bwd_ms
     log.info(
         "simulated %s over %d ranks: %d items, %d timed, %.1f s; predicted fwd %.3f ms, "
-        "fwd+bwd %s ms (%s-bound) on %s",
+        "fwd+bwd %s ms (%s) on %s",
         kind,
         topo.world_size,
         sim.items,
@@ -175,23 +205,25 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
         sim.wall_s,
         prediction.fwd_ms,
         "-" if prediction.fwd_bwd_ms is None else f"{prediction.fwd_bwd_ms:.3f}",
-        prediction.bottleneck,
+        "this CPU's compute: no GPU's" if caveat else f"{prediction.bottleneck}-bound",
         fab.name,
     )
     if topo.compare_one_device:
         single = one_device(s, kind, inputs, device, "bwd" in s.passes)
-        metrics.update(_efficiency(single, topo.world_size, prediction))
+        metrics.update(_efficiency(single, topo.world_size, None if caveat else prediction))
     return metrics
 
 
 def _efficiency(single: dict[str, float], world_size: int, prediction) -> dict[str, Any]:
     """single_<pass>_ms and predicted_efficiency<_pass>: (one-device time / P) / predicted time
-    (None where the one-device run was skipped)."""
+    (None where the one-device run was skipped, or no prediction is made: None, on a CPU)."""
     metrics: dict[str, Any] = dict.fromkeys(
         ("single_fwd_ms", "predicted_efficiency", "single_fwd_bwd_ms",
          "predicted_efficiency_fwd_bwd")
     )  # fmt: skip
-    predicted = {"fwd": prediction.fwd_ms, "fwd_bwd": prediction.fwd_bwd_ms}
+    predicted = (
+        {} if prediction is None else {"fwd": prediction.fwd_ms, "fwd_bwd": prediction.fwd_bwd_ms}
+    )
     for name, ms in single.items():
         suffix = "" if name == "fwd" else f"_{name}"
         metrics[f"single_{name}_ms"] = ms

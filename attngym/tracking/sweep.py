@@ -266,15 +266,32 @@ def headline(column: str) -> bool:
 
 def _fitting(rows: list[dict[str, Any]], columns: list[str]) -> tuple[list[str], list[str]]:
     """The columns of the printed table: the job, its overrides, status and variant, then the
-    metrics a run's results table shows (attngym.metrics `shown`), the rightmost dropped until
-    the table fits PRINT_WIDTH (each failed job's error is logged under it whole)."""
+    metrics a run's results table shows (attngym.metrics `shown`), dropped until the table fits
+    PRINT_WIDTH (each failed job's error is logged under it whole): first the settings with one
+    value in every job that has one (a sweep beside a failed job: its topology, transport, ...),
+    then the measurements with one value, then the rightmost, so what a sweep changed and what
+    it measured (fwd_ms) stay."""
     keep = [c for c in columns if headline(c)]
     dropped = [c for c in columns if not headline(c)]
-    while (
-        len(keep) > len(KEPT_COLUMNS)
-        and len(format_table(rows, keep, max_width=ERROR_WIDTH).splitlines()[0]) > PRINT_WIDTH
-    ):
-        dropped.append(keep.pop())
+
+    def one_value(column: str) -> bool:
+        return len({repr(r.get(column)) for r in rows if r.get(column) is not None}) <= 1
+
+    def measured(column: str) -> bool:
+        row = metric_of(column)
+        return row is not None and bool(row.unit)
+
+    rightmost_first = [c for c in reversed(keep) if c not in KEPT_COLUMNS]
+    order = (
+        [c for c in rightmost_first if one_value(c) and not measured(c)]
+        + [c for c in rightmost_first if one_value(c) and measured(c)]
+        + [c for c in rightmost_first if not one_value(c)]
+    )
+    for column in order:
+        if len(format_table(rows, keep, max_width=ERROR_WIDTH).splitlines()[0]) <= PRINT_WIDTH:
+            break
+        keep.remove(column)
+        dropped.append(column)
     return keep, dropped
 
 

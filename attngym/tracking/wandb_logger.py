@@ -26,6 +26,7 @@ hydra.job.override_dirname).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -183,10 +184,13 @@ class WandbTracker:
         if report.get("where") is not None:
             seconds = report.get("seconds", {})
             log.info(
-                "wandb (%s): %s (import %.1f s while the task ran, init %.1f s beside the "
+                "wandb (%s): %s%s (import %.1f s while the task ran, init %.1f s beside the "
                 "pictures, then %.1f s)",
                 self.mode,
                 report["where"],
+                _read_offline(report["where"], report.get("leet", False))
+                if self.mode == "offline"
+                else "",
                 seconds.get("import", 0.0),
                 seconds.get("init", 0.0),
                 seconds.get("log", 0.0),
@@ -258,7 +262,9 @@ class WandbTracker:
         finally:
             self._finish(run, exit_code=0 if ok else 1)
         self.seconds["log"] = time.perf_counter() - started
-        return run.dir if self.mode == "offline" else getattr(run, "url", "")
+        # offline: the run's folder (offline-run-*: its .wandb log), not run.dir, its files/ of
+        # images only
+        return os.path.dirname(run.dir) if self.mode == "offline" else getattr(run, "url", "")
 
     def _finish(self, run: Any, exit_code: int) -> None:
         """run.finish in a daemon thread, bounded by finish_timeout_s (online it waits for the
@@ -281,6 +287,14 @@ class WandbTracker:
                 self.finish_timeout_s,
                 getattr(run, "dir", "the run folder"),
             )
+
+
+def _read_offline(run_folder: str, leet: bool) -> str:
+    """Where an offline run's summary reads without a network: `wandb leet inspect --summary`
+    where the installed wandb has it (0.31), else metrics.json beside it (the same values)."""
+    if leet:
+        return f"; its summary: wandb leet inspect --summary {run_folder}"
+    return "; its summary: metrics.json in the run folder (the same values)"
 
 
 class _Collect(logging.Handler):
@@ -311,6 +325,8 @@ def child_main() -> None:
         os._exit(0)
     tracker.seconds = {"import": imported - started, "start": time.perf_counter()}
     where = tracker._log_here(record, lambda: pickle.load(stream))
+    leet = importlib.util.find_spec("wandb.cli.leet") is not None  # wandb 0.31's offline reader
     report = {"where": where, "warnings": collect.messages, "seconds": tracker.seconds}
+    report["leet"] = leet
     print(json.dumps(report), flush=True)
     os._exit(0)

@@ -9,6 +9,8 @@ Hydra's `_target_`, or `package.module:name`), resolved from the working directo
 PYTHONPATH, so a `mymasks.py` beside your runs needs no installing. Each names the callback
 itself, or a factory that returns it, called with `attention.mask_args` / `attention.score_args`
 (and with `device=` when it takes one, so the tensors it builds live where the run attends).
+Which of the two, its parameter names say, or its *_args being set (`_is_factory`); the run's
+log and metrics.json say how each path was read (`Reading`).
 
 User code is foreign input: everything that can be judged before any real tensor work is judged
 here, each failure one line naming the config key. The import, the names, the signatures, the
@@ -36,6 +38,7 @@ import dataclasses
 import inspect
 import re
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,21 +58,38 @@ KEYS = ("mask_mod", "mask_args", "score_mod", "score_args", "label")
 PROBE_POSITIONS = 16  # positions per axis of the probe grid, spread over the sequence
 
 
+def callbacks(entry: Any, key: str = "attention") -> list[tuple[str, str, Any, Any]]:
+    """(dotted key, kind, path, its arguments as given) of every callback an attention entry
+    names, compose entries included."""
+    if not isinstance(entry, Mapping):
+        return []
+    found = [
+        (f"{key}.{kind}", kind, entry[kind], entry.get(kind.replace("_mod", "_args")))
+        for kind in ARGUMENTS
+        if entry.get(kind) is not None
+    ]
+    for i, part in enumerate(entry.get("compose") or ()):
+        found += callbacks(part, f"{key}.compose.{i}")
+    return found
+
+
 def in_this_process_only(entry: Any, key: str = "attention") -> str | None:
     """The dotted key of the first callback path of an attention entry (compose entries too)
     that names an object of `user_code.objects`, which a new process (a context-parallel rank)
     cannot import; None when every path can be imported anywhere."""
-    if not isinstance(entry, Mapping):
-        return None
-    for kind in ("mask_mod", "score_mod"):
-        path = entry.get(kind)
-        if user_code.lives_in_this_process(path):
-            return f"{key}.{kind}"
-    for i, part in enumerate(entry.get("compose") or ()):
-        found = in_this_process_only(part, f"{key}.compose.{i}")
-        if found:
-            return found
-    return None
+    return next(
+        (at for at, _, path, _ in callbacks(entry, key) if user_code.lives_in_this_process(path)),
+        None,
+    )
+
+
+def readings(entry: Any, device: Any = "cpu") -> list[Reading]:
+    """How each callback of a custom attention entry (compose entries too) is read on
+    `device`: for the run's log and metrics.json (`callbacks_read`)."""
+    return [
+        reading(path, _given(args), kind=kind, key=at, device=device)
+        for at, kind, path, args in callbacks(entry)
+    ]
 
 
 def _positional(fn: Callable[..., Any]) -> tuple[int, int] | None:
@@ -85,42 +105,82 @@ def _positional(fn: Callable[..., Any]) -> tuple[int, int] | None:
     return required, most
 
 
-def _names_callback_arguments(fn: Callable[..., Any], kind: str) -> bool:
-    """Whether fn's positional parameters are a `kind`'s (b, h, q_idx, kv_idx, or with score)."""
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return False
-    return params[: len(ARGUMENTS[kind])] == list(ARGUMENTS[kind])
-
-
-def _required_names(fn: Callable[..., Any]) -> list[str]:
-    """The names of fn's required positional parameters."""
-    params = inspect.signature(fn).parameters.values()
-    return [
-        p.name
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-
-
 def _takes(fn: Callable[..., Any], count: int) -> bool:
     arity = _positional(fn)
     return arity is None or arity[0] <= count <= arity[1]
 
 
-def callback(
-    path: Any, args: Mapping[str, Any] | None, *, kind: str, key: str, device: Any = "cpu"
-) -> Callable[..., torch.Tensor]:
-    """The `kind` callback ("mask_mod" or "score_mod") an import path names: the object itself
-    when it takes the callback's arguments and no factory arguments are given, else what the
-    factory returns when called with `args`.
+def _args_key(key: str, kind: str) -> str:
+    """`attention.mask_args` for `attention.mask_mod` (a compose entry's alike)."""
+    return f"{key.rsplit('.', 1)[0]}.{kind.replace('_mod', '_args')}"
 
-    Raises:
-        ConfigError: the path does not resolve, is not callable, takes or returns the wrong
-            arguments; key is `attention.<kind>` or `attention.<kind>_args.<name>`.
-    """
-    args_key = f"{key.rsplit('.', 1)[0]}.{kind.replace('_mod', '_args')}"
+
+def _is_factory(obj: Any, kind: str, args: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """Whether `obj` is read as a factory of a `kind` (else as the `kind` itself), and why.
+
+    Its parameters' names decide, not how many it takes: a factory whose arguments all have
+    defaults takes four arguments too (`random_block(block=128, p=0.3, seed=0, seq_len=1024,
+    device="cpu")`). The callback itself: its first parameters are the callback's (b, h, q_idx,
+    kv_idx; score first for a score_mod), or it takes exactly as many with no default (`lambda
+    b, h, q, kv: ...`), or *args. A factory: anything else, and whatever `args` are given for
+    (`attention.mask_args: {}` calls it with none)."""
+    names = ARGUMENTS[kind]
+    if args is not None:
+        return True, "its arguments set"
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        return False, "its signature unreadable"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if _named_as(obj, kind):
+        return False, "by its parameter names"
+    if sum(p.default is p.empty for p in positional) == len(names):
+        return False, f"by its {len(names)} parameters, none defaulted"
+    if not positional and any(p.kind == p.VAR_POSITIONAL for p in params):
+        return False, "by its *args"
+    return True, "by its parameter names"
+
+
+def _named_as(obj: Any, kind: str) -> bool:
+    """Whether obj's first positional parameters are a `kind`'s, by name."""
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(positional[: len(ARGUMENTS[kind])]) == ARGUMENTS[kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How an import path's object is read: as the `kind` itself, or as a factory called as
+    `call` (its arguments, the defaults it fills in included); `why` says what decided it."""
+
+    key: str
+    kind: str
+    shown: str
+    factory: bool
+    why: str
+    call: str = ""
+
+    def __str__(self) -> str:
+        """What metrics.json records (`callbacks_read`)."""
+        what = f"factory {self.call}" if self.factory else f"the {self.kind} itself"
+        return f"{self.key}: {self.shown} as {what}"
+
+    def sentence(self) -> str:
+        """The run log's line: how, and why (the README says how to read it the other way)."""
+        if self.factory:
+            return f"{self.key}: {self.shown} is a factory, {self.why}: {self.call}"
+        return f"{self.key}: {self.shown} is the {self.kind}, {self.why}"
+
+
+def _read(
+    path: Any, args: Mapping[str, Any] | None, *, kind: str, key: str, device: Any
+) -> tuple[Reading, Any]:
+    """(how `path` is read, the object it names); a factory's arguments are checked against its
+    signature, nothing of the user's is called but the import."""
+    args_key = _args_key(key, kind)
     if args is not None and not isinstance(args, Mapping):
         raise ConfigError(args_key, f"must be a mapping of the factory's arguments, got {args!r}")
     obj = path if callable(path) else user_code.resolve(path, key=key)
@@ -133,16 +193,17 @@ def callback(
         )
     want = len(ARGUMENTS[kind])
     signature = f"({', '.join(ARGUMENTS[kind])})"
-    if not args and _takes(obj, want):
-        return obj
-    if args and _takes(obj, want) and _names_callback_arguments(obj, kind):
+    factory, why = _is_factory(obj, kind, args)
+    if args and _named_as(obj, kind):
         raise ConfigError(
             f"{args_key}.{next(iter(args))}",
             f"{shown} is a {kind} itself {signature}, not a factory: it takes no {args_key}; "
             f"remove them, or name a factory that returns a {kind}",
         )
-    if not args and _positional(obj) is not None and _positional(obj)[0] > 0:
-        required = _required_names(obj)
+    if not factory:
+        return Reading(key, kind, shown, False, why), obj
+    required = _required_names(obj)
+    if args is None and required:
         raise ConfigError(
             key,
             f"{shown} takes ({', '.join(required)}); a {kind} takes {want} {signature}; if it "
@@ -150,7 +211,47 @@ def callback(
             + " ".join(f"{args_key}.{name}=..." for name in required),
         )
     user_code.check_factory(obj, kind=kind, path=shown, key=key)
-    built = user_code.call_factory(obj, args or {}, path=shown, key=args_key, device=device)
+    call = user_code.factory_call(obj, args or {}, path=shown, key=args_key, device=device)
+    return Reading(key, kind, shown, True, why, user_code.described_call(obj, call)), obj
+
+
+def _required_names(fn: Callable[..., Any]) -> list[str]:
+    """The names of fn's required positional parameters."""
+    params = inspect.signature(fn).parameters.values()
+    return [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+
+
+def reading(
+    path: Any, args: Mapping[str, Any] | None, *, kind: str, key: str, device: Any = "cpu"
+) -> Reading:
+    """How `callback` reads `path` (with `args`, on `device`), for the run's log and
+    metrics.json."""
+    return _read(path, args, kind=kind, key=key, device=device)[0]
+
+
+def callback(
+    path: Any, args: Mapping[str, Any] | None, *, kind: str, key: str, device: Any = "cpu"
+) -> Callable[..., torch.Tensor]:
+    """The `kind` callback ("mask_mod" or "score_mod") an import path names: the object itself,
+    or what it returns called as a factory with `args` (`_is_factory` decides which; None: no
+    arguments given, {}: called with none).
+
+    Raises:
+        ConfigError: the path does not resolve, is not callable, takes or returns the wrong
+            arguments, or its factory raised; key is `attention.<kind>` or
+            `attention.<kind>_args.<name>`.
+    """
+    read, obj = _read(path, args, kind=kind, key=key, device=device)
+    if not read.factory:
+        return obj
+    want = len(ARGUMENTS[kind])
+    built = user_code.call_factory(
+        obj, args or {}, path=read.shown, key=_args_key(key, kind), device=device
+    )
     if not callable(built) or not _takes(built, want):
         what = (
             f"a function of {_positional(built)[0]} argument(s)"
@@ -158,7 +259,9 @@ def callback(
             else f"a {type(built).__name__}"
         )
         raise ConfigError(
-            key, f"{shown} returned {what}; a {kind} takes {want} arguments {signature}"
+            key,
+            f"{read.shown} returned {what}; a {kind} takes {want} arguments "
+            f"({', '.join(ARGUMENTS[kind])})",
         )
     return built
 
@@ -184,7 +287,7 @@ def _probe_built(
         detail = str(err).removeprefix(f"{err.key}: ")
         raise ConfigError(
             args_key, f"{args[texts[0]]!r} is text, and the {kind} built with it {detail}"
-        ) from None
+        ) from err
 
 
 def _grid(seq_len: int, heads: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
@@ -197,9 +300,22 @@ def _grid(seq_len: int, heads: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
     return b, h, pos.view(1, 1, -1, 1), pos.view(1, 1, 1, -1)
 
 
+def _vmapped(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """fn as create_block_mask and FlexAttention's CPU path call it: one torch.vmap per index,
+    kv_idx innermost, each index a 1-d tensor (a score_mod's score mapped at every level), with
+    vmap's default of refusing random numbers."""
+    for i in reversed(range(4)):
+        dims = [None] * 4
+        dims[i] = 0
+        fn = torch.vmap(fn, in_dims=(0, *dims) if kind == "score_mod" else tuple(dims))
+    return fn
+
+
 def probe(fn: Callable[..., Any], *, kind: str, key: str, seq_len: int, heads: int) -> None:
-    """Evaluate fn on a small grid spanning the sequence; ConfigError(key) when it raises or
-    returns other than a bool (mask_mod) or floating (score_mod) tensor of the grid's shape."""
+    """Evaluate fn on a small grid spanning the sequence, broadcast and then under vmap as
+    FlexAttention calls it; ConfigError(key) when it raises (naming the user's file and line)
+    or returns other than a bool (mask_mod) or floating (score_mod) tensor of the grid's
+    shape."""
     b, h, q_idx, kv_idx = _grid(seq_len, heads)
     shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
     args = (b, h, q_idx, kv_idx)
@@ -207,8 +323,23 @@ def probe(fn: Callable[..., Any], *, kind: str, key: str, seq_len: int, heads: i
         score = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         args = (score, *args)
     where = f"on a probe grid (b < {b.numel()}, h < {h.numel()}, positions 0..{seq_len - 1})"
+    out = _probed(fn, args, key=key, where=where)
+    _check_output(out, kind=kind, key=key, where=where, shape=shape)
+    flat = tuple(a.flatten() for a in args[-4:])
+    _probed(
+        _vmapped(fn, kind),
+        (score, *flat) if kind == "score_mod" else flat,
+        key=key,
+        where="under torch.vmap, as create_block_mask and FlexAttention call it",
+    )
+
+
+def _probed(fn: Callable[..., Any], args: tuple[Any, ...], *, key: str, where: str) -> Any:
+    """fn(*args); ConfigError(key) naming where the user's code raised, and how to fix it."""
     try:
-        out = fn(*args)
+        with warnings.catch_warnings():  # vmap's note on ops without a batching rule
+            warnings.simplefilter("ignore")
+            return fn(*args)
     except Interrupted:
         raise
     except CODE_ERRORS as err:  # the user's code, on tensors shaped as FlexAttention passes them
@@ -218,9 +349,26 @@ def probe(fn: Callable[..., Any], *, kind: str, key: str, seq_len: int, heads: i
             if "ambiguous" in message or "Boolean value" in message
             else "; tensors it reads must cover shape.seq_len"
             if isinstance(err, IndexError)
+            else "; callbacks must use tensor ops only: no .item(), int(tensor) or random "
+            "numbers, which vmap cannot batch"
+            if "vmap" in message
             else ""
         )
-        raise ConfigError(key, f"raised {type(err).__name__} {where}: {message}{hint}") from None
+        at = user_code.location(err)
+        at = f" at {at}" if at else ""
+        raise ConfigError(key, f"raised {type(err).__name__} {where}{at}: {message}{hint}") from err
+
+
+def _check_output(out: Any, *, kind: str, key: str, where: str, shape: torch.Size) -> None:
+    """ConfigError(key) for an output that is no bool (mask_mod) or floating (score_mod) tensor
+    broadcasting to the probe grid's `shape`."""
+    if callable(out) and not isinstance(out, torch.Tensor):  # a factory taken for the callback
+        args_key = _args_key(key, kind)
+        raise ConfigError(
+            key,
+            f"returned a function {where}: read as the {kind} itself, it is a factory; give "
+            f"its arguments ({args_key}.NAME=...), or {args_key}={{}} to call it with none",
+        )
     if not isinstance(out, torch.Tensor):
         raise ConfigError(key, f"returned a {type(out).__name__} {where}; it must return a tensor")
     want = "bool" if kind == "mask_mod" else "floating"
@@ -295,14 +443,20 @@ def check_device(fn: Any, device: Any, *, key: str, variant: str) -> None:
             )
 
 
+def _given(args: Any) -> Any:
+    """A factory's arguments as the entry gives them: None (not given: the signature decides how
+    the path is read), a mapping (a copy), or what else was given (refused by `_read`)."""
+    return dict(args) if isinstance(args, Mapping) else args
+
+
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
     """How to rebuild the callbacks on another device: paths (or objects) and arguments."""
 
     mask_mod: Any
-    mask_args: Mapping[str, Any]
+    mask_args: Mapping[str, Any] | None
     score_mod: Any
-    score_args: Mapping[str, Any]
+    score_args: Mapping[str, Any] | None
     key: str
 
     def build(self, device: Any) -> tuple[Any, Any]:
@@ -324,12 +478,17 @@ _GENERIC_NAMES = {"mask_mod", "score_mod", "mask", "score", "mod", "fn", "inner"
 
 def _label(fn: Any, path: Any) -> str:
     """The name of a callback in tables and W&B: its __name__ (attention-gym's closures carry
-    their parameters, e.g. sliding_window_64), else the last part of its import path."""
+    their parameters, e.g. sliding_window_64), else the function it was made in (`strided` for
+    `strided.<locals>.mask_mod`), else the last part of its import path."""
     name = getattr(fn, "__name__", None)
     if isinstance(name, str) and name.isidentifier() and name not in _GENERIC_NAMES:
         return name
     if name == "<lambda>":
         return "lambda"
+    qualname = getattr(fn, "__qualname__", "")
+    maker = qualname.rpartition(".<locals>.")[0].rsplit(".", 1)[-1]
+    if maker.isidentifier() and maker not in _GENERIC_NAMES:
+        return maker
     if isinstance(path, str):
         return path.replace(":", ".").rsplit(".", 1)[-1]
     return getattr(path, "__name__", "callback")
@@ -362,9 +521,9 @@ def build(
         )
     recipe = _Recipe(
         mask_mod=mask_path,
-        mask_args=dict(entry.get("mask_args") or {}),
+        mask_args=_given(entry.get("mask_args")),
         score_mod=score_path,
-        score_args=dict(entry.get("score_args") or {}),
+        score_args=_given(entry.get("score_args")),
         key=key,
     )
     score_mod, mask_mod = recipe.build("cpu")
@@ -373,7 +532,7 @@ def build(
         if fn is not None:
             check_device(fn, "cpu", key=f"{key}.{kind}", variant=_label(fn, entry.get(kind)))
             args = recipe.mask_args if kind == "mask_mod" else recipe.score_args
-            _probe_built(fn, args, kind=kind, key=key, seq_len=size, heads=head_count)
+            _probe_built(fn, args or {}, kind=kind, key=key, seq_len=size, heads=head_count)
     parts = [
         _label(fn, entry.get(k))
         for k, fn in (("mask_mod", mask_mod), ("score_mod", score_mod))

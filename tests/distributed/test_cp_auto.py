@@ -84,3 +84,34 @@ def test_auto_simulates_the_allgathers_overlap_both_ways(tmp_path):
     table = json.loads((tmp_path / "sim" / "auto.json").read_text())
     options = sorted(json.dumps(c["options"]) for c in table["candidates"])
     assert sorted(set(options)) == ['{"overlap": true}', "{}"], options
+
+
+def test_auto_weighs_a_users_balancer_named_in_its_layouts(tmp_path, monkeypatch):
+    """`topology.options.layouts` takes a balancer by import path, as topology.layout does: the
+    schemes that take a user's balancer are simulated on it beside the layouts named."""
+    import attngym
+    from attngym.errors import ConfigError
+
+    (tmp_path / "mybal.py").write_text(
+        "def striped(seq_len, world_size):\n"
+        "    chunks = [[] for _ in range(world_size)]\n"
+        "    for i, offset in enumerate(range(0, seq_len, 64)):\n"
+        "        chunks[i % world_size].append((offset, 64))\n"
+        "    return chunks\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    common = ["topology=auto", "topology.simulate=true", "topology.world_size=2",
+              "attention=causal", "device=cpu", "shape.seq_len=512", "shape.heads=2",
+              "shape.head_dim=8", "validate=false", "baselines=[]", "benchmark.warmup=0",
+              "benchmark.repeats=1", "logger=none"]  # fmt: skip
+    attngym.run(
+        overrides=[*common, "topology.options.layouts=[zigzag,mybal.striped]"],
+        run_dir=tmp_path / "sim",
+    )
+    table = json.loads((tmp_path / "sim" / "auto.json").read_text())
+    tried = {(c["scheme"], c["layout"]) for c in table["candidates"]}
+    assert {("ring", "mybal.striped"), ("allgather", "mybal.striped")} <= tried
+    assert ("ulysses", "mybal.striped") not in tried  # Ulysses takes contiguous or zigzag
+    with pytest.raises(ConfigError, match="unknown layout 'zigzg'.*did you mean 'zigzag'") as err:
+        attngym.run(overrides=[*common, "topology.options.layouts=[zigzg]"], run_dir=tmp_path / "x")
+    assert err.value.key == "topology.options.layouts"

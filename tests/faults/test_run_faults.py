@@ -121,11 +121,11 @@ def test_a_job_killed_between_metrics_json_and_its_pictures_runs_again_on_resume
 
 
 def test_resume_reruns_a_job_with_a_bad_status_flag_or_picture(tmp_path):
-    from attngym import job
+    from attngym import job, user_code
     from attngym.tracking import write_metrics
 
     overrides = ["shape.seq_len=64"]
-    ok = {"status": "ok", "complete": True, "overrides": overrides}
+    ok = {"status": "ok", "complete": True, "overrides": overrides, **user_code.record([])}
     write_metrics(tmp_path, ok)
     assert job.why_rerun(tmp_path, overrides) == "its heatmap.png is missing, empty or not a file"
     (tmp_path / "heatmap.png").write_bytes(b"png")
