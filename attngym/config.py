@@ -1080,7 +1080,8 @@ def flash_refusal_of(
 
 def _workload(data: dict[str, Any]) -> None:
     """workload=documents: its batches can be made (a file read, its lines checked) and the
-    attention entry has documents for them to set."""
+    attention entry has documents for them to set; the run's own entry becomes its first
+    batch's (a factory of yours that takes doc_lengths needs no value of them in the config)."""
     spec = data["workload"]
     if spec["name"] == "none":
         return
@@ -1094,7 +1095,7 @@ def _workload(data: dict[str, Any]) -> None:
         first = workload_batches(data)[0]
     except workload.WorkloadError as err:
         raise ConfigError(f"workload.{err.key}", str(err)) from None
-    with_documents(data["attention"], first)
+    data["attention"] = with_documents(data["attention"], first)
 
 
 def workload_batches(data: Mapping[str, Any]) -> list[tuple[int, ...]]:

@@ -142,3 +142,47 @@ def test_every_batch_of_a_cp_workload_matches_float64_forward_and_backward(
         assert float(r["planning_ms"]) > 0
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["workload_batches"] == 3 and metrics["planning_ms_max"] > 0
+
+
+DOC_WINDOW = '''
+import torch
+
+def doc_window(doc_lengths, window=64, device="cpu"):
+    """A causal window inside each document: the document ids from the batch's lengths."""
+    ids = torch.repeat_interleave(torch.arange(len(doc_lengths)), torch.tensor(doc_lengths))
+    ids = ids.to(device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = ids[q_idx] == ids[kv_idx]
+        return same & (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    return mask_mod
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_your_own_factory_gets_each_batchs_documents(tmp_path, attngym_cli, ranks):
+    """A mask factory that takes doc_lengths is called with each batch's (no value needed in
+    the config); every batch validated against float64, on one device and on two CPU ranks
+    (forward and backward there)."""
+    (tmp_path / "docmasks.py").write_text(DOC_WINDOW)
+    topology = ["topology=ring", "topology.world_size=2", "topology.layout=balanced"]
+    args = ["workload=documents", "workload.batches=2", "workload.median=120",
+            "attention=custom", "attention.mask_mod=docmasks.doc_window",
+            "attention.mask_args.window=16", "shape.seq_len=512", "shape.heads=2",
+            "shape.head_dim=16", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none",
+            "device=cpu", f"hydra.run.dir={tmp_path / 'run'}",
+            *(topology if ranks == 2 else [])]  # fmt: skip
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = workload.batches("lognormal", count=2, seq_len=512, median=120)
+    assert f"doc_window(doc_lengths={list(want[0])}, window=16" in done.stdout  # as it was read
+    with (tmp_path / "run" / "batches.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(r["validation"] == "ok" for r in rows)
+    for row, docs in zip(rows, want, strict=True):  # each batch's mask is its documents' windows
+        kept = sum(min(i, 16) + 1 for n in docs for i in range(n))
+        assert float(row["mask_density"]) == pytest.approx(kept / 512**2, rel=1e-6)
+    if ranks == 2:
+        assert all(float(r["err_dq_rel"]) < 1e-4 for r in rows)

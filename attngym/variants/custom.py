@@ -563,3 +563,27 @@ def build(
         buffers={"device": torch.empty(0)},
         bind=bind,
     )
+
+
+# The factory parameter a workload's batch sets: the document lengths of the batch.
+DOCUMENTS_PARAM = "doc_lengths"
+
+
+def with_documents(entry: Mapping[str, Any], lengths: list[int]) -> dict[str, Any] | None:
+    """The custom entry with `lengths` given to every factory of it that takes DOCUMENTS_PARAM
+    (as attention.mask_args.doc_lengths / score_args.doc_lengths), or None where none does."""
+    out, found = dict(entry), False
+    for kind in ARGUMENTS:
+        path = entry.get(kind)
+        if path is None:
+            continue
+        obj = path if callable(path) else user_code.resolve(path, key=f"attention.{kind}")
+        try:
+            takes = DOCUMENTS_PARAM in inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            args_key = f"{kind.removesuffix('_mod')}_args"
+            out[args_key] = {**(entry.get(args_key) or {}), DOCUMENTS_PARAM: list(lengths)}
+            found = True
+    return out if found else None

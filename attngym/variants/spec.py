@@ -117,7 +117,8 @@ def build_variant(
 def with_documents(attention: Mapping[str, Any], lengths: Sequence[int], *,
                    key: str = "attention") -> dict[str, Any]:  # fmt: skip
     """The attention entry with its documents replaced by `lengths` (a workload's batch): the
-    document variant's doc_lengths, in a composed entry every part that has documents.
+    document variant's doc_lengths, your own factory's `doc_lengths` argument (where it takes
+    one: custom.with_documents), in a composed entry every part that has documents.
 
     Raises:
         ConfigError: (workload) the entry has no documents to replace.
@@ -134,8 +135,13 @@ def with_documents(attention: Mapping[str, Any], lengths: Sequence[int], *,
             return {**attention, "compose": parts}
     elif attention.get("name") == "document":
         return {**attention, "doc_lengths": list(lengths)}
+    elif attention.get("name") == custom.NAME:
+        entry = custom.with_documents(attention, list(lengths))
+        if entry is not None:
+            return entry
     raise ConfigError(
         "workload",
         f"{key} {attention.get('name')!r} has no documents for a workload's batches to set: use "
-        "attention=document, or compose it with your mask",
+        f"attention=document, compose it with your mask, or a mask factory that takes "
+        f"{custom.DOCUMENTS_PARAM}",
     )
