@@ -52,6 +52,9 @@ PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "NAME": ("[A-Za-z0-9_]+", None),  # a flex_attention kernel option
     "phase": ("[a-z][a-z0-9_]*", None),  # a phase of attngym.timeline.PHASES, or baseline_<name>
     "aggregated": ("|".join(sorted(WORKLOAD_AGGREGATES, key=len, reverse=True)), None),
+    # PyTorch's load balancers torch_cp runs (attngym.distributed.torch_cp.BALANCERS; a test
+    # holds them equal)
+    "balancer": ("head_tail|per_document_head_tail|ptrr", None),
     "stat": ("|".join(WORKLOAD_STATS), None),
 }
 
@@ -626,6 +629,27 @@ METRICS: tuple[Metric, ...] = (
         "as peak_mem_bytes, for torch_cp",
     ),
     M("torch_cp_status", "torch_cp", "", "ok or skipped: <reason>", shown="cp"),
+    M(
+        "torch_cp_balancer",
+        "torch_cp balancer",
+        "",
+        "the fastest of PyTorch's load balancers, whose times torch_cp_<pass>_ms are",
+        shown="cp",
+    ),
+    M(
+        "torch_cp_<balancer>_<pass>_ms",
+        "torch_cp {balancer} {pass} (ms)",
+        "ms",
+        "torch_cp with that load balancer, its shards resharded into its placement",
+        column=False,
+    ),
+    M(
+        "torch_cp_<balancer>_status",
+        "torch_cp {balancer}",
+        "",
+        "ok or skipped: why that balancer cannot place this variant",
+        column=False,
+    ),
     M("torch_cp_bwd_status", "torch_cp bwd", "", "as bwd_status, for torch_cp", column=False),
     M(
         "torch_cp_err_out_rel",

@@ -220,6 +220,15 @@ def _joined(chunks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((o, n) for o, n in out)
 
 
+def of_positions(name: str, positions: Sequence[torch.Tensor]) -> Layout:
+    """The Layout whose rank r holds `positions[r]` (global positions, in shard order): another
+    system's placement (PyTorch's load balancers) as chunks attngym shards and unshards by."""
+    world_size = len(positions)
+    seq_len = sum(int(p.numel()) for p in positions)
+    placement = tuple(_joined([(int(x), 1) for x in p.tolist()]) for p in positions)
+    return Layout(name, world_size, seq_len, placement)
+
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 

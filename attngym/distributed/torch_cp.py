@@ -13,6 +13,8 @@ Layouts: attngym `contiguous` is PyTorch without a load balancer, attngym `zigza
 `_HeadTailLoadBalancer` (rank r holds chunks r and 2P-1-r of 2P); both shard exactly as attngym
 does, so the shards attngym's CP gets are passed unchanged. A layout with no PyTorch counterpart
 runs in zigzag (PyTorch's default balancer), resharded by `reshard` outside the timed call.
+`balancer=` takes one of PyTorch's balancers (BALANCERS: head-tail, per-document head-tail,
+PTRR) whatever the caller's layout: its placement is a Layout (`balancer_layout`) to reshard to.
 
 What PyTorch's CP requires: seq_len divisible by world_size x 128 (the BlockMask's block size is
 flex's default, 128, fixed); a flex backward, so gradients need CUDA (flex has no CPU backward).
@@ -42,6 +44,51 @@ SEQ_DIM = 2
 # The attngym layout PyTorch's CP runs for each attngym layout (same shards, same order).
 TORCH_LAYOUTS = {"contiguous": "contiguous", "zigzag": "zigzag"}
 DEFAULT_TORCH_LAYOUT = "zigzag"  # PyTorch's default balancer, head-tail
+# PyTorch's load balancers for flex CP (torch.distributed.tensor.experimental._context_parallel):
+# head-tail (attngym's zigzag), head-tail inside each document, and PTRR (processing-time
+# round-robin over the block mask's blocks).
+BALANCERS = ("head_tail", "per_document_head_tail", "ptrr")
+
+
+def balancer_layout(
+    name: str, variant: Variant, world_size: int, seq_len: int, device: torch.device | str
+) -> layouts.Layout:
+    """The placement PyTorch's load balancer `name` makes for this variant (its
+    `_generate_indices`: rank r holds the r-th S/P of the reordered sequence), as a Layout.
+
+    Raises:
+        ValueError: the balancer cannot place this variant here (why, in words).
+    """
+    from torch.distributed.tensor.experimental._context_parallel import _load_balancer as lb
+
+    if name == "head_tail":
+        balancer = lb._HeadTailLoadBalancer(seq_len, world_size, device)
+    elif name == "per_document_head_tail":
+        cls = getattr(lb, "_PerDocumentHeadTailLoadBalancer", None)
+        documents = None if variant.varlen is None else variant.varlen.documents
+        if cls is None:
+            raise ValueError(f"torch {torch.__version__} has no per-document head-tail balancer")
+        if documents is None:
+            raise ValueError(f"{variant.name} has no documents to balance one by one")
+        if any(n % (2 * world_size) for n in documents):
+            raise ValueError(
+                f"it needs every document's length divisible by 2 x {world_size} ranks"
+            )
+        balancer = cls([list(documents)], world_size, device)
+    elif name == "ptrr":
+        cls = getattr(lb, "_PTRRLoadBalancer", None)
+        if cls is None:
+            raise ValueError(f"torch {torch.__version__} has no PTRR balancer")
+        block = _api()["block_size"]
+        block_mask = kernels.make_block_mask(variant, seq_len, seq_len, block_size=(block, block),
+                                             device=device)  # fmt: skip
+        if block_mask is None:
+            raise ValueError(f"{variant.name} has no mask for PTRR to weigh")
+        balancer = cls(block_mask, world_size)
+    else:
+        raise ValueError(choice_error("balancer", name, BALANCERS))
+    order = balancer._generate_indices()[0].to("cpu", torch.long)
+    return layouts.of_positions(f"torch_cp:{name}", list(order.chunk(world_size)))
 
 
 def torch_cp_available() -> tuple[bool, str]:
@@ -155,6 +202,8 @@ class TorchCP:
             (the same for contiguous and zigzag, else zigzag: see `reshard`).
         device: where the shards live.
         block_size: must be (128, 128), the block size PyTorch's CP block mask uses.
+        balancer: one of BALANCERS: the shards are in its placement (`self.layout`, a Layout:
+            reshard to it); None: the one `layout` names (none for contiguous, else head-tail).
         kernel_options: passed to flex_attention.
         scale: score scale, default 1 / sqrt(D).
         compile: compile flex_attention on CUDA (attngym.kernels.compiled_flex_attention); CPU
@@ -181,6 +230,7 @@ class TorchCP:
         scale: float | None = None,
         compile: bool = True,
         compile_mode: str = "default",
+        balancer: str | None = None,
     ):
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
@@ -202,10 +252,12 @@ class TorchCP:
         if not dist.is_initialized():
             raise RuntimeError("torch_cp needs an initialised process group")
         world_size = dist.get_world_size(group)
-        check_shape(seq_len, world_size, layout)
+        check_shape(seq_len, world_size, layout if balancer is None else DEFAULT_TORCH_LAYOUT)
         variant.check_seq_len(seq_len)
         device = torch.device(device)
-        self.layout = torch_layout(layout)
+        self.layout = torch_layout(layout) if balancer is None else balancer_layout(
+            balancer, variant, world_size, seq_len, device
+        )  # fmt: skip
         self.group, self.world_size, self.seq_len = group, world_size, seq_len
         self.rank = dist.get_rank(group)
         self.kv_heads, self.heads = kv_heads, heads
@@ -213,16 +265,11 @@ class TorchCP:
             variant = variant.to(device)
 
         self.mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
-        balancer = (
-            api["HeadTailLoadBalancer"](seq_len, world_size, device)
-            if self.layout == "zigzag"
-            else None
-        )
-        # Global position of every row of the all-gathered K/V, and of this rank's q rows.
-        self.kv_positions = (
-            torch.arange(seq_len, device=device)
-            if balancer is None
-            else balancer._generate_indices()[0].to(device=device, dtype=torch.long)
+        # Global position of every row of the all-gathered K/V (every rank's shard in rank
+        # order), and of this rank's q rows.
+        placed = layouts.resolve(self.layout, world_size, seq_len, variant, device)
+        self.kv_positions = torch.cat([placed.positions(r, device) for r in range(world_size)]).to(
+            torch.long
         )
         rows = seq_len // world_size
         self.q_positions = self.kv_positions[self.rank * rows : (self.rank + 1) * rows]

@@ -65,6 +65,7 @@ Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, R vali
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import logging
@@ -353,8 +354,9 @@ class RankJob:
 
         return shard_of(t, self.rank, self.world_size, self.layout)
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's shard of t, unsharded on rank 0's CPU (None elsewhere)."""
+    def gather(self, t: torch.Tensor, layout=None) -> torch.Tensor | None:
+        """Every rank's shard of t (in `layout`, default the run's), unsharded on rank 0's CPU
+        (None elsewhere)."""
         from attngym.distributed import unshard
 
         t = t.detach().cpu().contiguous()
@@ -362,7 +364,7 @@ class RankJob:
         torch.distributed.gather(t, parts, dst=0, group=self.wait_group)
         if self.rank != 0:
             return None
-        return unshard(parts, self.layout)
+        return unshard(parts, self.layout if layout is None else layout)
 
     def attend(self, stats=None) -> torch.Tensor:
         """attngym's context-parallel call of this rank's shards."""
@@ -721,19 +723,21 @@ def torch_cp_skip_reason(
     block = tcp.block_size()
     if tuple(settings.block_size) != (block, block):
         return f"PyTorch's CP uses ({block}, {block}) blocks, block_size is {settings.block_size}"
-    layout = settings.topology.layout
-    if layout not in tcp.TORCH_LAYOUTS:
-        return f"layout {layout} has no PyTorch counterpart (it has {sorted(tcp.TORCH_LAYOUTS)})"
-    try:
-        tcp.check_shape(settings.shape.seq_len, world_size, layout)
+    try:  # whatever attngym's layout, PyTorch's runs its own balancers' (resharded to them)
+        tcp.check_shape(settings.shape.seq_len, world_size, tcp.DEFAULT_TORCH_LAYOUT)
     except ValueError as err:
         return str(err)
     return None
 
 
 def torch_cp(job: RankJob) -> dict[str, Any]:
-    """PyTorch's own flex CP on the same shards, variant and group, timed like attngym, its
-    output compared with attngym's on the validated rows (see the module docstring)."""
+    """PyTorch's own flex CP on the same inputs, variant and group, once with each of its load
+    balancers that can place this variant (attngym.distributed.torch_cp.BALANCERS: the shards
+    resharded into its placement outside the timing), timed like attngym, its output compared
+    with attngym's on the validated rows; the fastest balancer is the contender
+    (torch_cp_balancer, torch_cp_<pass>_ms), each one's times beside it."""
+    from attngym.distributed.torch_cp import BALANCERS
+
     s = job.settings
     if TORCH_CP not in s.baselines:
         return {}
@@ -742,53 +746,77 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
     if reason is not None:
         log.info("baseline torch_cp skipped: %s", reason)
         return {"torch_cp_status": f"skipped: {reason}"}
-    from attngym.distributed.torch_cp import TorchCP
-
-    shape = s.shape
-    contender = TorchCP(
-        job.variant,
-        batch=shape.batch,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        seq_len=job.seq_len,
-        layout=s.topology.layout,
-        device=job.device,
-        block_size=tuple(s.block_size),
-        kernel_options=s.kernel_options or None,
-        compile=s.compile,
-        compile_mode=s.compile_mode,
-    )
     do_bwd = job.do_bwd and job.device.type == "cuda"  # flex has no CPU backward
-    # Flex refuses CPU inputs that require grad, even under no_grad: detached views there.
-    qkv = job.qkv if do_bwd else tuple(t.detach() for t in job.qkv)
-
-    def call() -> torch.Tensor:
-        return contender(*qkv)
-
-    phases.first_call(job.measured, call, backward=do_bwd)  # compiles on CUDA; not reported
-    metrics: dict[str, Any] = {
-        "torch_cp_status": "ok",
-        "torch_cp_bwd_status": phases.bwd_status(job.do_bwd, do_bwd),
-    }
-    metrics.update(_torch_cp_agreement(job, call))
-    with phases.peak_memory(job.measured, metrics, "torch_cp_peak_mem_bytes"):
-        # The same leaves and output gradient as attngym's passes.
-        timings = phases.time_passes(job.measured, ("fwd", "fwd_bwd") if do_bwd else ("fwd",), call)
-    for p, timing in timings.items():
-        metrics[f"torch_cp_{p}_ms"] = timing.median_ms
-        mine = job.timings.get(p)
-        if mine is not None:
-            metrics[f"attngym_over_torch_cp_{p}"] = timing.median_ms / mine.median_ms
+    metrics: dict[str, Any] = {"torch_cp_bwd_status": phases.bwd_status(job.do_bwd, do_bwd)}
+    runs: dict[str, dict[str, Any]] = {}
+    for balancer in BALANCERS:
+        runs[balancer] = _torch_cp_balanced(job, balancer, do_bwd)
+        metrics.update({f"torch_cp_{balancer}_{k}": v for k, v in runs[balancer].items()
+                        if k in ("status", "fwd_ms", "fwd_bwd_ms")})  # fmt: skip
+    timed = {b: r for b, r in runs.items() if r["status"] == "ok"}
+    if not timed:
+        metrics["torch_cp_status"] = "skipped: " + "; ".join(
+            f"{b}: {r['status'].removeprefix('skipped: ')}" for b, r in runs.items()
+        )
+        return metrics
+    last = "fwd_bwd_ms" if do_bwd else "fwd_ms"
+    best = min(timed, key=lambda b: timed[b][last])
+    metrics.update({f"torch_cp_{k}": v for k, v in timed[best].items()})
+    metrics["torch_cp_balancer"] = best
+    failed = [r["validation"] for r in timed.values() if r.get("validation", "").startswith("f")]
+    if failed:  # any balancer's disagreement is one (PyTorch's, or attngym's, or the comparison)
+        metrics["torch_cp_validation"] = failed[0]
+    for p in ("fwd", "fwd_bwd"):
+        mine, theirs = job.timings.get(p), metrics.get(f"torch_cp_{p}_ms")
+        if mine is not None and theirs is not None:
+            metrics[f"attngym_over_torch_cp_{p}"] = theirs / mine.median_ms
     return metrics
 
 
-def _torch_cp_agreement(job: RankJob, call: Callable[[], torch.Tensor]) -> dict[str, Any]:
-    """torch_cp's output against attngym's on the validated rows, judged at the dtype's RTOL."""
+def _torch_cp_balanced(job: RankJob, balancer: str, do_bwd: bool) -> dict[str, Any]:
+    """PyTorch's CP with one of its balancers: {status, fwd_ms, fwd_bwd_ms, peak_mem_bytes,
+    err_out_rel, err_out_max_abs, validation} (the torch_cp_ metrics, unprefixed); status
+    `skipped: why` where the balancer cannot place the variant (a collective either way)."""
+    from attngym.distributed.torch_cp import TorchCP, reshard
+
+    s, shape = job.settings, job.settings.shape
+    try:
+        contender = TorchCP(
+            job.variant, batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads,
+            seq_len=job.seq_len, device=job.device, block_size=tuple(s.block_size),
+            kernel_options=s.kernel_options or None, compile=s.compile,
+            compile_mode=s.compile_mode, balancer=balancer,
+        )  # fmt: skip
+    except ValueError as err:  # the same answer on every rank: no collective was started
+        log.info("torch_cp %s skipped: %s", balancer, err)
+        return {"status": f"skipped: {err}"}
+    # Flex refuses CPU inputs that require grad, even under no_grad: plain tensors there.
+    moved = [reshard(t.detach(), job.layout, contender.layout, variant=job.variant)
+             for t in (*job.qkv, job.shards[3])]  # fmt: skip
+    leaves = tuple(t.requires_grad_(do_bwd) for t in moved[:3])
+    grad_out = moved[3]
+    measured = dataclasses.replace(job.measured, leaves=leaves, grad_out=grad_out)
+
+    def call() -> torch.Tensor:
+        return contender(*leaves)
+
+    phases.first_call(measured, call, backward=do_bwd)  # compiles on CUDA; not reported
+    out: dict[str, Any] = {"status": "ok"}
+    out.update(_torch_cp_agreement(job, call, contender.layout))
+    with phases.peak_memory(measured, out, "peak_mem_bytes"):
+        timings = phases.time_passes(measured, ("fwd", "fwd_bwd") if do_bwd else ("fwd",), call)
+    out.update({f"{p}_ms": t.median_ms for p, t in timings.items()})
+    return out
+
+
+def _torch_cp_agreement(job: RankJob, call: Callable[[], torch.Tensor], layout) -> dict[str, Any]:
+    """torch_cp's output (its shards in `layout`) against attngym's on the validated rows,
+    judged at the dtype's RTOL (unprefixed: err_out_rel, err_out_max_abs, validation)."""
     s = job.settings
     if not s.validate:
-        return {"torch_cp_validation": "not run (validate=false)"}
+        return {"validation": "not run (validate=false)"}
     with torch.no_grad():
-        theirs, ours = job.gather(call()), job.gather(job.attend())
+        theirs, ours = job.gather(call(), layout), job.gather(job.attend())
     if job.rank != 0:
         return {}
     rows = sample_rows(job.seq_len, s.validate_rows, s.seed, "cpu")
@@ -800,7 +828,7 @@ def _torch_cp_agreement(job: RankJob, call: Callable[[], torch.Tensor]) -> dict[
     err = rel_error(theirs, ours)
     verdict = "ok" if err <= limit else f"failed: torch_cp_err_out_rel={err:.3g} > {limit:g}"
     return {
-        "torch_cp_err_out_rel": err,
-        "torch_cp_err_out_max_abs": max_abs_error(theirs, ours),
-        "torch_cp_validation": verdict if verdict == "ok" else f"{verdict} ({s.dtype})",
+        "err_out_rel": err,
+        "err_out_max_abs": max_abs_error(theirs, ours),
+        "validation": verdict if verdict == "ok" else f"{verdict} ({s.dtype})",
     }

@@ -250,7 +250,7 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     [
         ({}, None),
         ({"layout": "zigzag"}, None),
-        ({"layout": "balanced"}, "layout balanced has no PyTorch counterpart"),
+        ({"layout": "balanced"}, None),  # resharded into PyTorch's balancers' placements
         ({"seq_len": 384}, "divisible by world_size x 128"),
         ({"block_size": (64, 64)}, "PyTorch's CP uses (128, 128) blocks"),
         ({"backend": "gloo"}, "crashed on gloo"),
@@ -543,3 +543,30 @@ def test_single_and_cp_tasks_time_through_the_same_phases(tmp_path):
         assert metrics["fwd_ms"] > 0 and metrics["first_call_s"] > 0
     assert cp_metrics["bwd_ms"] > 0 and one["bwd_ms"] is None  # flex has no CPU backward
     assert one["bwd_status"] == NO_CPU_BWD and cp_metrics["bwd_status"] == "ok"
+
+
+def test_torch_cp_runs_each_of_pytorchs_balancers_beside_a_balanced_layout(tmp_path, attngym_cli):
+    """attngym balanced against PyTorch's CP with head-tail and PTRR (its shards resharded into
+    each one's placement), each validated against attngym's output; per-document head-tail
+    skipped with why (these documents are not multiples of 2 x 2 ranks), the fastest named."""
+    args = ["attention=document", "topology=ring", "topology.world_size=2",
+            "topology.layout=balanced", "shape.seq_len=512", "shape.heads=2", "shape.head_dim=16",
+            "benchmark.warmup=0", "benchmark.repeats=1", "logger=none",
+            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["torch_cp_status"] == "ok" and m["torch_cp_validation"] == "ok"
+    assert m["torch_cp_head_tail_status"] == m["torch_cp_ptrr_status"] == "ok"
+    assert "divisible by 2 x 2" in m["torch_cp_per_document_head_tail_status"]
+    fastest = min(("head_tail", "ptrr"), key=lambda b: m[f"torch_cp_{b}_fwd_ms"])
+    assert m["torch_cp_balancer"] == fastest
+    assert m["torch_cp_fwd_ms"] == m[f"torch_cp_{fastest}_fwd_ms"]
+    assert m["torch_cp_err_out_rel"] < 1e-5  # float32 on both sides
+
+
+def test_the_metric_table_names_pytorchs_balancers():
+    from attngym.distributed.torch_cp import BALANCERS
+    from attngym.metrics import PLACEHOLDERS
+
+    assert PLACEHOLDERS["balancer"][0].split("|") == list(BALANCERS)
