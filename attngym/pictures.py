@@ -10,10 +10,12 @@ that fails to draw is a warning, and one that cannot be written fails the run.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+from typing import Any
 
 from attngym.config import Settings
-from attngym.tasks.workloads import ROWS_FILE
+from attngym.workload import ROWS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,8 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
 
 
 def _batch_picture(settings: Settings, run_dir: Path) -> dict[str, Path]:
-    """batches.png from the run's batches.csv; a failure to draw is a warning, as above."""
+    """batches.png from the run's batches.csv: the run's own call and every contender that
+    timed its batches; a failure to draw is a warning, as above."""
     import csv
 
     from attngym import viz
@@ -108,13 +111,47 @@ def _batch_picture(settings: Settings, run_dir: Path) -> dict[str, Path]:
     title = f"{settings.variant.name}: {len(rows)} batches of {settings.shape.seq_len} tokens"
     path = run_dir / BATCH_PICTURE
     try:
-        viz.save_batch_times(rows, path, label=label, title=title)
+        viz.save_batch_times(**batch_series(rows, label), path=path, title=title)
     except OSError:
         raise
     except Exception as err:
         log.warning("%s not drawn: %s: %s", BATCH_PICTURE, type(err).__name__, err)
         return {}
     return {"batches": path}
+
+
+def batch_series(rows: list[dict[str, Any]], label: str, *, contenders: bool = True
+                 ) -> dict[str, Any]:  # fmt: skip
+    """The keywords of viz.save_batch_times for a run's batch rows: its own time (`label`) and,
+    with `contenders`, every contender's (`<contender>_<pass>_ms`), the pass fwd+bwd where the
+    rows have it, else fwd."""
+    pass_name = "fwd_bwd" if any(_number(r.get("fwd_bwd_ms")) for r in rows) else "fwd"
+    suffix = f"_{pass_name}_ms"
+    columns = {label: f"{pass_name}_ms"}
+    for column in dict.fromkeys(k for r in rows for k in r) if contenders else ():
+        own = column.removesuffix(suffix)
+        if column.endswith(suffix) and own and own not in NOT_CONTENDERS:
+            columns[own] = column
+    series = {
+        name: [(x, y) for r in rows
+               if (x := _number(r.get("doc_len_max"))) and (y := _number(r.get(column)))]
+        for name, column in columns.items()
+    }  # fmt: skip
+    return {"series": series, "time_label": f"{pass_name.replace('_', '+')} time (ms)"}
+
+
+# `<name>_<pass>_ms` columns of a batch row that are no contender's time.
+NOT_CONTENDERS = ("single", "predicted", "best", "best_sdpa", "torch_cp_head_tail",
+                  "torch_cp_per_document_head_tail", "torch_cp_ptrr")  # fmt: skip
+
+
+def _number(value: Any) -> float | None:
+    """A CSV cell as a float; None for an empty or non-numeric one."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
 
 
 def _block_classes(settings: Settings):

@@ -926,47 +926,29 @@ def _token_label(value: float, _pos: Any = None) -> str:
 
 
 def save_batch_times(
-    rows: list[Mapping[str, Any]], path: str | pathlib.Path, *, label: str, title: str
+    series: Mapping[str, list[tuple[float, float]]],
+    path: str | pathlib.Path,
+    *,
+    title: str,
+    time_label: str,
 ) -> pathlib.Path:
-    """A workload's batches (attngym.tasks.workloads' rows): each batch's time against its longest
-    document, for the run's own call (`label`) and every contender that timed the batch, so a
-    long tail's cost, and which kernel handles it best, show at a glance.
-
-    Rows give `doc_len_max`, `<pass>_ms` and `<contender>_<pass>_ms`; the pass is fwd_bwd where
-    the rows have it, else fwd.
-    """
+    """A workload's batches: each batch's time against its longest document, one line a series
+    (a run's own call and its contenders, or a sweep's schemes), so a long tail's cost, and
+    which handles it best, show at a glance. `series`: {label: [(longest document, ms)]}."""
     from matplotlib.figure import Figure
 
-    pass_name = "fwd_bwd" if any(_number(r.get("fwd_bwd_ms")) for r in rows) else "fwd"
-    suffix = f"_{pass_name}_ms"
-    series = {label: f"{pass_name}_ms"}
-    for key in dict.fromkeys(k for r in rows for k in r):
-        own = key.removesuffix(suffix)
-        if key.endswith(suffix) and own not in ("", "single", "predicted", "best", "best_sdpa") \
-                and not own.startswith(("predicted", "rank")):  # fmt: skip
-            series[own] = key
     fig = Figure(figsize=(7.0, 4.2), layout="constrained")
     ax = fig.add_subplot()
-    for i, (name, key) in enumerate(series.items()):
-        points = [(_number(r.get("doc_len_max")), _number(r.get(key))) for r in rows]
-        points = sorted((x, y) for x, y in points if x and y)
+    for i, (name, points) in enumerate(series.items()):
+        points = sorted(points)
         if points:
             ax.plot(*zip(*points, strict=True), marker="os^vD<>"[i % 7], linestyle="-",
                     linewidth=0.8, label=name)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(_token_formatter())
     ax.set_xlabel("the batch's longest document (tokens)")
-    ax.set_ylabel(f"{pass_name.replace('_', '+')} time (ms)")
+    ax.set_ylabel(time_label)
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return save_png(fig, pathlib.Path(path))
-
-
-def _number(value: Any) -> float | None:
-    """A CSV cell or metric as a float; None for an empty or non-numeric one."""
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None

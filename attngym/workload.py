@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "zipf", "file")
+ROWS_FILE = "batches.csv"  # a workload run's rows, one a batch, in its run folder
 
 
 class WorkloadError(ValueError):

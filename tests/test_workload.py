@@ -113,6 +113,25 @@ def test_a_workload_run_validates_and_times_every_batch(tmp_path, attngym_cli):
     assert metrics["fwd_ms_max"] == pytest.approx(max(times))
     assert metrics["tokens_per_s"] == pytest.approx(3 * 512 / (sum(times) / 1e3))
     assert "batches" in done.stdout and "tokens/s" in done.stdout
+    assert (tmp_path / "run" / "batches.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_a_sweep_of_schemes_draws_each_jobs_batches(tmp_path, attngym_cli):
+    args = ["-m", "workload=documents", "attention=document", "workload.batches=2",
+            "workload.median=100", "shape.seq_len=512", "shape.heads=2", "shape.head_dim=16",
+            "topology=ring,allgather", "topology.world_size=2", "benchmark.warmup=0",
+            "benchmark.repeats=1", "baselines=[]", "logger=none",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    done = attngym_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from attngym.pictures import batch_series
+
+    with (tmp_path / "sweep" / "0" / "batches.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    drawn = batch_series(rows, "ring", contenders=False)
+    assert len(drawn["series"]["ring"]) == 2 and drawn["time_label"] == "fwd+bwd time (ms)"
+    assert (tmp_path / "sweep" / "batches.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow

@@ -28,10 +28,9 @@ from attngym.config import Settings, Workload, workload_batches
 from attngym.fileio import atomic_write
 from attngym.metrics import WORKLOAD_AGGREGATES
 from attngym.variants.spec import build_variant, with_documents
+from attngym.workload import ROWS_FILE
 
 log = logging.getLogger(__name__)
-
-ROWS_FILE = "batches.csv"
 
 
 def run(

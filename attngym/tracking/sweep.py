@@ -475,7 +475,39 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     write_csv(rows, sweep_dir / "summary.csv")
     write_markdown(rows, sweep_dir / "summary.md", title)
     write_plot(rows, sweep_dir / "summary.png", title)
+    write_batch_plot(sweep_dir, rows, title)
     return rows
+
+
+MAX_ROWS_BYTES = 16 * 2**20  # a job's batches.csv: thousands of batches fit
+
+
+def write_batch_plot(sweep_dir: Path, rows: list[dict[str, Any]], title: str) -> bool:
+    """batches.png of a sweep of workload runs: each job's per-batch time against the batch's
+    longest document, one line per job (`series_name`: the scheme, layout, ... it ran); False
+    when no job has batches.csv."""
+    import csv
+
+    from attngym import pictures, viz
+    from attngym.workload import ROWS_FILE
+
+    named, _ = without_shared_overrides(rows)
+    series: dict[str, list[tuple[float, float]]] = {}
+    time_label = ""
+    for row, shown in zip(rows, named, strict=True):
+        try:
+            raw = read_inside(sweep_dir, Path(row["job"]) / ROWS_FILE, MAX_ROWS_BYTES)
+        except (FileNotFoundError, ReadRefused):
+            continue
+        batches = list(csv.DictReader(io.StringIO(raw.decode("utf-8", "replace"))))
+        drawn = pictures.batch_series(batches, series_name(shown), contenders=False)
+        series.update(drawn["series"])
+        time_label = drawn["time_label"]
+    if not series:
+        return False
+    viz.save_batch_times(series, sweep_dir / pictures.BATCH_PICTURE, title=title,
+                         time_label=time_label)  # fmt: skip
+    return True
 
 
 def finished_jobs(sweep_dir: str | Path, since: float) -> int:
