@@ -568,7 +568,28 @@ METRICS: tuple[Metric, ...] = (
         "predicted_torch_cp_<pass>_ms",
         "predicted torch_cp {pass} (ms)",
         "ms",
-        "simulate, allgather: PyTorch's scheme (whole K/V shards gathered, the same call)",
+        "simulate: PyTorch's scheme (whole K/V shards gathered, one call per rank) on the "
+        "placement of its fastest load balancer",
+    ),
+    M(
+        "predicted_torch_cp_balancer",
+        "predicted torch_cp balancer",
+        "",
+        "simulate: PyTorch's load balancer predicted fastest",
+    ),
+    M(
+        "predicted_torch_cp_<balancer>_<pass>_ms",
+        "predicted torch_cp {balancer} {pass} (ms)",
+        "ms",
+        "simulate: PyTorch's scheme on that balancer's placement",
+        column=False,
+    ),
+    M(
+        "predicted_torch_cp_<balancer>_status",
+        "predicted torch_cp {balancer}",
+        "",
+        "ok or skipped: why that balancer cannot place this variant",
+        column=False,
     ),
     M(
         "auto_pick",

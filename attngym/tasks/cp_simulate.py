@@ -13,7 +13,9 @@ rank_compute_ms_min / _max and time_imbalance (each rank's compute alone, fwd+bw
 has a backward), rank_host_ms_max (the host's time to issue a rank's compute: a rank takes at
 least that), predicted_peak_mem_bytes, bottleneck, fabric; bytes_moved, pairs_computed,
 pairs_skipped and load_imbalance mean what they mean in a real run; predicted_torch_cp_<pass>_ms
-for allgather (PyTorch's scheme: the same one call per rank, whole K/V shards gathered);
+(PyTorch's scheme: one call per rank, whole K/V shards gathered, on the placement of the fastest
+of its load balancers, predicted_torch_cp_balancer; `predicted_torch_cp`) where baselines
+list torch_cp;
 sim_s (the simulation's wall time), sim_items and sim_timed (items of work, and how many distinct
 ones were timed).
 
@@ -195,6 +197,11 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
     for name, theirs in prediction.contenders.items():
         metrics[f"predicted_{name}_fwd_ms"] = theirs.fwd_ms
         metrics[f"predicted_{name}_fwd_bwd_ms"] = theirs.fwd_bwd_ms
+    if "torch_cp" in s.baselines:
+        from attngym import timeline
+
+        with timeline.phase("baseline_torch_cp"):
+            metrics.update(predicted_torch_cp(s, inputs, variant, fab))
     log.info(
         "simulated %s over %d ranks: %d items, %d timed, %.1f s; predicted fwd %.3f ms, "
         "fwd+bwd %s ms (%s) on %s",
@@ -212,6 +219,53 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
         single = one_device(s, kind, inputs, device, "bwd" in s.passes)
         metrics.update(_efficiency(single, topo.world_size, None if caveat else prediction))
     return metrics
+
+
+def predicted_torch_cp(settings: Settings, inputs, variant, fab) -> dict[str, Any]:
+    """PyTorch's own flex CP predicted with each of its load balancers that can place the
+    variant (attngym.distributed.torch_cp.BALANCERS), whatever scheme the run simulates: the
+    all-gather's ranks simulated on the balancer's placement and priced as PyTorch's scheme
+    (whole K/V shards gathered, one call per rank). predicted_torch_cp_<balancer>_<pass>_ms,
+    the fastest as predicted_torch_cp_<pass>_ms and predicted_torch_cp_balancer, and why a
+    balancer could not run (predicted_torch_cp_<balancer>_status)."""
+    from attngym import registry
+    from attngym.distributed.simulate import bench_timer, simulate
+    from attngym.distributed.torch_cp import BALANCERS, balancer_layout
+    from attngym.distributed.transfer_model import domain_size
+    from attngym.tasks.cp_setup import cp_options, rank_device
+
+    s, topo = settings, settings.topology
+    device = rank_device(s)
+    q, k, v, grad_out = inputs
+    do_bwd = "bwd" in s.passes
+    spec = registry.get("topology", "allgather")
+    out: dict[str, Any] = {}
+    best: tuple[float, str] | None = None
+    for balancer in BALANCERS:
+        try:
+            layout = balancer_layout(balancer, variant, topo.world_size, s.shape.seq_len, device)
+        except ValueError as err:
+            out[f"predicted_torch_cp_{balancer}_status"] = f"skipped: {err}"
+            continue
+        sim = simulate(
+            spec, q, k, v, grad_out if do_bwd else None, variant, world_size=topo.world_size,
+            layout=layout, options=cp_options(s), scheme_options={"overlap": False},
+            timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats, topo.cuda_graph),
+            domain_size=domain_size(topo.fabric),
+        )  # fmt: skip
+        theirs = spec.price(sim, fab, do_bwd).contenders["torch_cp"]
+        out[f"predicted_torch_cp_{balancer}_status"] = "ok"
+        out[f"predicted_torch_cp_{balancer}_fwd_ms"] = theirs.fwd_ms
+        out[f"predicted_torch_cp_{balancer}_fwd_bwd_ms"] = theirs.fwd_bwd_ms
+        ms = theirs.fwd_bwd_ms if do_bwd else theirs.fwd_ms
+        if best is None or ms < best[0]:
+            best = (ms, balancer)
+    if best is not None:
+        fastest = best[1]
+        out["predicted_torch_cp_balancer"] = fastest
+        out["predicted_torch_cp_fwd_ms"] = out[f"predicted_torch_cp_{fastest}_fwd_ms"]
+        out["predicted_torch_cp_fwd_bwd_ms"] = out[f"predicted_torch_cp_{fastest}_fwd_bwd_ms"]
+    return out
 
 
 def _efficiency(single: dict[str, float], world_size: int, prediction) -> dict[str, Any]:
