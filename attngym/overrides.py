@@ -71,6 +71,8 @@ def register_resolvers() -> None:
     - `${study:${attention},${shape},${device.name},${dtype}}`: the tuner's Optuna study name
       (`study_name`).
     - `${cache:}`: attngym's cache folder (attngym.compile_cache.root).
+    - `${signal_delay:${.timeout_min}}`: the SLURM launcher's signal delay from the job's limit
+      (attngym.slurm.signal_delay).
     """
     from omegaconf import OmegaConf
 
@@ -86,6 +88,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("study", study_name)
     if not OmegaConf.has_resolver("cache"):
         OmegaConf.register_new_resolver("cache", cache_folder)
+    if not OmegaConf.has_resolver("signal_delay"):
+        OmegaConf.register_new_resolver("signal_delay", signal_delay)
 
 
 def expect_launcher_schema() -> None:
@@ -495,6 +499,14 @@ def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
         parts += [attention.get(k) for k in ("label", "mask_mod", "score_mod") if attention.get(k)]
     parts += [f"b{shape.batch}h{shape.heads}s{shape.seq_len}d{shape.head_dim}", device, dtype]
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(str(p) for p in parts))
+
+
+def signal_delay(timeout_min: Any) -> int:
+    """attngym.slurm.signal_delay, imported only where the launcher's config resolves (the slurm
+    extra may be missing)."""
+    from attngym.slurm import signal_delay as derived
+
+    return derived(timeout_min)
 
 
 def cache_folder() -> str:
