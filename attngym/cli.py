@@ -41,8 +41,9 @@ def entry(argv: list[str] | None = None) -> None:
         raise SystemExit(report.main(argv[1:]))
     join_slurm_step()  # `srun -n N attngym ...`: each task is a rank, as under torchrun
     overrides.typed_command_line[:] = argv
-    try:
-        argv = prepare_overrides(argv)
+    overrides.refused.clear()
+    try:  # a single run's override Hydra would refuse is refused by its job (overrides.refused)
+        argv = prepare_overrides(argv, overrides.refused if _one_run(argv) else None)
     except ConfigError as err:
         print(f"attngym: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -57,6 +58,17 @@ def entry(argv: list[str] | None = None) -> None:
     except Interrupted as stop:  # outside a job (a job stops itself: job._stop_interrupted)
         print(f"attngym: {stop}", file=sys.stderr, flush=True)
         raise SystemExit(stop.exit_code) from None
+
+
+# Hydra's flags after which no job runs (help, the config printed), or several (a sweep).
+NO_SINGLE_RUN = ("-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "-c", "--cfg",
+                 "-i", "--info", "-sc", "--shell-completion")  # fmt: skip
+
+
+def _one_run(argv: list[str]) -> bool:
+    """Whether the command line runs one job (no sweep, no help or printed config)."""
+    flag_args, _ = overrides.split_flags(argv)
+    return not any(arg.partition("=")[0] in NO_SINGLE_RUN for _, arg in flag_args)
 
 
 def _show_own_plugins() -> None:

@@ -41,8 +41,11 @@ from attngym.overrides import (
     CONF_DIR,
     as_typed,
     attngym_preset,
+    raise_refused,
+    refused,
     resume_command,
     run_name,
+    task_overrides,
     to_plain,
 )
 from attngym.results import format_results
@@ -96,7 +99,8 @@ def _job() -> Job:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     folder = run_dir.parent if multirun else run_dir
-    overrides = [as_typed(str(o)) for o in hc.overrides.task]
+    # With what Hydra never received: a single run's override it would refuse (overrides.refused).
+    overrides = [*(as_typed(o) for o in task_overrides(hc)), *(o for o, _ in refused)]
     naming = hc.job.config.override_dirname  # how Hydra names hydra.job.override_dirname
     return Job(
         run_dir=run_dir,
@@ -292,13 +296,12 @@ def _check_and_run(
     against this machine included, runs here before the task), the failure that stopped the
     run (None for a run that ran, whatever its verdict) and the run's tracker (None with no
     settings); metrics and status go into `metrics`."""
-    from attngym.config import from_config
     from attngym.presets import check_fits_machine
 
     settings = tracker = None
     try:
         with timeline.phase("config"):
-            settings = from_config(to_plain(cfg))
+            settings = _settings(cfg)
             preset = attngym_preset(job.preset)
             check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
         tracker = _tracker(settings)  # started now when it has work to do before the results
@@ -308,7 +311,13 @@ def _check_and_run(
     except CODE_ERRORS as err:  # a sys.exit in the user's code too: this run fails, no more
         metrics["error"] = str(err) if isinstance(err, ConfigError) else failure_text(err)
         if not isinstance(err, ConfigError):
-            if isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
+            if (key := _user_code_key(err, settings)) is not None:
+                err = UserCodeFailed(f"{key}: raised {failure_text(err)}", err)
+                metrics["error"] = str(err)
+            if isinstance(err, UserCodeFailed) and not _full_error():
+                if job.multirun:  # a single run prints the one line of _finish instead
+                    log.error("run failed: %s", printable(str(err)))
+            elif isinstance(err, RankFailure):  # the failing rank's traceback is in its rank log
                 log.error("run failed: %s", err)
             else:
                 log.exception("run failed")
@@ -320,6 +329,68 @@ def _check_and_run(
         return None, err, None  # refused: no picture, no tracker run
     metrics.update(_verdict(metrics))
     return settings, None, tracker
+
+
+class UserCodeFailed(RuntimeError):
+    """The run failed in code of the user's (`original`), named by its config key: one line, the
+    traceback with HYDRA_FULL_ERROR=1."""
+
+    def __init__(self, message: str, original: BaseException):
+        super().__init__(message)
+        self.original = original
+
+
+# Where flex and the block mask run a variant's callbacks: traced, and under torch.vmap, so an
+# error of a callback there has no frame in the user's file.
+RUNS_CALLBACKS = ("torch/nn/attention/flex_attention.py", "torch/_functorch/")
+
+
+def _user_code_key(err: BaseException, settings: Settings | None) -> str | None:
+    """The config key of the user's code `err` was raised in, None when it is not theirs: the
+    innermost frame in a module a key names by import path (with its file and line), else, for
+    the user's callbacks, a frame of flex or vmap running them ("inside flex_attention")."""
+    if settings is None:
+        return None
+    custom = settings.attention.get("name") == "custom"
+    callbacks = [f"attention.{k}" for k in ("mask_mod", "score_mod") if custom]
+    paths = {key: settings.attention.get(key.split(".")[1]) for key in callbacks}
+    paths["topology.scheme"] = settings.topology.scheme
+    if "." in settings.topology.layout:  # a balancer's path; the built-in layouts have no dot
+        paths["topology.layout"] = settings.topology.layout
+    modules = {  # every module a path may name: mymasks for mymasks.f, pkg and pkg.mod for ...
+        ".".join(parts[:n]): key
+        for key, path in paths.items()
+        if isinstance(path, str)
+        for parts in [path.replace(":", ".").split(".")]
+        for n in range(1, len(parts))
+    }
+    found, via_flex = None, False
+    tb = err.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module in modules and not module.startswith(("attngym", "torch")):
+            where = f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"
+            found = f"{modules[module]} ({where})"
+        via_flex |= any(part in tb.tb_frame.f_code.co_filename for part in RUNS_CALLBACKS)
+        tb = tb.tb_next
+    callbacks = [key for key in callbacks if paths[key]]
+    if found is None and via_flex and callbacks:
+        found = f"{' or '.join(callbacks)} (inside flex_attention, which runs it under torch.vmap)"
+    return found
+
+
+def _full_error() -> bool:
+    """HYDRA_FULL_ERROR=1: the user asked for whole tracebacks."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _settings(cfg: DictConfig) -> Settings:
+    """The job's checked Settings; first the error of an override Hydra never received
+    (overrides.raise_refused), on every rank alike."""
+    from attngym.config import from_config
+
+    raise_refused()
+    return from_config(to_plain(cfg))
 
 
 def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -434,11 +505,13 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
             )
             raise SystemExit(1)  # Hydra would go on to the next job after an Exception
         return metrics
-    if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+    if isinstance(failure, ConfigError) and not _full_error():
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print(format_results(metrics, job.run_dir), flush=True)
-    if isinstance(failure, RankFailure | OSError):  # one line: a traceback would say no more
+    if isinstance(failure, UserCodeFailed) and _full_error():
+        raise failure.original
+    if isinstance(failure, RankFailure | OSError | UserCodeFailed):  # one line says it all
         print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if failure is not None and not isinstance(failure, Exception):  # a sys.exit of user code
@@ -454,7 +527,7 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
 def _one_line(failure: BaseException) -> str:
     from attngym.fileio import write_error
 
-    return write_error(failure) if isinstance(failure, OSError) else str(failure)
+    return write_error(failure) if isinstance(failure, OSError) else printable(str(failure))
 
 
 def _failed(job: Job, metrics: dict[str, Any], err: BaseException) -> BaseException:
@@ -517,12 +590,10 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
     are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
     a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
     before any collective (see _stop_sweep_after). It leaves the run's attngym.log to rank 0."""
-    from attngym.config import from_config
-
     _leave_run_log()
     handler = _rank_log(job.run_dir, job.rank)
     try:
-        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
+        metrics = _run_task(_settings(cfg), job.run_dir, {})
         log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
     except Interrupted:
         raise

@@ -284,6 +284,21 @@ def _search_path(overrides: Sequence[str]) -> list[Path]:
 
 # The command line as the user typed it (attngym.cli.entry sets it), for the resume command.
 typed_command_line: list[str] = []
+# A single run's overrides that Hydra itself would refuse (HydraRefused), as typed, with the
+# error: attngym.cli.entry leaves them out of what Hydra composes, and the job refuses the run
+# with the error, so the run has a folder and a metrics.json like any config error.
+refused: list[tuple[str, ConfigError]] = []
+
+
+class HydraRefused(ConfigError):
+    """An override that Hydra itself would refuse with a traceback or a page of text: one its
+    grammar cannot read, an option of one of Hydra's own groups it does not have."""
+
+
+def raise_refused() -> None:
+    """Raise the error of the first override left out for Hydra (`refused`), if any."""
+    if refused:
+        raise refused[0][1]
 
 
 def resume_command(sweep_dir: str | Path) -> str:
@@ -304,7 +319,9 @@ def resume_command(sweep_dir: str | Path) -> str:
 # Overrides
 
 
-def prepare_overrides(argv: list[str]) -> list[str]:
+def prepare_overrides(
+    argv: list[str], left_out: list[tuple[str, ConfigError]] | None = None
+) -> list[str]:
     """Check and normalise config-group overrides before Hydra sees them.
 
     - `group=option` (and sweeps `group=a,b`) must name files in conf/<group>/ (or in the folder
@@ -320,6 +337,11 @@ def prepare_overrides(argv: list[str]) -> list[str]:
       `kernel_options` is null in conf/config.yaml so that sweeps can set whole mappings
       (`kernel_options={...}`); `++kernel_options.X=v` creates the mapping from null.
 
+    - every override must be one Hydra's grammar reads, and an option of one of Hydra's own
+      groups (`hydra/launcher=...`) one it has: else HydraRefused, naming the key, where Hydra
+      would print its parser's or its config loader's text; with `left_out` (a single run)
+      such an override is left out of the result and recorded there, as typed, with its error.
+
     Hydra's flags and their arguments pass through unchanged (`split_flags`); with `-sc` the whole
     command line does, its words being completion commands. `as_typed` undoes the rewriting.
     """
@@ -330,11 +352,38 @@ def prepare_overrides(argv: list[str]) -> list[str]:
     if conf_dirs is not None:
         conf_dirs += _search_path([argv[i] for i in at])
     groups = _group_dirs(conf_dirs) if conf_dirs is not None else set()
-    out = list(argv)
+    out: list[str | None] = list(argv)
     for i in at:
-        out[i] = _prepare(argv[i], groups, conf_dirs or [])
-    _check_preset_on_this_machine([out[i] for i in at], conf_dirs or [])
-    return out
+        try:
+            out[i] = _prepare(argv[i], groups, conf_dirs or [])
+            _check_grammar(out[i])
+        except HydraRefused as err:
+            if left_out is None:
+                raise
+            left_out.append((argv[i], err))
+            out[i] = None
+    kept = [a for a in out if a is not None]
+    _check_preset_on_this_machine([a for i, a in enumerate(out) if i in at and a], conf_dirs or [])
+    return kept
+
+
+def _check_grammar(arg: str) -> None:
+    """HydraRefused naming the key for an override Hydra's grammar cannot read (`[1,2`, `((`, an
+    emoji unquoted), where Hydra prints its parser's message about the rewritten override."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(arg)
+    except HydraException as err:
+        typed = as_typed(arg)
+        key, _, value = typed.lstrip("+~").partition("=")
+        reason = str(err).splitlines()[0].split(" expecting {")[0]
+        raise HydraRefused(
+            key.split("@")[0] or typed,
+            f"Hydra's override grammar cannot read {value!r} ({reason}): close its brackets, "
+            f"or quote it ({key}='...')",
+        ) from None
 
 
 def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
@@ -342,10 +391,8 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
     if _OPEN_ARG.match(arg):
         return f"++{arg}"
     match = _GROUP_ARG.match(arg)
-    if match and match["group"] == "hydra/launcher":  # Hydra's group: its options are Hydra's
-        for option in match["value"].split(","):
-            if option in LAUNCHER_PLUGINS:
-                _check_plugin(option)
+    if match and match["group"].startswith("hydra/"):  # Hydra's groups: their options are Hydra's
+        _check_hydra_option(match["group"], match["value"], conf_dirs)
         return arg
     if not match or match["group"] not in groups:
         _check_value_key(arg)
@@ -395,6 +442,23 @@ LAUNCHER_PLUGINS = {
 }
 
 
+def _check_hydra_option(group: str, value: str, conf_dirs: list[Path]) -> None:
+    """HydraRefused (the group) for an option of one of Hydra's own groups that neither Hydra, its
+    plugins nor the config folders have, where Hydra prints a page; a launcher plugin that is not
+    installed is named with how to install it."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+
+    repository = ConfigRepository(create_config_search_path(f"pkg://{CONF_PACKAGE}"))
+    options = set(repository.get_group_options(group)) | set(group_options(group, conf_dirs))
+    for option in (v.strip().strip("'\"") for v in value.split(",")):
+        if option in LAUNCHER_PLUGINS and group == "hydra/launcher":
+            _check_plugin(option)
+        elif option not in options and "(" not in value and option != "null":
+            what = "option" if options else f"option ({group} is no group of Hydra's)"
+            raise HydraRefused(group, choice_error(what, option, options))
+
+
 def _check_plugin(option: str) -> None:
     """ConfigError (hydra/launcher) when the option's launcher plugin is not installed, rather
     than Hydra's "Unknown plugin class" traceback."""
@@ -406,9 +470,18 @@ def _check_plugin(option: str) -> None:
     except ImportError:
         found = False
     if not found:
-        raise ConfigError(
+        raise HydraRefused(
             "hydra/launcher", f"{option} needs hydra-submitit-launcher, not installed: {install}"
         )
+
+
+def task_overrides(hydra: Any) -> list[str]:
+    """The task overrides of a composed config's `hydra` node as Hydra received them, never
+    resolved: `shape.seq_len=${nope}` is the user's text, which the job's config check refuses
+    naming its key; read resolved, it raised before any job."""
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.to_container(hydra.overrides.task, resolve=False)]
 
 
 def as_typed(override: str) -> str:
