@@ -446,17 +446,25 @@ def _check_hydra_option(group: str, value: str, conf_dirs: list[Path]) -> None:
     """HydraRefused (the group) for an option of one of Hydra's own groups that neither Hydra, its
     plugins nor the config folders have, where Hydra prints a page; a launcher plugin that is not
     installed is named with how to install it."""
-    from hydra._internal.config_repository import ConfigRepository
-    from hydra._internal.utils import create_config_search_path
-
-    repository = ConfigRepository(create_config_search_path(f"pkg://{CONF_PACKAGE}"))
-    options = set(repository.get_group_options(group)) | set(group_options(group, conf_dirs))
+    options = set(group_options(group, conf_dirs))  # the config folders' (the fast look)
     for option in (v.strip().strip("'\"") for v in value.split(",")):
         if option in LAUNCHER_PLUGINS and group == "hydra/launcher":
             _check_plugin(option)
         elif option not in options and "(" not in value and option != "null":
-            what = "option" if options else f"option ({group} is no group of Hydra's)"
-            raise HydraRefused(group, choice_error(what, option, options))
+            options |= _hydra_options(group)
+            if option not in options:
+                what = "option" if options else f"option ({group} is no group of Hydra's)"
+                raise HydraRefused(group, choice_error(what, option, options))
+
+
+def _hydra_options(group: str) -> set[str]:
+    """The options Hydra and its plugins have for one of Hydra's groups (`basic`, `optuna`):
+    its config repository, which scans the plugins (Hydra's own run then reuses the scan)."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+
+    repository = ConfigRepository(create_config_search_path(f"pkg://{CONF_PACKAGE}"))
+    return set(repository.get_group_options(group))
 
 
 def _check_plugin(option: str) -> None:
