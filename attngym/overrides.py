@@ -418,13 +418,19 @@ OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
 
 
 def _check_output_dir(arg: str) -> None:
-    """ConfigError (hydra.run.dir / hydra.sweep.dir) for a folder Hydra cannot write: a file of
-    that name, a folder (or, for a new one, its nearest existing parent) that is not writable, a
-    symlink planted as its `.hydra`. A value with an interpolation is left to Hydra."""
+    """ConfigError (hydra.run.dir / hydra.sweep.dir) for a folder Hydra cannot or must not write:
+    one inside attngym's config folder (its `.hydra` would become a config group, its YAML
+    options), a file of that name, a folder (or, for a new one, its nearest existing parent)
+    that is not writable, a symlink planted as its `.hydra`. A value with an interpolation is
+    left to Hydra."""
     key, _, value = arg.lstrip("+").partition("=")
     if key not in OUTPUT_DIR_KEYS or not value or "${" in value:
         return
     folder = Path(value.strip("'\""))
+    if folder.resolve() == CONF_DIR.resolve() or CONF_DIR.resolve() in folder.resolve().parents:
+        raise ConfigError(
+            key, f"{folder} is inside attngym's config folder {CONF_DIR}; choose another folder"
+        )
     if folder.exists() and not folder.is_dir():
         raise ConfigError(key, f"{folder} is a file, not a folder; name a folder for the output")
     if (folder / ".hydra").is_symlink():

@@ -112,3 +112,24 @@ def test_a_callback_that_fails_only_inside_flex_is_one_line_naming_its_key(tmp_p
         env={"PYTHONPATH": ".", "HYDRA_FULL_ERROR": "1"},
     )
     assert full.returncode == 1 and "Traceback" in full.stderr  # the whole story on request
+
+
+@pytest.mark.parametrize("where", ["conf", "conf/attention/causal_run"])
+def test_a_run_folder_inside_the_config_folder_is_refused(tmp_path, attngym_cli, where):
+    import shutil
+
+    from attngym.overrides import CONF_DIR
+
+    before = sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*"))
+    target = CONF_DIR.parent / where
+    try:
+        proc = attngym_cli([*SMALL, "logger=none", f"hydra.run.dir={where}"], CONF_DIR.parent)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr.startswith(f"attngym: error: hydra.run.dir: {where} is inside ")
+        assert sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*")) == before
+    finally:  # a build without the check writes a run there: take it out again
+        if target != CONF_DIR and target.exists():
+            shutil.rmtree(target)
+        shutil.rmtree(CONF_DIR / ".hydra", ignore_errors=True)
+        for name in ("attngym.log", "metrics.json", ".attngym.lock"):
+            (CONF_DIR / name).unlink(missing_ok=True)
