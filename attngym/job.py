@@ -152,31 +152,42 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     there (rank 0 under torchrun): a second run pointed at the same folder stops with one line
     naming the holder, exit code 1, before it reads or writes anything.
     """
-    from attngym import kernels
-    from attngym.device import settle_cpu_math
     from attngym.distributed.launch import join_slurm_step
 
-    settle_cpu_math()  # before the job's first parallel CPU op (see its docstring)
     join_slurm_step()  # a task of a SLURM step is a rank (a submitit job starts here)
-    timeline.begin(_job_start())
-    try:
-        with kernels.kept_block_masks():  # the job's block masks, built once, freed after it
-            return _run_job(cfg)
-    finally:
-        timeline.end()
-
-
-def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """run_job's body, its timeline and block masks set up."""
-    from attngym.tracking.lock import FolderLock, FolderLocked
-
+    start = _job_start()
     job = _job()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's or SLURM's ranks share a terminal
         _tag_console(job.rank)
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
         if job.multirun and why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
             return None
-        return _run_other_rank(cfg, job)
+        with _started(start):
+            return _run_other_rank(cfg, job)
+    return _run_job(cfg, job, start)
+
+
+@contextlib.contextmanager
+def _started(start: float | None) -> Iterator[None]:
+    """The job's timeline (from `start`) and its kept block masks, the CPU's math settled first.
+    Their start is slow (torch._dynamo's import, seconds): it comes after the run folder is
+    locked, so a Ctrl-C meanwhile stops the run like any other, with its metrics.json."""
+    from attngym import kernels
+    from attngym.device import settle_cpu_math
+
+    settle_cpu_math()  # before the job's first parallel CPU op (see its docstring)
+    timeline.begin(start)
+    try:
+        with kernels.kept_block_masks():  # the job's block masks, built once, freed after it
+            yield
+    finally:
+        timeline.end()
+
+
+def _run_job(cfg: DictConfig, job: Job, start: float | None) -> dict[str, Any] | None:
+    """run_job's body on rank 0: the run folder locked, the job started, run."""
+    from attngym.tracking.lock import FolderLock, FolderLocked
+
     lock = FolderLock(job.run_dir)
     try:
         lock.acquire()
@@ -187,7 +198,7 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
         return _unlockable(job, err)
     try:
         with _profiled(job.run_dir, bool(cfg.get("profile_run", False))):
-            return _run_locked(cfg, job)
+            return _run_locked(cfg, job, start)
     finally:
         lock.release()
 
@@ -236,8 +247,8 @@ def _job_start() -> float | None:
     return timeline.process_start()
 
 
-def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
-    """run_job's body, run folder locked."""
+def _run_locked(cfg: DictConfig, job: Job, start: float | None) -> dict[str, Any] | None:
+    """run_job's body, run folder locked: the resume decision, then the job started and run."""
     if job.multirun:  # a resumed sweep: every rank decides alike from the same files
         why = why_rerun(job.run_dir, job.overrides)
         what = f"job {job.num} ({' '.join(job.overrides)})"
@@ -247,6 +258,15 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
         if why:
             log.info("%s: running it again: %s", what, why)
     metrics: dict[str, Any] = {"status": "failed", "error": None}
+    try:
+        with _started(start):
+            return _run_started(cfg, job, metrics)
+    except Interrupted as stop:  # while the job started, before its timeline ran
+        _stop_interrupted(job, metrics, stop)
+
+
+def _run_started(cfg: DictConfig, job: Job, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """The job, its timeline running: check, run, write, draw, track, finish."""
     try:
         settings, failure, tracker = _check_and_run(cfg, job, metrics)
         try:
