@@ -26,7 +26,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from attngym.errors import ConfigError, choice_error
+from attngym.errors import ConfigError, closest
 
 # The repository's conf/, installed as this package (an editable install maps it to conf/ itself).
 # Hydra composes from it and the option checks below list it: one place for both.
@@ -84,6 +84,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("attention_options"):
         OmegaConf.register_new_resolver("attention_options", attention_options)
+    if not OmegaConf.has_resolver("config_groups"):
+        OmegaConf.register_new_resolver("config_groups", config_groups)
     if not OmegaConf.has_resolver("study"):
         OmegaConf.register_new_resolver("study", study_name)
     if not OmegaConf.has_resolver("cache"):
@@ -117,9 +119,43 @@ def run_id() -> str:
     return f"{datetime.datetime.now():%H-%M-%S-%f}-{os.getpid()}"
 
 
+# The width a line attngym prints keeps to (--help, a refused option, a sweep's launch lines).
+LINE_WIDTH = 100
+
+
+def wrapped(head: str, items: Iterable[str], indent: int, sep: str = ", ") -> str:
+    """`head` then `items` joined by `sep`, wrapped at LINE_WIDTH, later lines indented by
+    `indent`; an item longer than a line is kept whole."""
+    import textwrap
+
+    return textwrap.fill(
+        sep.join(items),
+        width=LINE_WIDTH,
+        initial_indent=head,
+        subsequent_indent=" " * indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def config_groups() -> str:
+    """--help's config groups and their options, wrapped at LINE_WIDTH (Hydra's
+    $APP_CONFIG_GROUPS puts each on one line: attention's is 700 characters): the groups of
+    attngym's config folder and of the command line's `-cd DIR` and `hydra.searchpath`."""
+    flag_args, at = split_flags(typed_command_line)
+    dirs = _conf_dirs(flag_args) or [CONF_DIR]
+    dirs += _search_path([typed_command_line[i] for i in at])
+    lines = [
+        wrapped(f"{group}: ", group_options(group, dirs), indent=4)
+        for group in sorted(_group_dirs(dirs))
+    ]
+    return "\n".join(lines).replace("$", "$$")  # string.Template's escape (attention_options)
+
+
 def attention_options() -> str:
     """`--help`'s list of attention options, each with its parameters and their defaults as its
-    conf/attention/<name>.yaml states them (`${attention_options:}` in the help template)."""
+    conf/attention/<name>.yaml states them (`${attention_options:}` in the help template),
+    wrapped at LINE_WIDTH."""
     import yaml
 
     lines = []
@@ -127,15 +163,16 @@ def attention_options() -> str:
         entry = yaml.safe_load(path.read_text()) or {}
         if "compose" in entry:
             parts = [p.get("name", "?") for p in entry["compose"]]
-            params = f"{' + '.join(parts)}: " + "; ".join(
-                ", ".join(f"{k}={v}" for k, v in p.items() if k != "name") or p.get("name", "")
-                for p in entry["compose"]
-            )
+            params = [
+                f"{' + '.join(parts)}: "
+                + "; ".join(
+                    ", ".join(f"{k}={v}" for k, v in p.items() if k != "name") or p.get("name", "")
+                    for p in entry["compose"]
+                )
+            ]
         else:
-            params = ", ".join(
-                f"{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"
-            )
-        lines.append(f"  {path.stem:<30} {params or '(no parameters)'}")
+            params = [f"{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"]
+        lines.append(wrapped(f"  {path.stem:<30} ", params or ["(no parameters)"], indent=33))
     # Hydra fills the help template with string.Template: a default such as ${shape.seq_len}
     # is shown as written, its `$` doubled.
     return "\n".join(lines).replace("$", "$$")
@@ -407,7 +444,7 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
     options = group_options(match["group"], conf_dirs)
     for item in items:
         if item not in options and item != "null":
-            raise ConfigError(match["group"], choice_error("option", item, options))
+            raise ConfigError(match["group"], unknown_option(match["group"], item, options))
     quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
     return f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}"
 
@@ -448,6 +485,24 @@ LAUNCHER_PLUGINS = {
 }
 
 
+def unknown_option(group: str, item: str, options: Sequence[str]) -> str:
+    """The refusal of a group option the config folders lack: the option meant first, then the
+    options, the first OPTIONS_WIDTH characters of them and how many --help lists (the 43
+    attention options made one line of 800 characters, the option meant at its end)."""
+    hint = closest(item, options)
+    head = f"unknown option {item!r}" + (f" (did you mean {hint!r}?)" if hint else "")
+    listed = sorted(options)
+    more = f"... ({len(listed)} in all: attngym --help)"
+    if len(", ".join(listed)) > OPTIONS_WIDTH + len(more):  # cut where cutting is shorter
+        fit = [n for n in range(len(listed)) if len(", ".join(listed[: n + 1])) <= OPTIONS_WIDTH]
+        listed = [*listed[: len(fit)], more]
+    return f"{head}; options: {', '.join(listed)}"
+
+
+# How much of a refused option's line lists the options (unknown_option).
+OPTIONS_WIDTH = 40
+
+
 def _check_hydra_option(group: str, value: str, conf_dirs: list[Path]) -> None:
     """HydraRefused (the group) for an option of one of Hydra's own groups that neither Hydra, its
     plugins nor the config folders have, where Hydra prints a page; a launcher plugin that is not
@@ -458,9 +513,10 @@ def _check_hydra_option(group: str, value: str, conf_dirs: list[Path]) -> None:
             _check_plugin(option)
         elif option not in options and "(" not in value and option != "null":
             options |= _hydra_options(group)
+            if not options:
+                raise HydraRefused(group, f"{group} is no config group of Hydra's")
             if option not in options:
-                what = "option" if options else f"option ({group} is no group of Hydra's)"
-                raise HydraRefused(group, choice_error(what, option, options))
+                raise HydraRefused(group, unknown_option(group, option, options))
 
 
 def _hydra_options(group: str) -> set[str]:
@@ -513,6 +569,26 @@ def as_typed(override: str) -> str:
 
 def _unquote(match: re.Match[str]) -> str:
     return match[1]
+
+
+def launch_lines(job_overrides: Sequence[Sequence[str]]) -> tuple[str, list[str]]:
+    """What a launcher prints of a sweep's jobs (Hydra's own launch line held every override in
+    its ++ form, past 100 characters): the overrides every job shares, once, wrapped on lines of
+    their own; each job's others, as typed, cut to fit LINE_WIDTH after `[HYDRA] \t#N : ` (the
+    whole is in its metrics.json and the sweep's summary).
+
+    Returns:
+        (the shared overrides' lines, "" when the jobs share none; one text per job).
+    """
+    from attngym.metrics import printable, shortened
+
+    typed = [[printable(as_typed(o)) for o in overrides] for overrides in job_overrides]
+    shared = [o for o in typed[0] if all(o in job for job in typed)] if len(typed) > 1 else []
+    width = LINE_WIDTH - len("[00:00:00][HYDRA] \t#000 : ")
+    lines = [" ".join(o for o in job if o not in shared) or "(the shared ones)" for job in typed]
+    return wrapped("    ", shared, indent=4, sep=" ") if shared else "", [
+        shortened(line, width) for line in lines
+    ]
 
 
 def run_name(

@@ -60,7 +60,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attngym.distributed.launch import ask_slurm
 from attngym.errors import ConfigError, Interrupted
-from attngym.overrides import as_typed
+from attngym.overrides import as_typed, launch_lines
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Planned:
     run_dir: Path
     resources: dict[str, Any] | None = None  # submitit's parameters; None: not submitted
     error: str | None = None  # why it cannot be submitted
+    line: str = ""  # what its launch line shows of its overrides (overrides.launch_lines)
 
 
 class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
@@ -142,13 +143,16 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
         ]
         returns: dict[int, JobReturn] = {}
         todo: list[Planned] = []
-        for job in planned:
-            typed = [as_typed(o) for o in job.overrides]
-            if why_rerun(job.run_dir, typed) is None:
-                log.info("\t#%d : %s: already ok, not submitted", job.num, " ".join(typed))
+        shared, lines = launch_lines([job.overrides for job in planned])
+        if shared:
+            log.info("%d jobs, each with:\n%s", len(planned), shared)
+        for job, line in zip(planned, lines, strict=True):
+            job.line = line
+            if why_rerun(job.run_dir, [as_typed(o) for o in job.overrides]) is None:
+                log.info("\t#%d : %s: already ok, not submitted", job.num, line)
                 returns[job.num] = _returned(job)
             elif job.error is not None:
-                log.error("\t#%d : %s: not submitted: %s", job.num, " ".join(typed), job.error)
+                log.error("\t#%d : %s: not submitted: %s", job.num, line, job.error)
                 record_failure(job, job.error)
                 returns[job.num] = _returned(job)
             else:
@@ -263,12 +267,7 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
                 log.error("%s", reason)
                 continue
             for job, sjob in zip(jobs, array, strict=True):
-                log.info(
-                    "\t#%d : %s (SLURM job %s)",
-                    job.num,
-                    " ".join(as_typed(o) for o in job.overrides),
-                    sjob.job_id,
-                )
+                log.info("\t#%d : %s (SLURM job %s)", job.num, job.line, sjob.job_id)
                 submitted[job.num] = (job, sjob)
             log.info(
                 "submitted %d SLURM job(s): %s; logs in %s",

@@ -23,7 +23,7 @@ from attngym.overrides import HydraRefused, prepare_overrides
         ("shape.seq_len=${oc.env:ATTNGYM_NOPE}", "shape.seq_len: KeyError raised while resolving"),
         ("attention.window_size=[1,2", "attention.window_size: Hydra's override grammar cannot"),
         ("shape.seq_len=((", "shape.seq_len: Hydra's override grammar cannot read '(('"),
-        ("hydra/launcher=nosuch", "hydra/launcher: unknown option 'nosuch'; choose one of: "),
+        ("hydra/launcher=nosuch", "hydra/launcher: unknown option 'nosuch'; options: attngym, "),
         ("attention.label=🚀", "attention.label: Hydra's override grammar cannot read '🚀'"),
     ],
 )
