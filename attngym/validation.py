@@ -389,7 +389,7 @@ def validate_rows(
         f"failed: non-finite {non_finite}" if non_finite else judge_errors(metrics, dtype)
     )
     log.info(
-        "validated %d rows: out err %.3g (rel %.3g, worst row %.3g), lse err %s: %s",
+        "validated %d rows: out %.3g (rel %.3g, row %.3g), lse %s: %s",
         metrics["validated_rows"],
         metrics["err_out_max_abs"],
         metrics["err_out_rel"],
