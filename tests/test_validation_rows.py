@@ -15,9 +15,10 @@ import sys
 
 import pytest
 import torch
+from test_tasks_single import settings as single_settings
 
 from attngym import kernels
-from attngym.config import Benchmark, Settings, Shape
+from attngym.config import Benchmark, Shape
 from attngym.distributed import plan
 from attngym.inputs import make_inputs
 from attngym.tasks import single
@@ -127,14 +128,7 @@ def test_a_single_run_whose_later_calls_differ_fails(tmp_path, monkeypatch):
         return (out if len(calls) <= 2 else out + 0.5), lse
 
     monkeypatch.setattr(kernels, "attend_chunk", stale)
-    settings = Settings(
-        attention={"name": "causal"},
-        shape=Shape(batch=1, heads=2, seq_len=256, head_dim=16),
-        benchmark=Benchmark(warmup=1, repeats=2),
-        device="cpu",
-        dtype="float32",
-        baselines=(),
-    )
+    settings = single_settings({"name": "causal"}, baselines=(), benchmark=Benchmark(repeats=2))
     m = single.run(settings, tmp_path)
     assert m["validation"].startswith(
         "failed: a timed call's output is not the validated call's: err_timed_out_rel="
