@@ -72,7 +72,7 @@ def register_resolvers() -> None:
       (`study_name`).
     - `${cache:}`: attngym's cache folder (attngym.compile_cache.root).
     - `${signal_delay:${.timeout_min}}`: the SLURM launcher's signal delay from the job's limit
-      (attngym.slurm.signal_delay).
+      (`signal_delay`).
     """
     from omegaconf import OmegaConf
 
@@ -664,12 +664,15 @@ def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(str(p) for p in parts))
 
 
-def signal_delay(timeout_min: Any) -> int:
-    """attngym.slurm.signal_delay, imported only where the launcher's config resolves (the slurm
-    extra may be missing)."""
-    from attngym.slurm import signal_delay as derived
+# The longest signal_delay_s derived from timeout_min (SIGNAL_DELAY_SHARE of it below that).
+SIGNAL_DELAY_S = 120
+SIGNAL_DELAY_SHARE = 0.1
 
-    return derived(timeout_min)
+
+def signal_delay(timeout_min: Any) -> int:
+    """The SLURM launcher's signal_delay_s derived from the job's limit: SIGNAL_DELAY_SHARE of
+    it, at most SIGNAL_DELAY_S (attngym.slurm says why)."""
+    return int(min(SIGNAL_DELAY_S, float(timeout_min) * 60 * SIGNAL_DELAY_SHARE))
 
 
 def cache_folder() -> str:

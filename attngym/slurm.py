@@ -28,8 +28,9 @@ What it adds, and why:
   too: no state leaves the sweep waiting.
 * **SLURM's clock.** The signal submitit asks SLURM to send before the time limit
   (`signal_delay_s`) is a tenth of `timeout_min`, at most 120 s (`${signal_delay:...}` in
-  conf/hydra/launcher/submitit_slurm.yaml): SLURM may send it up to a minute early, and a fixed
-  120 s ended a 3-minute job at once. A delay as long as the limit is used as 0, with a warning.
+  conf/hydra/launcher/submitit_slurm.yaml, overrides.signal_delay): SLURM may send it up to a
+  minute early, and a fixed 120 s ended a 3-minute job at once. A delay as long as the limit is
+  used as 0, with a warning.
   On the node the signal is only logged: submitit's handler would raise inside whatever the run
   was doing (an UncompletedJobError blamed on the user's mask), and attngym's jobs are never
   requeued; the run goes on, and SLURM's SIGTERM at the limit stops it keeping what it measured
@@ -60,7 +61,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attngym.distributed.launch import ask_slurm
 from attngym.errors import ConfigError, Interrupted
-from attngym.overrides import as_typed, launch_lines
+from attngym.overrides import SIGNAL_DELAY_S, as_typed, launch_lines
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,6 @@ CPUS_PER_RANK = {"gpu": 8, "cpu": 2}
 POLL_S = 3.0
 # Seconds a job that SLURM says ended may take to show its result file (a shared file system).
 RESULT_GRACE_S = 30.0
-# The longest signal_delay_s derived from timeout_min (SIGNAL_DELAY_SHARE of it below that).
-SIGNAL_DELAY_S = 120
-SIGNAL_DELAY_SHARE = 0.1
 # SLURM job states after which a job runs no more (squeue --states=all); others are waiting.
 # COMPLETING (its node cleaning up) ends a job whose result is written, else after RESULT_GRACE_S.
 ENDED = {
@@ -93,12 +91,6 @@ ENDED = {
 }
 # The states whose job may still be writing its result (ENDED's "without a result" waits).
 RESULT_DUE = ("COMPLETED", "COMPLETING", "GONE")
-
-
-def signal_delay(timeout_min: Any) -> int:
-    """signal_delay_s derived from the job's limit: SIGNAL_DELAY_SHARE of it, at most
-    SIGNAL_DELAY_S (`${signal_delay:${.timeout_min}}` in the launcher's YAML)."""
-    return int(min(SIGNAL_DELAY_S, float(timeout_min) * 60 * SIGNAL_DELAY_SHARE))
 
 
 @dataclasses.dataclass
