@@ -31,6 +31,7 @@ from omegaconf import open_dict
 
 from attngym.errors import ConfigError, failure_text
 from attngym.fileio import check_target, write_error
+from attngym.overrides import launch_lines
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,12 @@ class AttngymBasicLauncher(BasicLauncher):
         assert self.hydra_context is not None and self.config is not None
         assert self.task_function is not None
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        log.info("Launching %d jobs locally", len(job_overrides))
+        shared, lines = launch_lines([filter_overrides(o) for o in job_overrides])
+        each = f", each with:\n{shared}" if shared else ""  # the shared overrides, once
+        log.info("Launching %d jobs locally%s", len(job_overrides), each)
         returns = []
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
+            log.info("\t#%d : %s", num, lines[num - initial_job_idx])
             run_dir = Path(str(self.config.hydra.sweep.dir)) / str(num)
             try:
                 config = self.hydra_context.config_loader.load_sweep_config(

@@ -41,8 +41,9 @@ def entry(argv: list[str] | None = None) -> None:
         raise SystemExit(report.main(argv[1:]))
     join_slurm_step()  # `srun -n N attngym ...`: each task is a rank, as under torchrun
     overrides.typed_command_line[:] = argv
-    try:
-        argv = prepare_overrides(argv)
+    overrides.refused.clear()
+    try:  # a single run's override Hydra would refuse is refused by its job (overrides.refused)
+        argv = prepare_overrides(argv, overrides.refused if _one_run(argv) else None)
     except ConfigError as err:
         print(f"attngym: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -55,8 +56,36 @@ def entry(argv: list[str] | None = None) -> None:
     try:
         main()  # a sweep with failed jobs exits 1 from its end callback (attngym.tracking.sweep)
     except Interrupted as stop:  # outside a job (a job stops itself: job._stop_interrupted)
+        _record_stop(stop)
         print(f"attngym: {stop}", file=sys.stderr, flush=True)
         raise SystemExit(stop.exit_code) from None
+
+
+def _record_stop(stop: Interrupted) -> None:
+    """A single run stopped while Hydra prepared its folder, before its job began: the folder's
+    metrics.json says so (a job's own stop writes it: job._stop_interrupted)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from attngym.tracking.files import record_failure
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
+        return
+    hc = HydraConfig.get()
+    run_dir = Path(str(hc.runtime.output_dir or ""))
+    if hc.runtime.output_dir and run_dir.is_dir() and not (run_dir / "metrics.json").exists():
+        record_failure(run_dir, overrides.task_overrides(hc), str(stop), "interrupted")
+
+
+# Hydra's flags after which no job runs (help, the config printed), or several (a sweep).
+NO_SINGLE_RUN = ("-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "-c", "--cfg",
+                 "-i", "--info", "-sc", "--shell-completion")  # fmt: skip
+
+
+def _one_run(argv: list[str]) -> bool:
+    """Whether the command line runs one job (no sweep, no help or printed config)."""
+    flag_args, _ = overrides.split_flags(argv)
+    return not any(arg.partition("=")[0] in NO_SINGLE_RUN for _, arg in flag_args)
 
 
 def _show_own_plugins() -> None:

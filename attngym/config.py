@@ -408,7 +408,8 @@ class Settings:
     validate: bool = True
     """Compare against the float64 dense reference."""
     validate_rows: int = 256
-    """At most this many query rows are checked when S is large."""
+    """Query rows sampled when S is large (and the reference's rows at a time); every rank's
+    first and last query blocks and the edges of its pieces are checked besides."""
     seed: int = setting(0, low=0)
     """Seeds the inputs and the sampled validation rows."""
     profiler: str = setting("none", keys=("name",), choices=_registered("profiler"))

@@ -215,7 +215,10 @@ def estimate(
     key = problem = None
     if have is not None and needed > have:
         shape = {"batch": batch, "heads": heads, "seq_len": seq_len, "head_dim": head_dim}
-        key = _key_to_shrink(parts, shape)
+        rows = min(validate_rows, seq_len)
+        # The run at the least each term's own key leaves of it: one validated row, one process.
+        least = {"reference": reference // rows if rows else 0, "process": PROCESS_BYTES}
+        key = _key_to_shrink(parts, shape, least, have, kept)
         where = "free GPU memory" if not on_cpu else "available RAM"
         problem = (
             f"{key}: this run needs ~{format_bytes(needed)} at its peak "
@@ -240,21 +243,36 @@ LARGE_SHAPE = {"batch": 8, "heads": 64, "seq_len": 131072, "head_dim": 256}
 GROWS_WITH = {
     "resident": ("batch", "heads", "seq_len", "head_dim"),
     "flex": ("batch", "heads", "seq_len"),
+    "reference": ("batch", "heads", "seq_len"),
     "block_mask": ("seq_len",),
 }
+# The key that shrinks a term that is no shape dimension's alone.
+TERM_KEYS = {"reference": "validate_rows", "process": "topology.world_size"}
 
 
-def _key_to_shrink(parts: Mapping[str, int], shape: Mapping[str, int]) -> str:
-    """The config key that makes the largest term of `parts` large: validate_rows for the
-    reference, topology.world_size for CPU processes, else the dimension of the term furthest
-    beyond LARGE_SHAPE."""
-    term = max(parts, key=lambda name: parts[name])
-    if term == "reference":
-        return "validate_rows"
-    if term == "process":
-        return "topology.world_size"
-    dims = GROWS_WITH.get(term, ("seq_len",))
-    return "shape." + max(dims, key=lambda d: shape[d] / LARGE_SHAPE[d])
+def _key_to_shrink(
+    parts: Mapping[str, int],
+    shape: Mapping[str, int],
+    least: Mapping[str, int],
+    have: int,
+    baselines: Iterable[int],
+) -> str:
+    """The config key that can make the run fit, for the largest term of `parts` first: its own
+    key (validate_rows for the reference, topology.world_size for CPU processes) when the run
+    fits with that term at its `least`; else the dimension of the term furthest beyond
+    LARGE_SHAPE (head_dim=100000 is the cause, not seq_len=1024), which shrinks every term."""
+    transients = ("flex", "reference")
+    kept = list(baselines)
+    for term in sorted(parts, key=lambda name: parts[name], reverse=True):
+        if term in TERM_KEYS:
+            smaller = {**parts, term: least[term]}
+            base = sum(v for k, v in smaller.items() if k not in transients)
+            if base + max([*(smaller[k] for k in transients), *kept]) <= have:
+                return TERM_KEYS[term]
+        if term in GROWS_WITH:
+            dims = GROWS_WITH[term]
+            return "shape." + max(dims, key=lambda d: shape[d] / LARGE_SHAPE[d])
+    return "shape.seq_len"
 
 
 def _baseline_bytes(name: str, on_cpu: bool, batch: int, heads: int, seq: int, elem: int) -> int:

@@ -137,15 +137,18 @@ class ReadRefused(OSError):
         return f"skipped {self.path}: {self.reason}"
 
 
-def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int) -> bytes:
+def read_inside(
+    root: str | os.PathLike, relative: str | os.PathLike, limit: int, *, one_link: bool = False
+) -> bytes:
     """The bytes of root/relative: a regular file of at most `limit` bytes, reached from `root`
     through no symlink (each folder opened with O_NOFOLLOW, then the file with O_NONBLOCK, so a
-    FIFO cannot block the read).
+    FIFO cannot block the read); with `one_link`, a file no other name links to (a hard link
+    reaches a file outside the folder as a symlink does, and fstat sees it on the file opened).
 
     Raises:
         FileNotFoundError: it does not exist.
-        ReadRefused: a symlink on the way, not a regular file, larger than `limit`, or any
-            other error reading it (its reason).
+        ReadRefused: a symlink on the way, not a regular file, larger than `limit`, a hard link
+            (`one_link`), or any other error reading it (its reason).
     """
     path = Path(root) / relative
     parts = Path(relative).parts
@@ -171,6 +174,8 @@ def read_inside(root: str | os.PathLike, relative: str | os.PathLike, limit: int
             raise ReadRefused(path, "not a regular file (a FIFO, socket or device)")
         if info.st_size > limit:
             raise ReadRefused(path, f"{info.st_size} bytes, more than the {limit} a real one has")
+        if one_link and info.st_nlink > 1:
+            raise ReadRefused(path, f"{info.st_nlink} names link to it (a hard link)")
         data = os.read(fds[-1], limit + 1)
         while len(data) <= limit and (more := os.read(fds[-1], limit + 1 - len(data))):
             data += more

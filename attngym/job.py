@@ -48,8 +48,11 @@ from attngym.overrides import (
     CONF_DIR,
     as_typed,
     attngym_preset,
+    raise_refused,
+    refused,
     resume_command,
     run_name,
+    task_overrides,
     to_plain,
 )
 from attngym.results import format_results
@@ -103,7 +106,8 @@ def _job() -> Job:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     folder = run_dir.parent if multirun else run_dir
-    overrides = [as_typed(str(o)) for o in hc.overrides.task]
+    # With what Hydra never received: a single run's override it would refuse (overrides.refused).
+    overrides = [*(as_typed(o) for o in task_overrides(hc)), *(o for o, _ in refused)]
     naming = hc.job.config.override_dirname  # how Hydra names hydra.job.override_dirname
     return Job(
         run_dir=run_dir,
@@ -157,31 +161,42 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     there (rank 0 under torchrun): a second run pointed at the same folder stops with one line
     naming the holder, exit code 1, before it reads or writes anything.
     """
-    from attngym import kernels
-    from attngym.device import settle_cpu_math
     from attngym.distributed.launch import join_slurm_step
 
-    settle_cpu_math()  # before the job's first parallel CPU op (see its docstring)
     join_slurm_step()  # a task of a SLURM step is a rank (a submitit job starts here)
-    timeline.begin(_job_start())
-    try:
-        with kernels.kept_block_masks():  # the job's block masks, built once, freed after it
-            return _run_job(cfg)
-    finally:
-        timeline.end()
-
-
-def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """run_job's body, its timeline and block masks set up."""
-    from attngym.tracking.lock import FolderLock, FolderLocked
-
+    start = _job_start()
     job = _job()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's or SLURM's ranks share a terminal
         _tag_console(job.rank)
     if job.rank != 0:  # under torchrun: rank 0 writes, draws, tracks and prints
         if job.multirun and why_rerun(job.run_dir, job.overrides) is None:  # as rank 0 does
             return None
-        return _run_other_rank(cfg, job)
+        with _started(start):
+            return _run_other_rank(cfg, job)
+    return _run_job(cfg, job, start)
+
+
+@contextlib.contextmanager
+def _started(start: float | None) -> Iterator[None]:
+    """The job's timeline (from `start`) and its kept block masks, the CPU's math settled first.
+    Their start is slow (torch._dynamo's import, seconds): it comes after the run folder is
+    locked, so a Ctrl-C meanwhile stops the run like any other, with its metrics.json."""
+    from attngym import kernels
+    from attngym.device import settle_cpu_math
+
+    settle_cpu_math()  # before the job's first parallel CPU op (see its docstring)
+    timeline.begin(start)
+    try:
+        with kernels.kept_block_masks():  # the job's block masks, built once, freed after it
+            yield
+    finally:
+        timeline.end()
+
+
+def _run_job(cfg: DictConfig, job: Job, start: float | None) -> dict[str, Any] | None:
+    """run_job's body on rank 0: the run folder locked, the job started, run."""
+    from attngym.tracking.lock import FolderLock, FolderLocked
+
     lock = FolderLock(job.run_dir)
     try:
         lock.acquire()
@@ -192,7 +207,7 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
         return _unlockable(job, err)
     try:
         with _profiled(job.run_dir, bool(cfg.get("profile_run", False))):
-            return _run_locked(cfg, job)
+            return _run_locked(cfg, job, start)
     finally:
         lock.release()
 
@@ -241,8 +256,8 @@ def _job_start() -> float | None:
     return timeline.process_start()
 
 
-def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
-    """run_job's body, run folder locked."""
+def _run_locked(cfg: DictConfig, job: Job, start: float | None) -> dict[str, Any] | None:
+    """run_job's body, run folder locked: the resume decision, then the job started and run."""
     if job.multirun:  # a resumed sweep: every rank decides alike from the same files
         why = why_rerun(job.run_dir, job.overrides)
         what = f"job {job.num} ({' '.join(job.overrides)})"
@@ -252,6 +267,15 @@ def _run_locked(cfg: DictConfig, job: Job) -> dict[str, Any] | None:
         if why:
             log.info("%s: running it again: %s", what, why)
     metrics: dict[str, Any] = {"status": "failed", "error": None}
+    try:
+        with _started(start):
+            return _run_started(cfg, job, metrics)
+    except Interrupted as stop:  # while the job started, before its timeline ran
+        _stop_interrupted(job, metrics, stop)
+
+
+def _run_started(cfg: DictConfig, job: Job, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """The job, its timeline running: check, run, write, draw, track, finish."""
     try:
         settings, failure, tracker = _check_and_run(cfg, job, metrics)
         try:
@@ -301,13 +325,12 @@ def _check_and_run(
     against this machine included, runs here before the task), the failure that stopped the
     run (None for a run that ran, whatever its verdict) and the run's tracker (None with no
     settings); metrics and status go into `metrics`."""
-    from attngym.config import from_config
     from attngym.presets import check_fits_machine
 
     settings = tracker = None
     try:
         with timeline.phase("config"):
-            settings = from_config(to_plain(cfg))
+            settings = _settings(cfg)
             preset = attngym_preset(job.preset)
             check_fits_machine(CONF_DIR, preset, settings.device, job.overrides)
         metrics.update(_code_record(settings))
@@ -361,11 +384,34 @@ def _blamed(settings: Settings | None, err: BaseException) -> BaseException:
 
     if settings is None or isinstance(err, ConfigError):
         return err
-    blamed = user_code.blame(err, _user_paths(settings))
+    blamed = user_code.blame(err, _user_paths(settings)) or _inside_flex(err, settings)
     if blamed is None:
         return err
     blamed.__cause__ = err
     return blamed
+
+
+# Where flex and the block mask run a variant's callbacks: traced, and under torch.vmap, so an
+# error of a callback there may have no frame in the user's file.
+RUNS_CALLBACKS = ("torch/nn/attention/flex_attention.py", "torch/_functorch/")
+
+
+def _inside_flex(err: BaseException, settings: Settings) -> UserCodeError | None:
+    """Where no frame of `err` is the user's but flex or vmap ran the user's callbacks on the
+    way, a UserCodeError naming their keys (one line, not two tracebacks of torch's)."""
+    from attngym.variants import custom
+
+    keys = [key for key, _, _, _ in custom.callbacks(settings.attention)]
+    tb, via_flex = err.__traceback__, False
+    while tb is not None:
+        via_flex |= any(part in tb.tb_frame.f_code.co_filename for part in RUNS_CALLBACKS)
+        tb = tb.tb_next
+    if not (keys and via_flex and isinstance(err, Exception)):
+        return None
+    return UserCodeError(
+        " or ".join(keys),
+        f"raised {failure_text(err)} inside flex_attention, which runs it under torch.vmap",
+    )
 
 
 def _user_paths(settings: Settings) -> dict[str, str]:
@@ -384,6 +430,20 @@ def _user_paths(settings: Settings) -> dict[str, str]:
         if is_user_layout(layout):
             paths[f"topology.options.layouts.{i}"] = layout
     return paths
+
+
+def _full_error() -> bool:
+    """HYDRA_FULL_ERROR=1: the user asked for whole tracebacks."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _settings(cfg: DictConfig) -> Settings:
+    """The job's checked Settings; first the error of an override Hydra never received
+    (overrides.raise_refused), on every rank alike."""
+    from attngym.config import from_config
+
+    raise_refused()
+    return from_config(to_plain(cfg))
 
 
 def _run_task(settings: Settings, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -498,11 +558,11 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
             )
             raise SystemExit(1)  # Hydra would go on to the next job after an Exception
         return metrics
-    if isinstance(failure, ConfigError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+    if isinstance(failure, ConfigError) and not _full_error():
         print(f"attngym: error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print(format_results(metrics, job.run_dir), flush=True)
-    if isinstance(failure, UserCodeError) and os.environ.get("HYDRA_FULL_ERROR") == "1":
+    if isinstance(failure, UserCodeError) and _full_error():
         raise failure  # the user's traceback, its cause
     if isinstance(failure, RankFailure | OSError | UserCodeError):  # one line says it all
         print(f"attngym: error: {_one_line(failure)}", file=sys.stderr, flush=True)
@@ -520,7 +580,7 @@ def _finish(job: Job, metrics: dict[str, Any], failure: BaseException | None) ->
 def _one_line(failure: BaseException) -> str:
     from attngym.fileio import write_error
 
-    return write_error(failure) if isinstance(failure, OSError) else str(failure)
+    return write_error(failure) if isinstance(failure, OSError) else printable(str(failure))
 
 
 def _failed(job: Job, metrics: dict[str, Any], err: BaseException) -> BaseException:
@@ -583,12 +643,10 @@ def _run_other_rank(cfg: DictConfig, job: Job) -> None:
     are rank 0's. A failure is logged there and raised, so torchrun sees the rank fail; in a sweep
     a ConfigError alone lets the rank go on to the next job, since every rank raises it alike
     before any collective (see _stop_sweep_after). It leaves the run's attngym.log to rank 0."""
-    from attngym.config import from_config
-
     _leave_run_log()
     handler = _rank_log(job.run_dir, job.rank)
     try:
-        metrics = _run_task(from_config(to_plain(cfg)), job.run_dir, {})
+        metrics = _run_task(_settings(cfg), job.run_dir, {})
         log.info("rank %d done: validation %s", job.rank, metrics.get("validation", "on rank 0"))
     except Interrupted:
         raise

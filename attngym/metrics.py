@@ -402,6 +402,19 @@ METRICS: tuple[Metric, ...] = (
     # Validation against the float64 dense reference, on the validated rows.
     M("err_out_max_abs", "max |out - ref|", "", "output vs the reference", shown="run"),
     M("err_out_rel", "rel err out", "", "output vs the reference, relative"),
+    M(
+        "err_out_row_rel",
+        "worst row err out",
+        "",
+        "the worst validated row's output error over the row's own scale (attngym.validation)",
+        shown="run",
+    ),
+    M(
+        "err_timed_out_rel",
+        "timed call vs validated",
+        "",
+        "a call after the timed passes against the validated call, worst row over its scale",
+    ),
     M("err_lse_max_abs", "max |lse - ref|", "", "log-sum-exp vs the reference", shown="run"),
     M("err_dq_rel", "rel err dq", "", "dq vs the reference (when a backward ran)", shown="run"),
     M("err_dk_rel", "rel err dk", "", "dk vs the reference"),

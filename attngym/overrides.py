@@ -26,7 +26,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from attngym.errors import ConfigError, choice_error
+from attngym.errors import ConfigError, closest
 
 # The repository's conf/, installed as this package (an editable install maps it to conf/ itself).
 # Hydra composes from it and the option checks below list it: one place for both.
@@ -71,6 +71,8 @@ def register_resolvers() -> None:
     - `${study:${attention},${shape},${device.name},${dtype}}`: the tuner's Optuna study name
       (`study_name`).
     - `${cache:}`: attngym's cache folder (attngym.compile_cache.root).
+    - `${signal_delay:${.timeout_min}}`: the SLURM launcher's signal delay from the job's limit
+      (`signal_delay`).
     """
     from omegaconf import OmegaConf
 
@@ -82,10 +84,14 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("attention_options"):
         OmegaConf.register_new_resolver("attention_options", attention_options)
+    if not OmegaConf.has_resolver("config_groups"):
+        OmegaConf.register_new_resolver("config_groups", config_groups)
     if not OmegaConf.has_resolver("study"):
         OmegaConf.register_new_resolver("study", study_name)
     if not OmegaConf.has_resolver("cache"):
         OmegaConf.register_new_resolver("cache", cache_folder)
+    if not OmegaConf.has_resolver("signal_delay"):
+        OmegaConf.register_new_resolver("signal_delay", signal_delay)
 
 
 def expect_launcher_schema() -> None:
@@ -113,9 +119,43 @@ def run_id() -> str:
     return f"{datetime.datetime.now():%H-%M-%S-%f}-{os.getpid()}"
 
 
+# The width a line attngym prints keeps to (--help, a refused option, a sweep's launch lines).
+LINE_WIDTH = 100
+
+
+def wrapped(head: str, items: Iterable[str], indent: int, sep: str = ", ") -> str:
+    """`head` then `items` joined by `sep`, wrapped at LINE_WIDTH, later lines indented by
+    `indent`; an item longer than a line is kept whole."""
+    import textwrap
+
+    return textwrap.fill(
+        sep.join(items),
+        width=LINE_WIDTH,
+        initial_indent=head,
+        subsequent_indent=" " * indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def config_groups() -> str:
+    """--help's config groups and their options, wrapped at LINE_WIDTH (Hydra's
+    $APP_CONFIG_GROUPS puts each on one line: attention's is 700 characters): the groups of
+    attngym's config folder and of the command line's `-cd DIR` and `hydra.searchpath`."""
+    flag_args, at = split_flags(typed_command_line)
+    dirs = _conf_dirs(flag_args) or [CONF_DIR]
+    dirs += _search_path([typed_command_line[i] for i in at])
+    lines = [
+        wrapped(f"{group}: ", group_options(group, dirs), indent=4)
+        for group in sorted(_group_dirs(dirs))
+    ]
+    return "\n".join(lines).replace("$", "$$")  # string.Template's escape (attention_options)
+
+
 def attention_options() -> str:
     """`--help`'s list of attention options, each with its parameters and their defaults as its
-    conf/attention/<name>.yaml states them (`${attention_options:}` in the help template)."""
+    conf/attention/<name>.yaml states them (`${attention_options:}` in the help template),
+    wrapped at LINE_WIDTH."""
     import yaml
 
     lines = []
@@ -123,15 +163,16 @@ def attention_options() -> str:
         entry = yaml.safe_load(path.read_text()) or {}
         if "compose" in entry:
             parts = [p.get("name", "?") for p in entry["compose"]]
-            params = f"{' + '.join(parts)}: " + "; ".join(
-                ", ".join(f"{k}={v}" for k, v in p.items() if k != "name") or p.get("name", "")
-                for p in entry["compose"]
-            )
+            params = [
+                f"{' + '.join(parts)}: "
+                + "; ".join(
+                    ", ".join(f"{k}={v}" for k, v in p.items() if k != "name") or p.get("name", "")
+                    for p in entry["compose"]
+                )
+            ]
         else:
-            params = ", ".join(
-                f"{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"
-            )
-        lines.append(f"  {path.stem:<30} {params or '(no parameters)'}")
+            params = [f"{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"]
+        lines.append(wrapped(f"  {path.stem:<30} ", params or ["(no parameters)"], indent=33))
     # Hydra fills the help template with string.Template: a default such as ${shape.seq_len}
     # is shown as written, its `$` doubled.
     return "\n".join(lines).replace("$", "$$")
@@ -280,6 +321,21 @@ def _search_path(overrides: Sequence[str]) -> list[Path]:
 
 # The command line as the user typed it (attngym.cli.entry sets it), for the resume command.
 typed_command_line: list[str] = []
+# A single run's overrides that Hydra itself would refuse (HydraRefused), as typed, with the
+# error: attngym.cli.entry leaves them out of what Hydra composes, and the job refuses the run
+# with the error, so the run has a folder and a metrics.json like any config error.
+refused: list[tuple[str, ConfigError]] = []
+
+
+class HydraRefused(ConfigError):
+    """An override that Hydra itself would refuse with a traceback or a page of text: one its
+    grammar cannot read, an option of one of Hydra's own groups it does not have."""
+
+
+def raise_refused() -> None:
+    """Raise the error of the first override left out for Hydra (`refused`), if any."""
+    if refused:
+        raise refused[0][1]
 
 
 def resume_command(sweep_dir: str | Path) -> str:
@@ -300,7 +356,9 @@ def resume_command(sweep_dir: str | Path) -> str:
 # Overrides
 
 
-def prepare_overrides(argv: list[str]) -> list[str]:
+def prepare_overrides(
+    argv: list[str], left_out: list[tuple[str, ConfigError]] | None = None
+) -> list[str]:
     """Check and normalise config-group overrides before Hydra sees them.
 
     - `group=option` (and sweeps `group=a,b`) must name files in conf/<group>/ (or in the folder
@@ -316,6 +374,11 @@ def prepare_overrides(argv: list[str]) -> list[str]:
       `kernel_options` is null in conf/config.yaml so that sweeps can set whole mappings
       (`kernel_options={...}`); `++kernel_options.X=v` creates the mapping from null.
 
+    - every override must be one Hydra's grammar reads, and an option of one of Hydra's own
+      groups (`hydra/launcher=...`) one it has: else HydraRefused, naming the key, where Hydra
+      would print its parser's or its config loader's text; with `left_out` (a single run)
+      such an override is left out of the result and recorded there, as typed, with its error.
+
     Hydra's flags and their arguments pass through unchanged (`split_flags`); with `-sc` the whole
     command line does, its words being completion commands. `as_typed` undoes the rewriting.
     """
@@ -326,11 +389,38 @@ def prepare_overrides(argv: list[str]) -> list[str]:
     if conf_dirs is not None:
         conf_dirs += _search_path([argv[i] for i in at])
     groups = _group_dirs(conf_dirs) if conf_dirs is not None else set()
-    out = list(argv)
+    out: list[str | None] = list(argv)
     for i in at:
-        out[i] = _prepare(argv[i], groups, conf_dirs or [])
-    _check_preset_on_this_machine([out[i] for i in at], conf_dirs or [])
-    return out
+        try:
+            out[i] = _prepare(argv[i], groups, conf_dirs or [])
+            _check_grammar(out[i])
+        except HydraRefused as err:
+            if left_out is None:
+                raise
+            left_out.append((argv[i], err))
+            out[i] = None
+    kept = [a for a in out if a is not None]
+    _check_preset_on_this_machine([a for i, a in enumerate(out) if i in at and a], conf_dirs or [])
+    return kept
+
+
+def _check_grammar(arg: str) -> None:
+    """HydraRefused naming the key for an override Hydra's grammar cannot read (`[1,2`, `((`, an
+    emoji unquoted), where Hydra prints its parser's message about the rewritten override."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(arg)
+    except HydraException as err:
+        typed = as_typed(arg)
+        key, _, value = typed.lstrip("+~").partition("=")
+        reason = str(err).splitlines()[0].split(" expecting {")[0]
+        raise HydraRefused(
+            key.split("@")[0] or typed,
+            f"Hydra's override grammar cannot read {value!r} ({reason}): close its brackets, "
+            f"or quote it ({key}='...')",
+        ) from None
 
 
 def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
@@ -338,10 +428,8 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
     if _OPEN_ARG.match(arg):
         return f"++{arg}"
     match = _GROUP_ARG.match(arg)
-    if match and match["group"] == "hydra/launcher":  # Hydra's group: its options are Hydra's
-        for option in match["value"].split(","):
-            if option in LAUNCHER_PLUGINS:
-                _check_plugin(option)
+    if match and match["group"].startswith("hydra/"):  # Hydra's groups: their options are Hydra's
+        _check_hydra_option(match["group"], match["value"], conf_dirs)
         return arg
     if not match or match["group"] not in groups:
         _check_value_key(arg)
@@ -356,7 +444,7 @@ def _prepare(arg: str, groups: set[str], conf_dirs: list[Path]) -> str:
     options = group_options(match["group"], conf_dirs)
     for item in items:
         if item not in options and item != "null":
-            raise ConfigError(match["group"], choice_error("option", item, options))
+            raise ConfigError(match["group"], unknown_option(match["group"], item, options))
     quoted = ",".join(f"'{v}'" if v.isdigit() else v for v in items)
     return f"{match['prefix']}{match['group']}{match['pkg'] or ''}={quoted}"
 
@@ -367,13 +455,19 @@ OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
 
 
 def _check_output_dir(arg: str) -> None:
-    """ConfigError (hydra.run.dir / hydra.sweep.dir) for a folder Hydra cannot write: a file of
-    that name, a folder (or, for a new one, its nearest existing parent) that is not writable, a
-    symlink planted as its `.hydra`. A value with an interpolation is left to Hydra."""
+    """ConfigError (hydra.run.dir / hydra.sweep.dir) for a folder Hydra cannot or must not write:
+    one inside attngym's config folder (its `.hydra` would become a config group, its YAML
+    options), a file of that name, a folder (or, for a new one, its nearest existing parent)
+    that is not writable, a symlink planted as its `.hydra`. A value with an interpolation is
+    left to Hydra."""
     key, _, value = arg.lstrip("+").partition("=")
     if key not in OUTPUT_DIR_KEYS or not value or "${" in value:
         return
     folder = Path(value.strip("'\""))
+    if folder.resolve() == CONF_DIR.resolve() or CONF_DIR.resolve() in folder.resolve().parents:
+        raise ConfigError(
+            key, f"{folder} is inside attngym's config folder {CONF_DIR}; choose another folder"
+        )
     if folder.exists() and not folder.is_dir():
         raise ConfigError(key, f"{folder} is a file, not a folder; name a folder for the output")
     if (folder / ".hydra").is_symlink():
@@ -391,6 +485,50 @@ LAUNCHER_PLUGINS = {
 }
 
 
+def unknown_option(group: str, item: str, options: Sequence[str]) -> str:
+    """The refusal of a group option the config folders lack: the option meant first, then the
+    options, the first OPTIONS_WIDTH characters of them and how many --help lists (the 43
+    attention options made one line of 800 characters, the option meant at its end)."""
+    hint = closest(item, options)
+    head = f"unknown option {item!r}" + (f" (did you mean {hint!r}?)" if hint else "")
+    listed = sorted(options)
+    more = f"... ({len(listed)} in all: attngym --help)"
+    if len(", ".join(listed)) > OPTIONS_WIDTH + len(more):  # cut where cutting is shorter
+        fit = [n for n in range(len(listed)) if len(", ".join(listed[: n + 1])) <= OPTIONS_WIDTH]
+        listed = [*listed[: len(fit)], more]
+    return f"{head}; options: {', '.join(listed)}"
+
+
+# How much of a refused option's line lists the options (unknown_option).
+OPTIONS_WIDTH = 40
+
+
+def _check_hydra_option(group: str, value: str, conf_dirs: list[Path]) -> None:
+    """HydraRefused (the group) for an option of one of Hydra's own groups that neither Hydra, its
+    plugins nor the config folders have, where Hydra prints a page; a launcher plugin that is not
+    installed is named with how to install it."""
+    options = set(group_options(group, conf_dirs))  # the config folders' (the fast look)
+    for option in (v.strip().strip("'\"") for v in value.split(",")):
+        if option in LAUNCHER_PLUGINS and group == "hydra/launcher":
+            _check_plugin(option)
+        elif option not in options and "(" not in value and option != "null":
+            options |= _hydra_options(group)
+            if not options:
+                raise HydraRefused(group, f"{group} is no config group of Hydra's")
+            if option not in options:
+                raise HydraRefused(group, unknown_option(group, option, options))
+
+
+def _hydra_options(group: str) -> set[str]:
+    """The options Hydra and its plugins have for one of Hydra's groups (`basic`, `optuna`):
+    its config repository, which scans the plugins (Hydra's own run then reuses the scan)."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+
+    repository = ConfigRepository(create_config_search_path(f"pkg://{CONF_PACKAGE}"))
+    return set(repository.get_group_options(group))
+
+
 def _check_plugin(option: str) -> None:
     """ConfigError (hydra/launcher) when the option's launcher plugin is not installed, rather
     than Hydra's "Unknown plugin class" traceback."""
@@ -402,9 +540,18 @@ def _check_plugin(option: str) -> None:
     except ImportError:
         found = False
     if not found:
-        raise ConfigError(
+        raise HydraRefused(
             "hydra/launcher", f"{option} needs hydra-submitit-launcher, not installed: {install}"
         )
+
+
+def task_overrides(hydra: Any) -> list[str]:
+    """The task overrides of a composed config's `hydra` node as Hydra received them, never
+    resolved: `shape.seq_len=${nope}` is the user's text, which the job's config check refuses
+    naming its key; read resolved, it raised before any job."""
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.to_container(hydra.overrides.task, resolve=False)]
 
 
 def as_typed(override: str) -> str:
@@ -422,6 +569,26 @@ def as_typed(override: str) -> str:
 
 def _unquote(match: re.Match[str]) -> str:
     return match[1]
+
+
+def launch_lines(job_overrides: Sequence[Sequence[str]]) -> tuple[str, list[str]]:
+    """What a launcher prints of a sweep's jobs (Hydra's own launch line held every override in
+    its ++ form, past 100 characters): the overrides every job shares, once, wrapped on lines of
+    their own; each job's others, as typed, cut to fit LINE_WIDTH after `[HYDRA] \t#N : ` (the
+    whole is in its metrics.json and the sweep's summary).
+
+    Returns:
+        (the shared overrides' lines, "" when the jobs share none; one text per job).
+    """
+    from attngym.metrics import printable, shortened
+
+    typed = [[printable(as_typed(o)) for o in overrides] for overrides in job_overrides]
+    shared = [o for o in typed[0] if all(o in job for job in typed)] if len(typed) > 1 else []
+    width = LINE_WIDTH - len("[00:00:00][HYDRA] \t#000 : ")
+    lines = [" ".join(o for o in job if o not in shared) or "(the shared ones)" for job in typed]
+    return wrapped("    ", shared, indent=4, sep=" ") if shared else "", [
+        shortened(line, width) for line in lines
+    ]
 
 
 def run_name(
@@ -497,6 +664,17 @@ def study_name(attention: Any, shape: Any, device: str, dtype: str) -> str:
     parts += [f"b{shape.batch}h{shape.heads}s{shape.seq_len}d{shape.head_dim}", device, dtype]
     parts.append(f"space{SEARCH_SPACE}")
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(str(p) for p in parts))
+
+
+# The longest signal_delay_s derived from timeout_min (SIGNAL_DELAY_SHARE of it below that).
+SIGNAL_DELAY_S = 120
+SIGNAL_DELAY_SHARE = 0.1
+
+
+def signal_delay(timeout_min: Any) -> int:
+    """The SLURM launcher's signal_delay_s derived from the job's limit: SIGNAL_DELAY_SHARE of
+    it, at most SIGNAL_DELAY_S (attngym.slurm says why)."""
+    return int(min(SIGNAL_DELAY_S, float(timeout_min) * 60 * SIGNAL_DELAY_SHARE))
 
 
 def cache_folder() -> str:

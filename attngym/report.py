@@ -60,19 +60,26 @@ tr.failed td { background: #fde8e8; }
 
 # Far above a real picture (a heatmap is well under 1 MiB): a larger file is not embedded.
 PICTURE_LIMIT = 32 << 20
+# The first bytes of every PNG file.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _picture(folder: Path, relative: str) -> bytes | None:
-    """A picture's bytes, read only as a regular file inside the report's folder: a symlink (it
-    could point at any file, and report.html is meant to be shared), a FIFO or an oversized file
-    is skipped with a warning naming it. None when missing or skipped."""
+def _picture(folder: Path, relative: str | Path) -> bytes | None:
+    """A picture's bytes, read only as a regular file inside the report's folder that no other
+    name links to and that is a PNG: a symlink or a hard link (either could be any file, and
+    report.html is meant to be shared), a FIFO, an oversized file or one that is no PNG is
+    skipped with a warning naming it. None when missing or skipped."""
     try:
-        return read_inside(folder, relative, PICTURE_LIMIT)
+        png = read_inside(folder, relative, PICTURE_LIMIT, one_link=True)
     except FileNotFoundError:
         return None
     except ReadRefused as err:
         log.warning("%s", err)
         return None
+    if not png.startswith(PNG_SIGNATURE):
+        log.warning("%s", ReadRefused(Path(folder) / relative, "not a PNG (no PNG signature)"))
+        return None
+    return png
 
 
 def _img(png: bytes, alt: str, cls: str = "") -> str:
@@ -102,7 +109,7 @@ def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
     """(rows, job folders, is_sweep) for a sweep folder or a single run folder."""
     from attngym.tracking.sweep import collect, job_dirs, job_row
 
-    if (folder / ".hydra").is_dir() or os.path.lexists(folder / "metrics.json"):
+    if _is_run(folder):
         return [job_row(folder, folder.name)], [folder], False
     return collect(folder), job_dirs(folder), True
 
@@ -216,10 +223,33 @@ def build_report(folder: str | Path) -> str:
 
 
 def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
-    """Write report.html (default: inside `folder`) and return its path."""
+    """Write report.html (default: inside `folder`) and return its path.
+
+    Raises:
+        ValueError: `out` is no .html file, or lies inside a run folder other than as its
+            report.html (it would overwrite the run's metrics.json or a picture).
+    """
     folder = Path(folder)
     path = Path(out) if out is not None else folder / "report.html"
+    _check_out(path)
     return atomic_write(path, build_report(folder))  # never half a page, never through a link
+
+
+def _check_out(path: Path) -> None:
+    """ValueError for a report path that would overwrite a run's files (write_report)."""
+    if path.suffix != ".html":
+        raise ValueError(f"--out {path}: a report is HTML; name a .html file")
+    for parent in path.absolute().parents:
+        if _is_run(parent) and path.absolute() != parent / "report.html":
+            raise ValueError(
+                f"--out {path}: inside the run folder {parent}, whose files it could overwrite; "
+                f"write it outside, or as {parent / 'report.html'}"
+            )
+
+
+def _is_run(folder: Path) -> bool:
+    """Whether `folder` is a run's folder (Hydra's .hydra, or a metrics.json)."""
+    return (folder / ".hydra").is_dir() or os.path.lexists(folder / "metrics.json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,19 @@ What it adds, and why:
   row whose error is SLURM's state and the last line of the job's log, written into its
   folder's metrics.json, the measurements kept; the sweep goes on and its summary exits 1.
   Ranks of a job are stopped together when one of them fails (`srun --kill-on-bad-exit=1`).
+  A job SLURM ended (its time limit, scancel, a failed node) is reported with SLURM's own
+  state; a job COMPLETING with its result written has ended (a node whose slurmd died after the
+  job leaves it COMPLETING for good), and one COMPLETING without a result for RESULT_GRACE_S
+  too: no state leaves the sweep waiting.
+* **SLURM's clock.** The signal submitit asks SLURM to send before the time limit
+  (`signal_delay_s`) is a tenth of `timeout_min`, at most 120 s (`${signal_delay:...}` in
+  conf/hydra/launcher/submitit_slurm.yaml, overrides.signal_delay): SLURM may send it up to a
+  minute early, and a fixed 120 s ended a 3-minute job at once. A delay as long as the limit is
+  used as 0, with a warning.
+  On the node the signal is only logged: submitit's handler would raise inside whatever the run
+  was doing (an UncompletedJobError blamed on the user's mask), and attngym's jobs are never
+  requeued; the run goes on, and SLURM's SIGTERM at the limit stops it keeping what it measured
+  (its row: `SLURM job N TIMEOUT`).
 * **Interrupted.** SIGINT/SIGTERM while jobs run cancels the sweep's unfinished SLURM jobs,
   writes the summary so far and prints the command that resumes the sweep (exit 130/143), as a
   sweep on the local launcher does. On a compute node a job turns SLURM's SIGTERM (scancel, its
@@ -48,7 +61,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attngym.distributed.launch import ask_slurm
 from attngym.errors import ConfigError, Interrupted
-from attngym.overrides import as_typed
+from attngym.overrides import SIGNAL_DELAY_S, as_typed, launch_lines
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +73,24 @@ POLL_S = 3.0
 # Seconds a job that SLURM says ended may take to show its result file (a shared file system).
 RESULT_GRACE_S = 30.0
 # SLURM job states after which a job runs no more (squeue --states=all); others are waiting.
+# COMPLETING (its node cleaning up) ends a job whose result is written, else after RESULT_GRACE_S.
 ENDED = {
     "BOOT_FAIL": "its node failed to boot",
     "CANCELLED": "cancelled (scancel, or an administrator)",
     "COMPLETED": "ended without a result",
+    "COMPLETING": "ended on its node, which never confirmed it (its slurmd gone?)",
     "DEADLINE": "reached its deadline",
     "FAILED": "failed",
     "NODE_FAIL": "its node failed",
     "OUT_OF_MEMORY": "ran out of memory (hydra.launcher.mem_gb)",
     "PREEMPTED": "preempted by another job",
     "TIMEOUT": "reached its time limit (hydra.launcher.timeout_min)",
+    "SPECIAL_EXIT": "held after failing (SLURM's SPECIAL_EXIT)",
+    "REVOKED": "revoked (it ran on another cluster of a federation)",
     "GONE": "is no longer known to SLURM",
 }
+# The states whose job may still be writing its result (ENDED's "without a result" waits).
+RESULT_DUE = ("COMPLETED", "COMPLETING", "GONE")
 
 
 @dataclasses.dataclass
@@ -83,6 +102,7 @@ class Planned:
     run_dir: Path
     resources: dict[str, Any] | None = None  # submitit's parameters; None: not submitted
     error: str | None = None  # why it cannot be submitted
+    line: str = ""  # what its launch line shows of its overrides (overrides.launch_lines)
 
 
 class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
@@ -97,6 +117,7 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
         register_resolvers()
         expect_launcher_schema()
         catch_interrupts()  # SLURM's SIGTERM (scancel, time limit) stops the run keeping its data
+        _log_time_signal()
         return super().__call__(*args, **kwargs)
 
     def launch(
@@ -114,13 +135,16 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
         ]
         returns: dict[int, JobReturn] = {}
         todo: list[Planned] = []
-        for job in planned:
-            typed = [as_typed(o) for o in job.overrides]
-            if why_rerun(job.run_dir, typed) is None:
-                log.info("\t#%d : %s: already ok, not submitted", job.num, " ".join(typed))
+        shared, lines = launch_lines([job.overrides for job in planned])
+        if shared:
+            log.info("%d jobs, each with:\n%s", len(planned), shared)
+        for job, line in zip(planned, lines, strict=True):
+            job.line = line
+            if why_rerun(job.run_dir, [as_typed(o) for o in job.overrides]) is None:
+                log.info("\t#%d : %s: already ok, not submitted", job.num, line)
                 returns[job.num] = _returned(job)
             elif job.error is not None:
-                log.error("\t#%d : %s: not submitted: %s", job.num, " ".join(typed), job.error)
+                log.error("\t#%d : %s: not submitted: %s", job.num, line, job.error)
                 record_failure(job, job.error)
                 returns[job.num] = _returned(job)
             else:
@@ -158,6 +182,7 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
         from attngym.config import ranks_asked
 
         params = dict(self.params)
+        params["signal_delay_s"] = _usable_delay(params["signal_delay_s"], params["timeout_min"])
         nodes, per_node = int(params["nodes"]), int(params["tasks_per_node"])
         device = str(OmegaConf.select(config, "device.name", default="auto"))
         partition_gpus = _sinfo_gpus(params.get("partition"))
@@ -234,12 +259,7 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
                 log.error("%s", reason)
                 continue
             for job, sjob in zip(jobs, array, strict=True):
-                log.info(
-                    "\t#%d : %s (SLURM job %s)",
-                    job.num,
-                    " ".join(as_typed(o) for o in job.overrides),
-                    sjob.job_id,
-                )
+                log.info("\t#%d : %s (SLURM job %s)", job.num, job.line, sjob.job_id)
                 submitted[job.num] = (job, sjob)
             log.info(
                 "submitted %d SLURM job(s): %s; logs in %s",
@@ -261,7 +281,7 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
                 if state not in ENDED:
                     continue
                 waited = time.monotonic() - ended_at.setdefault(num, time.monotonic())
-                result_due = state in ("COMPLETED", "GONE") and not _has_results(sjob)
+                result_due = state in RESULT_DUE and not _has_results(sjob)
                 if result_due and waited < RESULT_GRACE_S:
                     continue  # its result file may still be on its way (a shared file system)
                 returns[num] = _outcome(job, sjob, state)
@@ -296,6 +316,39 @@ class AttngymSlurmLauncher(submitit_launcher.SlurmLauncher):
                 record_failure(job, f"{stop}: the sweep cancelled its SLURM job", "interrupted")
         log.warning("cancelled %d unfinished SLURM job(s)", cancelled)
         report_stopped(sweep_dir, stop)
+
+
+@functools.cache  # one warning a sweep
+def _usable_delay(delay_s: Any, timeout_min: Any) -> int:
+    """signal_delay_s as asked, or 0 (a warning) when it is as long as the job's limit: SLURM
+    would send the signal as the job starts."""
+    delay_s, limit_s = int(delay_s), int(float(timeout_min) * 60)
+    if delay_s < limit_s:
+        return delay_s
+    log.warning(
+        "hydra.launcher.signal_delay_s=%d is not shorter than timeout_min=%s (%d s): using 0 "
+        "(leave it out: a tenth of timeout_min, at most %d s)",
+        delay_s, timeout_min, limit_s, SIGNAL_DELAY_S,
+    )  # fmt: skip
+    return 0
+
+
+def _log_time_signal() -> None:
+    """On the node: submitit's signal before the time limit is logged, nothing more (module
+    docstring, SLURM's clock)."""
+    import signal
+
+    import submitit
+
+    def near_limit(signum: int, frame: Any) -> None:
+        log.warning(
+            "SLURM sent %s: the job's time limit is near (hydra.launcher.signal_delay_s before "
+            "timeout_min); the run goes on, and SLURM's SIGTERM at the limit stops it keeping "
+            "what it measured",
+            signal.Signals(signum).name,
+        )
+
+    signal.signal(submitit.JobEnvironment._usr_sig(), near_limit)
 
 
 # submitit parameters a job's log line names.

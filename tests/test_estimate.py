@@ -70,10 +70,31 @@ def test_a_baseline_that_alone_does_not_fit_is_skipped_with_its_reason():
 
 def test_a_large_reference_names_validate_rows():
     # On CUDA flex and the SDPA backends work tile by tile; validating every one of 64K rows in
-    # float64 (64 x 32 heads x 64K x 64K x 8 bytes, three times) is what does not fit in 80 GB.
-    big = {"batch": 64, "heads": 32, "seq_len": 65536, "validate_rows": 65536}
+    # float64 (32 heads x 64K x 64K x 8 bytes, three times) is what does not fit in 80 GB.
+    big = {"batch": 1, "heads": 32, "seq_len": 65536, "validate_rows": 65536}
     result = estimate(**{**DEFAULTS, **big, "device": "cuda"}, available_bytes=80 * 2**30)
     assert result.key == "validate_rows"
+    assert estimate(**{**DEFAULTS, **big, "validate_rows": 1, "device": "cuda"},
+                    available_bytes=80 * 2**30).fits  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        # The reference is the largest term, but the inputs alone are 3,000 TiB: only the batch
+        # can make it fit (it named validate_rows, and shape.batch only at validate_rows=1).
+        ({"batch": 100_000_000}, "shape.batch"),
+        ({"batch": 100_000_000, "validate_rows": 1}, "shape.batch"),
+        # 64 x 32 heads x 64K rows of inputs do not fit in 80 GB whatever is validated.
+        ({"batch": 64, "heads": 32, "seq_len": 65536, "validate_rows": 65536}, "shape.batch"),
+        # On a CPU eager flex's (S x S) scores do not fit either: seq_len, not validate_rows.
+        ({"seq_len": 200_000, "validate_rows": 200_000, "passes": ("fwd",)}, "shape.seq_len"),
+    ],
+)
+def test_the_key_named_can_make_the_run_fit(change, key):
+    device = "cuda" if change.get("heads") == 32 else "cpu"
+    result = estimate(**{**DEFAULTS, **change, "device": device}, available_bytes=80 * 2**30)
+    assert result.key == key and result.problem.endswith(f"shrink {key}")
 
 
 def test_far_more_ranks_than_cores_on_a_cpu_are_refused():

@@ -30,7 +30,7 @@ def test_sample_rows_bounded_with_edges():
     assert rows.numel() == 64 and rows[0] == 0 and rows[-1] == 9_999
     assert torch.equal(rows, rows.unique())  # sorted, no repeats
     assert torch.equal(sample_rows(32, 64, seed=0, device="cpu"), torch.arange(32))
-    assert sample_rows(10_000, 1, seed=0, device="cpu").tolist() == [0]  # at most max_rows
+    assert sample_rows(10_000, 1, seed=0, device="cpu").tolist() == [0, 9_999]  # edges always
 
 
 def test_errors_helpers():
@@ -54,6 +54,14 @@ def test_judge_errors_per_dtype():
     assert judge_errors({"err_dv_rel": 1e-9}, "float64") == "ok"
 
 
+def _rows(max_rows, seed):
+    """validate_rows' rows: a sample of `max_rows` (with the sequence's edges), no whole blocks."""
+    return {
+        "rows": sample_rows(SHAPE.seq_len, max_rows, seed, "cpu"),
+        "rows_at_once": max_rows,
+    }
+
+
 def _reference_kernel(variant, q, k, v):
     """`attend` for validate_rows with the float32 dense reference as the kernel under test."""
 
@@ -68,8 +76,8 @@ def _reference_kernel(variant, q, k, v):
 def test_validate_rows_accepts_a_right_kernel_with_gradients():
     variant = build_variant({"name": "causal"})
     q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32, requires_grad=True)
-    m = validate_rows(
-        variant, q, k, v, g, _reference_kernel(variant, q, k, v), do_bwd=True, max_rows=48, seed=3
+    m, _ = validate_rows(
+        variant, q, k, v, g, _reference_kernel(variant, q, k, v), do_bwd=True, **_rows(48, 3)
     )
     assert m["validation"] == "ok" and m["validated_rows"] == 48
     # g_masked: dk, dv of the whole problem match the 48-row reference to float32 rounding.
@@ -82,7 +90,7 @@ def test_validate_rows_fails_a_wrong_kernel():
     full = build_variant({"name": "full"})
     q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32, requires_grad=True)
     attend = _reference_kernel(full, q, k, v)
-    m = validate_rows(variant, q, k, v, g, attend, do_bwd=True, max_rows=48, seed=3)
+    m, _ = validate_rows(variant, q, k, v, g, attend, do_bwd=True, **_rows(48, 3))
     assert m["validation"].startswith("failed: err_out_rel=") and "(float32)" in m["validation"]
     assert m["err_out_rel"] > 0.1 and m["err_dk_rel"] > 0.1  # the numbers are kept
 
@@ -97,7 +105,7 @@ def test_validate_rows_accepts_an_lse_of_minus_inf_on_fully_masked_rows():
     q, k, v, g = make_inputs(SHAPE, 3, "cpu", torch.float32)
     attend = _reference_kernel(variant, q, k, v)
     assert torch.isneginf(attend(None)[1][:, :, :4]).all()  # the premise: 4 empty rows
-    m = validate_rows(variant, q, k, v, g, attend, do_bwd=False, max_rows=8, seed=3)
+    m, _ = validate_rows(variant, q, k, v, g, attend, do_bwd=False, **_rows(8, 3))
     assert m["validation"] == "ok"
     assert non_finite_values(variant, *attend(None)[:2]) == ""
 
@@ -123,6 +131,6 @@ def test_validate_rows_fails_non_finite_values_on_rows_it_does_not_sample(spoil,
         spoil(out, lse)
         return out, lse, None
 
-    m = validate_rows(variant, q, k, v, g, attend, do_bwd=False, max_rows=8, seed=3)
+    m, _ = validate_rows(variant, q, k, v, g, attend, do_bwd=False, **_rows(8, 3))
     assert m["validation"].startswith(f"failed: non-finite {found}")
     assert m["err_out_rel"] < 1e-5  # the sampled rows alone look right

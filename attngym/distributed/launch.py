@@ -32,7 +32,9 @@ Contract:
       signal), and tears down its transports and process group in a `finally`, whatever `fn` did;
       a rank that finished then exits at once, without the interpreter's teardown.
       Being in its own process group, a rank does not get the terminal's Ctrl-C: the caller does,
-      and stops the ranks.
+      and stops the ranks. Until it leads its group (its interpreter's start, seconds) it is in
+      the caller's, so the caller starts it with SIGINT blocked, and the rank drops one that came
+      meanwhile: a Ctrl-C then printed a rank's half traceback.
     * SLURM tasks: in a job step of several tasks (`srun`, or submitit with tasks_per_node > 1),
       `join_slurm_step` gives each task torchrun's variables from SLURM's (SLURM_PROCID,
       SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of SLURM_STEP_NODELIST as the
@@ -65,6 +67,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -239,7 +242,6 @@ def _die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -256,6 +258,19 @@ def _lead_process_group() -> None:
     # Already a group leader, or not permitted: the rank itself is still killed.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+
+
+# Signals a terminal's Ctrl-C sends to the whole foreground group: blocked while ranks start.
+GROUP_SIGNALS = {signal.SIGINT}
+
+
+def _take_signals() -> None:
+    """In a rank leading its own group: drop the Ctrl-C that came while it started in the
+    caller's group (blocked by `launch`; an ignored signal is discarded), then take it again."""
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in GROUP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def _start_heartbeat(path: pathlib.Path) -> None:
@@ -310,6 +325,7 @@ def _rank_main(
 ) -> None:
     _die_with_parent()
     _lead_process_group()
+    _take_signals()
     # A rank killed by a fatal signal (an abort in a native library, say) prints every thread's
     # Python stack to its stderr: the caller names the rank, this says where it was.
     faulthandler.enable(all_threads=True)
@@ -439,29 +455,39 @@ def launch(
             run_dir=run_dir,
             progress=progress,
         )
+    from multiprocessing import resource_tracker
+
     import torch.multiprocessing as mp
 
     result_dir = tempfile.mkdtemp(prefix="attngym-launch-")
     ctx = None
     try:
         started = time.monotonic()
-        with _script_not_rerun(fn, args):
-            ctx = mp.start_processes(
-                _rank_main,
-                args=(
-                    fn,
-                    world_size,
-                    device,
-                    float(timeout_s),
-                    None if run_dir is None else str(run_dir),
-                    free_port(),
-                    result_dir,
-                    tuple(args),
-                ),
-                nprocs=world_size,
-                join=False,
-                start_method="spawn",
-            )
+        # Blocked in this thread while the ranks start, so they start with them blocked
+        # (_take_signals); a Ctrl-C meanwhile is delivered here once they are unblocked. The
+        # spawn's resource tracker first: starting it unblocks SIGINT and SIGTERM.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
+        try:
+            with _script_not_rerun(fn, args):
+                ctx = mp.start_processes(
+                    _rank_main,
+                    args=(
+                        fn,
+                        world_size,
+                        device,
+                        float(timeout_s),
+                        None if run_dir is None else str(run_dir),
+                        free_port(),
+                        result_dir,
+                        tuple(args),
+                    ),
+                    nprocs=world_size,
+                    join=False,
+                    start_method="spawn",
+                )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         try:
             while not ctx.join(timeout=HEARTBEAT_S, grace_period=GRACE_S):
                 _check_heartbeats(ctx.processes, result_dir, timeout_s, started)

@@ -22,13 +22,16 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    gives one) timed apart as `first_call_s` (compilation on CUDA).
 3. `validate`: validation.validate_rows, judged per dtype like a single run (a verdict over
    tolerance fails the run the same way): every rank attends with an output gradient kept on the
-   sampled rows, the shards of out, lse and the gradients are gathered to rank 0's CPU, and rank 0
-   compares them with the float64 dense reference on its CPU (sampled q rows against the whole
-   K/V: O(R·S) host memory, no device memory beyond the shards).
+   validated rows (a seeded sample, and always every rank's first and last query blocks and the
+   edges of every piece of the layout: `validation.sample_rows`), the shards of out, lse and the
+   gradients are gathered to rank 0's CPU, and rank 0 compares them with the float64 dense
+   reference on its CPU (validated q rows against the whole K/V: O(R·S) host memory, no device
+   memory beyond the shards).
 4. `time`: fwd, bwd, fwd+bwd timed together with the peers (bench.time_fn; every rank makes the
    same calls), and `peak_mem_bytes`, the largest peak over the ranks of what the timed calls add
    (CUDA: beyond the live inputs; CPU: the process's peak RSS), so that ring and all-gather memory
-   can be compared.
+   can be compared; then one more call of the timed kind, gathered and held to the validated
+   one by rank 0 (`validation.Validated.agrees`).
 5. `instrument`: one instrumented forward (per-step compute, pairs, bytes) and a transfer-only
    pass (per-step transfer time).
 6. `torch_cp`: when `baselines` lists it (the default for every context-parallel run), PyTorch's
@@ -96,7 +99,15 @@ from attngym.tasks.cp_setup import (
     scheme_options,
     spec_of,
 )
-from attngym.validation import RTOL, max_abs_error, rel_error, sample_rows, validate_rows
+from attngym.validation import (
+    RTOL,
+    Validated,
+    add_failure,
+    max_abs_error,
+    rel_error,
+    sample_rows,
+    validate_rows,
+)
 from attngym.variants.base import Variant
 
 log = logging.getLogger(__name__)
@@ -273,13 +284,15 @@ def _rank_phases(job: RankJob, metrics: dict[str, Any], spawned: bool) -> dict[s
     topo = job.settings.topology
     # torch_cp right after attngym's own timings (same conditions); one_device last, as only
     # rank 0 works there while the others wait for it.
-    for phase in (shard, first_call, validate, time_passes, instrument, torch_cp):
+    for phase in (shard, first_call, validate, time_passes, check_timed, instrument, torch_cp):
         with timeline.phase(PHASE_NAMES.get(phase.__name__, phase.__name__)):
             metrics.update(phase(job))
         report(metrics)
     with rank0_work(topo.timeout_s), timeline.phase("one_device"):
         metrics.update(one_device(job))
-    phases.fold_disagreement(metrics, "torch_cp")
+    add_failure(metrics, metrics.get("torch_cp_validation"), "attngym and torch_cp disagree")
+    if job.validated is not None:
+        job.validated.fold(metrics)
     job.whole = None
     if spawned:  # the caller's timeline takes these in (run_context_parallel)
         metrics[RANK_TIME] = timeline.current().metrics()  # type: ignore[union-attr]
@@ -287,7 +300,7 @@ def _rank_phases(job: RankJob, metrics: dict[str, Any], spawned: bool) -> dict[s
 
 
 # The timeline's names of the rank phases whose function names differ.
-PHASE_NAMES = {"validate": "validation", "time_passes": "timed"}
+PHASE_NAMES = {"validate": "validation", "time_passes": "timed", "check_timed": "validation"}
 # Where a spawned rank 0 returns its own timeline's metrics (attngym.timeline), taken out of the
 # run's metrics by run_context_parallel.
 RANK_TIME = "rank_timeline"
@@ -332,10 +345,23 @@ class RankJob:
         self.whole: tuple[torch.Tensor, ...] | None = None  # rank 0: the whole inputs, run dtype
         self.timings: dict[str, Any] = {}
         self.block_mask = None  # rank 0: the whole problem's block mask
+        self.validated: Validated | None = None  # rank 0: the validated call (`validate`)
 
     @property
     def qkv(self) -> tuple[torch.Tensor, ...]:
         return self.shards[:3]
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """(R,) the validated rows, on the CPU: the sample, and always every rank's first and last
+        query blocks and both edges of every piece of the layout (validation.sample_rows)."""
+        from attngym.distributed import plan
+
+        s = self.settings
+        placement = plan(self.layout, self.world_size, self.seq_len).placement
+        return sample_rows(
+            self.seq_len, s.validate_rows, s.seed, "cpu", shards=placement, block=s.block_size[0]
+        )
 
     @functools.cached_property
     def layout(self):
@@ -464,10 +490,8 @@ def first_call(job: RankJob) -> dict[str, Any]:
 
 def _row_mask(job: RankJob) -> torch.Tensor:
     """This rank's shard of a (1, 1, S, 1) mask of the validated rows."""
-    s = job.settings
-    rows = sample_rows(job.seq_len, s.validate_rows, s.seed, "cpu")
     keep = torch.zeros(1, 1, job.seq_len, 1, dtype=torch.bool)
-    keep[:, :, rows] = True
+    keep[:, :, job.rows] = True
     return job.mine(keep).to(job.device)
 
 
@@ -504,7 +528,7 @@ def validate(job: RankJob) -> dict[str, Any]:
         rank0_alone.enter_context(rank0_work(s.topology.timeout_s))  # rank 0's reference
         if job.rank == 0:
             q, k, v, grad_out = job.whole
-            metrics = validate_rows(
+            metrics, job.validated = validate_rows(
                 job.variant_cpu,
                 q,
                 k,
@@ -512,12 +536,23 @@ def validate(job: RankJob) -> dict[str, Any]:
                 grad_out,
                 attend,
                 do_bwd=job.do_bwd,
-                max_rows=s.validate_rows,
-                seed=s.seed,
+                rows=job.rows,
+                rows_at_once=s.validate_rows,
             )
         else:
             attend()
     return metrics
+
+
+def check_timed(job: RankJob) -> dict[str, Any]:
+    """One more call as the timed ones are made (the measured call, their grad mode), after
+    them, gathered and held to the validated call by rank 0: a scheme whose result changes with
+    the calls before it (a cache, a stale buffer) fails the run here."""
+    if not job.settings.validate:
+        return {}
+    with torch.set_grad_enabled(job.do_bwd):
+        out = job.gather(phases.first(job.measured.attend()))
+    return {} if job.validated is None else job.validated.agrees(out)  # rank 0 judges
 
 
 def time_passes(job: RankJob) -> dict[str, Any]:
@@ -819,8 +854,7 @@ def _torch_cp_agreement(job: RankJob, call: Callable[[], torch.Tensor], layout) 
         theirs, ours = job.gather(call(), layout), job.gather(job.attend())
     if job.rank != 0:
         return {}
-    rows = sample_rows(job.seq_len, s.validate_rows, s.seed, "cpu")
-    theirs, ours = theirs[:, :, rows], ours[:, :, rows]
+    theirs, ours = theirs[:, :, job.rows], ours[:, :, job.rows]
     # Both are checked against the same tolerance attngym meets against the float64 reference:
     # two kernels each within RTOL of the truth agree within about 2 x RTOL, and a wrong mask or
     # position mapping gives errors of order 1e-1 to 1.

@@ -352,17 +352,3 @@ def kernel_paths(rank: Rank, *, backward: bool) -> dict[str, str]:
             sync(rank.device)
         paths["kernel_path_bwd"] = kernel_family(bwd["kernel_names"])
     return paths
-
-
-def fold_disagreement(metrics: dict[str, Any], contender: str) -> None:
-    """A contender whose output disagrees with attngym's (`<contender>_validation` failed) fails
-    the run's `validation` verdict: attngym, the contender, or the comparison is wrong."""
-    verdict = metrics.get(f"{contender}_validation")
-    if not (isinstance(verdict, str) and verdict.startswith("failed")):
-        return
-    own = metrics.get("validation")
-    disagreement = f"attngym and {contender} disagree: {verdict.removeprefix('failed: ')}"
-    if isinstance(own, str) and own.startswith("failed"):
-        metrics["validation"] = f"{own}; {disagreement}"
-    else:
-        metrics["validation"] = f"failed: {disagreement}"

@@ -5,10 +5,12 @@ are not skewed by different data, allocator state or clocks. The order is fixed:
 
 1. build the variant and the block mask (block size from the config), draw seeded inputs;
 2. the first flex call (fwd, and bwd when requested) is timed apart: on CUDA it is compilation;
-3. validation on a bounded sample of query rows against the float64 dense reference, so memory
-   stays O(rows x S) whatever S is; gradients too on CUDA, by feeding the output gradient only on
-   the sampled rows (then dk and dv of both sides depend on those rows alone);
-4. timings of fwd, and on CUDA bwd and fwd+bwd, with peak memory;
+3. validation on a bounded sample of query rows (with the first and last query blocks always)
+   against the float64 dense reference, so memory stays O(rows x S) whatever S is; gradients too
+   on CUDA, by feeding the output gradient only on the validated rows (then dk and dv of both
+   sides depend on those rows alone);
+4. timings of fwd, and on CUDA bwd and fwd+bwd, with peak memory; then one more call of the
+   timed kind, held to the validated one (validation.Validated.agrees);
 5. baselines that apply, timed the same way; those that do not are recorded with the reason. The
    varlen kernels (attngym.varlen) read q, k, v packed as they take them, and their output is
    checked against flex's: a disagreement fails the run, as torch_cp's does in a CP run.
@@ -71,9 +73,12 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     what = "compile + first call" if job.use_compile else "first eager call"
     log.info("flex %s: %.2f s", what, metrics["first_call_s"])
     with timeline.phase("validation"):
-        metrics.update(_validate(job))
+        validated = _validate(job, metrics)
     with timeline.phase("timed"):
         flex = _time_flex(job, metrics)
+    if validated is not None:
+        with timeline.phase("validation"):
+            _check_timed(job, validated, metrics)
     if settings.profiler != "none":
         with timeline.phase("profile"):
             metrics.update(_profile(settings, job.rank.attend, job.rank.device, run_dir))
@@ -81,7 +86,8 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     metrics.update(_best(metrics, flex, "best_sdpa", SDPA_FAMILY))
     metrics.update(_best(metrics, flex, "best", SDPA_FAMILY + varlen.KERNELS))
     for name in varlen.KERNELS:
-        phases.fold_disagreement(metrics, name)
+        validation.add_failure(metrics, metrics.get(f"{name}_validation"),
+                               f"attngym and {name} disagree")  # fmt: skip
     return metrics
 
 
@@ -170,11 +176,13 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
     )
 
 
-def _validate(job: OneDevice) -> dict[str, Any]:
-    """Sampled rows against the float64 reference (validation.validate_rows)."""
+def _validate(job: OneDevice, metrics: dict[str, Any]) -> validation.Validated | None:
+    """The validated rows against the float64 reference (validation.validate_rows), into
+    `metrics`; the Validated call (None when validate=false)."""
     s = job.settings
     if not s.validate:
-        return {"validated_rows": 0, "validation": "not run (validate=false)"}
+        metrics.update(validated_rows=0, validation="not run (validate=false)")
+        return None
 
     def attend(g_masked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         with torch.set_grad_enabled(job.do_bwd):  # the grad mode compiled for: no recompile
@@ -182,7 +190,10 @@ def _validate(job: OneDevice) -> dict[str, Any]:
         grads = job.rank.grads(out, g_masked) if g_masked is not None else None
         return out, lse, grads
 
-    return validation.validate_rows(
+    rows = validation.sample_rows(
+        s.shape.seq_len, s.validate_rows, s.seed, job.q.device, block=s.block_size[0]
+    )
+    found, validated = validation.validate_rows(
         job.variant,
         job.q,
         job.k,
@@ -190,9 +201,20 @@ def _validate(job: OneDevice) -> dict[str, Any]:
         job.grad_out,
         attend,
         do_bwd=job.do_bwd,
-        max_rows=s.validate_rows,
-        seed=s.seed,
+        rows=rows,
+        rows_at_once=s.validate_rows,
     )
+    metrics.update(found)
+    return validated
+
+
+def _check_timed(job: OneDevice, validated: validation.Validated, metrics: dict) -> None:
+    """One more call as the timed ones are made (their grad mode), after them, held to the
+    validated call: a kernel whose result changes with the calls before it fails here."""
+    with torch.set_grad_enabled(job.do_bwd):
+        out = phases.first(job.rank.attend())
+    metrics.update(validated.agrees(out))
+    validated.fold(metrics)
 
 
 def _time_flex(job: OneDevice, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from attngym.metrics import (
     shortened,
     table_columns,
 )
-from attngym.overrides import as_typed, resume_command
+from attngym.overrides import as_typed, resume_command, task_overrides
 from attngym.results import BUSY_SPREAD, timing_spread
 from attngym.tracking.files import METRICS_FILE, load_metrics
 from attngym.tracking.lock import FolderLock, FolderLocked
@@ -546,8 +546,8 @@ def grid_overrides(config: Any, *, typed: bool = True) -> list[str]:
     typed them (attngym.overrides.as_typed), or with `typed=False` as Hydra received them."""
     params = dict(config.hydra.sweeper.get("params") or {})
     merged = {str(k): f"{k}={v}" for k, v in params.items()}
-    for o in config.hydra.overrides.task:
-        override = as_typed(str(o)) if typed else str(o)
+    for o in task_overrides(config.hydra):
+        override = as_typed(o) if typed else o
         merged[override.split("=", 1)[0]] = override
     return [merged[k] for k in sorted(merged)]
 
@@ -696,7 +696,7 @@ class SweepSummary(_callback_base()):
         if self._bar is not None:
             # Hydra sets up the job's log handlers before this: route them above the bar now.
             self._redirect.enter_context(redirect_logging())
-            typed = (as_typed(str(o)) for o in config.hydra.overrides.task)
+            typed = (as_typed(o) for o in task_overrides(config.hydra))
             self._bar.running(" ".join(typed) or "job")
 
     @_ends_the_sweep_on_error

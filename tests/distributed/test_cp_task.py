@@ -18,7 +18,8 @@ import torch
 
 from attngym.config import Benchmark, Settings, Shape, Topology
 from attngym.tasks.context_parallel import torch_cp_skip_reason
-from attngym.tasks.phases import NO_CPU_BWD, fold_disagreement
+from attngym.tasks.phases import NO_CPU_BWD
+from attngym.validation import add_failure
 
 
 @pytest.mark.parametrize(
@@ -268,16 +269,16 @@ def test_torch_cp_skip_reasons_name_what_differs(change, reason):
 
 def test_torch_cp_disagreement_fails_the_run_verdict():
     agreed = {"validation": "ok", "torch_cp_validation": "ok"}
-    fold_disagreement(agreed, "torch_cp")
+    add_failure(agreed, agreed["torch_cp_validation"], "attngym and torch_cp disagree")
     assert agreed["validation"] == "ok"
     bad = "failed: torch_cp_err_out_rel=0.3 > 0.0002 (float32)"
     alone = {"validation": "ok", "torch_cp_validation": bad}
-    fold_disagreement(alone, "torch_cp")
+    add_failure(alone, alone["torch_cp_validation"], "attngym and torch_cp disagree")
     assert alone["validation"] == (
         "failed: attngym and torch_cp disagree: torch_cp_err_out_rel=0.3 > 0.0002 (float32)"
     )
     both = {"validation": "failed: err_out_rel=0.5 > 0.0001 (float32)", "torch_cp_validation": bad}
-    fold_disagreement(both, "torch_cp")
+    add_failure(both, both["torch_cp_validation"], "attngym and torch_cp disagree")
     assert (
         both["validation"].startswith("failed: err_out_rel=0.5")
         and "disagree" in both["validation"]

@@ -73,9 +73,11 @@ def test_user_code_that_exits_fails_its_job_and_the_sweep_goes_on(user_dir, attn
     assert "Traceback" not in proc.stderr.split("sweep:")[-1]
     rows = _rows(folder)
     assert [rows[str(i)]["status"] for i in range(4)] == ["ok", "failed", "failed", "failed"]
-    assert rows["1"]["error"].startswith("SystemExit: 0 (the run's code called sys.exit")
-    assert rows["2"]["error"].startswith("KeyboardInterrupt")
-    assert rows["3"]["error"].startswith("SystemExit: 3")
+    where = "attention.mask_mod (hostile.py:"  # the key, and the user's file and line
+    assert all(rows[str(i)]["error"].startswith(where) for i in (1, 2, 3)), rows
+    assert "raised SystemExit: 0 (the run's code called sys.exit" in rows["1"]["error"]
+    assert "raised KeyboardInterrupt" in rows["2"]["error"]
+    assert "raised SystemExit: 3" in rows["3"]["error"]
     assert "4 jobs, 3 failed." in (folder / "summary.md").read_text()
     assert "3 of 4 sweep jobs failed" in proc.stderr and "hydra.sweep.dir=" in proc.stderr
 
@@ -87,7 +89,8 @@ def test_a_single_run_whose_code_raises_generator_exit_fails_with_one_line(user_
     )
     assert proc.returncode == 1, proc.stderr
     (line,) = _error_lines(proc.stderr)
-    assert line.startswith("attngym: error: GeneratorExit")
+    assert line.startswith("attngym: error: attention.mask_mod (hostile.py:")
+    assert "raised GeneratorExit" in line
     assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
 
 

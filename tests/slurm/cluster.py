@@ -158,6 +158,22 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             argv, env=self.env, capture_output=True, text=True, check=check, timeout=timeout
         )
 
+    def kill_slurmd(self, node: str) -> None:
+        """SIGKILL the slurmd of `node` (its jobs' slurmstepd go on): a node whose daemon died."""
+        proc = self._slurmd(node)
+        proc.kill()
+        proc.wait()
+
+    def restart_slurmd(self, node: str, timeout_s: float = 120.0) -> None:
+        """Start `node`'s slurmd again, and wait for both nodes to be idle."""
+        self._procs.remove(self._slurmd(node))
+        self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+        self._wait(self._idle, timeout_s, f"{node} idle again")
+
+    def _slurmd(self, node: str) -> subprocess.Popen:
+        (proc,) = [p for p in self._procs if p.args[0] == "slurmd" and node in p.args]
+        return proc
+
     def jobs(self) -> list[tuple[str, str]]:
         """(job id, state) of every job the controller still knows, ended ones included."""
         out = self.run("squeue", "--noheader", "--array", "--states=all", "--format=%i %T").stdout

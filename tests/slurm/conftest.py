@@ -51,9 +51,30 @@ def user_shell(slurm, tmp_path):
             start_new_session=True,
         )
 
+    def start(command: str) -> subprocess.Popen:
+        """The same command, not waited for: its output in one pipe, its own session."""
+        return subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
     run.env = env
     run.cwd = tmp_path
+    run.start = start
     return run
+
+
+def mask_module(folder: Path, name: str, first: str = "") -> None:
+    """`<folder>/<name>.py`: a causal `mask`, after `first` (what the module does as it is
+    imported on the node: sleep, kill its rank)."""
+    (folder / f"{name}.py").write_text(
+        f"{first}\ndef mask(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
+    )
 
 
 def readme_block(marker: str) -> str:

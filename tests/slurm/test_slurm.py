@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from .conftest import readme_block
+from .conftest import mask_module, readme_block
 
 pytestmark = pytest.mark.slurm
 
@@ -103,28 +103,16 @@ def test_cp_job_spans_nodes_or_spawns_from_one_task(user_shell, overrides, asked
 
 
 def test_cancelled_job_is_a_failed_row_with_slurms_state(slurm, user_shell):
-    (user_shell.cwd / "slowmask.py").write_text(
-        "import time\ntime.sleep(600)  # at import: the job is cancelled while it waits here\n"
-        "def mask(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
-    )
-    (user_shell.cwd / "fastmask.py").write_text(
-        "def mask(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
-    )
+    # At import: the job is cancelled while it waits there.
+    mask_module(user_shell.cwd, "slowmask", "import time\ntime.sleep(600)")
+    mask_module(user_shell.cwd, "fastmask")
     sweep = user_shell.cwd / "multirun" / "cancel"
     command = (
         "attngym -m hydra/launcher=submitit_slurm attention=custom "
         f"attention.mask_mod=slowmask.mask,fastmask.mask {SMALL} "
         f"shape.seq_len=256 hydra.sweep.dir={sweep}"
     )
-    sweeping = subprocess.Popen(
-        ["bash", "-c", command],
-        cwd=user_shell.cwd,
-        env=user_shell.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    sweeping = user_shell.start(command)
     slow = _running_job(slurm, sweep, 0)  # slowmask.mask, first in the sweep
     started = time.monotonic()
     slurm.run("scancel", slow)
@@ -139,9 +127,7 @@ def test_cancelled_job_is_a_failed_row_with_slurms_state(slurm, user_shell):
 
 
 def test_interrupted_sweep_cancels_its_jobs_and_says_how_to_resume(slurm, user_shell):
-    (user_shell.cwd / "slowmask.py").write_text(
-        "import time\ntime.sleep(600)\ndef mask(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
-    )
+    mask_module(user_shell.cwd, "slowmask", "import time\ntime.sleep(600)")
     sweep = user_shell.cwd / "multirun" / "interrupted"
     sweeping = subprocess.Popen(
         [
@@ -173,10 +159,11 @@ def test_interrupted_sweep_cancels_its_jobs_and_says_how_to_resume(slurm, user_s
 
 
 def test_a_killed_rank_ends_its_job_in_bounded_time(slurm, user_shell):
-    (user_shell.cwd / "killrank.py").write_text(
+    mask_module(
+        user_shell.cwd,
+        "killrank",
         "import os, signal\n"
-        "if os.environ.get('RANK') == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "def mask(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
+        "if os.environ.get('RANK') == '1':\n    os.kill(os.getpid(), signal.SIGKILL)",
     )
     sweep = user_shell.cwd / "multirun" / "killed"
     started = time.monotonic()
