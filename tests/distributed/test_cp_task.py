@@ -523,9 +523,11 @@ def test_single_and_cp_tasks_time_through_the_same_phases(tmp_path):
     cp_metrics = launch(_phases_recording_rank, 2, args=(settings,), timeout_s=120)
     assert cp_metrics["validation"] == "ok"
     # attngym's passes over the ranks (the CPU ranks have a backward), torch_cp's forward alone
-    # (flex has no CPU backward) over the ranks, the one-device run's at world size 1.
+    # (flex has no CPU backward) over the ranks, once with each of PyTorch's balancers that place
+    # causal (head-tail, PTRR), the one-device run's at world size 1.
     assert cp_metrics["time_passes"] == [
         (("fwd", "bwd", "fwd_bwd"), True, False),
+        (("fwd",), False, False),
         (("fwd",), False, False),
         (("fwd", "fwd_bwd"), True, True),
     ]
