@@ -26,7 +26,12 @@ from distributed.gym_options import CONF, HEADS, S, compose_entries, options  # 
 from attngym import reference  # noqa: E402
 from attngym.errors import ConfigError  # noqa: E402
 from attngym.kernels import attend_chunk  # noqa: E402
-from attngym.validation import grad_errors, judge_errors, output_errors  # noqa: E402
+from attngym.validation import (  # noqa: E402
+    grad_errors,
+    judge_errors,
+    output_errors,
+    row_scales,
+)
 from attngym.variants.spec import build_variant  # noqa: E402
 
 # Every generator attn_gym.masks and attn_gym.mods export: the option that runs it.
@@ -130,10 +135,10 @@ def test_forward_through_flex_matches_the_float64_reference(entries, option):
     q, k, v, _ = inputs(torch.float32)
     # 8-token blocks over 32 tokens: the block mask skips and splits blocks for local masks.
     out, lse = attend_chunk(q, k, v, variant, backend="flex", block_size=(8, 8), compile=False)
-    ref_out, ref_lse = reference.attention(
-        q.double(), k.double(), v.double(), variant.score_mod, variant.mask_mod
-    )
-    assert judge_errors(output_errors(out, lse, ref_out, ref_lse), "float32") == "ok"
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    ref_out, ref_lse = reference.attention(q64, k64, v64, variant.score_mod, variant.mask_mod)
+    scale = row_scales(variant, q64, k64, v64, torch.arange(S), ref_lse)
+    assert judge_errors(output_errors(out, lse, ref_out, ref_lse, scale), "float32") == "ok"
 
 
 @pytest.mark.parametrize("option", options())
