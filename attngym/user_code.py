@@ -371,15 +371,17 @@ def changed(recorded: Mapping[str, Any]) -> str | None:
 def blame(err: BaseException, paths: Mapping[str, str]) -> UserCodeError | None:
     """A UserCodeError naming the config key (of `paths`: key -> import path) whose code raised
     `err` during the run, past the probe on index grids, with the user's file and line; None
-    when `err` is no Exception or none of its frames is in a module those paths name."""
-    frame = user_frame(err) if isinstance(err, Exception) else None
+    when none of its frames is in a module those paths name. A sys.exit or GeneratorExit of
+    the user's code is blamed alike (failure_text says it must raise instead)."""
+    frame = user_frame(err)
     if frame is None:
         return None
     file = os.path.abspath(frame.filename)
     for key, path in paths.items():
         modules = (sys.modules.get(name) for name in _module_names(path))
         if any(os.path.abspath(getattr(m, "__file__", None) or "") == file for m in modules):
-            first = next((line for line in str(err).splitlines() if line.strip()), "")
+            text = str(err) if isinstance(err, Exception) else failure_text(err).partition(": ")[2]
+            first = next((line for line in text.splitlines() if line.strip()), "")
             hint = (
                 "; callbacks must use tensor ops only: no .item(), int(tensor) or random numbers"
                 if "vmap" in first

@@ -73,11 +73,12 @@ def test_user_code_that_exits_fails_its_job_and_the_sweep_goes_on(user_dir, attn
     assert "Traceback" not in proc.stderr.split("sweep:")[-1]
     rows = _rows(folder)
     assert [rows[str(i)]["status"] for i in range(4)] == ["ok", "failed", "failed", "failed"]
-    where = "attention.mask_mod (hostile.py:"  # the key, and the user's file and line
-    assert all(rows[str(i)]["error"].startswith(where) for i in (1, 2, 3)), rows
-    assert "raised SystemExit: 0 (the run's code called sys.exit" in rows["1"]["error"]
-    assert "raised KeyboardInterrupt" in rows["2"]["error"]
-    assert "raised SystemExit: 3" in rows["3"]["error"]
+    where = "attention.mask_mod: hostile.exits raised {} at hostile.py:"  # key, file and line
+    for i, raised in (1, "SystemExit"), (2, "KeyboardInterrupt"), (3, "SystemExit"):
+        assert rows[str(i)]["error"].startswith(where.format(raised)), rows
+    assert ": 0 (the run's code called sys.exit, or argparse at import" in rows["1"]["error"]
+    assert "only a real Ctrl-C or SIGTERM stops a run" in rows["2"]["error"]
+    assert ": 3 (the run's code called sys.exit" in rows["3"]["error"]
     assert "4 jobs, 3 failed." in (folder / "summary.md").read_text()
     assert "3 of 4 sweep jobs failed" in proc.stderr and "hydra.sweep.dir=" in proc.stderr
 
@@ -89,8 +90,8 @@ def test_a_single_run_whose_code_raises_generator_exit_fails_with_one_line(user_
     )
     assert proc.returncode == 1, proc.stderr
     (line,) = _error_lines(proc.stderr)
-    assert line.startswith("attngym: error: attention.mask_mod (hostile.py:")
-    assert "raised GeneratorExit" in line
+    where = "attngym: error: attention.mask_mod: hostile.exits raised GeneratorExit at hostile.py:"
+    assert line.startswith(where)
     assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
 
 
