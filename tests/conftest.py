@@ -21,6 +21,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_folder(tmp_path_factory):
+    """attngym's cache folder (kept answers of topology=auto, tuned tables) is the test
+    session's own: a run never takes an answer a run outside the tests left."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture
 def rng():
     """A fresh, seeded generator per test: random inputs, reproducible failures."""

@@ -28,13 +28,15 @@ simulation's time and `timed` / `items` how much timing the keys saved.
 
 Timing is the project's stream timing (bench.stream_time through a `Timer`: an item's device time
 per call queued back to back, CUDA events, warm-up, the L2 cache flushed; and the host's time to
-issue it; host clock on CPU). A Timer is a parameter so tests and the layout's cost model can
-price items from their block masks instead.
+issue it; host clock on CPU). A Timer is a parameter so that tests, and topology=auto's first
+pass over its candidates (ModelTimer: a few items of each kind timed, the rest priced from their
+blocks), can price items without timing each.
 Shape legend: B batch, H query heads, G kv heads, S sequence, D head dim, P ranks.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import math
@@ -119,6 +121,103 @@ def bench_timer(device: torch.device, warmup: int, repeats: int, cuda_graph: boo
     return timer
 
 
+# A CUDA graph's replay issues a whole item in one launch: the host's time per item then, about
+# what torch.cuda.CUDAGraph.replay takes (tens of microseconds' launch and bookkeeping).
+GRAPH_REPLAY_MS = 0.02
+
+
+class ModelTimer:
+    """A Timer that prices an item from its block masks after timing a few for real: auto's
+    first pass over every candidate, compiling and timing a handful of items, not all of them.
+
+    An item's size is its blocks, full and partial weighed as the balanced layout weighs them
+    (layout.BLOCK_COSTS); items of one kind (the scheme's item, the pass, the kernels' batch,
+    heads and head dim) cost `a + b * blocks`, fitted to up to `samples` of them timed with
+    `timer`: the first of its kind, then any whose size lies outside what was timed by more
+    than half (a least-squares line, `a` and `b` held non-negative). The host's time per item
+    is the mean of its kind's samples, or one graph replay's (GRAPH_REPLAY_MS) with
+    `cuda_graph`, where a graph would issue it. Items whose masks are unknown (a reference
+    backend) are timed for real. `measured` holds the real timings, keyed as Clock keys them,
+    for later simulations to reuse.
+    """
+
+    def __init__(self, timer: Timer, *, samples: int = 3, cuda_graph: bool = False):
+        self.timer, self.samples, self.cuda_graph = timer, samples, cuda_graph
+        self.measured: dict[tuple, ItemTime] = {}
+        self.kinds: dict[tuple, list[tuple[float, ItemTime]]] = {}
+
+    def __call__(self, item: Item, which: str) -> ItemTime:
+        blocks = block_units(item)
+        if blocks is None or (which, item.key) in self.measured:
+            return self._on_host(self._real(item, which))
+        timed = self.kinds.setdefault(_kind(item, which), [])
+        sizes = [size for size, _ in timed]
+        if not timed or (
+            len(timed) < self.samples and not min(sizes) / 1.5 <= blocks <= max(sizes) * 1.5
+        ):
+            timed.append((blocks, self._real(item, which)))
+            return self._on_host(timed[-1][1])
+        a, b = _fit([(size, t.ms) for size, t in timed])
+        host = sum(t.host_ms for _, t in timed) / len(timed)
+        return self._on_host(ItemTime(a + b * blocks, host))
+
+    def with_graphs(self) -> ModelTimer:
+        """This model for calls captured as CUDA graphs: the same fit and real timings, each
+        item issued by one replay."""
+        graphed = copy.copy(self)
+        graphed.cuda_graph = True
+        return graphed
+
+    def _real(self, item: Item, which: str) -> ItemTime:
+        if (which, item.key) not in self.measured:
+            self.measured[which, item.key] = self.timer(item, which)
+        return self.measured[which, item.key]
+
+    def _on_host(self, time: ItemTime) -> ItemTime:
+        """`time` as a rank issues it: with cuda_graph, one replay of a graph a launch."""
+        if not self.cuda_graph:
+            return time
+        return dataclasses.replace(time, host_ms=GRAPH_REPLAY_MS)
+
+
+def block_units(item: Item) -> float | None:
+    """An item's blocks, a partial one weighed as layout.BLOCK_COSTS weighs it against a full
+    one; None where an item has no block masks to count (a reference backend's)."""
+    if not item.block_masks or any(bm is None for bm in item.block_masks):
+        return None
+    full_cost, partial_cost = layouts.BLOCK_COSTS
+    units = 0.0
+    for bm in item.block_masks:
+        units += partial_cost * float(bm.kv_num_blocks.sum())
+        if bm.full_kv_num_blocks is not None:
+            units += full_cost * float(bm.full_kv_num_blocks.sum())
+    return units
+
+
+def _kind(item: Item, which: str) -> tuple:
+    """Items priced by one line: the scheme's item (its key's name), the pass, and the batch,
+    heads and head dim of its queries (the first 4-d shape of its key)."""
+    name = item.key[0] if item.key and isinstance(item.key[0], str) else type(item.key).__name__
+    shape = next((t for t in item.key if isinstance(t, tuple) and len(t) == 4), ())
+    return (name, which, *shape[:2], *shape[3:])
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of ms = a + b * size through `points` by least squares, neither negative: one
+    point, or a line that would fall below zero, goes through the origin; a falling one is flat."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var > 0 else None
+    if b is not None and b < 0:
+        return mean_y, 0.0
+    if b is None or mean_y - b * mean_x < 0:
+        squares = sum(x * x for x, _ in points)
+        return (0.0, sum(x * y for x, y in points) / squares) if squares > 0 else (mean_y, 0.0)
+    return mean_y - b * mean_x, b
+
+
 @dataclasses.dataclass
 class Simulation:
     """What the simulated ranks did: per-rank work for the transfer model, and the counts the
@@ -149,10 +248,18 @@ class Clock:
     """Times items once per key, counts how many there were, and keys block masks by structure
     (kept for this simulation only: its BlockMasks go with it)."""
 
-    def __init__(self, timer: Timer, on_timed: Callable[[], Any] | None = None):
-        self.timer, self.seen, self.items = timer, {}, 0
+    def __init__(
+        self,
+        timer: Timer,
+        on_timed: Callable[[], Any] | None = None,
+        seen: dict[tuple, ItemTime] | None = None,
+    ):
+        # seen: (pass, key) -> ItemTime, shared by simulations whose timings are alike (auto's
+        # candidates on one device: the same item is timed once for all of them).
+        self.timer, self.seen, self.items = timer, {} if seen is None else seen, 0
         self.on_timed = on_timed  # called after each distinct item is timed (progress)
         self.peak = 0
+        self.timed = 0  # items this clock timed (not found in `seen`)
         self._mask_keys: dict[int, tuple[Any, tuple]] = {}
 
     def time(
@@ -163,12 +270,13 @@ class Clock:
         seen = (which, item.key if key is None else key)
         if seen not in self.seen:
             built = item() if key is not None else item
-            timed = self.timer(built, which)
-            self.seen[seen] = timed
-            self.peak = max(self.peak, timed.peak)
+            self.seen[seen] = self.timer(built, which)
+            self.timed += 1
             if self.on_timed is not None:
                 self.on_timed()
-        return self.seen[seen]
+        timed = self.seen[seen]
+        self.peak = max(self.peak, timed.peak)
+        return timed
 
     def ms(self, item: Item | Callable[[], Item], which: str, key: tuple | None = None) -> float:
         """The item's device time for `which` (Clock.time's ms)."""
@@ -240,6 +348,7 @@ def simulate(
     timer: Timer,
     domain_size: int | None = None,
     on_timed: Callable[[], Any] | None = None,
+    seen: dict[tuple, ItemTime] | None = None,
 ) -> Simulation:
     """Every rank's compute of `spec`'s scheme over `world_size` ranks, timed one after another.
 
@@ -255,6 +364,7 @@ def simulate(
         timer: how an item is timed (bench_timer for the project's timing).
         domain_size: GPUs per NVLink domain (SimulatedCall.domain_size).
         on_timed: called after each distinct item is timed (the run's progress).
+        seen: timings already taken of items alike (Clock's), shared by simulations.
 
     Returns:
         A Simulation with each rank's RankWork (compute per step, bytes per step).
@@ -262,14 +372,14 @@ def simulate(
     if spec.simulate is None:
         raise ValueError(f"scheme: {spec.name} declares no simulation (TopologySpec.simulate)")
     start = time.perf_counter()
-    clock = Clock(timer, on_timed)
+    clock = Clock(timer, on_timed, seen)
     variant = variant.to(q.device) if variant.device not in (None, q.device) else variant
     call = SimulatedCall(
         q, k, v, grad_out, variant, world_size, layout, options or CPOptions(),
         spec.option_values(scheme_options), clock, domain_size,
     )  # fmt: skip
     sim = spec.simulate(call)
-    sim.items, sim.timed = clock.items, len(clock.seen)
+    sim.items, sim.timed = clock.items, clock.timed
     sim.peak_mem_bytes += clock.peak
     sim.wall_s = time.perf_counter() - start
     return sim

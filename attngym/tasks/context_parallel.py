@@ -185,7 +185,7 @@ def run_context_parallel(
         with timeline.phase("auto_choice"):
             settings, result, inputs = choose(settings, run_dir, metrics)
         kind = settings.topology.kind
-        if settings.topology.simulate:  # the pick's simulation is the run's
+        if settings.topology.simulate and result is not None:  # its simulation is the run's
             from attngym.tasks.cp_simulate import simulated_metrics
 
             return simulated_metrics(settings, kind, metrics, result, inputs, whole_problem_ms)

@@ -1,25 +1,36 @@
-"""`topology=auto` (attngym.distributed.auto): simulate the candidates, price them, pick one.
+"""`topology=auto` (attngym.distributed.auto): price the candidates, time the few that could win,
+pick one, and keep the answer.
 
-Each candidate scheme and layout is simulated once on this device (cp_simulate.simulated: the
-same ranks, plans and kernels a `topology.simulate=true` run of it times), and again with each
-option set its simulation names as another way to run it (Simulation.extra "alternatives": the
-all-gather's overlap), and priced on the run's fabric for each transport; the fastest predicted
-is the pick. The run records
+Each candidate scheme and layout, with and without CUDA graphs where graphs can run, is first
+simulated with the model (simulate.ModelTimer: a few items of each kind timed on this device,
+the rest priced from their blocks) and priced on the run's fabric for each transport; again with
+each option set its simulation names as another way to run it (Simulation.extra
+"alternatives": the all-gather's overlap). The candidates the model puts within SHORTLIST_MARGIN
+of its best (topology.options.shortlist of them at most; 0: every one) are then simulated with
+every item timed, as a `topology.simulate=true` run of them is, sharing what they have in
+common; the fastest timed is the pick. The answer is kept in a table in the cache folder keyed
+by the question (`question`: the variant and its code, shape, P, fabric, transport, device), so
+asking again takes it from there (topology.options.reuse=false asks afresh). The run records
 
-    auto_pick, auto_pick_ms        the pick (scheme/layout/transport) and its predicted time
+    auto_pick, auto_pick_ms        the pick (scheme/layout/transport[/cuda_graph]), its time
     auto_runner_up, auto_runner_up_ms   the next fastest
     auto_why                       one line: the pick's time, what bounds it, the margin
     auto_candidates, auto_s        how many candidates were priced, the choice's wall time
+    auto_timed                     how many of them were simulated with every item timed
+    auto_cached                    when the answer came from the table: when it was asked
     auto_simulated, auto_planned   simulations done of those planned (written as they go, with
     auto_best_so_far               the best so far: an interrupted choice keeps what it had)
 
-and auto.json in the run folder holds every candidate's prediction (and why a scheme was left
-out: its rules refused the run, e.g. Ulysses with more ranks than heads).
+and auto.json in the run folder holds every candidate's prediction (the model's and, for those
+timed, the timed one) and why a scheme was left out (its rules refused the run, e.g. Ulysses
+with more ranks than heads).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
 import json
 import logging
 import time
@@ -34,29 +45,122 @@ log = logging.getLogger(__name__)
 
 # Fabrics measured per transport: both are priced while the ranks fit in one NVLink domain.
 MEASURED = {"h200_nvlink": ("copy_engine", "nccl"), "hgx_h200": ("copy_engine", "nccl")}
+# Candidates the model prices this close to its best are timed: the model's error on one
+# candidate against another (the fit of a few items per kind) stays well inside it.
+SHORTLIST_MARGIN = 0.15
+# The answers asked before, in the cache folder (attngym.compile_cache.root).
+ANSWERS = "auto_answers.json"
+
+
+@dataclasses.dataclass
+class Priced:
+    """A candidate priced over one transport: the model's time, then the timed one (None until
+    its simulation has timed every item)."""
+
+    scheme: str
+    layout: str
+    own: dict[str, Any]
+    cuda_graph: bool
+    transport: str
+    model_ms: float
+    result: tuple | None = None  # (Simulation, Layout, variant, Fabric, Prediction)
+    timed_ms: float | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.scheme, self.layout, *(f"{k}={v}" for k, v in self.own.items())]
+        return "/".join(parts + ["cuda_graph"] * self.cuda_graph)
+
+    @property
+    def ms(self) -> float:
+        return self.model_ms if self.timed_ms is None else self.timed_ms
+
+    @property
+    def candidate(self) -> tuple:
+        return self.scheme, self.layout, json.dumps(self.own, sort_keys=True), self.cuda_graph
 
 
 def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     """The pick for this run: (its settings, its simulation (Simulation, Layout, variant,
-    Fabric, Prediction), the simulated inputs); the choice goes into `metrics` and auto.json.
+    Fabric, Prediction) or None where the answer came from the table, the simulated inputs or
+    None); the choice goes into `metrics` and auto.json.
 
     Raises:
         ConfigError(topology.options.candidates): no candidate accepts the run.
     """
-    from attngym.distributed.auto import CANDIDATES, PICK
-    from attngym.distributed.layout import LAYOUTS
-    from attngym.tasks.cp_setup import rank_device
-    from attngym.tasks.cp_simulate import cpu_caveat, fabric_of, simulated, simulation_inputs
+    from attngym.tasks.cp_simulate import cpu_caveat
 
     start = time.perf_counter()
-    topo = settings.topology
-    if (caveat := cpu_caveat(settings)) is not None:
+    caveat = cpu_caveat(settings)
+    opts = registry.get("topology", "auto").option_values(settings.topology.options)
+    asked = question(settings, metrics)
+    key = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
+    answer = _answers().get(key) if opts["reuse"] else None
+    if caveat is not None and not (answer and settings.topology.simulate):  # else its run says it
         log.warning("topology=auto: %s", caveat)
-    opts = registry.get("topology", "auto").option_values(topo.options)
+    if answer is not None:
+        metrics.update(answer["metrics"], auto_cached=answer["asked"])
+        metrics["auto_s"] = time.perf_counter() - start
+        log.info("topology=auto picked %s: the answer asked on %s, kept in %s (%s)",
+                 answer["metrics"]["auto_pick"], answer["asked"], _answers_path(),
+                 answer["metrics"]["auto_why"])  # fmt: skip
+        _write_table(run_dir, answer["table"])
+        return _picked(settings, *answer["pick"]), None, None
+    rows, left_out, inputs = _priced(settings, opts, metrics)
+    best = rows[0]
+    second = next((r for r in rows[1:] if r.candidate != best.candidate), None)
+    timed = {r.candidate for r in rows if r.timed_ms is not None}
+    metrics.update(
+        {
+            "auto_pick": f"{best.label}/{best.transport}",
+            "auto_pick_ms": best.ms,
+            "auto_runner_up": None if second is None else f"{second.label}/{second.transport}",
+            "auto_runner_up_ms": None if second is None else second.ms,
+            "auto_why": _why(best, second, bound=caveat is None),
+            "auto_timed": len(timed),
+            "auto_cached": None,
+            "prediction_refused": caveat,
+        }
+    )
+    metrics["auto_s"] = time.perf_counter() - start
+    log.info("topology=auto picked %s: %s", metrics["auto_pick"], metrics["auto_why"])
+    table = {
+        "pick": metrics["auto_pick"],
+        "candidates": [
+            {"scheme": r.scheme, "layout": r.layout, "options": r.own,
+             "cuda_graph": r.cuda_graph, "transport": r.transport, "predicted_ms": r.ms,
+             "model_ms": r.model_ms, "timed_ms": r.timed_ms,
+             "bottleneck": None if caveat or r.result is None else r.result[4].bottleneck,
+             "time_imbalance": None if r.result is None else r.result[4].time_imbalance}
+            for r in rows
+        ],
+        "left_out": left_out,
+    }  # fmt: skip
+    _write_table(run_dir, table)
+    pick = (best.scheme, best.layout, best.transport, best.own, best.cuda_graph)
+    kept = [
+        "auto_pick", "auto_pick_ms", "auto_runner_up", "auto_runner_up_ms", "auto_why",
+        "auto_timed", "auto_candidates", "prediction_refused",
+    ]  # fmt: skip
+    _keep_answer(key, asked, pick, {k: metrics.get(k) for k in kept}, table)
+    return _picked(settings, *pick), best.result, inputs
+
+
+def _priced(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
+    """Every candidate priced by the model, then the shortlist timed: (the rows, fastest
+    first; the schemes left out and why; the simulated inputs)."""
+    from attngym.distributed.auto import CANDIDATES, PICK
+    from attngym.distributed.layout import LAYOUTS
+    from attngym.distributed.simulate import ModelTimer, bench_timer
+    from attngym.tasks.cp_setup import rank_device
+    from attngym.tasks.cp_simulate import fabric_of, simulated, simulation_inputs
+
+    topo, bench = settings.topology, settings.benchmark
     device = rank_device(settings)
     inputs = simulation_inputs(settings, device)
     do_bwd = "bwd" in settings.passes
     wanted = opts["layouts"] or LAYOUTS if topo.layout == PICK else (topo.layout,)
+    graphs = _graph_choices(settings, opts)
     planned = [
         (name, layout, own)
         for name in opts["candidates"] or CANDIDATES
@@ -64,60 +168,176 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
         if registry.get("topology", name).takes_layout(layout)
         for own in _option_sets(name, settings)
     ]
-    rows, left_out, results = [], {}, {}
-    with ChoiceProgress(len(planned), metrics) as progress:
+    model = ModelTimer(bench_timer(device, bench.warmup, bench.repeats))
+    models = {False: model, True: model.with_graphs()}
+    seen: dict[bool, dict] = {False: model.measured, True: {}}
+    rows: list[Priced] = []
+    left_out: dict[str, str] = {}
+
+    def price(row_of, result, graph) -> list[Priced]:
+        made = []
+        for transport in _transports(settings, opts["transports"]):
+            name, layout, own = row_of
+            fab = fabric_of(_candidate(settings, name, layout, transport, graph, own), transport)
+            prediction = registry.get("topology", row_of[0]).price(result[0], fab, do_bwd)
+            ms = prediction.fwd_bwd_ms if do_bwd else prediction.fwd_ms
+            made.append(Priced(*row_of, graph, transport, ms, (*result, fab, prediction)))
+        return made
+
+    with ChoiceProgress(len(planned) * len(graphs), metrics) as progress:
         while planned:
             name, layout, own = planned.pop(0)
             spec = registry.get("topology", name)
-            label = "/".join([name, layout, *(f"{k}={v}" for k, v in own.items())])
-            candidate = _candidate(settings, name, layout, topo.transport, own)
-            progress.simulating(label)
-            try:
-                result = simulated(candidate, spec, inputs, device)
-            except ConfigError as err:  # this scheme's rules refuse the run
-                left_out[label] = str(err)
+            for graph in graphs:
+                candidate = _candidate(settings, name, layout, topo.transport, graph, own)
+                label = Priced(name, layout, own, graph, "", 0.0).label
+                progress.simulating(f"{label} (model)")
+                try:
+                    result = simulated(candidate, spec, inputs, device, timer=models[graph])
+                except ConfigError as err:  # this scheme's rules refuse the run
+                    left_out[label] = str(err)
+                    progress.simulated()
+                    continue
+                except RuntimeError as err:  # CUDA refusing to capture the call
+                    if not graph or "captur" not in str(err):
+                        raise
+                    left_out[label] = f"cannot be captured as a CUDA graph: {err}"
+                    progress.simulated()
+                    continue
+                if not graph:
+                    alternatives = [{**own, **a} for a in result[0].extra.get("alternatives", ())]
+                    planned[:0] = [(name, layout, alt) for alt in alternatives]
+                    progress.grow(len(alternatives) * len(graphs))
+                for row in price((name, layout, own), result, graph):
+                    rows.append(row)
+                    progress.priced(f"{row.label} over {row.transport}", row.ms)
                 progress.simulated()
-                continue
-            alternatives = [{**own, **alt} for alt in result[0].extra.get("alternatives", ())]
-            planned[:0] = [(name, layout, alt) for alt in alternatives]
-            progress.grow(len(alternatives))
-            for transport in _transports(settings, opts["transports"]):
-                fab = fabric_of(candidate, transport)
-                prediction = spec.price(result[0], fab, do_bwd)
-                ms = prediction.fwd_bwd_ms if do_bwd else prediction.fwd_ms
-                rows.append((ms, label, transport, prediction, fab, (name, layout, own)))
-                results[label, transport] = (*result, fab, prediction)
-                progress.priced(f"{label} over {transport}", ms)
+        if not rows:
+            raise ConfigError(
+                "topology.options.candidates",
+                "no candidate accepts this run: "
+                + "; ".join(f"{k}: {v}" for k, v in left_out.items()),
+            )
+        for row in _shortlist(rows, opts["shortlist"]):
+            name, layout, own, graph = row.scheme, row.layout, row.own, row.cuda_graph
+            candidate = _candidate(settings, name, layout, topo.transport, graph, own)
+            progress.timing(f"{row.label} (timed)")
+            timer = bench_timer(device, bench.warmup, bench.repeats, graph)
+            spec = registry.get("topology", name)
+            result = simulated(candidate, spec, inputs, device, timer=timer, seen=seen[graph])
+            for timed in price((name, layout, own), result, graph):
+                same = next(r for r in rows if (r.candidate, r.transport)
+                            == (timed.candidate, timed.transport))  # fmt: skip
+                same.result, same.timed_ms = timed.result, timed.model_ms
+                progress.priced(f"{same.label} over {same.transport}, timed", same.ms, again=True)
             progress.simulated()
-    rows.sort(key=lambda row: row[0])
-    best, second = rows[0], rows[1] if len(rows) > 1 else None
-    pick = f"{best[1]}/{best[2]}"
-    metrics.update(
-        {
-            "auto_pick": pick,
-            "auto_pick_ms": best[0],
-            "auto_runner_up": None if second is None else f"{second[1]}/{second[2]}",
-            "auto_runner_up_ms": None if second is None else second[0],
-            "auto_why": _why(best, second, bound=caveat is None),
-            "prediction_refused": caveat,
-            "auto_s": time.perf_counter() - start,
-        }
+    timed = [r for r in rows if r.timed_ms is not None]
+    rows = sorted(timed, key=lambda r: r.ms) + sorted(
+        (r for r in rows if r.timed_ms is None), key=lambda r: r.ms
     )
-    log.info("topology=auto picked %s: %s", pick, metrics["auto_why"])
+    return rows, left_out, inputs
+
+
+def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
+    """The candidates to time: each one's fastest transport, those the model puts within
+    SHORTLIST_MARGIN of its best, `most` of them at most (0: every candidate)."""
+    fastest: dict[tuple, Priced] = {}
+    for row in sorted(rows, key=lambda r: r.model_ms):
+        fastest.setdefault(row.candidate, row)
+    ordered = list(fastest.values())
+    if most == 0:
+        return ordered
+    bound = ordered[0].model_ms * (1 + SHORTLIST_MARGIN)
+    return [r for r in ordered if r.model_ms <= bound][:most]
+
+
+def _graph_choices(settings: Settings, opts: dict[str, Any]) -> tuple[bool, ...]:
+    """With and without CUDA graphs where graphs can run (CUDA, and a transport on the device:
+    not gloo's host copies between real ranks); topology.cuda_graph=true asks for graphs only;
+    topology.options.cuda_graphs narrows it."""
+    topo = settings.topology
+    if topo.cuda_graph:
+        return (True,)
+    can = settings.device == "cuda" and (topo.simulate or topo.transport != "gloo")
+    wanted = tuple(opts["cuda_graphs"]) or (False, True)
+    return tuple(g for g in wanted if can or not g) or (False,)
+
+
+def question(settings: Settings, metrics: dict[str, Any]) -> dict[str, Any]:
+    """What an answer of auto depends on: the variant (its config entry and the fingerprint of
+    the user's code it names), shape, dtype, passes, kernels, the topology's keys, attngym's
+    and torch's versions and this device."""
+    import torch
+
+    import attngym
+    from attngym.device import device_info
+
+    topo = settings.topology
+    return {
+        "attention": settings.attention,
+        "code": metrics.get("code_fingerprint"),
+        "shape": dataclasses.asdict(settings.shape),
+        "dtype": settings.dtype,
+        "passes": list(settings.passes),
+        "block_size": list(settings.block_size),
+        "kernel_options": settings.kernel_options,
+        "compile": [settings.compile, settings.compile_mode],
+        "topology": {
+            "world_size": topo.world_size, "transport": topo.transport, "layout": topo.layout,
+            "options": {k: v for k, v in topo.options.items() if k != "reuse"},
+            "simulate": topo.simulate, "fabric": topo.fabric, "gbps": topo.fabric_gbps,
+            "latency_us": topo.fabric_latency_us, "cuda_graph": topo.cuda_graph,
+        },
+        "versions": [attngym.__version__, torch.__version__],
+        "device": {k: v for k, v in device_info(settings.device).items()
+                   if k in ("name", "capability", "count", "cuda")},
+    }  # fmt: skip
+
+
+def _answers_path() -> Path:
+    from attngym import compile_cache
+
+    return compile_cache.root() / ANSWERS
+
+
+def _answers() -> dict[str, Any]:
+    """The table of answers asked before ({} where there is none or it cannot be read)."""
+    try:
+        table = json.loads(_answers_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _keep_answer(key: str, asked: dict, pick: tuple, metrics: dict, table: dict) -> None:
+    """Add this answer to the table (atomically: a run reading it sees the old or the new)."""
+    from attngym.fileio import atomic_write
+
+    answers = _answers()
+    answers[key] = {
+        "asked": datetime.datetime.now().isoformat(timespec="seconds"),
+        "question": asked,
+        "pick": list(pick),
+        "metrics": metrics,
+        "table": table,
+    }
+    try:
+        _answers_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(_answers_path(), json.dumps(answers, indent=1, default=str))
+    except OSError as err:  # a cache that cannot be written costs the next run its time only
+        log.warning("topology=auto: the answer is not kept (%s)", err)
+
+
+def _write_table(run_dir: Path | None, table: dict[str, Any]) -> None:
     if run_dir is not None:
-        table = [
-            {"scheme": n, "layout": lay, "options": own, "transport": tr, "predicted_ms": ms,
-             "bottleneck": None if caveat else p.bottleneck, "time_imbalance": p.time_imbalance,
-             "fabric": f.name}
-            for ms, _, tr, p, f, (n, lay, own) in rows
-        ]  # fmt: skip
-        (Path(run_dir) / "auto.json").write_text(
-            json.dumps({"pick": pick, "candidates": table, "left_out": left_out}, indent=1)
-        )
-    _, label, transport, _, _, (name, layout, own) = best
-    picked = _candidate(settings, name, layout, transport, own)
-    picked.topology.simulate = topo.simulate
-    return picked, results[label, transport], inputs
+        (Path(run_dir) / "auto.json").write_text(json.dumps(table, indent=1))
+
+
+def _picked(settings, name, layout, transport, own, cuda_graph) -> Settings:
+    """The run's settings with the pick, as the run itself takes them."""
+    picked = _candidate(settings, name, layout, transport, cuda_graph, own)
+    picked.topology.simulate = settings.topology.simulate
+    return picked
 
 
 class ChoiceProgress:
@@ -131,18 +351,28 @@ class ChoiceProgress:
 
         self.metrics = metrics
         self.best: tuple[float, str] | None = None
+        self.timing_started = False
         self.bar = Progress(planned, "topology=auto candidates", line_per_step=True)
         metrics.update(auto_planned=planned, auto_simulated=0, auto_candidates=0)
 
     def simulating(self, label: str) -> None:
         self.bar.running(label)
 
+    def timing(self, label: str) -> None:
+        """A candidate simulated again with every item timed: one more step; the best so far
+        is then the best timed."""
+        if not self.timing_started:
+            self.timing_started, self.best = True, None
+        self.grow(1)
+        self.bar.running(label)
+
     def grow(self, more: int) -> None:
         self.bar.grow(more)
         self.metrics["auto_planned"] += more
 
-    def priced(self, label: str, ms: float) -> None:
-        self.metrics["auto_candidates"] += 1
+    def priced(self, label: str, ms: float, *, again: bool = False) -> None:
+        """A candidate priced; `again`: one priced before, now timed (counted once)."""
+        self.metrics["auto_candidates"] += not again
         if self.best is None or ms < self.best[0]:
             self.best = (ms, label)
             self.metrics["auto_best_so_far"] = f"{label}: {ms:.3f} ms predicted"
@@ -160,12 +390,12 @@ class ChoiceProgress:
         self.bar.close()
 
 
-def _candidate(settings: Settings, name: str, layout: str, transport: str, own) -> Settings:
-    """The run's settings with topology `name`, `layout`, `transport` and its own options `own`
-    (the rest at their defaults: hybrid's groups, the fabric's NVLink domain), simulated."""
+def _candidate(settings: Settings, name, layout, transport, cuda_graph, own) -> Settings:
+    """The run's settings with topology `name`, `layout`, `transport`, `cuda_graph` and its own
+    options `own` (the rest at their defaults: hybrid's groups, the fabric's domain), simulated."""
     topo = dataclasses.replace(
         settings.topology, kind=name, layout=layout, transport=transport, options=dict(own),
-        simulate=True,
+        cuda_graph=cuda_graph, simulate=True,
     )  # fmt: skip
     return dataclasses.replace(settings, topology=topo)
 
@@ -202,19 +432,19 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
     return ("nccl",) if spans_domains(topo.fabric, topo.world_size) else MEASURED[topo.fabric]
 
 
-def _why(best, second, *, bound: bool) -> str:
+def _why(best: Priced, second: Priced | None, *, bound: bool) -> str:
     """The pick's time, what bounds it (not on a CPU: `cpu_caveat`) and its margin."""
-    ms, label, transport, prediction, fab, _ = best
+    prediction, fab = best.result[4], best.result[3]
     what = (
         f"{prediction.bottleneck}-bound, time imbalance {prediction.time_imbalance:.2f}"
         if bound
         else "this CPU's compute: a ranking of these candidates, no GPU's prediction"
     )
-    line = f"{label} over {transport}: {ms:.3f} ms predicted on {fab.name} ({what})"
+    line = f"{best.label} over {best.transport}: {best.ms:.3f} ms predicted on {fab.name} ({what})"
     if second is None:
         return f"{line}; the only candidate"
-    margin = second[0] / ms - 1 if ms > 0 else 0.0
-    return f"{line}; {margin:.1%} faster than {second[1]} over {second[2]}"
+    margin = second.ms / best.ms - 1 if best.ms > 0 else 0.0
+    return f"{line}; {margin:.1%} faster than {second.label} over {second.transport}"
 
 
 def _gpus() -> int:

@@ -70,10 +70,15 @@ def cpu_caveat(settings: Settings) -> str | None:
     )
 
 
-def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device, on_timed=None):
+def simulated(
+    settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device, on_timed=None, *,
+    timer=None, seen=None,
+):  # fmt: skip
     """The ranks of `spec`'s scheme over topology.world_size on this device (its rules checked
     first, ConfigError naming the key): (Simulation, the Layout it ran, the variant on device).
-    on_timed: called after each distinct item of work is timed (progress)."""
+    on_timed: called after each distinct item of work is timed (progress); timer: how items
+    are timed (default: the run's benchmark timing, with topology.cuda_graph); seen: timings
+    shared with other simulations on this device (simulate.Clock)."""
     from attngym.distributed.simulate import bench_timer, simulate
     from attngym.distributed.transfer_model import domain_size
     from attngym.tasks.cp_setup import cp_options
@@ -107,10 +112,12 @@ def simulated(settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device
         layout=layout,
         options=cp_options(s),
         scheme_options=topo.options,
-        timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats, topo.cuda_graph),
+        timer=timer or bench_timer(device, s.benchmark.warmup, s.benchmark.repeats,
+                                   topo.cuda_graph),
         domain_size=domain_size(topo.fabric),
         on_timed=on_timed,
-    )
+        seen=seen,
+    )  # fmt: skip
     return sim, layout, variant
 
 

@@ -115,3 +115,72 @@ def test_auto_weighs_a_users_balancer_named_in_its_layouts(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="unknown layout 'zigzg'.*did you mean 'zigzag'") as err:
         attngym.run(overrides=[*common, "topology.options.layouts=[zigzg]"], run_dir=tmp_path / "x")
     assert err.value.key == "topology.options.layouts"
+
+
+def _causal_item(seq_len: int, name: str = "ring"):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attngym.distributed.simulate import Item
+
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, "cpu")
+    key = (name, (1, 2, seq_len, 8), seq_len)
+    return Item(key=key, fwd=lambda: None, bwd=None, block_masks=(mask,))
+
+
+def test_the_model_times_a_few_items_of_a_kind_and_prices_the_rest_by_their_blocks():
+    from attngym.distributed.simulate import ItemTime, ModelTimer, block_units
+
+    timed = []
+
+    def device_time(item, which):  # a device whose time is 0.5 ms + 0.01 ms a block unit
+        timed.append(item.key)
+        return ItemTime(0.5 + 0.01 * block_units(item), host_ms=0.1)
+
+    model = ModelTimer(device_time)
+    sizes = (1024, 128, 4096, 512, 2048, 256, 8192)
+    prices = {n: model(_causal_item(n), "fwd") for n in sizes}
+    # The first, then those outside what was timed by more than half, three at most.
+    assert [key[2] for key in timed] == [1024, 128, 4096]
+    for n, price in prices.items():  # a line through the samples: exact on a linear device
+        assert price.ms == pytest.approx(0.5 + 0.01 * block_units(_causal_item(n)), rel=1e-9)
+        assert price.host_ms == pytest.approx(0.1)
+    model(_causal_item(512, name="allgather"), "fwd")  # another kind is fitted on its own
+    model(_causal_item(512), "bwd")  # and another pass
+    assert len(timed) == 5
+    graphed = model.with_graphs()(_causal_item(2048), "fwd")
+    assert graphed.ms == prices[2048].ms and graphed.host_ms < 0.1  # one replay issues it
+    assert len(timed) == 5
+
+
+def test_the_fit_never_prices_below_zero_or_falls_with_size():
+    from attngym.distributed.simulate import _fit
+
+    assert _fit([(10.0, 2.0)]) == (0.0, 0.2)  # one sample: through the origin
+    assert _fit([(10.0, 1.0), (20.0, 5.0)]) == pytest.approx((0.0, 0.22))  # no negative a
+    assert _fit([(10.0, 3.0), (20.0, 1.0)]) == (2.0, 0.0)  # a falling line: flat
+    assert _fit([(0.0, 1.0), (10.0, 2.0), (20.0, 3.0)]) == pytest.approx((1.0, 0.1))
+
+
+def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_path):
+    import attngym
+
+    common = ["topology=auto", "topology.simulate=true", "topology.world_size=2",
+              "attention=document", "device=cpu", "shape.seq_len=512", "shape.heads=2",
+              "shape.head_dim=8", "validate=false", "baselines=[]", "benchmark.warmup=0",
+              "benchmark.repeats=1", "logger=none", "topology.options.shortlist=2"]  # fmt: skip
+    first = attngym.run(overrides=common, run_dir=tmp_path / "first")
+    assert first["auto_timed"] == 2 and first["auto_cached"] is None
+    table = json.loads((tmp_path / "first" / "auto.json").read_text())
+    timed = [c for c in table["candidates"] if c["timed_ms"] is not None]
+    assert len({(c["scheme"], c["layout"], json.dumps(c["options"])) for c in timed}) == 2
+    assert table["candidates"][0] in timed  # the pick is a timed one
+    assert all(not c["cuda_graph"] for c in table["candidates"])  # no graphs on a CPU
+    again = attngym.run(overrides=common, run_dir=tmp_path / "again")
+    assert again["auto_cached"] and again["auto_pick"] == first["auto_pick"]
+    assert again["auto_s"] < 1.0 and again["auto_timed"] == first["auto_timed"]
+    assert json.loads((tmp_path / "again" / "auto.json").read_text()) == table
+    other = attngym.run(overrides=[*common, "shape.heads=4"], run_dir=tmp_path / "other")
+    assert other["auto_cached"] is None  # another question
+    fresh = attngym.run(overrides=[*common, "topology.options.reuse=false"],
+                        run_dir=tmp_path / "fresh")  # fmt: skip
+    assert fresh["auto_cached"] is None
