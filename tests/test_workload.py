@@ -163,6 +163,28 @@ def test_every_batch_of_a_cp_workload_matches_float64_forward_and_backward(
     assert metrics["workload_batches"] == 3 and metrics["planning_ms_max"] > 0
 
 
+@pytest.mark.slow
+def test_the_ranks_start_once_for_all_batches(tmp_path, monkeypatch):
+    """A CP workload starts its ranks once: each batch is their next run, not a new launch."""
+    import attngym
+    from attngym.distributed import launch as launching
+
+    launches = []
+    real = launching.launch
+    monkeypatch.setattr(launching, "launch", lambda *a, **k: launches.append(a) or real(*a, **k))
+    metrics = attngym.run(
+        overrides=["workload=documents", "workload.batches=2", "workload.median=100",
+                   "attention=document", "topology=ring", "topology.world_size=2",
+                   "shape.seq_len=256", "shape.heads=2", "shape.head_dim=8", "baselines=[]",
+                   "benchmark.warmup=0", "benchmark.repeats=1", "logger=none", "device=cpu"],
+        run_dir=tmp_path / "run",
+    )  # fmt: skip
+    assert len(launches) == 1
+    assert metrics["workload_batches_done"] == 2 and metrics["validation"] == "ok"
+    with (tmp_path / "run" / "batches.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
+
+
 DOC_WINDOW = '''
 import torch
 

@@ -175,6 +175,9 @@ def run_context_parallel(
     if settings.workload.name != "none":  # each batch a run of this task (tasks.workloads)
         from attngym.tasks import workloads
 
+        if not settings.topology.simulate and not registry.get("topology", kind).chooses:
+            return _workload_on_ranks(settings, run_dir, kind, metrics)
+
         def one_batch(batch: Settings, folder: Path, into: dict[str, Any]) -> dict[str, Any]:
             return run_context_parallel(batch, folder, kind, into)
 
@@ -213,6 +216,44 @@ def run_context_parallel(
             current.add(rank_time)
     metrics.update(auto_check(metrics, "bwd" in settings.passes))
     return metrics
+
+
+def _workload_on_ranks(
+    settings: Settings, run_dir: Path, kind: str, metrics: dict[str, Any]
+) -> dict[str, Any]:
+    """A workload's batches on ranks started once for all of them (`_rank_workload`): rank 0
+    writes batches.csv as batches finish and returns the workload's metrics."""
+    from attngym.distributed.launch import launch
+
+    check_hardware(settings)
+    metrics.update(scheme_metrics(settings))
+    with timeline.phase("ranks_start"):
+        metrics.update(
+            launch(
+                _rank_workload,
+                settings.topology.world_size,
+                args=(settings, kind, run_dir),
+                device=settings.device,
+                timeout_s=settings.topology.timeout_s,
+                run_dir=run_dir,
+            )
+        )
+    return metrics
+
+
+def _rank_workload(
+    rank: int, world_size: int, settings: Settings, kind: str, run_dir: Path
+) -> dict[str, Any]:
+    """One rank's part of every batch of the workload, in order (each a `_rank_run` of the
+    batch's settings: its own group, plans and phases)."""
+    from attngym.tasks import workloads
+
+    def one_batch(batch: Settings, _folder: Path | None, _into: dict) -> dict[str, Any]:
+        out = _rank_run(rank, world_size, batch, kind)
+        out.pop(RANK_TIME, None)
+        return out
+
+    return workloads.run(settings, run_dir if rank == 0 else None, {}, one_batch)
 
 
 def auto_check(metrics: dict[str, Any], backward: bool) -> dict[str, Any]:

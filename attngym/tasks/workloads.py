@@ -35,13 +35,13 @@ log = logging.getLogger(__name__)
 
 def run(
     settings: Settings,
-    run_dir: Path,
+    run_dir: Path | None,
     metrics: dict[str, Any],
     one_batch: Callable[[Settings, Path, dict[str, Any]], dict[str, Any]],
 ) -> dict[str, Any]:
     """Every batch of the settings' workload through `one_batch` (a task's run), the rows in
-    batches.csv, the aggregates into `metrics` (filled as batches finish: a stopped run keeps
-    what it had)."""
+    batches.csv (none without a run folder: a rank other than 0), the aggregates into `metrics`
+    (filled as batches finish: a stopped run keeps what it had)."""
     spec = settings.workload
     data = {"workload": dataclasses.asdict(spec), "shape": {"seq_len": settings.shape.seq_len}}
     lengths = workload_batches(data)
@@ -77,7 +77,8 @@ def _run_batches(settings, run_dir, metrics, one_batch, lengths, described, rows
         rows.append(row)
         log.info("batch %d of %d: %d documents, longest %d: %s", index + 1, len(lengths),
                  len(docs), max(docs), _brief(row))  # fmt: skip
-        _write_rows(run_dir, rows)
+        if run_dir is not None:
+            _write_rows(run_dir, rows)
         metrics.update(aggregate(rows, settings))
 
 
