@@ -652,6 +652,27 @@ METRICS: tuple[Metric, ...] = (
         column=False,
     ),
     M(
+        "auto_dynamic_gain",
+        "auto per-batch gain",
+        "ratio",
+        "topology=auto on a workload: what a pick per batch would save against the one pick, "
+        "net of the planning its switches cost (the model's)",
+    ),
+    M(
+        "auto_dynamic_switches",
+        "auto switches",
+        "",
+        "topology=auto on a workload: batches where a pick per batch would change scheme",
+        column=False,
+    ),
+    M(
+        "auto_dynamic_cost_ms",
+        "auto switching (ms)",
+        "ms",
+        "topology=auto on a workload: the planning those switches cost",
+        column=False,
+    ),
+    M(
         "auto_cached",
         "auto answer kept",
         "",

@@ -227,3 +227,36 @@ def test_your_own_factory_gets_each_batchs_documents(tmp_path, attngym_cli, rank
         assert float(row["mask_density"]) == pytest.approx(kept / 512**2, rel=1e-6)
     if ranks == 2:
         assert all(float(r["err_dq_rel"]) < 1e-4 for r in rows)
+
+
+@pytest.mark.slow
+def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_batch(
+    tmp_path, monkeypatch
+):
+    import attngym
+
+    (tmp_path / "given.txt").write_text("[512]\n[64, 64, 64, 64, 256]\n")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    metrics = attngym.run(
+        overrides=["workload=documents", "workload.distribution=file", "workload.file=given.txt",
+                   "workload.batches=2", "attention=document", "topology=auto",
+                   "topology.simulate=true", "topology.world_size=2", "device=cpu",
+                   "shape.seq_len=512", "shape.heads=2", "shape.head_dim=8", "validate=false",
+                   "baselines=[]", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none"],
+        run_dir=run,
+    )  # fmt: skip
+    table = json.loads((run / "auto.json").read_text())
+    assert table["pick"] == metrics["auto_pick"] and len(table["per_batch_best"]) == 2
+    first = table["candidates"][0]  # the least total over both batches
+    assert metrics["auto_pick"].startswith(f"{first['scheme']}/{first['layout']}")
+    assert metrics["topology"] == first["scheme"]  # every batch ran the one pick
+    assert all(c["predicted_ms"] >= first["predicted_ms"] for c in table["candidates"])
+    assert first["predicted_ms"] == pytest.approx(sum(first["batches_ms"]) / 2)
+    # Picking per batch: each batch's best, plus the planning its switches cost.
+    best = sum(min(c["batches_ms"][i] for c in table["candidates"]) for i in (0, 1))
+    assert metrics["auto_dynamic_switches"] in (0, 1)
+    assert (metrics["auto_dynamic_cost_ms"] > 0) == (metrics["auto_dynamic_switches"] == 1)
+    gain = 1 - (best + metrics["auto_dynamic_cost_ms"]) / (2 * first["predicted_ms"])
+    assert metrics["auto_dynamic_gain"] == pytest.approx(gain)
+    assert metrics["workload_batches_done"] == 2

@@ -225,6 +225,7 @@ class Simulation:
 
     extra: what a scheme's own pricing needs beyond the ranks (hybrid: the in-group exchange and
     its across scheme; all-gather: the ranks of PyTorch's whole-shard scheme), its business;
+    "planning_ms", the placement's planning (cp_simulate.simulated times it);
     and "alternatives", where a scheme sets it: option sets of its own that would run this
     call another way, for topology=auto to simulate too (all-gather: the overlap its default
     did not take).

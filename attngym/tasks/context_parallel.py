@@ -175,7 +175,13 @@ def run_context_parallel(
     if settings.workload.name != "none":  # each batch a run of this task (tasks.workloads)
         from attngym.tasks import workloads
 
-        if not settings.topology.simulate and not registry.get("topology", kind).chooses:
+        if registry.get("topology", kind).chooses:  # auto: one pick for the whole workload
+            from attngym.tasks.cp_auto import choose_for_workload
+
+            with timeline.phase("auto_choice"):
+                settings = choose_for_workload(settings, run_dir, metrics)
+            kind = settings.topology.kind
+        if not settings.topology.simulate:
             return _workload_on_ranks(settings, run_dir, kind, metrics)
 
         def one_batch(batch: Settings, folder: Path, into: dict[str, Any]) -> dict[str, Any]:

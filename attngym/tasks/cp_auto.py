@@ -149,51 +149,82 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
 def _priced(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
     """Every candidate priced by the model, then the shortlist timed: (the rows, fastest
     first; the schemes left out and why; the simulated inputs)."""
-    from attngym.distributed.auto import CANDIDATES, PICK
-    from attngym.distributed.layout import LAYOUTS
-    from attngym.distributed.simulate import ModelTimer, bench_timer
-    from attngym.tasks.cp_setup import rank_device
-    from attngym.tasks.cp_simulate import fabric_of, simulated, simulation_inputs
+    pricing = Pricing(settings, opts)
+    with ChoiceProgress(pricing.planned_count(settings), metrics) as progress:
+        rows, left_out = pricing.modelled(settings, progress)
+        pricing.timed(settings, _shortlist(rows, opts["shortlist"]), rows, progress)
+    timed = [r for r in rows if r.timed_ms is not None]
+    rows = sorted(timed, key=lambda r: r.ms) + sorted(
+        (r for r in rows if r.timed_ms is None), key=lambda r: r.ms
+    )
+    return rows, left_out, pricing.inputs
 
-    topo, bench = settings.topology, settings.benchmark
-    device = rank_device(settings)
-    inputs = simulation_inputs(settings, device)
-    do_bwd = "bwd" in settings.passes
-    wanted = opts["layouts"] or LAYOUTS if topo.layout == PICK else (topo.layout,)
-    graphs = _graph_choices(settings, opts)
-    planned = [
-        (name, layout, own)
-        for name in opts["candidates"] or CANDIDATES
-        for layout in wanted
-        if registry.get("topology", name).takes_layout(layout)
-        for own in _option_sets(name, settings)
-    ]
-    model = ModelTimer(bench_timer(device, bench.warmup, bench.repeats))
-    models = {False: model, True: model.with_graphs()}
-    seen: dict[bool, dict] = {False: model.measured, True: {}}
-    rows: list[Priced] = []
-    left_out: dict[str, str] = {}
 
-    def price(row_of, result, graph) -> list[Priced]:
+class Pricing:
+    """What pricing candidates on this device shares, from one run's settings to the next of
+    the same shape (a workload's batches): the inputs, the model's fit and the timings taken."""
+
+    def __init__(self, settings: Settings, opts: dict[str, Any]):
+        from attngym.distributed.simulate import ModelTimer, bench_timer
+        from attngym.tasks.cp_setup import rank_device
+        from attngym.tasks.cp_simulate import simulation_inputs
+
+        self.opts, bench = opts, settings.benchmark
+        self.device = rank_device(settings)
+        self.inputs = simulation_inputs(settings, self.device)
+        self.graphs = _graph_choices(settings, opts)
+        model = ModelTimer(bench_timer(self.device, bench.warmup, bench.repeats))
+        self.models = {False: model, True: model.with_graphs()}
+        self.seen: dict[bool, dict] = {False: model.measured, True: {}}
+
+    def planned(self, settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
+        from attngym.distributed.auto import CANDIDATES, PICK
+        from attngym.distributed.layout import LAYOUTS
+
+        layout = settings.topology.layout
+        wanted = self.opts["layouts"] or LAYOUTS if layout == PICK else (layout,)
+        return [
+            (name, layout, own)
+            for name in self.opts["candidates"] or CANDIDATES
+            for layout in wanted
+            if registry.get("topology", name).takes_layout(layout)
+            for own in _option_sets(name, settings)
+        ]
+
+    def planned_count(self, settings: Settings) -> int:
+        return len(self.planned(settings)) * len(self.graphs)
+
+    def price(self, settings: Settings, row_of, result, graph) -> list[Priced]:
+        """A simulated candidate priced over each transport."""
+        from attngym.tasks.cp_simulate import fabric_of
+
         made = []
-        for transport in _transports(settings, opts["transports"]):
+        for transport in _transports(settings, self.opts["transports"]):
             name, layout, own = row_of
             fab = fabric_of(_candidate(settings, name, layout, transport, graph, own), transport)
-            prediction = registry.get("topology", row_of[0]).price(result[0], fab, do_bwd)
-            ms = prediction.fwd_bwd_ms if do_bwd else prediction.fwd_ms
+            prediction = registry.get("topology", name).price(
+                result[0], fab, "bwd" in settings.passes
+            )
+            ms = prediction.fwd_bwd_ms if "bwd" in settings.passes else prediction.fwd_ms
             made.append(Priced(*row_of, graph, transport, ms, (*result, fab, prediction)))
         return made
 
-    with ChoiceProgress(len(planned) * len(graphs), metrics) as progress:
+    def modelled(self, settings: Settings, progress: ChoiceProgress):
+        """Every candidate simulated with the model and priced: (rows, left out and why)."""
+        from attngym.tasks.cp_simulate import simulated
+
+        planned, rows, left_out = self.planned(settings), [], {}
         while planned:
             name, layout, own = planned.pop(0)
             spec = registry.get("topology", name)
-            for graph in graphs:
-                candidate = _candidate(settings, name, layout, topo.transport, graph, own)
+            for graph in self.graphs:
+                candidate = _candidate(settings, name, layout, settings.topology.transport,
+                                       graph, own)  # fmt: skip
                 label = Priced(name, layout, own, graph, "", 0.0).label
                 progress.simulating(f"{label} (model)")
                 try:
-                    result = simulated(candidate, spec, inputs, device, timer=models[graph])
+                    result = simulated(candidate, spec, self.inputs, self.device,
+                                       timer=self.models[graph])  # fmt: skip
                 except ConfigError as err:  # this scheme's rules refuse the run
                     left_out[label] = str(err)
                     progress.simulated()
@@ -207,8 +238,8 @@ def _priced(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
                 if not graph:
                     alternatives = [{**own, **a} for a in result[0].extra.get("alternatives", ())]
                     planned[:0] = [(name, layout, alt) for alt in alternatives]
-                    progress.grow(len(alternatives) * len(graphs))
-                for row in price((name, layout, own), result, graph):
+                    progress.grow(len(alternatives) * len(self.graphs))
+                for row in self.price(settings, (name, layout, own), result, graph):
                     rows.append(row)
                     progress.priced(f"{row.label} over {row.transport}", row.ms)
                 progress.simulated()
@@ -218,24 +249,113 @@ def _priced(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
                 "no candidate accepts this run: "
                 + "; ".join(f"{k}: {v}" for k, v in left_out.items()),
             )
-        for row in _shortlist(rows, opts["shortlist"]):
+        return rows, left_out
+
+    def timed(self, settings: Settings, shortlist, rows, progress: ChoiceProgress) -> None:
+        """The shortlisted candidates simulated with every item timed; their rows (in `rows`)
+        get the timed result and time."""
+        from attngym.distributed.simulate import bench_timer
+        from attngym.tasks.cp_simulate import simulated
+
+        bench = settings.benchmark
+        for row in shortlist:
             name, layout, own, graph = row.scheme, row.layout, row.own, row.cuda_graph
-            candidate = _candidate(settings, name, layout, topo.transport, graph, own)
+            candidate = _candidate(settings, name, layout, settings.topology.transport, graph,
+                                   own)  # fmt: skip
             progress.timing(f"{row.label} (timed)")
-            timer = bench_timer(device, bench.warmup, bench.repeats, graph)
+            timer = bench_timer(self.device, bench.warmup, bench.repeats, graph)
             spec = registry.get("topology", name)
-            result = simulated(candidate, spec, inputs, device, timer=timer, seen=seen[graph])
-            for timed in price((name, layout, own), result, graph):
+            result = simulated(candidate, spec, self.inputs, self.device, timer=timer,
+                               seen=self.seen[graph])  # fmt: skip
+            for timed in self.price(settings, (name, layout, own), result, graph):
                 same = next(r for r in rows if (r.candidate, r.transport)
                             == (timed.candidate, timed.transport))  # fmt: skip
                 same.result, same.timed_ms = timed.result, timed.model_ms
                 progress.priced(f"{same.label} over {same.transport}, timed", same.ms, again=True)
             progress.simulated()
-    timed = [r for r in rows if r.timed_ms is not None]
-    rows = sorted(timed, key=lambda r: r.ms) + sorted(
-        (r for r in rows if r.timed_ms is None), key=lambda r: r.ms
-    )
-    return rows, left_out, inputs
+
+
+def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
+    """One pick for a whole workload, as a job fixes its scheme at launch: every candidate
+    priced by the model on every batch (the model's fit and timings shared by the batches),
+    the pick the least total time; `auto_dynamic_gain` is what picking per batch would save
+    against it, net of the planning each switch of scheme costs (the new pick's placement on
+    that batch), with `auto_dynamic_switches` and `auto_dynamic_cost_ms`. The settings with
+    the pick; the answer is kept as `choose` keeps one."""
+    from attngym.config import workload_batches
+    from attngym.tasks.workloads import batch_settings
+
+    start = time.perf_counter()
+    opts = registry.get("topology", "auto").option_values(settings.topology.options)
+    asked = question(settings, metrics)
+    key = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
+    answer = _answers().get(key) if opts["reuse"] else None
+    if answer is not None:
+        metrics.update(answer["metrics"], auto_cached=answer["asked"])
+        metrics["auto_s"] = time.perf_counter() - start
+        log.info("topology=auto picked %s for the workload: the answer asked on %s (%s)",
+                 answer["metrics"]["auto_pick"], answer["asked"], _answers_path())  # fmt: skip
+        _write_table(run_dir, answer["table"])
+        return _picked(settings, *answer["pick"])
+    data = {"workload": dataclasses.asdict(settings.workload),
+            "shape": {"seq_len": settings.shape.seq_len}}  # fmt: skip
+    batches = [batch_settings(settings, docs, i)
+               for i, docs in enumerate(workload_batches(data))]  # fmt: skip
+    pricing = Pricing(batches[0], opts)
+    per_batch: list[dict[tuple, Priced]] = []
+    with ChoiceProgress(pricing.planned_count(batches[0]) * len(batches), metrics) as progress:
+        for batch in batches:
+            rows, _ = pricing.modelled(batch, progress)
+            per_batch.append({(r.candidate, r.transport): r for r in rows})
+    every = [k for k in per_batch[0] if all(k in rows for rows in per_batch)]
+    if not every:
+        raise ConfigError("topology.options.candidates",
+                          "no candidate accepts every batch of the workload")  # fmt: skip
+    totals = sorted(every, key=lambda k: sum(rows[k].ms for rows in per_batch))
+    static_ms = sum(rows[totals[0]].ms for rows in per_batch)
+    best = [min(rows.values(), key=lambda r: r.ms) for rows in per_batch]
+    switches = [b for i, b in enumerate(best) if i and b.candidate != best[i - 1].candidate]
+    cost_ms = sum(b.result[0].extra.get("planning_ms", 0.0) for b in switches)
+    dynamic_ms = sum(b.ms for b in best) + cost_ms
+    pick, second = per_batch[0][totals[0]], per_batch[0][totals[1]] if len(totals) > 1 else None
+    n = len(batches)
+    metrics.update(
+        {
+            "auto_pick": f"{pick.label}/{pick.transport}",
+            "auto_pick_ms": static_ms / n,
+            "auto_runner_up": None if second is None else f"{second.label}/{second.transport}",
+            "auto_runner_up_ms": None if second is None
+            else sum(rows[totals[1]].ms for rows in per_batch) / n,
+            "auto_why": f"the least predicted time over the workload's {n} batches, "
+            f"{static_ms / n:.3f} ms a batch (the model's)",
+            "auto_timed": 0,
+            "auto_cached": None,
+            "auto_dynamic_gain": 1 - dynamic_ms / static_ms if static_ms else None,
+            "auto_dynamic_switches": len(switches),
+            "auto_dynamic_cost_ms": cost_ms,
+            "prediction_refused": None,
+        }
+    )  # fmt: skip
+    metrics["auto_s"] = time.perf_counter() - start
+    log.info("topology=auto picked %s for the workload: %s; picking per batch would save %.1f %%",
+             metrics["auto_pick"], metrics["auto_why"],
+             100 * (metrics["auto_dynamic_gain"] or 0.0))  # fmt: skip
+    table = {
+        "pick": metrics["auto_pick"],
+        "candidates": [
+            {"scheme": r.scheme, "layout": r.layout, "options": r.own,
+             "cuda_graph": r.cuda_graph, "transport": r.transport,
+             "predicted_ms": sum(rows[k].ms for rows in per_batch) / n,
+             "batches_ms": [rows[k].ms for rows in per_batch]}
+            for k in totals for r in (per_batch[0][k],)
+        ],
+        "per_batch_best": [f"{b.label}/{b.transport}" for b in best],
+    }  # fmt: skip
+    _write_table(run_dir, table)
+    chosen = (pick.scheme, pick.layout, pick.transport, pick.own, pick.cuda_graph)
+    kept = [k for k in metrics if k.startswith("auto_") and k not in ("auto_s", "auto_cached")]
+    _keep_answer(key, asked, chosen, {k: metrics[k] for k in kept}, table)
+    return _picked(settings, *chosen)
 
 
 def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
@@ -275,6 +395,7 @@ def question(settings: Settings, metrics: dict[str, Any]) -> dict[str, Any]:
     topo = settings.topology
     return {
         "attention": settings.attention,
+        "workload": dataclasses.asdict(settings.workload),
         "code": metrics.get("code_fingerprint"),
         "shape": dataclasses.asdict(settings.shape),
         "dtype": settings.dtype,

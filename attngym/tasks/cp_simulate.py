@@ -28,6 +28,7 @@ efficiency).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,9 +99,11 @@ def simulated(
     variant = s.variant.to(device)
     P = topo.world_size
     # The placement a real run would use (balanced: planned for this topology's kernels).
+    planning = time.perf_counter()
     layout = spec.placement(topo.layout, P, s.shape.seq_len, variant,
                             batch_heads=s.shape.batch * s.shape.heads, device=device,
                             block_size=s.block_size)  # fmt: skip
+    planned_ms = (time.perf_counter() - planning) * 1e3
     sim = simulate(
         spec,
         q,
@@ -118,6 +121,7 @@ def simulated(
         on_timed=on_timed,
         seen=seen,
     )  # fmt: skip
+    sim.extra["planning_ms"] = planned_ms
     return sim, layout, variant
 
 

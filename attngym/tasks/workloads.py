@@ -67,7 +67,7 @@ def run(
 def _run_batches(settings, run_dir, metrics, one_batch, lengths, described, rows) -> None:
     """run's loop: a batch at a time, its row written and the aggregates updated after it."""
     for index, docs in enumerate(lengths):
-        batch = _batch_settings(settings, docs, index)
+        batch = batch_settings(settings, docs, index)
         row = {"batch": index, **workload.summary(docs)}
         start = time.perf_counter()
         out = one_batch(batch, run_dir, {})
@@ -98,7 +98,7 @@ class _SaidOnce(logging.Filter):
         return True
 
 
-def _batch_settings(settings: Settings, docs: tuple[int, ...], index: int) -> Settings:
+def batch_settings(settings: Settings, docs: tuple[int, ...], index: int) -> Settings:
     """The settings of one batch: its documents in the attention entry, its variant built, the
     profiler on the first batch only (one profile.json)."""
     entry = with_documents(settings.attention, docs)
