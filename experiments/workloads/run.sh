@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Workloads and the varlen contender on one H200 (issue "your data and your real alternative"):
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
-# PHASE: tests one_gpu headline workload_a workload_b (default: all; each fits a 10-minute call).
+# PHASE: tests one_gpu headline workload_a workload_b workload_auto (default: all; each fits a 10-minute call).
 #   tests     the varlen kernels against float64 (GPU tests), and a two-rank workload sharing the GPU
 #   one_gpu   the README's Results rows: B=4 H=16 S=8192 D=128, every variant, every contender
 #   headline  flex against varlen_attn, fwd+bwd, B=1 H=8 S=64K D=128: window(1024), four documents
 #   workload_a  16 lognormal batches (median 2K, tail to 64K) of 128K, P=8 simulated with CUDA
 #               graphs: ring and all-gather (balanced; PyTorch's CP predicted with its balancers)
 #   workload_b  the same batches: Ulysses and hybrid
+#   workload_auto  the same batches, topology=auto: one pick for the workload, its choice's
+#               seconds and auto_dynamic_gain (graphs weighed, not fixed)
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-tests one_gpu headline workload_a workload_b} "
+WHAT=" ${*:-tests one_gpu headline workload_a workload_b workload_auto} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
@@ -46,6 +48,11 @@ if has workload_b; then
   T_TIMEOUT=560 t workload_ulysses_hybrid $AG -m $WL $SIM topology=ulysses,hybrid \
     topology.layout=contiguous topology.options.a2a_size=4 'baselines=[]' hydra.sweep.dir=workload_b
   cp -r "$W/workload_b" "$OUT/"
+fi
+if has workload_auto; then
+  T_TIMEOUT=560 t workload_auto $AG $WL ${SIM/topology.cuda_graph=true /} topology=auto \
+    hydra.run.dir=workload_auto
+  cp "$W/workload_auto/auto.json" "$OUT/workload_auto.auto.json" 2>/dev/null
 fi
 for d in "$W"/*/; do [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename "$d").metrics.json"; done
 echo "done: $(cat "$OUT/summary.txt" 2>/dev/null | wc -l) runs"
