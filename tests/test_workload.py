@@ -260,3 +260,5 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
     gain = 1 - (best + metrics["auto_dynamic_cost_ms"]) / (2 * first["predicted_ms"])
     assert metrics["auto_dynamic_gain"] == pytest.approx(gain)
     assert metrics["workload_batches_done"] == 2
+    with (run / "batches.csv").open() as f:  # a simulated batch's placement planned and timed
+        assert all(float(r["planning_ms"]) > 0 for r in csv.DictReader(f))

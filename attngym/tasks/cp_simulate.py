@@ -203,6 +203,7 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
             "sim_items": sim.items,
             "sim_timed": sim.timed,
             "sim_s": sim.wall_s,
+            "planning_ms": sim.extra.get("planning_ms"),
         }
     )
     for name, theirs in prediction.contenders.items():
