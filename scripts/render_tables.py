@@ -28,7 +28,8 @@ EXPERIMENTS = ROOT / "experiments"
 # The catalogue's defaults the one-GPU study ran with, for the labels.
 LABELS = {"sliding_window": "sliding_window(256)", "softcap": "softcap(20)"}
 CONTENDERS = {"sdpa": "SDPA", "sdpa_cudnn": "cuDNN", "sdpa_flash": "SDPA flash",
-              "sdpa_efficient": "SDPA efficient", "sdpa_dense_mask": "SDPA, dense"}  # fmt: skip
+              "sdpa_efficient": "SDPA efficient", "sdpa_dense_mask": "SDPA, dense",
+              "varlen": "varlen_attn", "flash_varlen": "flash-attn varlen"}  # fmt: skip
 SCHEMES = ("ring", "allgather", "ulysses", "hybrid")
 
 
@@ -54,25 +55,37 @@ def _italic(text: str) -> str:
     return "\n".join(textwrap.wrap(f"*{text}*", 100))
 
 
-def _ratio(row: dict[str, str], which: str) -> str:
-    best = row.get(f"best_sdpa_{which}")
+def _ratio(row: dict[str, str], which: str, best_of: str = "best_sdpa") -> str:
+    """flex's speed-up over the fastest contender of `best_of` (best_sdpa, or best: SDPA and
+    varlen), naming it; a tie where the ratio's 95 % interval holds 1."""
+    best = row.get(f"{best_of}_{which}")
     if not best:
-        return "no SDPA equivalent"
-    ratio = float(row[f"flex_over_best_sdpa_{which}"])
-    return f"{ratio:.{2 if ratio < 10 else 1}f}x ({CONTENDERS.get(best, best)})"
+        return "no equivalent"
+    ratio = float(row[f"flex_over_{best_of}_{which}"])
+    interval = row.get(f"flex_over_{best_of}_{which}_ci95") or ""
+    bounds = [float(x) for x in re.findall(r"[-+0-9.eE]+", interval)]
+    tie = len(bounds) == 2 and bounds[0] <= 1 <= bounds[1]
+    shown = f"{ratio:.{2 if ratio < 10 else 1}f}x" + (" (tie" if tie else " (")
+    return f"{shown}{', ' if tie else ''}{CONTENDERS.get(best, best)})"
 
 
 def one_gpu() -> str:
-    """FlexAttention against the fastest SDPA contender, one H200, B=4 H=16 S=8192 D=128."""
+    """FlexAttention against the fastest contender, one H200, B=4 H=16 S=8192 D=128: of SDPA
+    and FlashAttention's varlen kernels where experiments/workloads has measured them, else of
+    SDPA alone (experiments/h200_flex)."""
     folder = EXPERIMENTS / "h200_flex"
-    flex = [r for r in _csv(folder / "flex_vs_sdpa_d128.csv") if r["seq_len"] == "8192"]
+    against = EXPERIMENTS / "workloads" / "flex_vs_best_d128.csv"
+    source, best_of, vs = folder / "flex_vs_sdpa_d128.csv", "best_sdpa", "best SDPA"
+    if against.exists():
+        source, best_of, vs = against, "best", "best of SDPA and varlen"
+    flex = [r for r in _csv(source) if r["seq_len"] == "8192"]
     flash: dict[str, dict[str, str]] = {}
     for r in _csv(folder / "flash_backend.csv"):
         if (r["seq_len"], r["head_dim"]) == ("8192", "128"):
             flash.setdefault(r["variant"], r)  # the first run of each variant
     lines = [
-        "| variant | flex fwd TFLOP/s | flex fwd+bwd TFLOP/s | vs best SDPA fwd | "
-        "vs best SDPA fwd+bwd | FLASH fwd / fwd+bwd TFLOP/s |",
+        f"| variant | flex fwd TFLOP/s | flex fwd+bwd TFLOP/s | vs {vs} fwd | "
+        f"vs {vs} fwd+bwd | FLASH fwd / fwd+bwd TFLOP/s |",
         "|---|--:|--:|--:|--:|--:|",
     ]
     for r in flex:
@@ -80,11 +93,11 @@ def one_gpu() -> str:
         both = f"{float(f['fwd_tflops']):.0f} / {float(f['fwd_bwd_tflops']):.0f}" if f else ""
         lines.append(
             f"| {LABELS.get(r['variant'], r['variant'])} | {float(r['fwd_tflops']):.0f} | "
-            f"{float(r['fwd_bwd_tflops']):.0f} | {_ratio(r, 'fwd')} | {_ratio(r, 'fwd_bwd')} | "
-            f"{both} |"
+            f"{float(r['fwd_bwd_tflops']):.0f} | {_ratio(r, 'fwd', best_of)} | "
+            f"{_ratio(r, 'fwd_bwd', best_of)} | {both} |"
         )
-    made = _measured(folder, "flex_vs_sdpa_d128.csv")
-    return "\n".join([*lines, "", _caption(made, "experiments/h200_flex")])
+    made = _measured(source.parent, source.name)
+    return "\n".join([*lines, "", _caption(made, f"experiments/{source.parent.name}")])
 
 
 def two_gpu_cp() -> str:
