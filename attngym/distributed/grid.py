@@ -144,6 +144,9 @@ class GridPlans:
         # such pair, as flex never evaluates the mask on a full block (its mask_mod, at the first
         # such pair's offsets, is never called).
         self.all_full: dict[tuple, Any] = {}
+        # The whole problem's forward that simulated ranks start a backward from, per inputs
+        # (simulate.SequenceRanks._merged): one for every candidate topology=auto simulates.
+        self.merged: dict[tuple, Any] = {}
         grid = block_grid(variant, seq_len, self.block, self.device)
         self.usable = grid is not None
         if self.usable:  # else no mask: every pair full, built as usual
