@@ -63,6 +63,7 @@ def test_a_job_left_completing_by_a_dead_slurmd_ends_with_its_result(slurm, user
         f"slow15.mask {SMALL} shape.seq_len=256 hydra.sweep.dir={sweep}"
     )
     job = _running_job(slurm, sweep, 0)
+    _step_started(sweep, job)  # past the step's launch, which a dead slurmd would abort
     node = slurm.run("squeue", "--noheader", "--jobs", job, "--format=%N").stdout.strip()
     slurm.kill_slurmd(node)
     try:
@@ -77,3 +78,15 @@ def test_a_job_left_completing_by_a_dead_slurmd_ends_with_its_result(slurm, user
     assert state == "COMPLETING", state  # what the dead slurmd left: the premise
     assert sweeping.returncode == 0, out[-3000:]
     assert json.loads((sweep / "0" / "metrics.json").read_text())["status"] == "ok"
+
+
+def _step_started(sweep, job: str, timeout_s: float = 120) -> None:
+    """Wait until the job's step runs submitit's code (its log says it started): SLURM says
+    RUNNING while the step may still be launching on the node."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        logs = sweep.glob(f".submitit/{job}/*_log.*")
+        if any("Starting with" in path.read_text(errors="replace") for path in logs):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} never started its step: {list(sweep.glob('.submitit/*/*'))}")
