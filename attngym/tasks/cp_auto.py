@@ -93,19 +93,11 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     start = time.perf_counter()
     caveat = cpu_caveat(settings)
     opts = registry.get("topology", "auto").option_values(settings.topology.options)
-    asked = question(settings, metrics)
-    key = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
-    answer = _answers().get(key) if opts["reuse"] else None
+    key, asked, answer = _asked(settings, opts, metrics)
     if caveat is not None and not (answer and settings.topology.simulate):  # else its run says it
         log.warning("topology=auto: %s", caveat)
     if answer is not None:
-        metrics.update(answer["metrics"], auto_cached=answer["asked"])
-        metrics["auto_s"] = time.perf_counter() - start
-        log.info("topology=auto picked %s: the answer asked on %s, kept in %s (%s)",
-                 answer["metrics"]["auto_pick"], answer["asked"], _answers_path(),
-                 answer["metrics"]["auto_why"])  # fmt: skip
-        _write_table(run_dir, answer["table"])
-        return _picked(settings, *answer["pick"]), None, None
+        return _given(settings, answer, metrics, start, run_dir), None, None
     rows, left_out, inputs = _priced(settings, opts, metrics)
     best = rows[0]
     second = next((r for r in rows[1:] if r.candidate != best.candidate), None)
@@ -283,20 +275,14 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
     that batch), with `auto_dynamic_switches` and `auto_dynamic_cost_ms`. The settings with
     the pick; the answer is kept as `choose` keeps one."""
     from attngym.config import workload_batches
+    from attngym.tasks.cp_simulate import cpu_caveat
     from attngym.tasks.workloads import batch_settings
 
     start = time.perf_counter()
     opts = registry.get("topology", "auto").option_values(settings.topology.options)
-    asked = question(settings, metrics)
-    key = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
-    answer = _answers().get(key) if opts["reuse"] else None
+    key, asked, answer = _asked(settings, opts, metrics)
     if answer is not None:
-        metrics.update(answer["metrics"], auto_cached=answer["asked"])
-        metrics["auto_s"] = time.perf_counter() - start
-        log.info("topology=auto picked %s for the workload: the answer asked on %s (%s)",
-                 answer["metrics"]["auto_pick"], answer["asked"], _answers_path())  # fmt: skip
-        _write_table(run_dir, answer["table"])
-        return _picked(settings, *answer["pick"])
+        return _given(settings, answer, metrics, start, run_dir)
     data = {"workload": dataclasses.asdict(settings.workload),
             "shape": {"seq_len": settings.shape.seq_len}}  # fmt: skip
     batches = [batch_settings(settings, docs, i)
@@ -333,7 +319,7 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
             "auto_dynamic_gain": 1 - dynamic_ms / static_ms if static_ms else None,
             "auto_dynamic_switches": len(switches),
             "auto_dynamic_cost_ms": cost_ms,
-            "prediction_refused": None,
+            "prediction_refused": cpu_caveat(settings),
         }
     )  # fmt: skip
     metrics["auto_s"] = time.perf_counter() - start
@@ -413,6 +399,25 @@ def question(settings: Settings, metrics: dict[str, Any]) -> dict[str, Any]:
         "device": {k: v for k, v in device_info(settings.device).items()
                    if k in ("name", "capability", "count", "cuda")},
     }  # fmt: skip
+
+
+def _asked(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
+    """(the question's key, the question, its kept answer or None: none with
+    topology.options.reuse=false)."""
+    asked = question(settings, metrics)
+    key = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
+    return key, asked, _answers().get(key) if opts["reuse"] else None
+
+
+def _given(settings, answer, metrics, start: float, run_dir: Path | None) -> Settings:
+    """The settings with a kept answer's pick; its metrics and table are the run's, said."""
+    metrics.update(answer["metrics"], auto_cached=answer["asked"])
+    metrics["auto_s"] = time.perf_counter() - start
+    log.info("topology=auto picked %s: the answer asked on %s, kept in %s (%s)",
+             answer["metrics"]["auto_pick"], answer["asked"], _answers_path(),
+             answer["metrics"]["auto_why"])  # fmt: skip
+    _write_table(run_dir, answer["table"])
+    return _picked(settings, *answer["pick"])
 
 
 def _answers_path() -> Path:
