@@ -354,8 +354,9 @@ class Workload:
 class Benchmark:
     warmup: int = setting(2, low=0)
     """Untimed calls before timing (the first call, compilation, is timed apart)."""
-    repeats: int = 10
-    """Timed calls; median, min and max are reported. With a budget, the least number of them."""
+    repeats: int = 5
+    """Timed calls; median, min and max are reported. With a budget, the least number of them
+    (5: the fewest a ratio's interval is drawn from, bench.MIN_CI_REPEATS)."""
     budget_ms: float | None = setting(100.0, check=_budget)
     """As triton's do_bench: each timed callable makes as many timed calls as fill this many
     milliseconds at the pace of its last warm-up call (at least `repeats`, at most
