@@ -417,7 +417,7 @@ def nothing_won(rows: Sequence[Mapping[str, str]], metric: str) -> str:
         and _better(float(r[metric]), float(r[f"{TRITON_REFERENCE}_{metric}"]), metric)
         for r in valid
     )
-    tie = f"; {ties} faster by the median but a tie within the 95 % interval" if ties else ""
+    tie = f"; {ties} faster by the median but not beyond the 95 % interval (a tie)" if ties else ""
     return (
         f"no configuration of {len(valid)} validated trials beat FlexAttention's defaults in "
         f"its own run beyond the 95 % interval (best {metric} {float(best[metric]):.4g}"
