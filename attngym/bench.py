@@ -307,6 +307,7 @@ def time_together(
     repeats: int = 5,
     budget_ms: float | None = None,
     device: str | torch.device | None = None,
+    progress: str | None = None,
     failures: dict[str, str] | None = None,
 ) -> dict[str, Timing]:
     """Time several callables in one pass: each warmed up (and sized) as time_fn does, then
@@ -316,6 +317,7 @@ def time_together(
     Args:
         calls: {name: (fn, setup)}, each as time_fn's `fn` and `setup`.
         warmup, repeats, device: as time_fn's, for every callable.
+        progress: a label to show a progress bar over the rounds (see attngym.progress).
         budget_ms: each callable's budget, as time_fn's: the rounds fill len(calls) budgets at
             the callables' summed pace (at least `repeats` rounds, at most MAX_REPEATS).
         failures: a callable whose warm-up raises RuntimeError (a backend with no kernel for
@@ -337,8 +339,13 @@ def time_together(
         return {}
     budget = budget_ms * len(pace) if budget_ms else None
     rounds = budget_repeats(sum(pace.values()), budget, repeats)
+    steps: Iterable[int] = range(rounds)
+    if progress is not None:
+        from attngym.progress import progress as bar
+
+        steps = bar(steps, total=rounds, label=progress)
     with _Clock(dev) as clock:
-        for _ in range(rounds):
+        for _ in steps:
             for name in pace:
                 clock.call(*calls[name])
     every = len(pace)

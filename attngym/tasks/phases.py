@@ -268,6 +268,7 @@ def time_contenders(
                 repeats=rank.repeats,
                 budget_ms=rank.budget_ms,
                 device=rank.device,
+                progress=None if rank.label is None else f"baselines {p}",
                 failures=failed,
             )
         for name, timing in found.items():
