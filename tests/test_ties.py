@@ -148,3 +148,15 @@ def test_the_tuner_takes_a_configuration_only_where_its_interval_clears_the_defa
         tuning.update(sweep, "fwd_bwd_ms", tmp_path / "t.json", skip_defaults=True)
     assert "\n" not in str(info.value)
     assert "2 faster by the median but not beyond the 95 % interval (a tie)" in str(info.value)
+
+
+def test_the_printed_results_say_a_tie_and_not_how_much_slower(tmp_path):
+    from attngym.results import format_results
+
+    tie = {"status": "ok", "best_fwd": "sdpa", "flex_over_best_fwd": 0.98,
+           "flex_over_best_fwd_ci95": [0.91, 1.04]}  # fmt: skip
+    line = next(ln for ln in format_results(tie, tmp_path).splitlines() if "best (sdpa)" in ln)
+    assert line.endswith("0.980 (tie)")
+    slower = {**tie, "flex_over_best_fwd_ci95": [0.95, 0.99]}
+    line = next(ln for ln in format_results(slower, tmp_path).splitlines() if "best (sdpa)" in ln)
+    assert line.endswith("0.980 (1.02x slower)")
