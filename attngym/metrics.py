@@ -206,12 +206,13 @@ METRICS: tuple[Metric, ...] = (
         "fraction of (q block, kv block) pairs the block mask skips",
         shown="run",
     ),
-    # Timings of flex (attngym.bench.time_fn): warm-up calls, then the median of the repeats.
+    # Timings of flex (attngym.bench.time_fn): warm-up calls, then the median of the timed calls.
     M(
         "fwd_ms",
         "fwd (ms)",
         "ms",
-        "forward time, median over benchmark.repeats; with autograd recording when the run "
+        "forward time, median over the timed calls (as many as fill benchmark.budget_ms, at "
+        "least benchmark.repeats); with autograd recording when the run "
         "times a backward (as training runs it), under no_grad otherwise (tasks.phases)",
         shown="run",
     ),
