@@ -1,9 +1,12 @@
 """Timing and FLOP accounting: the one timer and the one FLOP formula of the project.
 
 Every TFLOP/s number attngym reports goes through `attention_flops` and `tflops`, so runs, sweeps
-and baselines are comparable; every time it reports comes from `time_fn`, which synchronises CUDA
-around its events (like gpt-fast) and keeps warm-up calls out of the numbers. The seed's helpers
-(`calculate_tflops`, `benchmark_cuda_function_in_microseconds`) are thin wrappers over these.
+and baselines are comparable; every time it reports comes from `time_fn` (one callable) or
+`time_together` (several, in interleaved rounds), which synchronise CUDA around their events (like
+gpt-fast) and keep warm-up calls out of the numbers. Given a budget they time as many calls as fill
+it, as triton's do_bench does, rather than a fixed count; `ratio_ci95` gives the 95 % interval of
+a ratio of two such timings. The seed's helpers (`calculate_tflops`,
+`benchmark_cuda_function_in_microseconds`) are thin wrappers over these.
 
 FLOP convention (FlashAttention's): the forward pass is two matmuls of 2·Sq·Skv·D FLOPs per head,
 4·B·H·Sq·Skv·D in all, scaled by the fraction of blocks computed (1 − sparsity); the backward pass
@@ -219,16 +222,41 @@ def l2_flush_buffer(device: str | torch.device) -> torch.Tensor:
     return _L2_FLUSH[dev]
 
 
+# The most timed calls a budget gives one callable (do_bench's budget of a 3 µs kernel would
+# be 30,000 calls; 1,000 already pin its median).
+MAX_REPEATS = 1000
+# The fewest timed calls of each side a ratio's interval is drawn from; below, it has none.
+MIN_CI_REPEATS = 5
+# Resamples of ratio_ci95's bootstrap, and its seed (the same samples give the same interval).
+CI_RESAMPLES = 2000
+CI_SEED = 0
+
+
+def budget_repeats(
+    call_ms: float, budget_ms: float | None, minimum: int, *, cap: int = MAX_REPEATS
+) -> int:
+    """How many timed calls of `call_ms` each fill `budget_ms`, as triton's do_bench sizes its
+    repeats: at least `minimum`, else at most `cap`; exactly `minimum` without a budget (None
+    or 0)."""
+    if not budget_ms:
+        return minimum
+    fill = math.floor(budget_ms / max(call_ms, 1e-6))
+    return max(minimum, min(cap, fill))
+
+
 def time_fn(
     fn: Callable[[], Any],
     *,
     warmup: int = 2,
     repeats: int = 5,
+    budget_ms: float | None = None,
     device: str | torch.device | None = None,
     progress: str | None = None,
     setup: Callable[[], Any] | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> Timing:
-    """Time `fn()` per call: `warmup` untimed calls, then `repeats` timed ones.
+    """Time `fn()` per call: `warmup` untimed calls, then `repeats` timed ones, or with a
+    budget as many as fill it.
 
     On CUDA each call is bracketed by CUDA events, the device synchronised before the first and
     after the last, so the times are GPU execution times; before each timed call the L2 cache is
@@ -239,16 +267,115 @@ def time_fn(
     Args:
         fn: the work to time, called with no arguments.
         warmup: untimed calls first (compilation, caches, allocator).
-        repeats: timed calls, at least 1.
+        repeats: timed calls, at least 1; with a budget, the least number of them.
+        budget_ms: as triton's do_bench: the last warm-up call is timed on the host (setup
+            included, the device synchronised), and the timed calls are as many as fill this
+            many milliseconds at that pace (budget_repeats: at least `repeats`, at most
+            MAX_REPEATS). With a budget and no warm-up, one untimed call sizes the count. None
+            or 0: exactly `repeats`.
         device: where fn's work runs; None means CUDA when available, else CPU.
         progress: a label to show a progress bar over the repeats (see attngym.progress).
         setup: when given, called before every call outside the timed region, and `fn` is called
             with its result: e.g. a forward pass whose graph a timed backward consumes (compiled
             backwards free their buffers, so a graph cannot be replayed with retain_graph).
+        agree: makes the count one that every rank shares (the ranks' largest, a collective
+            where the calls are): ranks whose calls are collectives must make as many.
 
     Returns:
         Timing with the median, min, max and every per-call time in milliseconds.
     """
+    dev = _timing_device(device, warmup, repeats)
+    call_ms = _warm(fn, setup, warmup, dev, sized=bool(budget_ms))
+    count = budget_repeats(call_ms, budget_ms, repeats)
+    if agree is not None:
+        count = agree(count)
+    steps: Iterable[int] = range(count)
+    if progress is not None:
+        from attngym.progress import progress as bar
+
+        steps = bar(steps, total=count, label=progress)
+    with _Clock(dev) as clock:
+        for _ in steps:
+            clock.call(fn, setup)
+    return Timing.from_times(clock.times)
+
+
+def time_together(
+    calls: dict[str, tuple[Callable[..., Any], Callable[[], Any] | None]],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    budget_ms: float | None = None,
+    device: str | torch.device | None = None,
+    progress: str | None = None,
+    failures: dict[str, str] | None = None,
+) -> dict[str, Timing]:
+    """Time several callables in one pass: each warmed up (and sized) as time_fn does, then
+    rounds of one timed call of each in turn, so a drift of the clock or of the machine's load
+    falls on all of them alike, and no callable waits for the others' separate warm-ups.
+
+    Args:
+        calls: {name: (fn, setup)}, each as time_fn's `fn` and `setup`.
+        warmup, repeats, device: as time_fn's, for every callable.
+        progress: a label to show a progress bar over the rounds (see attngym.progress).
+        budget_ms: each callable's budget, as time_fn's: the rounds fill len(calls) budgets at
+            the callables' summed pace (at least `repeats` rounds, at most MAX_REPEATS).
+        failures: a callable whose warm-up raises RuntimeError (a backend with no kernel for
+            these inputs) is left out and its reason stored under its name; None: it raises.
+
+    Returns:
+        {name: Timing} of the callables timed, each over the same number of calls.
+    """
+    dev = _timing_device(device, warmup, repeats)
+    pace: dict[str, float] = {}
+    for name, (fn, setup) in calls.items():
+        try:
+            pace[name] = _warm(fn, setup, warmup, dev, sized=bool(budget_ms))
+        except RuntimeError as exc:
+            if failures is None:
+                raise
+            failures[name] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+    if not pace:
+        return {}
+    budget = budget_ms * len(pace) if budget_ms else None
+    rounds = budget_repeats(sum(pace.values()), budget, repeats)
+    steps: Iterable[int] = range(rounds)
+    if progress is not None:
+        from attngym.progress import progress as bar
+
+        steps = bar(steps, total=rounds, label=progress)
+    with _Clock(dev) as clock:
+        for _ in steps:
+            for name in pace:
+                clock.call(*calls[name])
+    every = len(pace)
+    return {name: Timing.from_times(clock.times[i::every]) for i, name in enumerate(pace)}
+
+
+def ratio_ci95(over_ms: list[float], under_ms: list[float]) -> tuple[float, float] | None:
+    """A 95 % interval of median(over_ms) / median(under_ms), from the timed calls of both.
+
+    A percentile bootstrap over the two samples apart (their calls are not paired): each of
+    CI_RESAMPLES draws resamples both with replacement, with a fixed seed (CI_SEED), and takes
+    the ratio of the two medians; the interval is the 2.5th and 97.5th percentiles of those
+    ratios. None when either side has fewer than MIN_CI_REPEATS calls: too few to tell.
+    """
+    if min(len(over_ms), len(under_ms)) < MIN_CI_REPEATS:
+        return None
+    gen = torch.Generator().manual_seed(CI_SEED)
+
+    def medians(sample: list[float]) -> torch.Tensor:
+        values = torch.tensor(sample, dtype=torch.float64)
+        picks = torch.randint(len(sample), (CI_RESAMPLES, len(sample)), generator=gen)
+        return values[picks].quantile(0.5, dim=1)
+
+    ratios = medians(over_ms) / medians(under_ms)
+    lo, hi = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def _timing_device(device: str | torch.device | None, warmup: int, repeats: int) -> torch.device:
+    """The device timed on (None: CUDA when available, else CPU), the counts checked."""
     from attngym.device import resolve_device
 
     for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
@@ -256,39 +383,66 @@ def time_fn(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if device is None:  # not "auto": no log line per timing
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = resolve_device(device)
-    steps: Iterable[int] = range(repeats)
-    if progress is not None:
-        from attngym.progress import progress as bar
+    return resolve_device(device)
 
-        steps = bar(steps, total=repeats, label=progress)
 
-    for _ in range(warmup):
+def _warm(fn, setup, warmup: int, dev: torch.device, *, sized: bool) -> float:
+    """`warmup` untimed calls (one at least when `sized`); the last one's wall ms (setup
+    included, the device synchronised around it) when `sized`, else 0."""
+    from attngym.device import sync
+
+    calls = max(warmup, 1) if sized else warmup
+    for _ in range(calls - 1 if sized else calls):
         fn() if setup is None else fn(setup())
-    if dev.type == "cuda":
-        with torch.cuda.device(dev):
-            flush = l2_flush_buffer(dev)
+    if not sized:
+        return 0.0
+    sync(dev)
+    start = time.perf_counter()
+    fn() if setup is None else fn(setup())
+    sync(dev)
+    return (time.perf_counter() - start) * 1e3
+
+
+class _Clock:
+    """Times one call at a time on a device, `times` read once the block ends: on CUDA CUDA
+    events around each call (the L2 flushed before it, the device synchronised before the
+    first and after the last); on a CPU the host clock."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        self.times: list[float] = []
+        self._events: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> _Clock:
+        if self.dev.type == "cuda":
+            self._device = torch.cuda.device(self.dev)
+            self._device.__enter__()
+            self._flush = l2_flush_buffer(self.dev)
             torch.cuda.synchronize()
-            events = []
-            for _ in steps:
-                arg = None if setup is None else setup()
-                flush.zero_()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn() if setup is None else fn(arg)
-                end.record()
-                events.append((start, end))
-            torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in events]
-    else:
-        times = []
-        for _ in steps:
-            arg = None if setup is None else setup()
+        return self
+
+    def call(self, fn: Callable[..., Any], setup: Callable[[], Any] | None) -> None:
+        arg = None if setup is None else setup()
+        if self.dev.type == "cuda":
+            self._flush.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn() if setup is None else fn(arg)
+            end.record()
+            self._events.append((start, end))
+        else:
             t0 = time.perf_counter()
             fn() if setup is None else fn(arg)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return Timing.from_times(times)
+            self.times.append((time.perf_counter() - t0) * 1e3)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.dev.type == "cuda":
+            try:
+                torch.cuda.synchronize()
+                self.times = [s.elapsed_time(e) for s, e in self._events]
+            finally:
+                self._device.__exit__(*exc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,14 +496,7 @@ def stream_time(
     least host time seen (an upper bound).
     On a CPU the work is the host's: gpu_ms is its wall time and host_ms 0.
     """
-    from attngym.device import resolve_device
-
-    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = resolve_device(device)
+    dev = _timing_device(device, warmup, repeats)
     if dev.type != "cuda":
         return StreamTiming(time_fn(fn, warmup=warmup, repeats=repeats, device=dev).median_ms, 0.0)
     for _ in range(warmup):

@@ -182,6 +182,15 @@ def _seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+def _budget(key: str, value: Any) -> float | None:
+    """benchmark.budget_ms: null, 0 (no budget) or a finite number of milliseconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(key, f"must be a number of milliseconds >= 0 or null, got {value!r}")
+    return float(value)
+
+
 def _number_or_none(key: str, value: Any) -> float | None:
     """null, or a finite number >= 0 (a custom fabric's bandwidth or latency)."""
     if value is None:
@@ -345,8 +354,13 @@ class Workload:
 class Benchmark:
     warmup: int = setting(2, low=0)
     """Untimed calls before timing (the first call, compilation, is timed apart)."""
-    repeats: int = 10
-    """Timed calls; median, min and max are reported."""
+    repeats: int = 5
+    """Timed calls; median, min and max are reported. With a budget, the least number of them
+    (5: the fewest a ratio's interval is drawn from, bench.MIN_CI_REPEATS)."""
+    budget_ms: float | None = setting(100.0, check=_budget)
+    """As triton's do_bench: each timed callable makes as many timed calls as fill this many
+    milliseconds at the pace of its last warm-up call (at least `repeats`, at most
+    bench.MAX_REPEATS); 0 or null: exactly `repeats` calls."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -58,6 +58,13 @@ PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "stat": ("|".join(WORKLOAD_STATS), None),
 }
 
+# What every `<ratio>_ci95` row means (ci95_metric).
+CI_SUFFIX = "_ci95"
+CI_MEANING = (
+    "the ratio's 95 % interval [lo, hi]: a bootstrap over both sides' timed calls "
+    "(attngym.bench.ratio_ci95); null with fewer than 5 calls a side. Holding 1: a tie"
+)
+
 # Units format_value reads: "bytes" (MiB, GiB), "TFLOP/s" (one decimal); the others label.
 # Where a metric shows in the table printed at the end of a run: in every run's, in a
 # context-parallel run's, or not at all (metrics.json, summaries and W&B have every metric).
@@ -199,12 +206,13 @@ METRICS: tuple[Metric, ...] = (
         "fraction of (q block, kv block) pairs the block mask skips",
         shown="run",
     ),
-    # Timings of flex (attngym.bench.time_fn): warm-up calls, then the median of the repeats.
+    # Timings of flex (attngym.bench.time_fn): warm-up calls, then the median of the timed calls.
     M(
         "fwd_ms",
         "fwd (ms)",
         "ms",
-        "forward time, median over benchmark.repeats; with autograd recording when the run "
+        "forward time, median over the timed calls (as many as fill benchmark.budget_ms, at "
+        "least benchmark.repeats); with autograd recording when the run "
         "times a backward (as training runs it), under no_grad otherwise (tasks.phases)",
         shown="run",
     ),
@@ -692,6 +700,13 @@ METRICS: tuple[Metric, ...] = (
         shown="cp",
     ),
     M(
+        "attngym_over_torch_cp_<pass>_ci95",
+        "attngym speed-up vs torch_cp {pass} 95% interval",
+        "ratio",
+        CI_MEANING,
+        column=False,
+    ),
+    M(
         "torch_cp_peak_mem_bytes",
         "torch_cp peak memory",
         "bytes",
@@ -748,6 +763,13 @@ METRICS: tuple[Metric, ...] = (
         "ratio",
         "baseline time / flex time (> 1: flex is faster)",
         shown="run",
+    ),
+    M(
+        "flex_over_<headline>_<pass>_ci95",
+        "flex speed-up vs {headline} {pass} 95% interval",
+        "ratio",
+        CI_MEANING,
+        column=False,
     ),
     M(
         "best_<pass>",
@@ -807,6 +829,13 @@ METRICS: tuple[Metric, ...] = (
         "flex speed-up vs {baseline} {pass}",
         "ratio",
         "baseline time / flex time (> 1: flex is faster)",
+        column=False,
+    ),
+    M(
+        "flex_over_<baseline>_<pass>_ci95",
+        "flex speed-up vs {baseline} {pass} 95% interval",
+        "ratio",
+        CI_MEANING,
         column=False,
     ),
 )
@@ -970,3 +999,33 @@ def format_value(column: str, value: Any) -> str:
         digits = max(0, 2 - math.floor(math.log10(abs(value))))  # 3 significant, no exponent
         return f"{value:.{digits}f}" if abs(value) >= 1e-3 else f"{value:.2e}"
     return str(value)
+
+
+def ci95_metric(ratio: str) -> str:
+    """`<ratio>_ci95`: the 95 % interval [lo, hi] of a speed ratio (CI_MEANING)."""
+    return ratio + CI_SUFFIX
+
+
+def is_tie(interval: Any) -> bool:
+    """Whether a ratio's interval (`<ratio>_ci95`: [lo, hi], or its text in summary.csv) holds
+    1: neither side is faster. False where there is no interval."""
+    if isinstance(interval, str):
+        import json
+
+        try:
+            interval = json.loads(interval)
+        except ValueError:
+            return False
+    if not isinstance(interval, list | tuple) or len(interval) != 2:
+        return False
+    lo, hi = interval
+    return isinstance(lo, int | float) and isinstance(hi, int | float) and lo <= 1.0 <= hi
+
+
+def format_cell(column: str, row: Mapping[str, Any]) -> str:
+    """A table's cell of `column` in `row`: format_value, and " (tie)" after a ratio whose
+    interval (`<column>_ci95` in the row) holds 1."""
+    text = format_value(column, row.get(column))
+    if text and is_tie(row.get(ci95_metric(column))):
+        text += " (tie)"
+    return text

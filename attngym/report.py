@@ -37,6 +37,7 @@ th { background: #f0f0f0; position: sticky; top: 0; z-index: 1; text-align: cent
      white-space: normal; min-width: 4em; max-width: 9em; vertical-align: bottom; }
 td.text { text-align: left; white-space: normal; min-width: 12em; }
 td.error { text-align: left; white-space: normal; min-width: 30em; }
+td.tie { color: #777; }
 tr.failed td { background: #fde8e8; }
 .failures { border: 2px solid #c0392b; background: #fde8e8; padding: 0.5em 1em;
             overflow-wrap: anywhere; }
@@ -97,12 +98,16 @@ def _header(name: str) -> str:
     return "_<wbr>".join(html.escape(part) for part in name.split("_"))
 
 
-def _cell(key: str, value: Any) -> str:
-    from attngym.metrics import format_value
+def _cell(key: str, row: dict[str, Any]) -> str:
+    """A table cell: the value as format_cell reads it (a ratio whose interval holds 1 is a
+    tie: "1.03 (tie)", in a cell of class tie)."""
+    from attngym.metrics import format_cell
 
+    text = format_cell(key, row)
     cls = {"overrides": "text", "variant": "text", "error": "error"}.get(key)
+    cls = "tie" if text.endswith(" (tie)") else cls
     attr = f' class="{cls}"' if cls else ""
-    return f"<td{attr}>{html.escape(format_value(key, value))}</td>"
+    return f"<td{attr}>{html.escape(text)}</td>"
 
 
 def _rows(folder: Path) -> tuple[list[dict[str, Any]], list[Path], bool]:
@@ -136,7 +141,7 @@ def _failures(rows: list[dict[str, Any]]) -> str:
 
 def build_report(folder: str | Path) -> str:
     """The report's HTML for a sweep folder (job sub-folders) or a single run folder."""
-    from attngym.metrics import describe, format_value
+    from attngym.metrics import CI_SUFFIX, describe, format_value
     from attngym.pictures import PICTURES
     from attngym.tracking.sweep import (
         headline,
@@ -157,7 +162,12 @@ def build_report(folder: str | Path) -> str:
     title = f"attngym {'sweep' if is_sweep else 'run'} {folder.name}"
 
     extra = sorted(
-        {k for row in rows for k in row if k.startswith("flex_over_") and row[k] is not None}
+        {
+            k
+            for row in rows
+            for k in row
+            if k.startswith("flex_over_") and not k.endswith(CI_SUFFIX) and row[k] is not None
+        }
     )
     names = [c for c in md_columns() if c != "error"]  # errors: the failures box, the cards
     names += [c for c in extra if c not in names]  # every ratio
@@ -188,7 +198,7 @@ def build_report(folder: str | Path) -> str:
     ]
     for row in rows:
         cls = "" if row.get("status") == "ok" else ' class="failed"'
-        parts.append(f"<tr{cls}>" + "".join(_cell(c, row.get(c)) for c in columns) + "</tr>")
+        parts.append(f"<tr{cls}>" + "".join(_cell(c, row) for c in columns) + "</tr>")
     parts.append("</tbody></table></div>")
 
     if is_sweep:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attngym.metrics import METRICS, format_value, label, printable
+from attngym.metrics import METRICS, format_cell, format_value, label, printable
 from attngym.timeline import largest
 
 # Notes printed once under a CPU run's table, each where its rows show (the labels stay short).
@@ -42,7 +42,7 @@ def format_results(metrics: dict[str, Any], run_dir: Path) -> str:
     """The short table printed at the end of a single run."""
     lines = [f"attngym: {metrics.get('status')}"]
     rows = [
-        (_label(key, metrics), _value(key, metrics[key]))
+        (_label(key, metrics), _value(key, metrics))
         for key in result_rows(metrics)
         if not _said_already(key, metrics)
     ]
@@ -105,12 +105,13 @@ def _label(key: str, metrics: dict[str, Any]) -> str:
     return label(key)
 
 
-def _value(key: str, value: Any) -> str:
-    """format_value, and for a speed-up below 1 how many times slower that is: a "speed-up" of
-    0.096 reads as what it is."""
-    text = format_value(key, value)
+def _value(key: str, metrics: dict[str, Any]) -> str:
+    """format_cell (a ratio whose interval holds 1 reads "(tie)"), and for a speed-up below 1
+    how many times slower that is: a "speed-up" of 0.096 reads as what it is."""
+    value = metrics[key]
+    text = format_cell(key, metrics)
     speedup = key.startswith(("flex_over_", "attngym_over_"))
-    if speedup and isinstance(value, int | float) and 0 < value < 1:
+    if speedup and not text.endswith("(tie)") and isinstance(value, int | float) and 0 < value < 1:
         text += f" ({1 / value:.3g}x slower)"
     return text
 

@@ -35,7 +35,8 @@ from attngym.metrics import shortened
 
 log = logging.getLogger(__name__)
 
-# The phases the run layer and the tasks mark, in run order; a contender's is baseline_<name>.
+# The phases the run layer and the tasks mark, in run order; a contender's setup is
+# baseline_<name>.
 PHASES = (
     "startup",  # the process's imports and Hydra's composition (the first job of a process)
     "config",  # checks and resolution of the settings, the preset against this machine
@@ -45,6 +46,7 @@ PHASES = (
     "validation",  # sampled rows against the float64 reference
     "timed",  # the timed passes and peak memory
     "profile",  # the profiler group's profile of one call
+    "baselines",  # the contenders timed together (each one's setup: baseline_<name>)
     "ranks_start",  # context parallel: starting the rank processes and their process group
     "shard",  # context parallel: each rank's shards
     "instrument",  # context parallel: step compute and transfer timed apart

@@ -15,7 +15,9 @@ Lookup order within a capability ("sm90"): `<variant>/d<head_dim>`, `<variant>`,
 `default/d<head_dim>`, `default`.
 
 A row that ran the `flex_default` baseline (FlexAttention's defaults, same process, same inputs;
-the tuner runs it in every trial) wins only if it beats it: where nothing does, the defaults stay.
+the tuner runs it in every trial) wins only if it beats it, and beyond doubt: the 95 % interval of
+its speed-up over them (`flex_over_flex_default_<pass>_ci95`) must lie above 1 (an interval that
+holds 1 is a tie). Where nothing does, the defaults stay.
 
 FLASH: a sweep run with `kernel_options.BACKEND=FLASH` gives an entry a `"flash"` part: the FLASH
 block size and options and `over_triton`, FLASH's metric over the Triton part the entry would
@@ -248,6 +250,30 @@ def _better(value: float, than: float, metric: str) -> bool:
     return value > than if higher_is_better(metric) else value < than
 
 
+def interval_column(metric: str) -> str | None:
+    """The summary.csv column of the interval a row's `metric` is judged by against the
+    defaults of its run: `flex_over_flex_default_<pass>_ci95` of the metric's pass (None for a
+    metric of no pass, such as first_call_s)."""
+    part = next((p for p in ("fwd_bwd", "bwd", "fwd") if metric.startswith(f"{p}_")), None)
+    return None if part is None else f"flex_over_{TRITON_REFERENCE}_{part}_ci95"
+
+
+def _lower_bound(row: Mapping[str, str], metric: str) -> float | None:
+    """The lower bound of the row's speed-up over the defaults of its run (interval_column);
+    0.0 where the row has the column but no interval (too few timed calls: nothing is shown);
+    None where it has no such column (a summary written before intervals, or no defaults)."""
+    import json
+
+    column = interval_column(metric)
+    if column is None or column not in row or not row.get(f"{TRITON_REFERENCE}_{metric}"):
+        return None
+    try:
+        lo, _ = json.loads(row[column] or "null") or (0.0, 0.0)
+    except (ValueError, TypeError):
+        return 0.0
+    return float(lo)
+
+
 def winners(
     rows: Sequence[Mapping[str, str]], metric: str, *, skip_defaults: bool = False
 ) -> dict[str, dict[str, Any]]:
@@ -255,7 +281,10 @@ def winners(
     `metric` (higher_is_better says which way); rows of one configuration count by their median.
 
     A Triton row no better than its own `flex_default_<metric>` (FlexAttention's defaults in the
-    same process) is no candidate: the table never holds what runs slower than the defaults.
+    same process) is no candidate: the table never holds what runs slower than the defaults. Nor
+    is one whose speed-up over them is a tie: the median of its runs' interval lower bounds
+    (`_lower_bound`) must be above 1 (rows without the interval column are judged by the
+    medians alone).
     Rows run with `kernel_options.BACKEND=FLASH` compete apart and go under the entry's "flash"
     key, with `over_triton`: their metric over the Triton part the entry gets (the rows' Triton
     winner), else over the same row's `flex_default_<metric>` (what runs without a Triton part);
@@ -275,7 +304,7 @@ def winners(
     # Rows of one configuration pool (a study repeats FLASH, whose tiles mean nothing): the
     # median of their metric against the median of their own defaults, so that one lucky
     # timing wins nothing (a FLASH window trial read 1.30 ms, its twin 2.32, the defaults 1.48).
-    runs: dict[tuple[str, str, str, str], list[tuple[float, float | None]]] = {}
+    runs: dict[tuple[str, str, str, str], list[tuple[float, float | None, float | None]]] = {}
     entries: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for row in rows:
         value = row.get(metric)
@@ -301,12 +330,15 @@ def winners(
         key = (capability_key(row.get("capability")), name, part, json.dumps(entry, sort_keys=True))
         entries[key] = entry
         cell = row.get(f"{TRITON_REFERENCE}_{metric}")  # the defaults, same process
-        runs.setdefault(key, []).append((float(value), float(cell) if cell else None))
+        lo = _lower_bound(row, metric)
+        runs.setdefault(key, []).append((float(value), float(cell) if cell else None, lo))
     best: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
     beaten: Counter[str] = Counter()  # Triton configurations no better than the defaults
+    tied: Counter[str] = Counter()  # better by their medians, but within the interval
     for (gpu, name, part, config), measured_runs in runs.items():
-        measured = statistics.median(m for m, _ in measured_runs)
-        own = [d for _, d in measured_runs if d is not None]
+        measured = statistics.median(m for m, _, _ in measured_runs)
+        own = [d for _, d, _ in measured_runs if d is not None]
+        lows = [lo for _, _, lo in measured_runs if lo is not None]
         defaults = statistics.median(own) if own else None
         entry = {**entries[(gpu, name, part, config)], metric: round(measured, 4)}
         if len(measured_runs) > 1:
@@ -315,6 +347,9 @@ def winners(
             entry["reference"] = defaults
         elif defaults is not None and not _better(measured, defaults, metric):
             beaten[name] += 1
+            continue
+        elif lows and not statistics.median(lows) > 1.0:
+            tied[name] += 1
             continue
         score = measured if higher_is_better(metric) else -measured
         if (gpu, name, part) not in best or score > best[(gpu, name, part)][0]:
@@ -339,6 +374,14 @@ def winners(
             name,
             TRITON_REFERENCE,
         )
+    for name, count in sorted(tied.items()):
+        log.info(
+            "tuning: %d Triton row(s) of %s faster than %s by their medians, but a tie within "
+            "the 95 %% interval: not candidates",
+            count,
+            name,
+            TRITON_REFERENCE,
+        )
     table: dict[str, dict[str, Any]] = {}
     for (gpu, name, part), (_, entry) in sorted(best.items()):
         slot = table.setdefault(gpu, {}).setdefault(name, {})
@@ -357,7 +400,8 @@ def is_default(row: Mapping[str, str], options: Mapping[str, Any]) -> bool:
 
 def nothing_won(rows: Sequence[Mapping[str, str]], metric: str) -> str:
     """Why `winners` found nothing, in words: no trial ran, none validated, or none beat the
-    defaults (with the best trial's and the defaults' medians)."""
+    defaults beyond the 95 % interval of its speed-up (with the best trial's and the defaults'
+    medians, and how many were ties)."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get(metric)]
     if not ok:
         return f"none of the {len(rows)} trials ran ok with {metric}"
@@ -367,9 +411,17 @@ def nothing_won(rows: Sequence[Mapping[str, str]], metric: str) -> str:
     best = min(valid, key=lambda r: float(r[metric]) * (-1 if higher_is_better(metric) else 1))
     defaults = [float(r[c]) for r in valid if (c := f"{TRITON_REFERENCE}_{metric}") and r.get(c)]
     against = f", FlexAttention's defaults {statistics.median(defaults):.4g}" if defaults else ""
+    ties = sum(
+        (lo := _lower_bound(r, metric)) is not None
+        and lo <= 1.0
+        and _better(float(r[metric]), float(r[f"{TRITON_REFERENCE}_{metric}"]), metric)
+        for r in valid
+    )
+    tie = f"; {ties} faster by the median but not beyond the 95 % interval (a tie)" if ties else ""
     return (
         f"no configuration of {len(valid)} validated trials beat FlexAttention's defaults in "
-        f"its own run (best {metric} {float(best[metric]):.4g}{against}): the defaults stay"
+        f"its own run beyond the 95 % interval (best {metric} {float(best[metric]):.4g}"
+        f"{against}{tie}): the defaults stay"
     )
 
 

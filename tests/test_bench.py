@@ -247,3 +247,65 @@ def test_time_fn_setup_feeds_each_call_outside_the_timed_region():
     assert timing.repeats == 4
     assert len(made) == 6  # one fresh input per call, warm-up included
     assert all(a is b for a, b in zip(made, consumed, strict=True))
+
+
+def test_a_budget_sizes_the_count_between_the_minimum_and_the_cap():
+    assert bench.budget_repeats(1.0, 100.0, 5) == 100  # fills the budget
+    assert bench.budget_repeats(50.0, 100.0, 5) == 5  # a slow call: the minimum
+    assert bench.budget_repeats(1e-4, 100.0, 5) == bench.MAX_REPEATS  # a cheap one: the cap
+    assert bench.budget_repeats(1.0, 100.0, 2000) == 2000  # the minimum wins over the cap
+    assert bench.budget_repeats(1.0, None, 7) == bench.budget_repeats(1.0, 0.0, 7) == 7
+
+
+def test_a_cheap_callable_fills_the_budget_and_a_slow_one_gets_the_minimum():
+    cheap: list[int] = []
+    timing = bench.time_fn(lambda: cheap.append(1), warmup=1, repeats=5, budget_ms=20.0,
+                           device="cpu")  # fmt: skip
+    assert 5 < timing.repeats <= bench.MAX_REPEATS and len(cheap) == timing.repeats + 1
+    slow: list[int] = []
+
+    def nap() -> None:
+        slow.append(1)
+        time.sleep(0.03)  # 30 ms a call: over the 20 ms budget alone
+
+    timing = bench.time_fn(nap, warmup=0, repeats=5, budget_ms=20.0, device="cpu")
+    assert timing.repeats == 5 and len(slow) == 6  # with no warm-up one untimed call sizes it
+
+
+def test_without_a_budget_the_count_is_exactly_repeats_and_agree_can_raise_it():
+    calls: list[int] = []
+    timing = bench.time_fn(lambda: calls.append(1), warmup=0, repeats=3, device="cpu")
+    assert timing.repeats == 3 and len(calls) == 3  # no sizing call without a budget
+    agreed = bench.time_fn(lambda: None, warmup=0, repeats=3, device="cpu", agree=lambda n: n + 4)
+    assert agreed.repeats == 7  # another rank's larger count
+
+
+def test_time_together_interleaves_its_callables_and_leaves_out_a_failing_one():
+    order: list[str] = []
+
+    def refuses() -> None:
+        raise RuntimeError("No available kernel.\nmore")
+
+    calls = {
+        "a": (lambda: order.append("a"), None),
+        "b": (lambda x: order.append(x), lambda: "b"),
+        "c": (refuses, None),
+    }
+    failures: dict[str, str] = {}
+    timed = bench.time_together(calls, warmup=2, repeats=4, device="cpu", failures=failures)
+    assert set(timed) == {"a", "b"} and failures == {"c": "No available kernel."}
+    assert timed["a"].repeats == timed["b"].repeats == 4
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 4  # warm-ups, then rounds of one each
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        bench.time_together({"c": (refuses, None)}, warmup=1, repeats=1, device="cpu")
+
+
+def test_time_together_fills_one_budget_per_callable():
+    timed = bench.time_together(
+        {"a": (lambda: None, None), "b": (lambda: None, None)},
+        warmup=1,
+        repeats=5,
+        budget_ms=10.0,
+        device="cpu",
+    )
+    assert timed["a"].repeats == timed["b"].repeats > 5  # no-op calls: far more than 5 rounds

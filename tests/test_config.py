@@ -399,6 +399,8 @@ CASES = [
     (["passes=[fwd,sideways]"], "passes", ["passes=[fwd]"]),
     (["baselines=[cudnn]"], "baselines", ["baselines=[sdpa]"]),
     (["benchmark.repeats=0"], "benchmark.repeats", ["benchmark.repeats=1"]),
+    (["benchmark.budget_ms=-5"], "benchmark.budget_ms", ["benchmark.budget_ms=0"]),
+    (["benchmark.budget_ms=soon"], "benchmark.budget_ms", ["benchmark.budget_ms=null"]),
 ]
 
 

@@ -276,3 +276,47 @@ def test_a_cpu_block_that_does_not_grow_the_process_reports_no_peak(monkeypatch)
 )
 def test_bwd_status_has_one_text_for_each_case(wanted, done, status):
     assert phases.bwd_status(wanted, done) == status
+
+
+def test_every_ratio_of_a_run_carries_its_interval(tmp_path):
+    """flex_over_<baseline>_<pass> and the headlines each with `_ci95`: [lo, hi] around the
+    ratio from 5 timed calls a side, null from fewer (said in the metric's meaning)."""
+    m = single.run(settings({"name": "causal"}, benchmark=Benchmark(repeats=5, budget_ms=0)),
+                   tmp_path)  # fmt: skip
+    ratios = [k for k in m if k.startswith("flex_over_") and not k.endswith("_ci95")]
+    assert {"flex_over_sdpa_fwd", "flex_over_best_fwd", "flex_over_best_sdpa_fwd"} <= set(ratios)
+    for key in ratios:
+        lo, hi = m[f"{key}_ci95"]
+        assert lo <= m[key] <= hi, key
+    few = single.run(settings({"name": "causal"}, benchmark=Benchmark(repeats=2, budget_ms=0)),
+                     tmp_path)  # fmt: skip
+    assert few["flex_over_sdpa_fwd"] > 0 and few["flex_over_sdpa_fwd_ci95"] is None
+
+
+def test_contenders_are_timed_together_and_a_pass_one_cannot_run_is_left_out():
+    """time_contenders: per pass, rounds of one call of each contender; a contender's pass that
+    raises (a backend with no backward here) is recorded and its other passes still timed."""
+    seen: list[bool] = []
+    rank = _recording_rank(seen, repeats=3)
+    order: list[str] = []
+
+    def one(name):
+        def call():
+            order.append(name)
+            return rank.attend()
+
+        return call
+
+    def no_backward():  # an output the leaves are not in: its backward raises
+        return torch.zeros(4, 3, requires_grad=True) * 1
+
+    failures: dict = {}
+    times = phases.time_contenders(
+        {"a": (rank, one("a")), "b": (rank, one("b")), "c": (rank, no_backward)},
+        ("fwd", "fwd_bwd"),
+        failures,
+    )
+    assert set(times["a"]) == set(times["b"]) == {"fwd", "fwd_bwd"} and set(times["c"]) == {"fwd"}
+    assert list(failures) == ["c"] and list(failures["c"]) == ["fwd_bwd"]
+    assert times["a"]["fwd"].repeats == times["b"]["fwd"].repeats == times["c"]["fwd"].repeats == 3
+    assert order[:2] == ["a", "b"] and order[2:8] == ["a", "b"] * 3  # warm-up, then rounds

@@ -38,10 +38,10 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    own flex context parallelism (attngym.distributed.torch_cp) on the same shards, variant and
    process group, timed like attngym: torch_cp_fwd_ms, torch_cp_fwd_bwd_ms,
    torch_cp_peak_mem_bytes, attngym_over_torch_cp_<pass> (torch_cp time / attngym time; above 1
-   attngym is faster), torch_cp_status ("ok" or "skipped: <reason>") and torch_cp_bwd_status
-   ("ok", "not requested" or phases.NO_CPU_BWD: flex has no CPU backward, the CPU forward still
-   runs). Its output is compared with attngym's on the validated rows
-   (torch_cp_err_out_rel, torch_cp_err_out_max_abs); beyond the dtype's tolerance
+   attngym is faster) and its _ci95 (phases.ratio), torch_cp_status ("ok" or "skipped:
+   <reason>") and torch_cp_bwd_status ("ok", "not requested" or phases.NO_CPU_BWD: flex has no
+   CPU backward, the CPU forward still runs). Its output is compared with attngym's on the
+   validated rows (torch_cp_err_out_rel, torch_cp_err_out_max_abs); beyond the dtype's tolerance
    torch_cp_validation fails, and so does the run's `validation` verdict.
 7. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
    efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
@@ -514,6 +514,7 @@ def shard(job: RankJob) -> dict[str, Any]:
         device=job.device,
         warmup=s.benchmark.warmup,
         repeats=s.benchmark.repeats,
+        budget_ms=s.benchmark.budget_ms,
         max_over_ranks=job.max_over_ranks,
         sum_over_devices=job.sum_over_devices,
     )
@@ -767,6 +768,7 @@ def _time_whole_problem(job: RankJob, do_bwd: bool, into: dict[str, Any]) -> Non
         device=job.device,
         warmup=s.benchmark.warmup,
         repeats=s.benchmark.repeats,
+        budget_ms=s.benchmark.budget_ms,
     )
     if s.topology.cuda_graph:  # like with like: the CP call's graphs against one device's
         whole = phases.graphed(whole)
@@ -831,8 +833,10 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
     do_bwd = job.do_bwd and job.device.type == "cuda"  # flex has no CPU backward
     metrics: dict[str, Any] = {"torch_cp_bwd_status": phases.bwd_status(job.do_bwd, do_bwd)}
     runs: dict[str, dict[str, Any]] = {}
+    times: dict[str, dict[str, Any]] = {}  # each balancer's {pass: Timing}
     for balancer in BALANCERS:
         runs[balancer] = _torch_cp_balanced(job, balancer, do_bwd)
+        times[balancer] = runs[balancer].pop("timings", {})
         metrics.update({f"torch_cp_{balancer}_{k}": v for k, v in runs[balancer].items()
                         if k in ("status", "fwd_ms", "fwd_bwd_ms")})  # fmt: skip
     timed = {b: r for b, r in runs.items() if r["status"] == "ok"}
@@ -849,16 +853,17 @@ def torch_cp(job: RankJob) -> dict[str, Any]:
     if failed:  # any balancer's disagreement is one (PyTorch's, or attngym's, or the comparison)
         metrics["torch_cp_validation"] = failed[0]
     for p in ("fwd", "fwd_bwd"):
-        mine, theirs = job.timings.get(p), metrics.get(f"torch_cp_{p}_ms")
+        mine, theirs = job.timings.get(p), times[best].get(p)
         if mine is not None and theirs is not None:
-            metrics[f"attngym_over_torch_cp_{p}"] = theirs / mine.median_ms
+            metrics.update(phases.ratio(f"attngym_over_torch_cp_{p}", theirs, mine))
     return metrics
 
 
 def _torch_cp_balanced(job: RankJob, balancer: str, do_bwd: bool) -> dict[str, Any]:
     """PyTorch's CP with one of its balancers: {status, fwd_ms, fwd_bwd_ms, peak_mem_bytes,
-    err_out_rel, err_out_max_abs, validation} (the torch_cp_ metrics, unprefixed); status
-    `skipped: why` where the balancer cannot place the variant (a collective either way)."""
+    err_out_rel, err_out_max_abs, validation} (the torch_cp_ metrics, unprefixed) and timings
+    ({pass: Timing}, for the ratio's interval); status `skipped: why` where the balancer cannot
+    place the variant (a collective either way)."""
     from attngym.distributed.torch_cp import TorchCP, reshard
 
     s, shape = job.settings, job.settings.shape
@@ -888,6 +893,7 @@ def _torch_cp_balanced(job: RankJob, balancer: str, do_bwd: bool) -> dict[str, A
     with phases.peak_memory(measured, out, "peak_mem_bytes"):
         timings = phases.time_passes(measured, ("fwd", "fwd_bwd") if do_bwd else ("fwd",), call)
     out.update({f"{p}_ms": t.median_ms for p, t in timings.items()})
+    out["timings"] = timings  # for the ratio's interval; not a metric
     return out
 
 

@@ -14,8 +14,9 @@ What the timed metrics mean, in every task:
                     the first eager call.
     fwd_ms          the forward call. With autograd recording when the run also times a backward
                     (as training runs it: the graph compiled for it is the one fwd_bwd runs);
-                    under torch.no_grad when the run is forward only. Median over
-                    benchmark.repeats (fwd_ms_min, fwd_ms_max: the extremes).
+                    under torch.no_grad when the run is forward only. Median over the timed
+                    calls, as many as fill benchmark.budget_ms (at least benchmark.repeats;
+                    fwd_ms_min, fwd_ms_max: the extremes).
     bwd_ms          the backward alone: torch.autograd.grad of the output with the seeded output
                     gradient, each timed call on a fresh forward graph built outside the timing.
     fwd_bwd_ms      the forward and that backward in one timed call.
@@ -25,7 +26,10 @@ What the timed metrics mean, in every task:
                     context-parallel run the largest over the ranks.
 
 Timings are bench.time_fn's (CUDA events, the L2 cache flushed before each call; the host clock
-on CPU). A contender's `<name>_<pass>_ms` has the same meaning as attngym's `<pass>_ms`.
+on CPU). A contender's `<name>_<pass>_ms` has the same meaning as attngym's `<pass>_ms`; the
+single-device task times its contenders together (`time_contenders`: interleaved rounds, one
+warm-up each, no separate phase per contender). Every speed ratio comes from `ratio`, with its
+`<ratio>_ci95` beside it.
 
 After the timings the single-device task asks `limits`: the fraction of the device's peak on the
 FLOPs the mask keeps, the energy of the timed passes (NVML) and the kernel path one profiled call
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -43,6 +48,8 @@ from typing import Any
 import torch
 
 from attngym.device import sync
+
+log = logging.getLogger(__name__)
 
 # bwd_status (and a contender's) where the run wants a backward that FlexAttention cannot give.
 NO_CPU_BWD = "not available: FlexAttention has no CPU backward"
@@ -75,7 +82,9 @@ class Rank:
         leaves: the tensors the gradients are of (q, k, v, or this rank's shards of them).
         grad_out: the seeded output gradient, shaped as the output.
         device: where the call runs.
-        warmup, repeats: benchmark.warmup and benchmark.repeats.
+        warmup, repeats, budget_ms: benchmark.warmup, benchmark.repeats and
+            benchmark.budget_ms (bench.time_fn); a budget's count of calls is the ranks'
+            largest (`max_over_ranks`), so every rank makes as many.
         label: what progress bars call the measured call (None: no bar).
         max_over_ranks: an int of every rank reduced to its largest.
         sum_over_devices: a float of every rank summed over the devices the ranks run on, a
@@ -89,6 +98,7 @@ class Rank:
     device: torch.device
     warmup: int
     repeats: int
+    budget_ms: float | None = None
     label: str | None = None
     max_over_ranks: Callable[[int], int] = _same
     sum_over_devices: Callable[[float], float] = _same
@@ -104,16 +114,18 @@ class Rank:
         setup: Callable[[], Any] | None = None,
         label: str | None = None,
     ) -> Any:
-        """bench.time_fn of `fn` with the run's warmup and repeats (a Timing)."""
+        """bench.time_fn of `fn` with the run's warmup, repeats and budget (a Timing)."""
         from attngym import bench
 
         return bench.time_fn(
             fn,
             warmup=self.warmup,
             repeats=self.repeats,
+            budget_ms=self.budget_ms,
             device=self.device,
             progress=label,
             setup=setup,
+            agree=self.max_over_ranks,
         )
 
 
@@ -220,6 +232,69 @@ def time_passes(
                 raise
             failures[name] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
     return timings
+
+
+def time_contenders(
+    contenders: Mapping[str, tuple[Rank, Callable[[], Any]]],
+    passes: tuple[str, ...],
+    failures: dict[str, dict[str, str]],
+) -> dict[str, dict[str, Any]]:
+    """Timings of `passes` of several contenders on one device in one pass: for each pass,
+    bench.time_together's interleaved rounds of one call of each (the first contender's Rank
+    gives the benchmark settings), in the grad mode time_passes uses.
+
+    Args:
+        contenders: {name: (its Rank: leaves and output gradient, its call)}.
+        failures: filled with {name: {pass: reason}} for a pass whose call raises RuntimeError
+            (a backend with no kernel for it); that contender's other passes are still timed.
+
+    Returns:
+        {name: {pass: Timing}} for every contender.
+    """
+    from attngym import bench
+
+    timings: dict[str, dict[str, Any]] = {name: {} for name in contenders}
+    if not contenders:
+        return timings
+    rank = next(iter(contenders.values()))[0]
+    records = any(p in BACKWARD_PASSES for p in passes)
+    for p in passes:
+        calls = {name: _pass_calls(r, call)[p] for name, (r, call) in contenders.items()}
+        failed: dict[str, str] = {}
+        with torch.set_grad_enabled(records):
+            found = bench.time_together(
+                calls,
+                warmup=rank.warmup,
+                repeats=rank.repeats,
+                budget_ms=rank.budget_ms,
+                device=rank.device,
+                progress=None if rank.label is None else f"baselines {p}",
+                failures=failed,
+            )
+        for name, timing in found.items():
+            timings[name][p] = timing
+        for name, why in failed.items():
+            failures.setdefault(name, {})[p] = why
+    return timings
+
+
+def ratio(key: str, over: Any, under: Any) -> dict[str, Any]:
+    """A speed ratio of two Timings and its interval: {key: over's median / under's median,
+    key_ci95: [lo, hi]}, the 95 % interval of bench.ratio_ci95 (a bootstrap over both sides'
+    timed calls), null where a side has fewer than bench.MIN_CI_REPEATS calls (logged)."""
+    from attngym import bench
+    from attngym.metrics import ci95_metric
+
+    interval = bench.ratio_ci95(over.all_ms, under.all_ms)
+    if interval is None:
+        log.info(
+            "%s: no interval (%d and %d timed calls; it needs %d a side)",
+            key, over.repeats, under.repeats, bench.MIN_CI_REPEATS,
+        )  # fmt: skip
+    return {
+        key: over.median_ms / under.median_ms,
+        ci95_metric(key): None if interval is None else list(interval),
+    }
 
 
 def _pass_calls(

@@ -11,9 +11,11 @@ are not skewed by different data, allocator state or clocks. The order is fixed:
    sides depend on those rows alone);
 4. timings of fwd, and on CUDA bwd and fwd+bwd, with peak memory; then one more call of the
    timed kind, held to the validated one (validation.Validated.agrees);
-5. baselines that apply, timed the same way; those that do not are recorded with the reason. The
-   varlen kernels (attngym.varlen) read q, k, v packed as they take them, and their output is
-   checked against flex's: a disagreement fails the run, as torch_cp's does in a CP run.
+5. baselines that apply, each set up in its own phase (baseline_<name>), then timed together in
+   one pass (phase `baselines`: interleaved rounds, phases.time_contenders); those that do not
+   apply are recorded with the reason. The varlen kernels (attngym.varlen) read q, k, v packed as
+   they take them, and their output is checked against flex's: a disagreement fails the run, as
+   torch_cp's does in a CP run. Each ratio to flex carries its 95 % interval (phases.ratio).
 
 Steps 2 and 4 (and the timing in 5) are attngym.tasks.phases at world size 1, the phases the
 context-parallel task runs on every rank; what each timed metric means is written there.
@@ -82,9 +84,9 @@ def run(settings: Settings, run_dir: Path, metrics: dict[str, Any] | None = None
     if settings.profiler != "none":
         with timeline.phase("profile"):
             metrics.update(_profile(settings, job.rank.attend, job.rank.device, run_dir))
-    _time_baselines(job, flex, metrics)
-    metrics.update(_best(metrics, flex, "best_sdpa", SDPA_FAMILY))
-    metrics.update(_best(metrics, flex, "best", SDPA_FAMILY + varlen.KERNELS))
+    times = _time_baselines(job, flex, metrics)
+    metrics.update(_best(metrics, flex, times, "best_sdpa", SDPA_FAMILY))
+    metrics.update(_best(metrics, flex, times, "best", SDPA_FAMILY + varlen.KERNELS))
     for name in varlen.KERNELS:
         validation.add_failure(metrics, metrics.get(f"{name}_validation"),
                                f"attngym and {name} disagree")  # fmt: skip
@@ -155,6 +157,7 @@ def _prepare(settings: Settings, metrics: dict[str, Any]) -> OneDevice:
         device=device,
         warmup=settings.benchmark.warmup,
         repeats=settings.benchmark.repeats,
+        budget_ms=settings.benchmark.budget_ms,
         label="flex",
     )
     passes = (("fwd",) if "fwd" in settings.passes else ()) + (
@@ -249,17 +252,48 @@ def _kept_flops(job: OneDevice) -> dict[str, float]:
     return pass_flops(job.settings.shape, job.settings.shape.seq_len, 1.0 - job.density)
 
 
-def _time_baselines(job: OneDevice, flex: dict[str, Any], metrics: dict[str, Any]) -> None:
+def _time_baselines(
+    job: OneDevice, flex: dict[str, Any], metrics: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     """The baselines that apply, on the same inputs and passes as flex (the context-parallel ones
-    belong to CP runs): <name>_status, <name>_<pass>_ms, _tflops and _peak_fraction (on the FLOPs
-    the mask keeps, as flex's), flex_over_<name>_<pass>."""
+    belong to CP runs): each set up in its own phase, then all timed together in one pass
+    (phases.time_contenders); <name>_status, <name>_<pass>_ms, _tflops and _peak_fraction (on the
+    FLOPs the mask keeps, as flex's), flex_over_<name>_<pass> and its _ci95. Returns
+    {name: {pass: Timing}}."""
+    from attngym import bench
     from attngym.config import SINGLE_BASELINES
 
     s = job.settings
     flops = {"spent": pass_flops(s.shape, s.shape.seq_len, job.sparsity), "kept": _kept_flops(job)}
+    contenders: dict[str, Contender] = {}
     for name in (b for b in s.baselines if b in SINGLE_BASELINES):
         with timeline.phase(f"baseline_{name}"):
-            _time_baseline(name, job, flex, flops, metrics)
+            contender = _contender(name, job, metrics)
+        if contender is not None:
+            contenders[name] = contender
+    failures: dict[str, dict[str, str]] = {}
+    with timeline.phase("baselines"):
+        times = phases.time_contenders(
+            {name: (c.rank or job.rank, c.call) for name, c in contenders.items()},
+            job.passes,
+            failures,
+        )
+    for name, failed in failures.items():  # e.g. a forced SDPA backend with no backward here
+        missing, reason = ", ".join(failed), next(iter(failed.values()))
+        metrics[f"{name}_status"] = f"skipped: {missing}: {reason}"
+        log.info("baseline %s %s skipped: %s", name, missing, reason)
+    for name, by_pass in times.items():
+        for p, timing in by_pass.items():
+            metrics[baseline_metric(name, p, "ms")] = timing.median_ms
+            metrics[baseline_metric(name, p, "tflops")] = bench.tflops(
+                flops["spent"][p], timing.median_ms
+            )
+            metrics[baseline_metric(name, p, "peak_fraction")] = bench.peak_fraction(
+                flops["kept"][p], timing.median_ms, metrics.get("peak_tflops")
+            )
+            if flex.get(p):
+                metrics.update(phases.ratio(speedup_metric(name, p), timing, flex[p]))
+    return times
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -273,12 +307,9 @@ class Contender:
     unpack: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def _time_baseline(
-    name: str, job: OneDevice, flex: dict[str, Any], flops: dict[str, dict], metrics: dict
-) -> None:
-    """One baseline, timed as flex is, or recorded as skipped with the reason."""
-    from attngym import bench
-
+def _contender(name: str, job: OneDevice, metrics: dict[str, Any]) -> Contender | None:
+    """One baseline ready to time, its output checked against flex's where it reads q, k, v its
+    own way; or None, recorded as skipped with the reason."""
     s = job.settings
     if name in s.skipped_baselines:  # the memory estimate: it alone would not fit
         contender, reason = None, s.skipped_baselines[name]
@@ -290,28 +321,10 @@ def _time_baseline(
     metrics[f"{name}_status"] = "ok" if contender is not None else f"skipped: {reason}"
     if contender is None:
         log.info("baseline %s skipped: %s", name, reason)
-        return
-    rank = contender.rank or job.rank
+        return None
     if contender.unpack is not None:
         metrics.update(_agreement(name, job, contender))
-    failures: dict[str, str] = {}
-    times = phases.time_passes(rank, job.passes, contender.call, label=name, failures=failures)
-    if failures:  # e.g. a forced SDPA backend with a forward but no backward for these inputs
-        missing = ", ".join(failures)
-        reason = next(iter(failures.values()))
-        metrics[f"{name}_status"] = f"skipped: {missing}: {reason}"
-        log.info("baseline %s %s skipped: %s", name, missing, reason)
-    for p, timing in times.items():
-        metrics[baseline_metric(name, p, "ms")] = timing.median_ms
-        metrics[baseline_metric(name, p, "tflops")] = bench.tflops(
-            flops["spent"][p], timing.median_ms
-        )
-        metrics[baseline_metric(name, p, "peak_fraction")] = bench.peak_fraction(
-            flops["kept"][p], timing.median_ms, metrics.get("peak_tflops")
-        )
-        if flex.get(p):
-            metrics[speedup_metric(name, p)] = timing.median_ms / flex[p].median_ms
-    del contender
+    return contender
 
 
 def _varlen(name: str, job: OneDevice) -> tuple[Contender | None, str]:
@@ -356,28 +369,36 @@ SDPA_FAMILY = ("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_dense
 
 
 def _best(
-    metrics: dict[str, Any], flex_ms: dict[str, Any], headline: str, among: tuple[str, ...]
+    metrics: dict[str, Any],
+    flex_ms: dict[str, Any],
+    times: dict[str, dict[str, Any]],
+    headline: str,
+    among: tuple[str, ...],
 ) -> dict[str, Any]:
     """A headline: flex against the fastest of `among` that ran (and agreed with flex), per pass.
 
+    Args:
+        times: the baselines' {name: {pass: Timing}}, whose timed calls give the interval.
+
     Returns:
         `<headline>_<pass>` (the contender's name), `<headline>_<pass>_ms` and
-        `flex_over_<headline>_<pass>` (its time / flex's time; > 1: flex is faster).
+        `flex_over_<headline>_<pass>` (its time / flex's time; > 1: flex is faster) with its
+        `_ci95`.
     """
     out: dict[str, Any] = {}
     for p, timing in flex_ms.items():
-        times = {
+        ran = {
             name: metrics[baseline_metric(name, p, "ms")]
             for name in among
             if metrics.get(baseline_metric(name, p, "ms"))
             and not str(metrics.get(f"{name}_validation", "")).startswith("failed")
         }
-        if not times or timing is None:
+        if not ran or timing is None:
             continue
-        best = min(times, key=times.get)
+        best = min(ran, key=ran.get)
         out[f"{headline}_{p}"] = best
-        out[f"{headline}_{p}_ms"] = times[best]
-        out[speedup_metric(headline, p)] = times[best] / timing.median_ms
+        out[f"{headline}_{p}_ms"] = ran[best]
+        out.update(phases.ratio(speedup_metric(headline, p), times[best][p], timing))
     return out
 
 

@@ -21,7 +21,14 @@ from typing import Any
 
 from attngym import registry
 from attngym.fileio import ReadRefused, atomic_write, read_inside, remove_stale_tmps
-from attngym.metrics import format_value, markdown_cell, metric_of, printable, shortened
+from attngym.metrics import (
+    CI_SUFFIX,
+    format_value,
+    markdown_cell,
+    metric_of,
+    printable,
+    shortened,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +139,8 @@ def _wrong_value(data: Mapping[str, Any]) -> str | None:
     }
     for key, value in data.items():
         check, allowed = checks.get(key, (None, ""))
+        if check is None and key.endswith(CI_SUFFIX):  # a ratio's interval
+            check, allowed = _is_interval, "[lo, hi] (two numbers) or null"
         if check is None and (row := metric_of(key)) is not None and row.unit:
             check, allowed = _is_number, f"a number ({row.unit})"
         if check is not None and not check(value):
@@ -142,6 +151,11 @@ def _wrong_value(data: Mapping[str, Any]) -> str | None:
 def _is_number(value: Any) -> bool:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     return value is None or number or value in NONFINITE
+
+
+def _is_interval(value: Any) -> bool:
+    pair = isinstance(value, list) and len(value) == 2
+    return value is None or (pair and all(v is not None and _is_number(v) for v in value))
 
 
 def record_failure(

@@ -35,7 +35,9 @@ from typing import Any, NoReturn
 from attngym.errors import ConfigError, Interrupted, failure_text
 from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
 from attngym.metrics import (
+    CI_SUFFIX,
     error_line,
+    format_cell,
     format_value,
     markdown_cell,
     metric_of,
@@ -182,7 +184,8 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 def job_row(job_dir: Path, name: str) -> dict[str, Any]:
     """A job folder as a table row: job, overrides, and its metrics.json's status, error and
-    scalar metrics, or status failed and why its metrics.json cannot be used."""
+    scalar metrics and ratios' intervals (`<ratio>_ci95`, [lo, hi]), or status failed and why its
+    metrics.json cannot be used."""
     metrics, problem = load_metrics(job_dir)
     if problem is not None:
         log.warning("%s: %s; the job counts as failed", job_dir / METRICS_FILE, problem)
@@ -190,7 +193,8 @@ def job_row(job_dir: Path, name: str) -> dict[str, Any]:
     elif metrics is None:
         metrics = {"status": "failed", "error": "no metrics.json (the job did not finish)"}
     row = {"job": name, "overrides": " ".join(job_overrides(job_dir))}
-    row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
+    kept = {k: v for k, v in metrics.items() if k.endswith(CI_SUFFIX)}  # a ratio's [lo, hi]
+    row.update({k: v for k, v in metrics.items() if not isinstance(v, dict | list) or k in kept})
     row.setdefault("error", None)
     return row
 
@@ -198,17 +202,18 @@ def job_row(job_dir: Path, name: str) -> dict[str, Any]:
 def format_table(
     rows: list[dict[str, Any]], columns: Sequence[str], *, max_width: int | None = None
 ) -> str:
-    """An aligned Markdown table of `columns` over `rows`, values through `format_value`.
+    """An aligned Markdown table of `columns` over `rows`, values through `format_cell` (a
+    ratio whose interval holds 1 reads "1.03 (tie)").
 
     Args:
         max_width: cut longer cells (an error message) to this many characters, with "...".
     """
 
-    def cell(column: str, value: Any) -> str:
-        text = markdown_cell(format_value(column, value))
+    def cell(column: str, row: dict[str, Any]) -> str:
+        text = markdown_cell(format_cell(column, row))
         return text if max_width is None else shortened(text, max_width)
 
-    body = [[cell(c, row.get(c)) for c in columns] for row in rows]
+    body = [[cell(c, row) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(line[i]) for line in body]) for i, c in enumerate(columns)]
     numeric = [all(_is_number(row.get(c)) for row in rows) for c in columns]
 
