@@ -64,8 +64,12 @@ def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_pat
     assert m["auto_measured_over_predicted"] == pytest.approx(m["fwd_bwd_ms"] / m["auto_pick_ms"])
     table = json.loads((tmp_path / "real" / "auto.json").read_text())
     assert table["pick"] == m["auto_pick"] and len(table["candidates"]) == m["auto_candidates"]
-    ms = [c["predicted_ms"] for c in table["candidates"]]
-    assert ms == sorted(ms)
+    # The timed come first, fastest first; then the rest by the model's price.
+    timed = [c["timed_ms"] is not None for c in table["candidates"]]
+    assert timed == sorted(timed, reverse=True) and timed[0]
+    for group in (True, False):
+        ms = [c["predicted_ms"] for c, t in zip(table["candidates"], timed) if t is group]
+        assert ms == sorted(ms)
 
 
 def test_auto_simulates_the_allgathers_overlap_both_ways(tmp_path):
