@@ -2,36 +2,43 @@
 # The answer in seconds on one H200 (issue "the answer in seconds"): topology=auto's choice, the
 # default run, the headline and a CP job at world size 1, each run twice (the second warm).
 #   bash experiments/run_time/answer.sh OUT [PHASE...]   (from the repository root; wheels in .whl/)
-# PHASE: auto_window auto_documents runs (default: all; each fits a 10-minute call).
-#   auto_window     window(1024) 128K, P=8 simulated: asked, asked again (the kept answer), then
-#                   every candidate timed (options.shortlist=0, reuse=false): the pick's time
-#                   against the best timed one
-#   auto_documents  the same on four documents of 32K
+# PHASE: auto_window auto_window_all auto_documents auto_documents_all runs (default: all).
+#   auto_window     window(1024) 128K, P=8 simulated: asked, then asked again (the kept answer)
+#   auto_window_all the same with every candidate timed (options.shortlist=0, reuse=false): the
+#                   pick's time against the best timed one
+#   auto_documents[_all]  the same on four documents of 32K
 #   runs            the default run, the headline (causal B4 H16 8K D128, tuned) and ring /
-#                   all-gather / Ulysses at world size 1, 64K, each twice
+#                   all-gather / Ulysses at world size 1, 64K, each twice (RUNS=1: once, on a
+#                   machine whose compile caches earlier phases or calls have warmed)
 set -u
 OUT=${1:?usage: answer.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-auto_window auto_documents runs} "
+WHAT=" ${*:-auto_window auto_window_all auto_documents auto_documents_all runs} "
 mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
 has() { [[ $WHAT == *" $1 "* ]]; }
 AG="python3 -m attngym logger=none"
 AUTO="topology=auto topology.simulate=true topology.world_size=8 shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=131072 validate=false"
-ask() {  # NAME OVERRIDES...: asked, asked again, then every candidate timed
+ask() {  # NAME OVERRIDES...: asked, then asked again
   local name=$1; shift
   T_TIMEOUT=200 t "${name}_1" $AG $AUTO "$@" hydra.run.dir="${name}_1"
   T_TIMEOUT=100 t "${name}_2" $AG $AUTO "$@" hydra.run.dir="${name}_2"
+  cp "$W/${name}_1/auto.json" "$OUT/${name}_1.auto.json" 2>/dev/null
+}
+every() {  # NAME OVERRIDES...: every candidate timed
+  local name=$1; shift
   T_TIMEOUT=280 t "${name}_all" $AG $AUTO "$@" topology.options.shortlist=0 \
     topology.options.reuse=false hydra.run.dir="${name}_all"
-  cp "$W/${name}_1/auto.json" "$OUT/${name}_1.auto.json" 2>/dev/null
   cp "$W/${name}_all/auto.json" "$OUT/${name}_all.auto.json" 2>/dev/null
 }
-has auto_window && ask auto_window attention=sliding_window ++attention.window_size=1024
-has auto_documents && ask auto_documents attention=document \
-  '++attention.doc_lengths=[32768,32768,32768,32768]'
+WINDOW="attention=sliding_window ++attention.window_size=1024"
+DOCS="attention=document ++attention.doc_lengths=[32768,32768,32768,32768]"
+has auto_window && ask auto_window $WINDOW
+has auto_window_all && every auto_window $WINDOW
+has auto_documents && ask auto_documents $DOCS
+has auto_documents_all && every auto_documents $DOCS
 if has runs; then
-  for i in 1 2; do
+  for i in $(seq ${RUNS:-2}); do
     t "default$i" $AG hydra.run.dir="default$i"
     t "headline$i" $AG attention=causal shape.batch=4 shape.heads=16 shape.seq_len=8192 \
       shape.head_dim=128 block_size=tuned hydra.run.dir="headline$i"
@@ -50,7 +57,8 @@ for f in sorted(out.glob("*.metrics.json")):
     m = json.loads(f.read_text())
     keys = ("status", "validation", "wall_s", "auto_s", "auto_pick", "auto_pick_ms", "auto_timed",
             "auto_candidates", "auto_cached")
-    print(f.name.split(".")[0], {k: m.get(k) for k in keys if m.get(k) is not None})
+    phases = {k[6:-2]: round(v, 1) for k, v in m.items() if k.startswith("phase_") and v}
+    print(f.name.split(".")[0], {k: m.get(k) for k in keys if m.get(k) is not None}, phases)
 for name in ("auto_window", "auto_documents"):
     try:
         first = json.loads((out / f"{name}_1.metrics.json").read_text())
