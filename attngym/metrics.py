@@ -64,6 +64,10 @@ CI_MEANING = (
     "the ratio's 95 % interval [lo, hi]: a bootstrap over both sides' timed calls "
     "(attngym.bench.ratio_ci95); null with fewer than 5 calls a side. Holding 1: a tie"
 )
+EFFICIENCY_CI_MEANING = (
+    "the efficiency's 95 % interval [lo, hi]: the interval of one device's time over the CP "
+    "time (as for a speed ratio's _ci95), over world_size"
+)
 
 # Units format_value reads: "bytes" (MiB, GiB), "TFLOP/s" (one decimal); the others label.
 # Where a metric shows in the table printed at the end of a run: in every run's, in a
@@ -470,6 +474,20 @@ METRICS: tuple[Metric, ...] = (
         "ratio",
         "efficiency of forward and backward",
         shown="cp",
+    ),
+    M(
+        "efficiency_ci95",
+        "efficiency 95% interval",
+        "ratio",
+        EFFICIENCY_CI_MEANING,
+        column=False,
+    ),
+    M(
+        "efficiency_fwd_bwd_ci95",
+        "efficiency fwd+bwd 95% interval",
+        "ratio",
+        EFFICIENCY_CI_MEANING,
+        column=False,
     ),
     M(
         "single_fwd_ms",
@@ -1023,9 +1041,10 @@ def is_tie(interval: Any) -> bool:
 
 
 def format_cell(column: str, row: Mapping[str, Any]) -> str:
-    """A table's cell of `column` in `row`: format_value, and " (tie)" after a ratio whose
-    interval (`<column>_ci95` in the row) holds 1."""
+    """A table's cell of `column` in `row`: format_value, and " (tie)" after a speed ratio
+    whose interval (`<column>_ci95` in the row) holds 1 (an efficiency's holding 1 is no tie)."""
     text = format_value(column, row.get(column))
-    if text and is_tie(row.get(ci95_metric(column))):
+    interval = metric_of(ci95_metric(column))
+    if text and interval and interval.meaning == CI_MEANING and is_tie(row.get(ci95_metric(column))):
         text += " (tie)"
     return text

@@ -79,6 +79,12 @@ def test_a_tie_is_an_interval_that_holds_1(interval, tie):
     assert format_cell("flex_over_best_fwd", row) == ("1.03 (tie)" if tie else "1.03")
 
 
+def test_an_efficiency_holding_1_is_no_tie():
+    row = {"efficiency": 0.99, "efficiency_ci95": [0.97, 1.01]}
+    assert metric_of("efficiency_ci95") is not None
+    assert format_cell("efficiency", row) == "0.990"
+
+
 def _sweep(tmp_path):
     """A sweep folder of two finished jobs, their metrics.json as runs write them: one ratio a
     tie, one a clear win, one with no interval (too few calls)."""

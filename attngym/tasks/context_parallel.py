@@ -44,7 +44,7 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    validated rows (torch_cp_err_out_rel, torch_cp_err_out_max_abs); beyond the dtype's tolerance
    torch_cp_validation fails, and so does the run's `validation` verdict.
 7. `one_device`: on rank 0, the whole problem on one device with the same kernel (single_fwd_ms,
-   efficiency; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
+   efficiency and its _ci95; with a backward also single_fwd_bwd_ms, efficiency_fwd_bwd).
 
 Rank 0 alone does the float64 reference and the one-device comparison (which needs the whole
 problem on its device, briefly). The other ranks wait for it inside
@@ -88,7 +88,7 @@ from attngym.distributed.cp import attend_chunk
 from attngym.distributed.keepalive import rank0_work
 from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
-from attngym.metrics import pass_flops, pass_metrics
+from attngym.metrics import ci95_metric, pass_flops, pass_metrics
 from attngym.tasks import phases
 from attngym.tasks.cp_setup import (
     cp_options,
@@ -679,8 +679,9 @@ def one_device(job: RankJob) -> dict[str, Any]:
     0 in the rank0_work around this phase).
     """
     metrics: dict[str, Any] = dict.fromkeys(
-        ("single_fwd_ms", "efficiency", "single_fwd_bwd_ms", "efficiency_fwd_bwd")
-    )
+        ("single_fwd_ms", "efficiency", "efficiency_ci95", "single_fwd_bwd_ms",
+         "efficiency_fwd_bwd", "efficiency_fwd_bwd_ci95")
+    )  # fmt: skip
     if job.rank != 0:
         return metrics
     shape = job.settings.shape
@@ -712,9 +713,14 @@ def one_device(job: RankJob) -> dict[str, Any]:
         )
     for name, result in single.items():
         suffix = "" if name == "fwd" else f"_{name}"
-        efficiency = (result.median_ms / job.world_size) / job.timings[name].median_ms
+        key = f"efficiency{suffix}"
+        # (one device's time / world_size) / the CP time: their speed ratio over world_size.
+        over = phases.ratio(key, result, job.timings[name])
+        efficiency = over[key] / job.world_size
+        interval = over[ci95_metric(key)]
         metrics[f"single_{name}_ms"] = result.median_ms
-        metrics[f"efficiency{suffix}"] = efficiency
+        metrics[key] = efficiency
+        metrics[ci95_metric(key)] = interval and [x / job.world_size for x in interval]
         log.info(
             "%s %s %.2f ms vs one device %.2f ms over %d ranks: efficiency %.2f",
             job.kind,

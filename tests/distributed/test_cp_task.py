@@ -63,6 +63,9 @@ def test_cp_experiment_runs_validated_on_cpu(tmp_path, experiment, layout):
         assert metrics["pairs_skipped"] > 0  # causal: some (q chunk, kv chunk) pairs are empty
     assert metrics["efficiency"] > 0 and metrics["single_fwd_ms"] > 0
     assert metrics["efficiency_fwd_bwd"] > 0 and metrics["single_fwd_bwd_ms"] > 0
+    for key in ("efficiency", "efficiency_fwd_bwd"):  # 5 calls a side: the interval holds it
+        lo, hi = metrics[f"{key}_ci95"]
+        assert lo <= metrics[key] <= hi
     # CPU peak memory is what the timed region adds to the process's resident set: none grows
     # when the allocator reuses freed pages, and that is recorded as not measured (None), never
     # as 0 B (> 0 on GPUs).
