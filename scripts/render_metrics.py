@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         if pages := stale():
-            print(f"stale: {', '.join(pages)}: run python scripts/render_metrics.py", file=sys.stderr)
+            names = ", ".join(pages)
+            print(f"stale: {names}: run python scripts/render_metrics.py", file=sys.stderr)
             return 1
         return 0
     for page, block in rendered().items():

@@ -1,5 +1,5 @@
-"""The result tables of docs/results.md are the data's: rendered by scripts/render_tables.py, never edited
-by hand, each with the date, commit and device of its measurement."""
+"""The result tables of docs/results.md are the data's: rendered by scripts/render_tables.py,
+never edited by hand, each with the date, commit and device of its measurement."""
 
 from __future__ import annotations
 
