@@ -1,9 +1,9 @@
-"""The README's tables of results, rendered from the data files they come from.
+"""The tables of docs/results.md, rendered from the data files they come from.
 
-    python scripts/render_tables.py           # rewrite the README's tables from the data
+    python scripts/render_tables.py           # rewrite the page's tables from the data
     python scripts/render_tables.py --check   # exit 1, naming the table, where they differ
 
-A table sits in README.md between `<!-- table: NAME -->` and `<!-- /table -->`, NAME one of
+A table sits in docs/results.md between `<!-- table: NAME -->` and `<!-- /table -->`, NAME one of
 TABLES; tests/test_readme_tables.py runs --check, so a table edited by hand, or data re-made
 without rendering, fails the suite. Each caption says when, on which commit and on what device
 its data was made: scaling.json's rows carry it; older data files carry it in `measured.json`
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "results.md"
 EXPERIMENTS = ROOT / "experiments"
 # The catalogue's defaults the one-GPU study ran with, for the labels.
 LABELS = {"sliding_window": "sliding_window(256)", "softcap": "softcap(20)"}
@@ -51,7 +51,7 @@ def _caption(made: dict[str, str], source: str) -> str:
 
 
 def _italic(text: str) -> str:
-    """A caption in italics, wrapped at the README's 100 columns."""
+    """A caption in italics, wrapped at the docs' 100 columns."""
     return "\n".join(textwrap.wrap(f"*{text}*", 100))
 
 
@@ -165,7 +165,7 @@ def render(text: str) -> str:
     def one(match: re.Match[str]) -> str:
         name = match[2]
         if name not in TABLES:
-            raise KeyError(f"README.md names table {name!r}; tables: {', '.join(TABLES)}")
+            raise KeyError(f"docs/results.md names table {name!r}; tables: {', '.join(TABLES)}")
         return f"{match[1]}{TABLES[name]()}\n{match[4]}"
 
     return _BLOCK.sub(one, text)
@@ -181,14 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 where a table is stale")
     args = parser.parse_args(argv)
-    text = README.read_text()
+    text = PAGE.read_text()
     if args.check:
         if names := stale(text):
-            print(f"README.md: stale tables {', '.join(names)}: run python scripts/"
+            print(f"docs/results.md: stale tables {', '.join(names)}: run python scripts/"
                   "render_tables.py", file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    README.write_text(render(text))
+    PAGE.write_text(render(text))
     return 0
 
 

@@ -69,8 +69,9 @@ def test_run_folders_are_named_as_the_readme_says(tmp_path, monkeypatch):
     metrics = attngym.run(mask_mod=diagonal_band, overrides=SMALL, quiet=True)
     run = Path(metrics["run_dir"])
     assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}-\d+", str(run)), run
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    named = set(re.findall(r"(?:outputs|multirun)/<date>/<[^>]+>[^/` ]*", readme))
+    root = Path(__file__).resolve().parents[1]
+    docs = "".join(p.read_text() for p in [root / "README.md", *sorted(root.glob("docs/*.md"))])
+    named = set(re.findall(r"(?:outputs|multirun)/<date>/<[^>]+>[^/` ]*", docs))
     assert named == {"outputs/<date>/<time>-<pid>", "multirun/<date>/<time>-<pid>"}, named
 
 

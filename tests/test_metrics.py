@@ -1,8 +1,9 @@
-"""The metric table: every key a task writes has a row, rows are complete, the README lists
-them; pass metrics from timings; the table imports without torch."""
+"""The metric table: every key a task writes has a row, rows are complete, the docs' metric pages
+are rendered from it; pass metrics from timings; the table imports without torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -169,22 +170,33 @@ def test_described_kernel_options_are_in_the_table():
     assert "kernel_options.BLOCK_M" in described and _unknown(described) == []
 
 
-def _readme_metric_names() -> set[str]:
-    """The names the README's "## Metrics" list gives (its first paragraphs, up to the timing
-    method): every backquoted name but files (`metrics.json`) and `torch_cp`, the baseline's
-    name."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    listing = section.split("\nTiming method", 1)[0]
-    names = set(re.findall(r"`([A-Za-z_<][\w.<>]*)`", listing))
-    code = ("attngym.", "torch.")  # the modules the list cites
-    return {n for n in names if not n.endswith(".json") and not n.startswith(code)} - {"torch_cp"}
+def _render_metrics():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import render_metrics
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return render_metrics
 
 
-def test_the_readme_lists_exactly_the_table():
-    readme = _readme_metric_names()
-    table = {m.name for m in METRICS}
-    assert (sorted(readme - table), sorted(table - readme)) == ([], [])
+def test_the_docs_pages_are_rendered_from_the_table():
+    render_metrics = _render_metrics()
+    assert render_metrics.stale() == [], "run: python scripts/render_metrics.py"
+    pages = "".join(page.read_text() for page in render_metrics.rendered())
+    for m in METRICS:  # each row once, on one page
+        assert pages.count(f"| `{m.name}` |") == 1, m.name
+
+
+def test_a_row_changed_in_the_table_makes_its_page_stale(monkeypatch):
+    import attngym.metrics
+
+    render_metrics = _render_metrics()
+    changed = tuple(
+        dataclasses.replace(m, meaning="a meaning no page has") if m.name == "fwd_ms" else m
+        for m in METRICS
+    )
+    monkeypatch.setattr(attngym.metrics, "METRICS", changed)
+    assert render_metrics.stale() == ["docs/metrics.md"]
 
 
 def test_an_error_line_is_the_first_line_of_a_compilers_pages():

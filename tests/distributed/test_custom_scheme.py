@@ -1,5 +1,5 @@
 """Your own context-parallel scheme (topology=custom, attngym.distributed.custom) through every
-part of attngym, editing no file of the package: the README's all-gather, written to a file of
+part of attngym, editing no file of the package: the all-gather of docs/custom-cp.md, in a file of
 its own, runs on 2 CPU ranks through the CLI, a sweep beside the built-ins (W&B offline, resume)
 and attngym.run, validated forward and backward against float64 next to torch_cp; every user
 error is one line naming the key before any rank starts; a scheme that lives only in the tests
@@ -26,16 +26,16 @@ ENV = {**os.environ, "ATTNGYM_PROGRESS": "0"}
 
 
 def readme_scheme() -> str:
-    """The README's mycp.py, exactly as a user copies it."""
-    text = (ROOT / "README.md").read_text()
+    """docs/custom-cp.md's mycp.py, exactly as a user copies it."""
+    text = (ROOT / "docs" / "custom-cp.md").read_text()
     found = re.search(r"```python\n# mycp\.py\n(.*?)```", text, re.S)
-    assert found, "the README shows mycp.py"
+    assert found, "docs/custom-cp.md shows mycp.py"
     return found.group(1)
 
 
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
-    """A folder of the user's, with the README's mycp.py and a few wrong schemes."""
+    """A folder of the user's, with the mycp.py of docs/custom-cp.md and a few wrong schemes."""
     (tmp_path / "mycp.py").write_text(readme_scheme())
     (tmp_path / "bad.py").write_text(BAD)
     monkeypatch.chdir(tmp_path)

@@ -78,10 +78,10 @@ def mask_module(folder: Path, name: str, first: str = "") -> None:
 
 
 def readme_block(marker: str) -> str:
-    """The README's fenced code block whose first comment line (after a `#!` line) holds
-    `marker`."""
+    """The fenced code block of docs/clusters.md (the README's cluster page) whose first comment
+    line (after a `#!` line) holds `marker`."""
     blocks, block = [], None
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "clusters.md").read_text().splitlines():
         if line.startswith("```"):
             block = [] if block is None else blocks.append("\n".join(block) + "\n")
         elif block is not None:
@@ -90,4 +90,4 @@ def readme_block(marker: str) -> str:
         head = [line for line in text.splitlines()[:2] if not line.startswith("#!")]
         if head and marker in head[0]:
             return text
-    raise AssertionError(f"README.md has no code block starting with {marker!r}")
+    raise AssertionError(f"docs/clusters.md has no code block starting with {marker!r}")

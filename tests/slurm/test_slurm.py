@@ -1,7 +1,7 @@
-"""Sweeps and context-parallel jobs on a real SLURM cluster, as the README tells a user to run them.
+"""Sweeps and context-parallel jobs on a real SLURM cluster, as docs/clusters.md runs them.
 
 The cluster (tests/slurm/cluster.py) has two nodes on this machine and no accounting; its
-partition is called `debug`, as in the README's commands, which run here as pasted. CPU runs,
+partition is called `debug`, as in docs/clusters.md, whose commands run here as pasted. CPU runs,
 float32: the CP jobs validate against the float64 reference like any run (metrics.json's
 `validation`).
 """
@@ -61,7 +61,7 @@ def test_readme_sweep_runs_to_its_summary_and_resumes_without_submitting(slurm, 
     assert submitted(slurm) == before
     assert (again.stdout + again.stderr).count("already ok, not submitted") == 2
 
-    # The README's CP line: one job of two SLURM tasks, one rank each, validated.
+    # docs/clusters.md's CP line: one job of two SLURM tasks, one rank each, validated.
     cp = user_shell.cwd / "multirun" / "ring"
     proc = user_shell(f"{ring_cmd} {SMALL} shape.seq_len=512 hydra.sweep.dir={cp}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -240,7 +240,7 @@ def test_readme_torchrun_two_nodes_runs_to_metrics(user_shell):
 
 
 def test_a_launcher_config_of_your_own_extends_submitit_slurm(user_shell):
-    """The README's way to type a cluster's settings once: a hydra/launcher option of your own."""
+    """docs/clusters.md's way to type a cluster's settings once: a hydra/launcher option."""
     own = user_shell.cwd / "myconf" / "hydra" / "launcher"
     own.mkdir(parents=True)
     (own / "mycluster.yaml").write_text(
@@ -298,7 +298,7 @@ def test_each_task_of_a_step_gets_torchruns_variables_from_slurms(slurm, user_sh
 
 
 def test_a_sweep_run_by_srun_tasks_runs_each_job_on_every_rank(slurm, user_shell):
-    """`srun -n 2 attngym -m ...`, as the README says: one process group for every job, rank 0
+    """`srun -n 2 attngym -m ...`, as docs/clusters.md says: one process group for every job, rank 0
     writes the summary into the sweep folder both tasks name alike (slurm-<job>.<step>)."""
     proc = user_shell(
         f"srun --ntasks=2 attngym -m topology=ring {SMALL} shape.seq_len=256,512", timeout=400
