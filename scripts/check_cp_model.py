@@ -14,8 +14,9 @@ of simulated now.
 Scaling (--scaling): the predicted scaling table (scaling.md, scaling.json): a 1024-token window
 at 128K on 2 and 8 ranks, documents at 128K on 8 ranks on every scheme, causal 1M on 64 ranks of
 8-GPU nodes (hgx_h200), each scheme with CUDA graphs, with its efficiency, bottleneck and bytes
-moved and needed; the file records the date, commit, GPU and torch it was made with (the
-README's table is rendered from it: scripts/render_tables.py).
+moved and needed; the file records the date, commit, GPU and torch it was made with (the scaling
+table of docs/results.md, which experiments/cp_model/README.md points to, is rendered from it:
+scripts/render_tables.py).
 
     python scripts/check_cp_model.py experiments/multi_gpu_cp --out experiments/cp_model
     python scripts/check_cp_model.py experiments/multi_gpu_cp --dry-run        # the commands

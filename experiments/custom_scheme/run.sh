@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A user's context-parallel scheme and balancer on one H200: the README's mycp.py (an all-gather
-# written with attngym's public pieces) on two ranks sharing the GPU (gloo group), in a sweep
-# beside the built-in ring and all-gather, validated forward and backward against float64; a
+# A user's context-parallel scheme and balancer on one H200: docs/custom-cp.md's mycp.py (an
+# all-gather written with attngym's public pieces) on two ranks sharing the GPU (gloo group), in a
+# sweep beside the built-in ring and all-gather, validated forward and backward against float64; a
 # balancer of the user's on the ring; and the simulated ranks of issue 35's table again after the
 # topology refactor (the same predictions are expected, the same work being simulated).
 #   bash experiments/custom_scheme/run.sh [OUT_DIR]    (from the repository root)
@@ -11,8 +11,8 @@ OUT=${1:-${OUT:-/tmp/attngym_custom_scheme}}
 mkdir -p "$OUT"
 source experiments/gpu_env.sh  # the H200's settings, the wheels of .whl/, t NAME COMMAND
 W=/tmp/w_custom_scheme && rm -rf $W && mkdir -p $W
-# The README's mycp.py, as a user copies it; the tests' balancers as a user's own module.
-python3 - "$PWD/README.md" > $W/mycp.py <<'PY'
+# docs/custom-cp.md's mycp.py, as a user copies it; the tests' balancers as a user's own module.
+python3 - "$PWD/docs/custom-cp.md" > $W/mycp.py <<'PY'
 import re, sys
 print(re.search(r"```python\n# mycp\.py\n(.*?)```", open(sys.argv[1]).read(), re.S)[1])
 PY
@@ -20,7 +20,7 @@ cp tests/distributed/balancers.py $W/mybal.py
 AG="python3 -m attngym"  # a sweep's -m comes first, then logger=none
 SHAPE="shape.heads=8 shape.head_dim=128"
 # One rank beside the one-device call in the same job (efficiency): what the refactored ring,
-# all-gather and the README scheme cost of their own; causal S=32K, validated against float64.
+# all-gather and the docs' scheme cost of their own; causal S=32K, validated against float64.
 for kind in ring allgather custom; do
   [ -z "${SKIP_ONE_RANK:-}" ] && t one_rank_$kind $AG logger=none topology=$kind topology.scheme=mycp.my_allgather topology.world_size=1 shape.seq_len=32768 $SHAPE hydra.run.dir=one_rank_$kind
 done

@@ -22,7 +22,7 @@ if has tests; then  # the limits metrics, the energy counter and the kernel path
     "$ROOT/tests/test_profiling.py" "$ROOT/tests/test_tune.py"
 fi
 HEADLINE="full causal sliding_window document prefix_lm alibi softcap"
-if has triton; then  # the README's headline variants at 8K, beside cuDNN
+if has triton; then  # the headline variants at 8K (docs/results.md), beside cuDNN
   for v in $HEADLINE; do
     t "triton_$v" $AG attention=$v $SHAPE 'baselines=[sdpa_cudnn]' hydra.run.dir=triton_$v
   done
