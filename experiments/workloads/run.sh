@@ -58,5 +58,6 @@ if has workload_auto; then
   mkdir -p "$OUT/workload_auto" && cp "$W/workload_auto"/{auto.json,batches.csv,metrics.json} "$OUT/workload_auto/" 2>/dev/null
 fi
 for d in "$W"/*/; do [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename "$d").metrics.json"; done
+python3 "$ROOT/experiments/workloads/compare.py" "$OUT" > "$OUT/compare.md" 2>&1
 echo "done: $(cat "$OUT/summary.txt" 2>/dev/null | wc -l) runs"
 tar -C "$OUT" -czf /tmp/workloads.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/workloads.tgz "$OUT/"
