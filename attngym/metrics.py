@@ -1045,6 +1045,7 @@ def format_cell(column: str, row: Mapping[str, Any]) -> str:
     whose interval (`<column>_ci95` in the row) holds 1 (an efficiency's holding 1 is no tie)."""
     text = format_value(column, row.get(column))
     interval = metric_of(ci95_metric(column))
-    if text and interval and interval.meaning == CI_MEANING and is_tie(row.get(ci95_metric(column))):
+    speed_ratio = interval is not None and interval.meaning == CI_MEANING
+    if text and speed_ratio and is_tie(row.get(ci95_metric(column))):
         text += " (tie)"
     return text

@@ -67,8 +67,9 @@ def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_pat
     # The timed come first, fastest first; then the rest by the model's price.
     timed = [c["timed_ms"] is not None for c in table["candidates"]]
     assert timed == sorted(timed, reverse=True) and timed[0]
+    rows = list(zip(table["candidates"], timed, strict=True))
     for group in (True, False):
-        ms = [c["predicted_ms"] for c, t in zip(table["candidates"], timed) if t is group]
+        ms = [c["predicted_ms"] for c, t in rows if t is group]
         assert ms == sorted(ms)
 
 
