@@ -787,16 +787,7 @@ def _topology_rules(data: dict[str, Any]) -> None:
     if spec is not None:
         if spec.options is not None:
             _check_section(spec.options, topo["options"], "topology.options.")
-        spec.check(
-            heads=shape["heads"],
-            kv_heads=shape["kv_heads"],
-            seq_len=shape["seq_len"],
-            world_size=None if world_size == AUTO else world_size,
-            layout=layout,
-            options=topo["options"],
-            simulate=topo["simulate"],
-            fabric=topo["fabric"] if topo["simulate"] else None,
-        )
+        spec.check(topo, shape)
         return
     if world_size not in (1, AUTO):
         raise ConfigError(

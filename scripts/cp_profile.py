@@ -434,12 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     options = spec.option_values({"a2a_size": args.a2a_size, "across": args.across})
     try:
         spec.check(
-            heads=args.heads,
-            kv_heads=args.heads,
-            seq_len=args.seq_len,
-            world_size=world,
-            layout=args.layout,
-            options=options,
+            {"world_size": world, "layout": args.layout, "options": options},
+            {"heads": args.heads, "kv_heads": args.heads, "seq_len": args.seq_len},
         )
     except ConfigError as err:
         parser.error(str(err))

@@ -40,6 +40,7 @@ LIBRARY = (
     "attngym.fileio",
     "attngym.distributed",
     "attngym.distributed.ulysses",
+    "attngym.distributed.hybrid",
     "attngym.distributed.torch_cp",
     "attngym.distributed.launch",
     "attngym.distributed.keepalive",

@@ -27,6 +27,7 @@ from typing import Any
 from attngym.distributed import transport  # noqa: F401  (registers kind "transport")
 from attngym.distributed.allgather import allgather_attention
 from attngym.distributed.cp import CPOptions, CPStats, attend_chunk
+from attngym.distributed.hybrid import hybrid_attention
 from attngym.distributed.layout import Layout, load_imbalance, plan, shard, unshard
 from attngym.distributed.merge import merge
 from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
@@ -34,11 +35,7 @@ from attngym.distributed.ring import ring_attention
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.topologies import TOPOLOGIES
 from attngym.distributed.transport import all_gather
-from attngym.distributed.ulysses import (
-    check_ulysses_heads,
-    hybrid_attention,
-    ulysses_attention,
-)
+from attngym.distributed.ulysses import check_ulysses_heads, ulysses_attention
 
 _LAZY = {
     "CopyEngineAllGather": "attngym.distributed.copy_engine",

@@ -793,4 +793,5 @@ ALLGATHER = TopologySpec(
     timer=allgather_transfer_ms,
     simulate=simulate_allgather,
     price=price_allgather,
+    pickable=True,
 )

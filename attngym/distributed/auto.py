@@ -22,18 +22,24 @@ from attngym.distributed.layout import LAYOUTS, is_user_layout
 from attngym.distributed.spec import TopologySpec
 from attngym.errors import ConfigError, choice_error
 
-Candidate = Literal["ring", "allgather", "ulysses", "hybrid"]
 CandidateTransport = Literal["copy_engine", "nccl"]
-CANDIDATES: tuple[str, ...] = ("ring", "allgather", "ulysses", "hybrid")
 PICK = "auto"  # topology.layout=auto: the layout is chosen too
+
+
+def candidates() -> list[str]:
+    """The schemes auto may pick: the registered topologies whose spec is `pickable`."""
+    from attngym import registry
+
+    return [name for name in registry.names("topology") if registry.get("topology", name).pickable]
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoOptions:
     """auto's own options: topology.options.<field>; an empty list means every one."""
 
-    candidates: tuple[Candidate, ...] = ()
-    """The schemes to simulate (default: ring, allgather, ulysses, hybrid)."""
+    candidates: tuple[str, ...] = ()
+    """The schemes to simulate (default: every one auto may pick, `candidates()`). Checked by
+    `_known_candidates`."""
     layouts: tuple[str, ...] = ()
     """The layouts to try, each with the schemes that take it: contiguous, zigzag, balanced or
     a balancer of yours (module.function) (default: the three; a topology.layout other than
@@ -52,6 +58,15 @@ class AutoOptions:
     """Take the answer to the same question (variant and code, shape, P, fabric, transport,
     device) from the table in the cache folder where it was asked before (false: ask afresh,
     and keep the new answer)."""
+
+
+def _known_candidates(*, options: dict[str, Any], **_: Any) -> None:
+    """topology.options.candidates names schemes auto may pick."""
+    for name in options["candidates"]:
+        if name not in candidates():
+            raise ConfigError(
+                "topology.options.candidates", choice_error("candidates", name, candidates())
+            )
 
 
 def _known_layouts(*, options: dict[str, Any], **_: Any) -> None:
@@ -82,6 +97,6 @@ AUTO = TopologySpec(
     layouts=(PICK, *LAYOUTS),
     user_layouts=True,
     options=AutoOptions,
-    rules=(_known_layouts, _shortlist_size),
+    rules=(_known_candidates, _known_layouts, _shortlist_size),
     chooses=True,
 )

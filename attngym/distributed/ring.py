@@ -663,4 +663,5 @@ def price_ring(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
 RING = TopologySpec(
     name="ring", attention=ring_attention, layouts=LAYOUTS, user_layouts=True,
     timer=ring_transfer_ms, step_kernels=True, simulate=simulate_ring, price=price_ring,
+    pickable=True,
 )  # fmt: skip

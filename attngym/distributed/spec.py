@@ -1,7 +1,7 @@
 """What the rest of attngym knows of a context-parallel topology: one `TopologySpec` per scheme.
 
 Each scheme's module states its own (ring.RING, allgather.ALLGATHER, ulysses.ULYSSES and
-ulysses.HYBRID; a user's scheme through attngym.distributed.custom): the library function, the
+hybrid.HYBRID; a user's scheme through attngym.distributed.custom): the library function, the
 layouts and the typed options it takes, the rules a config must meet before any rank starts, how
 its step's transfer is timed alone, how many sequence shards its ranks attend apart, and how its
 ranks are simulated and priced. attngym.distributed.topologies lists them, and the config checks,
@@ -9,6 +9,8 @@ the context-parallel task, the simulated ranks, the scripts and the tests ask th
 the name.
 
 Importing this module is light (no torch): the checks need no hardware and no process group.
+The library never reads the run layer's Settings: a spec is asked with the topology and shape
+sections as plain mappings (the config's dicts) or objects with those fields (`section`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from attngym.errors import ConfigError, choice_error
 # (heads=, kv_heads=, seq_len=, world_size=, layout=, options=, simulate=) -> None; raises
 # ConfigError naming the dotted key.
 Rule = Callable[..., None]
+# (topology, shape), each a mapping of its config section's fields.
+Sections = Callable[[Mapping[str, Any], Mapping[str, Any]], Any]
+
+
+def section(fields: Any) -> Mapping[str, Any]:
+    """A config section as a mapping: the config's own dict, or an object with the fields."""
+    return fields if isinstance(fields, Mapping) else vars(fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,8 +50,8 @@ class TopologySpec:
         rules: its config rules beyond the layout and the sequence length (see `check`).
         timer: (transport, k_s, timeout_s, repeats) -> ms of each step's transfer alone, on the
             ranks (collective); None where no one step moves the data alone (hybrid).
-        shards: (settings) -> the sequence shards the ranks attend apart, on the ranks (may be
-            collective); None: one per rank.
+        shards: (topology, shape) -> the sequence shards the ranks attend apart, on the ranks
+            (may be collective); None: one per rank.
         pair_kernels: it runs one kernel per (q chunk, kv chunk) pair, so its `balanced`
             placement prices pieces per pair kernel (layout.PairKernels); else by the blocks of
             one call per rank.
@@ -60,6 +69,9 @@ class TopologySpec:
         fills_stats: its calls count their pairs and bytes into the CPStats they are given;
             False for a user's scheme function, which may not: counts it left at 0 are not
             reported (null), not measured zeros.
+        pickable: `auto` simulates it as a candidate (`auto.candidates`).
+        option_sets: (topology, shape) -> the options `auto` tries it with, each a mapping of
+            its option fields (the rest at their defaults); None: its defaults only.
     """
 
     name: str
@@ -69,7 +81,7 @@ class TopologySpec:
     options: type | None = None
     rules: tuple[Rule, ...] = ()
     timer: Callable[..., list[float]] | None = None
-    shards: Callable[[Any], int] | None = None
+    shards: Sections | None = None
     pair_kernels: bool = False
     step_kernels: bool = False
     simulate: Callable[..., Any] | None = None
@@ -77,6 +89,8 @@ class TopologySpec:
     binder: Callable[..., TopologySpec] | None = None
     chooses: bool = False
     fills_stats: bool = True
+    pickable: bool = False
+    option_sets: Sections | None = None
 
     def bind(
         self, scheme: Any = None, scheme_args: Mapping[str, Any] | None = None
@@ -102,35 +116,28 @@ class TopologySpec:
 
         return layout in self.layouts or (self.user_layouts and is_user_layout(layout))
 
-    def check(
-        self,
-        *,
-        heads: int,
-        kv_heads: int | None,
-        seq_len: int,
-        world_size: int | None,
-        layout: str,
-        options: Mapping[str, Any],
-        simulate: bool = False,
-        fabric: str | None = None,
-    ) -> None:
+    def check(self, topology: Any, shape: Any) -> None:
         """Every rule of this topology that needs no hardware and no process group.
 
         Args:
-            heads, kv_heads: shape.heads and shape.kv_heads (None: as many as heads).
-            seq_len: shape.seq_len.
-            world_size: topology.world_size; None while it is `auto` (the rules that need it
-                are judged once it is resolved).
-            layout: topology.layout.
-            options: topology.options (this spec's keys; a key left out takes its default).
-            simulate: topology.simulate.
-            fabric: simulate: topology.fabric (its NVLink domains size hybrid's groups).
+            topology: the topology section (`section`): world_size (an int; None or `auto` while
+                unresolved: the rules that need it are judged once it is), layout, options (this
+                spec's keys; one left out takes its default), simulate and fabric (simulated
+                ranks: its NVLink domains size hybrid's groups); simulate and fabric may be left
+                out (false).
+            shape: the shape section: heads, kv_heads (None: as many as heads), seq_len.
 
         Raises:
             ConfigError: naming the dotted key (topology.layout, shape.heads, shape.kv_heads,
                 topology.options.<key>, topology.simulate, shape.seq_len), the value and what
                 is allowed.
         """
+        topology, shape = section(topology), section(shape)
+        world_size = topology["world_size"]
+        world_size = world_size if isinstance(world_size, int) else None
+        layout, simulate = topology["layout"], bool(topology.get("simulate", False))
+        heads, kv_heads, seq_len = shape["heads"], shape["kv_heads"], shape["seq_len"]
+        fabric = topology.get("fabric") if simulate else None
         if not self.takes_layout(layout):
             allowed = (*self.layouts, "module.function") if self.user_layouts else self.layouts
             raise ConfigError(
@@ -147,7 +154,7 @@ class TopologySpec:
             )
         from attngym.distributed.transfer_model import domain_size
 
-        mine = self.option_values(options)
+        mine = self.option_values(topology.get("options"))
         for rule in self.rules:
             rule(
                 heads=heads,
@@ -213,10 +220,17 @@ class TopologySpec:
             return None
         return self.timer(transport, k_s, timeout_s, repeats)
 
-    def sequence_shards(self, settings: Any) -> int:
+    def sequence_shards(self, topology: Any, shape: Any) -> int:
         """How many shards of the sequence the ranks attend apart (the imbalance is judged among
-        them), from the run's settings; on the ranks, and collective for hybrid. 1: every rank
-        attends the whole sequence for some heads, balanced whatever the layout."""
+        them), from the topology and shape sections; on the ranks, and collective for hybrid.
+        1: every rank attends the whole sequence for some heads, balanced whatever the layout."""
+        topology, shape = section(topology), section(shape)
         if self.shards is None:
-            return settings.topology.world_size
-        return self.shards(settings)
+            return topology["world_size"]
+        return self.shards(topology, shape)
+
+    def options_to_try(self, topology: Any, shape: Any) -> list[dict[str, Any]]:
+        """The option sets `auto` simulates this scheme with (`option_sets`; its defaults)."""
+        if self.option_sets is None:
+            return [{}]
+        return [dict(own) for own in self.option_sets(section(topology), section(shape))]

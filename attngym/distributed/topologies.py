@@ -18,9 +18,10 @@ from attngym import registry
 from attngym.distributed.allgather import ALLGATHER
 from attngym.distributed.auto import AUTO
 from attngym.distributed.custom import CUSTOM
+from attngym.distributed.hybrid import HYBRID
 from attngym.distributed.ring import RING
 from attngym.distributed.spec import TopologySpec
-from attngym.distributed.ulysses import HYBRID, ULYSSES
+from attngym.distributed.ulysses import ULYSSES
 
 TOPOLOGIES: dict[str, TopologySpec] = {
     spec.name: spec for spec in (RING, ALLGATHER, ULYSSES, HYBRID, CUSTOM, AUTO)

@@ -2,9 +2,9 @@
 
 One task per context-parallel topology (ring, allgather, ulysses, hybrid, and custom: a user's
 scheme), registered from the topology table (attngym.distributed.topologies): each topology's
-TopologySpec (`spec_of`: custom bound to topology.scheme) gives its library attention function,
-its own options, its config rules, its transfer-only timing and how many sequence shards its
-ranks attend apart. Everything else is shared, so the algorithms report
+TopologySpec (in the `CPRun` made once per process: custom bound to topology.scheme) gives its
+library attention function, its own options, its config rules, its transfer-only timing and how
+many sequence shards its ranks attend apart. Everything else is shared, so the algorithms report
 comparable numbers; first call, timed passes and peak memory are attngym.tasks.phases, the ones
 the single-device task runs (what each timed metric means is written there).
 
@@ -90,15 +90,7 @@ from attngym.errors import ConfigError
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.metrics import ci95_metric, pass_flops, pass_metrics
 from attngym.tasks import phases
-from attngym.tasks.cp_setup import (
-    cp_options,
-    kv_needed,
-    placement_imbalance,
-    rank_device,
-    scheme_metrics,
-    scheme_options,
-    spec_of,
-)
+from attngym.tasks.cp_setup import CPRun
 from attngym.validation import (
     RTOL,
     Validated,
@@ -117,7 +109,7 @@ SINGLE_CPU_MAX_BYTES = 2 * 2**30
 TORCH_CP = "torch_cp"
 
 
-def check_hardware(settings: Settings) -> None:
+def check_hardware(run: CPRun) -> None:
     """ConfigError for what cannot run, before any tensor work (no collective needed): the
     topology's own rules (TopologySpec.check: layout, heads, hybrid groups, seq_len) and the
     transport against the device.
@@ -132,7 +124,8 @@ def check_hardware(settings: Settings) -> None:
     from attngym.distributed.transport import check_transport
     from attngym.variants import custom
 
-    shape, topo = settings.shape, settings.topology
+    settings = run.settings
+    topo = settings.topology
     in_process = custom.in_this_process_only(settings.attention)
     for key, path in (("topology.scheme", topo.scheme), ("topology.layout", topo.layout)):
         if in_process is None and user_code.lives_in_this_process(path):
@@ -144,24 +137,12 @@ def check_hardware(settings: Settings) -> None:
             "processes that import it by path: define it at the top of a module (mymasks.py) "
             "and pass its path (mymasks.NAME), or pass its factory's path and args",
         )
-    spec = spec_of(settings)
-    spec.check(
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        seq_len=shape.seq_len,
-        world_size=topo.world_size,
-        layout=topo.layout,
-        options=topo.options,
-    )
+    run.check()
     check_transport(topo.transport, settings.device, key="topology.transport")
-    if registry.get("topology", topo.kind).binder is not None:
-        custom_scheme.probe(spec, topo.scheme)
+    if run.bound:
+        custom_scheme.probe(run.spec, topo.scheme)
     if is_user_layout(topo.layout):  # a user's balancer, called and its placement checked here
-        spec.placement(
-            topo.layout, topo.world_size, shape.seq_len, settings.variant,
-            batch_heads=shape.batch * shape.heads, device=rank_device(settings),
-            block_size=settings.block_size,
-        )  # fmt: skip
+        run.placement(settings.variant, run.on_rank())
 
 
 def run_context_parallel(
@@ -197,14 +178,16 @@ def run_context_parallel(
         if settings.topology.simulate and result is not None:  # its simulation is the run's
             from attngym.tasks.cp_simulate import simulated_metrics
 
-            return simulated_metrics(settings, kind, metrics, result, inputs, whole_problem_ms)
+            run = CPRun.of(settings)
+            return simulated_metrics(run, kind, metrics, result, inputs, whole_problem_ms)
     if settings.topology.simulate:  # one process, every rank's compute in turn, predicted
         from attngym.tasks.cp_simulate import run_simulated
 
-        return run_simulated(settings, kind, metrics, one_device=whole_problem_ms)
-    check_hardware(settings)
+        return run_simulated(CPRun.of(settings), kind, metrics, one_device=whole_problem_ms)
+    run = CPRun.of(settings)
+    check_hardware(run)
     metrics.update(settings.describe())
-    metrics.update(scheme_metrics(settings))
+    metrics.update(run.metrics())
     with timeline.phase("ranks_start"):  # what rank 0's own phases do not cover
         metrics.update(
             launch(
@@ -231,8 +214,9 @@ def _workload_on_ranks(
     writes batches.csv as batches finish and returns the workload's metrics."""
     from attngym.distributed.launch import launch
 
-    check_hardware(settings)
-    metrics.update(scheme_metrics(settings))
+    run = CPRun.of(settings)
+    check_hardware(run)
+    metrics.update(run.metrics())
     with timeline.phase("ranks_start"):
         metrics.update(
             launch(
@@ -291,12 +275,13 @@ for _kind in registry.names("topology"):
 def _rank_run(rank: int, world_size: int, settings: Settings, kind: str) -> dict[str, Any]:
     from attngym.distributed.transport import clear_cache, resolve_transport
 
+    run = CPRun.of(settings)
     topo = settings.topology
-    device = rank_device(settings)
+    device = run.on_rank()
     resolved = resolve_transport(topo.transport, device, key="topology.transport")
     log.info("%s attention: rank %d of %d, transport %s", kind, rank, world_size, resolved.name)
     job = RankJob(
-        settings,
+        run,
         kind,
         rank,
         world_size,
@@ -371,13 +356,14 @@ def _gloo_group(timeout_s: float):
 
 
 class RankJob:
-    """One rank's run: the settings, where it runs, and what the phases hand to the next ones
+    """One rank's run: the CPRun, where it runs, and what the phases hand to the next ones
     (the shards and the measured call on them, rank 0's whole inputs, attngym's timings and block
     mask)."""
 
-    def __init__(self, settings, kind, rank, world_size, device, transport, wait_group):
-        self.settings, self.kind, self.spec = settings, kind, spec_of(settings)
-        self.options = cp_options(settings)
+    def __init__(self, run: CPRun, kind, rank, world_size, device, transport, wait_group):
+        settings = run.settings
+        self.run, self.settings, self.kind, self.spec = run, settings, kind, run.spec
+        self.options = run.options
         self.rank, self.world_size, self.device = rank, world_size, device
         self.transport, self.wait_group = transport, wait_group
         self.dtype = torch_dtype(settings.dtype)
@@ -414,12 +400,7 @@ class RankJob:
     def layout(self):
         """The run's layout as the shards and every call get it (balanced: the one Layout
         planned for this topology, TopologySpec.placement)."""
-        shape = self.settings.shape
-        return self.spec.placement(
-            self.settings.topology.layout, self.world_size, self.seq_len, self.variant,
-            batch_heads=shape.batch * shape.heads, device=self.device,
-            block_size=self.settings.block_size,
-        )  # fmt: skip
+        return self.run.placement(self.variant, self.device, self.world_size)
 
     def mine(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole-sequence tensor, in the run's layout."""
@@ -449,7 +430,7 @@ class RankJob:
             transport=self.transport.name,
             layout=self.layout,
             options=self.options,
-            **scheme_options(self.settings),
+            **self.run.scheme_options,
         )
 
     def max_over_ranks(self, value: int) -> int:
@@ -498,7 +479,7 @@ def shard(job: RankJob) -> dict[str, Any]:
     shards. Reports load_imbalance."""
     s = job.settings
     # First: hybrid resolves its groups here and refuses a bad group size before any tensor.
-    shards = job.spec.sequence_shards(s)
+    shards = job.run.sequence_shards()
     start = time.perf_counter()
     job.layout  # noqa: B018  (planned here, timed: a balanced placement reads the block mask)
     planning_ms = 1e3 * (time.perf_counter() - start)
@@ -520,8 +501,8 @@ def shard(job: RankJob) -> dict[str, Any]:
     )
     return {
         "planning_ms": planning_ms,
-        **placement_imbalance(job.spec, s, job.layout, job.variant, shards, job.device),
-        **kv_needed(s, job.layout, job.variant, shards, job.device),
+        **job.run.placement_imbalance(job.layout, job.variant, shards, job.device),
+        **job.run.kv_needed(job.layout, job.variant, shards, job.device),
     }
 
 
@@ -733,17 +714,18 @@ def one_device(job: RankJob) -> dict[str, Any]:
     return metrics
 
 
-def whole_problem_ms(settings: Settings, kind: str, whole, device, do_bwd: bool) -> dict:
+def whole_problem_ms(run: CPRun, kind: str, whole, device, do_bwd: bool) -> dict:
     """{pass: median ms} of the whole problem on `device` (`whole`: q, k, v, grad_out there), as
     the one_device phase times it; {} where the dense CPU reference would exceed
     SINGLE_CPU_MAX_BYTES. For the simulated ranks (attngym.tasks.cp_simulate)."""
+    settings = run.settings
     shape = settings.shape
     if device.type == "cpu" and shape.batch * shape.heads * shape.seq_len**2 * 8 > (
         SINGLE_CPU_MAX_BYTES
     ):
         log.info("one-device comparison skipped: the dense CPU reference is too large")
         return {}
-    job = RankJob(settings, kind, 0, settings.topology.world_size, device, None, None)
+    job = RankJob(run, kind, 0, settings.topology.world_size, device, None, None)
     job.whole = whole
     if device.type == "cuda":
         job.block_mask = kernels.make_block_mask(

@@ -40,6 +40,7 @@ from typing import Any
 from attngym import registry
 from attngym.config import AUTO, Settings
 from attngym.errors import ConfigError
+from attngym.tasks.cp_setup import CPRun
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,14 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
 
     start = time.perf_counter()
     caveat = cpu_caveat(settings)
-    opts = registry.get("topology", "auto").option_values(settings.topology.options)
+    run = CPRun.of(settings)
+    opts = run.scheme_options
     key, asked, answer = _asked(settings, opts, metrics)
     if caveat is not None and not (answer and settings.topology.simulate):  # else its run says it
         log.warning("topology=auto: %s", caveat)
     if answer is not None:
         return _given(settings, answer, metrics, start, run_dir), None, None
-    rows, left_out, inputs = _priced(settings, opts, metrics)
+    rows, left_out, inputs = _priced(run, metrics)
     best = rows[0]
     second = next((r for r in rows[1:] if r.candidate != best.candidate), None)
     timed = {r.candidate for r in rows if r.timed_ms is not None}
@@ -138,10 +140,11 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     return _picked(settings, *pick), best.result, inputs
 
 
-def _priced(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
+def _priced(run: CPRun, metrics: dict[str, Any]):
     """Every candidate priced by the model, then the shortlist timed: (the rows, fastest
     first; the schemes left out and why; the simulated inputs)."""
-    pricing = Pricing(settings, opts)
+    settings, opts = run.settings, run.scheme_options
+    pricing = Pricing(run)
     with ChoiceProgress(pricing.planned_count(settings), metrics) as progress:
         rows, left_out = pricing.modelled(settings, progress)
         pricing.timed(settings, _shortlist(rows, opts["shortlist"]), rows, progress)
@@ -154,15 +157,16 @@ def _priced(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
 
 class Pricing:
     """What pricing candidates on this device shares, from one run's settings to the next of
-    the same shape (a workload's batches): the inputs, the model's fit and the timings taken."""
+    the same shape (a workload's batches): the inputs, the model's fit and the timings taken.
+    `run`: the auto run (its options are auto's)."""
 
-    def __init__(self, settings: Settings, opts: dict[str, Any]):
+    def __init__(self, run: CPRun):
         from attngym.distributed.simulate import ModelTimer, bench_timer
-        from attngym.tasks.cp_setup import rank_device
         from attngym.tasks.cp_simulate import simulation_inputs
 
+        settings, opts = run.settings, run.scheme_options
         self.opts, bench = opts, settings.benchmark
-        self.device = rank_device(settings)
+        self.device = run.on_rank()
         self.inputs = simulation_inputs(settings, self.device)
         self.graphs = _graph_choices(settings, opts)
         model = ModelTimer(bench_timer(self.device, bench.warmup, bench.repeats))
@@ -170,17 +174,22 @@ class Pricing:
         self.seen: dict[bool, dict] = {False: model.measured, True: {}}
 
     def planned(self, settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
-        from attngym.distributed.auto import CANDIDATES, PICK
+        from attngym.distributed.auto import PICK
         from attngym.distributed.layout import LAYOUTS
+        from attngym.distributed.topologies import TOPOLOGIES
+
+        pickable = [name for name, spec in TOPOLOGIES.items() if spec.pickable]  # table order
 
         layout = settings.topology.layout
         wanted = self.opts["layouts"] or LAYOUTS if layout == PICK else (layout,)
         return [
             (name, layout, own)
-            for name in self.opts["candidates"] or CANDIDATES
+            for name in self.opts["candidates"] or pickable
             for layout in wanted
             if registry.get("topology", name).takes_layout(layout)
-            for own in _option_sets(name, settings)
+            for own in registry.get("topology", name).options_to_try(
+                settings.topology, settings.shape
+            )
         ]
 
     def planned_count(self, settings: Settings) -> int:
@@ -208,14 +217,13 @@ class Pricing:
         planned, rows, left_out = self.planned(settings), [], {}
         while planned:
             name, layout, own = planned.pop(0)
-            spec = registry.get("topology", name)
             for graph in self.graphs:
                 candidate = _candidate(settings, name, layout, settings.topology.transport,
                                        graph, own)  # fmt: skip
                 label = Priced(name, layout, own, graph, "", 0.0).label
                 progress.simulating(f"{label} (model)")
                 try:
-                    result = simulated(candidate, spec, self.inputs, self.device,
+                    result = simulated(CPRun.of(candidate), self.inputs, self.device,
                                        timer=self.models[graph])  # fmt: skip
                 except ConfigError as err:  # this scheme's rules refuse the run
                     left_out[label] = str(err)
@@ -256,8 +264,7 @@ class Pricing:
                                    own)  # fmt: skip
             progress.timing(f"{row.label} (timed)")
             timer = bench_timer(self.device, bench.warmup, bench.repeats, graph)
-            spec = registry.get("topology", name)
-            result = simulated(candidate, spec, self.inputs, self.device, timer=timer,
+            result = simulated(CPRun.of(candidate), self.inputs, self.device, timer=timer,
                                seen=self.seen[graph])  # fmt: skip
             for timed in self.price(settings, (name, layout, own), result, graph):
                 same = next(r for r in rows if (r.candidate, r.transport)
@@ -279,7 +286,8 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
     from attngym.tasks.workloads import batch_settings
 
     start = time.perf_counter()
-    opts = registry.get("topology", "auto").option_values(settings.topology.options)
+    run = CPRun.of(settings)
+    opts = run.scheme_options
     key, asked, answer = _asked(settings, opts, metrics)
     if answer is not None:
         return _given(settings, answer, metrics, start, run_dir)
@@ -287,7 +295,7 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
             "shape": {"seq_len": settings.shape.seq_len}}  # fmt: skip
     batches = [batch_settings(settings, docs, i)
                for i, docs in enumerate(workload_batches(data))]  # fmt: skip
-    pricing = Pricing(batches[0], opts)
+    pricing = Pricing(run)  # what it shares is the same for every batch
     per_batch: list[dict[tuple, Priced]] = []
     with ChoiceProgress(pricing.planned_count(batches[0]) * len(batches), metrics) as progress:
         for batch in batches:
@@ -524,20 +532,6 @@ def _candidate(settings: Settings, name, layout, transport, cuda_graph, own) -> 
         cuda_graph=cuda_graph, simulate=True,
     )  # fmt: skip
     return dataclasses.replace(settings, topology=topo)
-
-
-def _option_sets(name: str, settings: Settings) -> list[dict[str, Any]]:
-    """The own options tried for scheme `name`: on a fabric without NVLink domains to fix
-    hybrid's groups, every group size dividing the ranks and the heads (2 .. P/2) with each
-    across scheme; else the defaults."""
-    from attngym.distributed.transfer_model import domain_size
-
-    topo = settings.topology
-    if name != "hybrid" or domain_size(topo.fabric) is not None:
-        return [{}]
-    P, heads = topo.world_size, settings.shape.heads
-    sizes = [a for a in range(2, P) if P % a == 0 and heads % a == 0]
-    return [{"a2a_size": a, "across": across} for a in sizes for across in ("ring", "allgather")]
 
 
 def _transports(settings: Settings, given) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ import torch
 
 from attngym.config import AUTO, Settings
 from attngym.inputs import make_inputs, torch_dtype
+from attngym.tasks.cp_setup import CPRun
 
 log = logging.getLogger(__name__)
 
@@ -72,49 +73,35 @@ def cpu_caveat(settings: Settings) -> str | None:
 
 
 def simulated(
-    settings: Settings, spec, inputs: tuple[torch.Tensor, ...], device, on_timed=None, *,
-    timer=None, seen=None,
-):  # fmt: skip
-    """The ranks of `spec`'s scheme over topology.world_size on this device (its rules checked
+    run: CPRun, inputs: tuple[torch.Tensor, ...], device, on_timed=None, *, timer=None, seen=None
+):
+    """The ranks of `run`'s scheme over topology.world_size on this device (its rules checked
     first, ConfigError naming the key): (Simulation, the Layout it ran, the variant on device).
     on_timed: called after each distinct item of work is timed (progress); timer: how items
     are timed (default: the run's benchmark timing, with topology.cuda_graph); seen: timings
     shared with other simulations on this device (simulate.Clock)."""
     from attngym.distributed.simulate import bench_timer, simulate
     from attngym.distributed.transfer_model import domain_size
-    from attngym.tasks.cp_setup import cp_options
 
-    s, topo = settings, settings.topology
-    spec.check(
-        heads=s.shape.heads,
-        kv_heads=s.shape.kv_heads,
-        seq_len=s.shape.seq_len,
-        world_size=topo.world_size,
-        layout=topo.layout,
-        options=topo.options,
-        simulate=True,
-        fabric=topo.fabric,
-    )
+    s, topo = run.settings, run.settings.topology
+    run.check()
     q, k, v, grad_out = inputs
     variant = s.variant.to(device)
-    P = topo.world_size
     # The placement a real run would use (balanced: planned for this topology's kernels).
     planning = time.perf_counter()
-    layout = spec.placement(topo.layout, P, s.shape.seq_len, variant,
-                            batch_heads=s.shape.batch * s.shape.heads, device=device,
-                            block_size=s.block_size)  # fmt: skip
+    layout = run.placement(variant, device)
     planned_ms = (time.perf_counter() - planning) * 1e3
     sim = simulate(
-        spec,
+        run.spec,
         q,
         k,
         v,
         grad_out if "bwd" in s.passes else None,
         variant,
-        world_size=P,
+        world_size=topo.world_size,
         layout=layout,
-        options=cp_options(s),
-        scheme_options=topo.options,
+        options=run.options,
+        scheme_options=run.scheme_options,
         timer=timer or bench_timer(device, s.benchmark.warmup, s.benchmark.repeats,
                                    topo.cuda_graph),
         domain_size=domain_size(topo.fabric),
@@ -135,54 +122,44 @@ def simulation_inputs(settings: Settings, device) -> tuple[torch.Tensor, ...]:
 
 
 def run_simulated(
-    settings: Settings, kind: str, metrics: dict[str, Any], one_device: Callable[..., dict]
+    run: CPRun, kind: str, metrics: dict[str, Any], one_device: Callable[..., dict]
 ) -> dict[str, Any]:
     """Simulate the run's topology over topology.world_size ranks on this device; fill and
     return metrics. What the scheme computes on each rank, and how its transfers overlap, are
     its TopologySpec's (`simulate`, `price`).
 
-    one_device: (settings, kind, (q, k, v, grad_out), device, do_bwd) -> {pass: median ms} of
+    one_device: (run, kind, (q, k, v, grad_out), device, do_bwd) -> {pass: median ms} of
     the whole problem on this device (the CP task's one-device phase), {} when skipped.
     """
-    from attngym.tasks.cp_setup import rank_device, spec_of
-
-    device = rank_device(settings)
+    settings = run.settings
+    device = run.on_rank()
     if (caveat := cpu_caveat(settings)) is not None:
         log.warning("%s", caveat)
     from attngym.progress import Progress
 
     inputs = simulation_inputs(settings, device)
-    spec = spec_of(settings)
     label = f"simulated {kind} over {settings.topology.world_size} ranks: items timed"
     with Progress(None, label) as bar:  # a line every 10 s when redirected: never silent
-        sim, layout, variant = simulated(settings, spec, inputs, device, on_timed=bar.update)
+        sim, layout, variant = simulated(run, inputs, device, on_timed=bar.update)
     fab = fabric_of(settings)
-    prediction = spec.price(sim, fab, "bwd" in settings.passes)
+    prediction = run.spec.price(sim, fab, "bwd" in settings.passes)
     return simulated_metrics(
-        settings, kind, metrics, (sim, layout, variant, fab, prediction), inputs, one_device
+        run, kind, metrics, (sim, layout, variant, fab, prediction), inputs, one_device
     )
 
 
-def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> dict[str, Any]:
+def simulated_metrics(run: CPRun, kind, metrics, result, inputs, one_device) -> dict[str, Any]:
     """Fill `metrics` with a simulated run's result (Simulation, Layout, variant, Fabric,
     Prediction) and, unless topology.compare_one_device is false, the one-device comparison."""
-    from attngym.tasks.cp_setup import (
-        kv_needed,
-        placement_imbalance,
-        rank_device,
-        scheme_metrics,
-        spec_of,
-    )
-
-    s, topo = settings, settings.topology
+    s, topo = run.settings, run.settings.topology
     sim, layout, variant, fab, prediction = result
-    device = rank_device(s)
+    device = run.on_rank()
     caveat = cpu_caveat(s)
     metrics.update(s.describe())
-    metrics.update(scheme_metrics(s))
+    metrics.update(run.metrics())
     metrics.update({"simulate": True, "fabric": fab.name})
-    metrics.update(placement_imbalance(spec_of(s), s, layout, variant, sim.sequence_shards, device))
-    metrics.update(kv_needed(s, layout, variant, sim.sequence_shards, device))
+    metrics.update(run.placement_imbalance(layout, variant, sim.sequence_shards, device))
+    metrics.update(run.kv_needed(layout, variant, sim.sequence_shards, device))
     metrics.update(
         {
             "pairs_computed": sim.pairs_computed,
@@ -213,7 +190,7 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
         from attngym import timeline
 
         with timeline.phase("baseline_torch_cp"):
-            metrics.update(predicted_torch_cp(s, inputs, variant, fab))
+            metrics.update(predicted_torch_cp(run, inputs, variant, fab))
     log.info(
         "simulated %s over %d ranks: %d items, %d timed, %.1f s; predicted fwd %.3f ms, "
         "fwd+bwd %s ms (%s) on %s",
@@ -228,12 +205,12 @@ def simulated_metrics(settings, kind, metrics, result, inputs, one_device) -> di
         fab.name,
     )
     if topo.compare_one_device:
-        single = one_device(s, kind, inputs, device, "bwd" in s.passes)
+        single = one_device(run, kind, inputs, device, "bwd" in s.passes)
         metrics.update(_efficiency(single, topo.world_size, None if caveat else prediction))
     return metrics
 
 
-def predicted_torch_cp(settings: Settings, inputs, variant, fab) -> dict[str, Any]:
+def predicted_torch_cp(run: CPRun, inputs, variant, fab) -> dict[str, Any]:
     """PyTorch's own flex CP predicted with each of its load balancers that can place the
     variant (attngym.distributed.torch_cp.BALANCERS), whatever scheme the run simulates: the
     all-gather's ranks simulated on the balancer's placement and priced as PyTorch's scheme
@@ -244,10 +221,9 @@ def predicted_torch_cp(settings: Settings, inputs, variant, fab) -> dict[str, An
     from attngym.distributed.simulate import bench_timer, simulate
     from attngym.distributed.torch_cp import BALANCERS, balancer_layout
     from attngym.distributed.transfer_model import domain_size
-    from attngym.tasks.cp_setup import cp_options, rank_device
 
-    s, topo = settings, settings.topology
-    device = rank_device(s)
+    s, topo = run.settings, run.settings.topology
+    device = run.on_rank()
     q, k, v, grad_out = inputs
     do_bwd = "bwd" in s.passes
     spec = registry.get("topology", "allgather")
@@ -261,7 +237,7 @@ def predicted_torch_cp(settings: Settings, inputs, variant, fab) -> dict[str, An
             continue
         sim = simulate(
             spec, q, k, v, grad_out if do_bwd else None, variant, world_size=topo.world_size,
-            layout=layout, options=cp_options(s), scheme_options={"overlap": False},
+            layout=layout, options=run.options, scheme_options={"overlap": False},
             timer=bench_timer(device, s.benchmark.warmup, s.benchmark.repeats, topo.cuda_graph),
             domain_size=domain_size(topo.fabric),
         )  # fmt: skip

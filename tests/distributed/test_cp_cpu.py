@@ -370,15 +370,21 @@ def _transport_worker(rank, world_size, run_dir):
     # (The second run also skips the one-device comparison, as a CPU run too large for it would.)
     import attngym.tasks.context_parallel as ring_task
 
-    spec_of, limit = ring_task.spec_of, ring_task.SINGLE_CPU_MAX_BYTES
+    real, limit = ring_task.CPRun, ring_task.SINGLE_CPU_MAX_BYTES
     ring = TOPOLOGIES["ring"]
     wrong = dataclasses.replace(ring, attention=lambda *a, **kw: 1.5 * ring.attention(*a, **kw))
-    ring_task.spec_of = lambda settings: wrong
+
+    class WrongRun(real):
+        @classmethod
+        def of(cls, settings):
+            return dataclasses.replace(real.of(settings), spec=wrong)
+
+    ring_task.CPRun = WrongRun
     ring_task.SINGLE_CPU_MAX_BYTES = 0
     try:
         out["task_wrong"] = _rank_run(rank, world_size, settings, "ring")
     finally:
-        ring_task.spec_of = spec_of
+        ring_task.CPRun = real
         ring_task.SINGLE_CPU_MAX_BYTES = limit
     # Under torchrun (the group exists already), ranks other than 0 log to rank<N>.log.
     name = "attngym.tests.torchrun"
@@ -623,6 +629,7 @@ def test_config_error_on_a_rank_reaches_the_caller_as_itself():
 
 def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path):
     from attngym.tasks.context_parallel import check_hardware
+    from attngym.tasks.cp_setup import CPRun
 
     def settings(transport):
         return Settings(
@@ -633,9 +640,9 @@ def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path
         )
 
     with pytest.raises(ConfigError, match=r"topology.transport: .*'copy_engine'.*auto, gloo"):
-        check_hardware(settings("copy_engine"))
-    check_hardware(settings("gloo"))
-    check_hardware(settings("auto"))
+        check_hardware(CPRun.of(settings("copy_engine")))
+    check_hardware(CPRun.of(settings("gloo")))
+    check_hardware(CPRun.of(settings("auto")))
 
 
 def _sleeping_worker(rank, world_size):

@@ -241,7 +241,7 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
         module = sys.modules[spec.attention.__module__]
         assert module.__name__.startswith("attngym.distributed.")
         assert getattr(module, spec.attention.__name__) is spec.attention
-    from attngym.distributed.ulysses import HybridOptions
+    from attngym.distributed.hybrid import HybridOptions
 
     assert registry.get("topology", "hybrid").options is HybridOptions
     assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag")
@@ -383,13 +383,14 @@ def test_a_call_that_cannot_be_captured_is_refused_naming_the_key():
 def test_ulysses_heads_and_layout_are_checked_before_any_rank_starts():
     from attngym.errors import ConfigError
     from attngym.tasks.context_parallel import check_hardware
+    from attngym.tasks.cp_setup import CPRun
 
     settings = _settings(kind="ulysses", world_size=3, seq_len=768)  # 2 heads over 3 ranks
     with pytest.raises(ConfigError, match=r"shape.heads: 2 query heads cannot be split over 3"):
-        check_hardware(settings)
+        check_hardware(CPRun.of(settings))
     with pytest.raises(ConfigError, match=r"topology.layout: .*'balanced'.*contiguous, zigzag"):
-        check_hardware(_settings(kind="ulysses", layout="balanced"))
-    check_hardware(_settings(kind="ulysses", layout="zigzag"))
+        check_hardware(CPRun.of(_settings(kind="ulysses", layout="balanced")))
+    check_hardware(CPRun.of(_settings(kind="ulysses", layout="zigzag")))
 
 
 def test_hybrid_task_on_four_ranks_matches_the_reference(tmp_path):
@@ -424,10 +425,11 @@ def test_hybrid_task_on_four_ranks_matches_the_reference(tmp_path):
 def test_hybrid_layout_is_checked_before_any_rank_starts():
     from attngym.errors import ConfigError
     from attngym.tasks.context_parallel import check_hardware
+    from attngym.tasks.cp_setup import CPRun
 
     with pytest.raises(ConfigError, match=r"topology.layout: .*'balanced'.*contiguous, zigzag"):
-        check_hardware(_settings(kind="hybrid", layout="balanced"))
-    check_hardware(_settings(kind="hybrid", layout="zigzag"))
+        check_hardware(CPRun.of(_settings(kind="hybrid", layout="balanced")))
+    check_hardware(CPRun.of(_settings(kind="hybrid", layout="zigzag")))
 
 
 def test_hybrid_group_size_from_the_domains_is_checked_as_config(tmp_path):

@@ -192,11 +192,12 @@ def test_a_factory_takes_its_arguments_and_names_a_wrong_one(user_dir):
 )
 def test_the_probe_refuses_a_wrong_output_before_any_rank(user_dir, scheme, message):
     from attngym.tasks.context_parallel import check_hardware
+    from attngym.tasks.cp_setup import CPRun
 
     with pytest.raises(ConfigError, match=message) as info:
-        check_hardware(_settings(scheme))
+        check_hardware(CPRun.of(_settings(scheme)))
     assert info.value.key == "topology.scheme"
-    check_hardware(_settings("mycp.my_allgather"))
+    check_hardware(CPRun.of(_settings("mycp.my_allgather")))
 
 
 def test_a_function_is_refused_by_the_simulation_and_a_spec_that_declares_it_is_simulated(
@@ -271,6 +272,7 @@ def test_no_module_of_distributed_imports_anothers_private_names():
 def test_a_balancers_wrong_placement_is_one_line_before_any_rank(monkeypatch):
     """check_hardware calls a user's balancer once and names topology.layout for what is wrong."""
     from attngym.tasks.context_parallel import check_hardware
+    from attngym.tasks.cp_setup import CPRun
 
     monkeypatch.syspath_prepend(str(ROOT))
     settings = _settings(
@@ -278,10 +280,10 @@ def test_a_balancers_wrong_placement_is_one_line_before_any_rank(monkeypatch):
     )
     settings.topology.kind = "ring"  # the built-ins ignore topology.scheme
     with pytest.raises(ConfigError, match="puts position 255 in no chunk") as info:
-        check_hardware(settings)
+        check_hardware(CPRun.of(settings))
     assert info.value.key == "topology.layout" and "\n" not in str(info.value)
     settings.topology.layout = "tests.distributed.balancers.by_document_work"
     settings.attention = {"name": "document", "doc_lengths": [100, 60, 96]}
     settings.variant = None
     settings.__post_init__()
-    check_hardware(settings)
+    check_hardware(CPRun.of(settings))

@@ -20,9 +20,10 @@ from attngym.distributed import CPOptions
 from attngym.distributed import layout as layouts
 from attngym.distributed import transfer_model as tm
 from attngym.distributed.allgather import gather_rank_ms
+from attngym.distributed.hybrid import HYBRID, price_hybrid
 from attngym.distributed.ring import RING, ring_rank_ms
 from attngym.distributed.simulate import ItemTime, simulate
-from attngym.distributed.ulysses import HYBRID, alltoall_rank_ms, price_hybrid
+from attngym.distributed.ulysses import alltoall_rank_ms
 from attngym.inputs import make_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,9 +269,9 @@ def test_two_level_fabric_prices_what_crosses_domains_on_the_slower_link():
 
 def test_each_scheme_prices_what_crosses_nodes_on_the_two_level_fabric():
     from attngym.distributed.allgather import ALLGATHER, price_allgather
+    from attngym.distributed.hybrid import price_hybrid
     from attngym.distributed.ring import price_ring
     from attngym.distributed.simulate import Simulation
-    from attngym.distributed.ulysses import price_hybrid
 
     hgx, one = tm.fabric("hgx_h200", "nccl"), tm.fabric("h200_nvlink", "nccl")
     ib = tm.fabric("infiniband")

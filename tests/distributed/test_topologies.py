@@ -11,10 +11,14 @@ from attngym.distributed.topologies import TOPOLOGIES
 from attngym.errors import ConfigError
 
 GOOD = dict(heads=4, kv_heads=2, seq_len=512, world_size=2, layout="zigzag", options={})
+SHAPE = ("heads", "kv_heads", "seq_len")
 
 
 def check(name: str, **change):
-    registry.get("topology", name).check(**{**GOOD, **change})
+    """The spec's check of GOOD with `change` (simulate= and fabric= go to the topology)."""
+    given = {**GOOD, **change}
+    topology = {k: v for k, v in given.items() if k not in SHAPE}
+    registry.get("topology", name).check(topology, {k: given[k] for k in SHAPE})
 
 
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
@@ -128,9 +132,9 @@ def test_head_parallel_functions_refuse_a_balanced_layout_by_name(fn):
 def test_each_spec_states_its_transfer_timer_and_sequence_shards():
     from types import SimpleNamespace
 
-    settings = SimpleNamespace(topology=SimpleNamespace(world_size=4))
+    topology, shape = SimpleNamespace(world_size=4), {"heads": 4, "kv_heads": None}
     shards = {
-        name: spec.sequence_shards(settings)
+        name: spec.sequence_shards(topology, shape)
         for name, spec in TOPOLOGIES.items()
         if name != "hybrid" and not spec.chooses
     }
