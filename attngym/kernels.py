@@ -25,7 +25,7 @@ import functools
 import logging
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -237,6 +237,14 @@ def shifted_mods(
         def kv_at(idx):
             return kv_tab[idx]
 
+    return mapped_mods(variant, q_at, kv_at)
+
+
+def mapped_mods(
+    variant: Variant, q_at: Callable, kv_at: Callable
+) -> tuple[ScoreMod | None, MaskMod | None]:
+    """The variant's callbacks reading query row i at q_at(i) and key j at kv_at(j) (tensor-only
+    index maps: offsets or table lookups), the one wrapper every index map goes through."""
     score_mod = mask_mod = None
     if variant.score_mod is not None:
         inner_score = variant.score_mod

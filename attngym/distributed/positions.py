@@ -40,25 +40,11 @@ def at_positions(
     """
     q_at = _mapper(_index_map(q_positions, tables, offsets_as_tables), device, "q")
     kv_at = _mapper(_index_map(kv_positions, tables, offsets_as_tables), device, "kv")
-    score_mod, mask_mod = variant.score_mod, variant.mask_mod
     if q_at is None and kv_at is None:
         # The variant's own callbacks and buffers; a copy, so that a memo keyed weakly by the
         # variant (the all-gather's) holds no reference to its key.
         return dataclasses.replace(variant, name=name)
-    q_at = q_at or _identity
-    kv_at = kv_at or _identity
-    if variant.score_mod is not None:
-        inner_score = variant.score_mod
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return inner_score(score, b, h, q_at(q_idx), kv_at(kv_idx))
-
-    if variant.mask_mod is not None:
-        inner_mask = variant.mask_mod
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return inner_mask(b, h, q_at(q_idx), kv_at(kv_idx))
-
+    score_mod, mask_mod = kernels.mapped_mods(variant, q_at or _identity, kv_at or _identity)
     return dataclasses.replace(
         variant,
         name=name,
