@@ -45,8 +45,9 @@ class AutoOptions:
     a balancer of yours (module.function) (default: the three; a topology.layout other than
     auto fixes it). Checked by `_known_layouts`."""
     transports: tuple[CandidateTransport, ...] = ()
-    """The transports to price (default: both measured ones on h200_nvlink and hgx_h200 while
-    the ranks fit in one NVLink domain, NCCL beyond; the device's on real CPU ranks)."""
+    """The transports to price (default: on a fabric measured per transport,
+    transfer_model.MEASURED_FABRICS, those while the ranks fit in one NVLink domain, NCCL
+    beyond; the device's on real CPU ranks)."""
     cuda_graphs: tuple[bool, ...] = ()
     """Each candidate captured as CUDA graphs (true), not (false), or both (default) where
     graphs can run: on CUDA, with a transport on the device (topology.cuda_graph=true: graphs

@@ -132,6 +132,8 @@ def measured_fabric(transport: str) -> Fabric:
     return Fabric(f"h200_nvlink/{transport}", f"{H200_SOURCE}, {transport}", curves)
 
 
+# The fabric measured per transport (H200_MEASURED): two H200s, one NVLink domain.
+H200_NVLINK = "h200_nvlink"
 # The named fabrics besides the measured one: stated assumptions, not measurements.
 NAMED_FABRICS: dict[str, tuple[float, float, str]] = {
     # GB/s received per GPU, latency in us, and why.
@@ -152,7 +154,7 @@ NAMED_FABRICS: dict[str, tuple[float, float, str]] = {
 # Real clusters: (the fabric inside a domain, GPUs per domain, the fabric between domains, why).
 TWO_LEVEL: dict[str, tuple[str, int, str, str]] = {
     "hgx_h200": (
-        "h200_nvlink",
+        H200_NVLINK,
         8,
         "infiniband",
         "HGX H200 nodes: 8 GPUs on NVLink 4 (measured, h200_nvlink), one NDR port per GPU "
@@ -166,8 +168,14 @@ TWO_LEVEL: dict[str, tuple[str, int, str, str]] = {
         "between racks (assumed, infiniband)",
     ),
 }
-FABRIC_NAMES = ("h200_nvlink", *TWO_LEVEL, *NAMED_FABRICS, "custom")
+FABRIC_NAMES = (H200_NVLINK, *TWO_LEVEL, *NAMED_FABRICS, "custom")
 MEASURED_TRANSPORTS = tuple(H200_MEASURED)
+# Fabric -> the transports it is measured for: the measured one, and the two-level fabrics whose
+# domains are it.
+MEASURED_FABRICS: dict[str, tuple[str, ...]] = {
+    name: MEASURED_TRANSPORTS
+    for name in (H200_NVLINK, *(n for n, level in TWO_LEVEL.items() if level[0] == H200_NVLINK))
+}
 
 
 def domain_size(name: str) -> int | None:
@@ -197,7 +205,7 @@ def fabric(
         ValueError: an unknown name, a transport with no measurement, or custom without both
             numbers (the message names the parameter).
     """
-    if name == "h200_nvlink":
+    if name == H200_NVLINK:
         if transport not in H200_MEASURED:
             raise ValueError(
                 f"transport: h200_nvlink is measured for {', '.join(H200_MEASURED)}, got "

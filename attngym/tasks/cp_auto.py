@@ -44,8 +44,6 @@ from attngym.tasks.cp_setup import CPRun
 
 log = logging.getLogger(__name__)
 
-# Fabrics measured per transport: both are priced while the ranks fit in one NVLink domain.
-MEASURED = {"h200_nvlink": ("copy_engine", "nccl"), "hgx_h200": ("copy_engine", "nccl")}
 # Candidates the model prices this close to its best are timed: the model's error on one
 # candidate against another (the fit of a few items per kind) stays well inside it.
 SHORTLIST_MARGIN = 0.15
@@ -538,7 +536,7 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
     """The transports to price: on real ranks only those that can run there (gloo on CPUs, the
     copy engine where ranks share a GPU); else `given`; else on a fabric measured per transport
     both measured ones while the ranks fit in one NVLink domain (NCCL beyond); else the run's."""
-    from attngym.distributed.transfer_model import spans_domains
+    from attngym.distributed.transfer_model import MEASURED_FABRICS, spans_domains
 
     topo = settings.topology
     if not topo.simulate and settings.device == "cpu":
@@ -547,9 +545,11 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
         return ("copy_engine",)
     if given:
         return tuple(given)
-    if topo.transport != AUTO or topo.fabric not in MEASURED:
+    if topo.transport != AUTO or topo.fabric not in MEASURED_FABRICS:
         return (topo.transport,)
-    return ("nccl",) if spans_domains(topo.fabric, topo.world_size) else MEASURED[topo.fabric]
+    if spans_domains(topo.fabric, topo.world_size):
+        return ("nccl",)
+    return MEASURED_FABRICS[topo.fabric]
 
 
 def _why(best: Priced, second: Priced | None, *, bound: bool) -> str:
