@@ -690,8 +690,12 @@ def test_every_yaml_key_is_a_known_key():
         check_key(key)
     for group in GROUPS:
         for path in (CONF / group).glob("*.yaml"):
-            for key in _leaves(_yaml(path), f"{group}."):
+            own = {k: v for k, v in _yaml(path).items() if k != "defaults"}  # Hydra's list
+            for key in _leaves(own, f"{group}."):
                 check_key(key)
+    for path in (CONF / "_shared").glob("*.yaml"):  # a group's shared keys, extended by it
+        for key in _leaves(_yaml(path), f"{path.stem}."):
+            check_key(key)
     with pytest.raises(ConfigError, match="did you mean shape.seq_len"):
         check_key("shape.seqlen")
 
@@ -873,13 +877,13 @@ class FakeSpec:
     def option_values(self, given):
         return dataclasses.asdict(FakeOptions(**(given or {})))
 
-    def check(
-        self, *, heads, kv_heads, seq_len, world_size, layout, options, simulate=False,
-        fabric=None,
-    ):  # fmt: skip
+    def check(self, topology, shape):
         from attngym.errors import choice_error
 
-        mine = self.option_values(options)
+        world_size = topology["world_size"]  # `auto` until resolved, as TopologySpec.check reads
+        world_size = world_size if isinstance(world_size, int) else None
+        layout, seq_len = topology["layout"], shape["seq_len"]
+        mine = self.option_values(topology["options"])
         self.seen.append({"world_size": world_size, "layout": layout, "options": mine})
         if layout not in self.layouts:
             raise ConfigError(
@@ -912,8 +916,8 @@ def fake_topology(monkeypatch):
 
 
 def test_a_topology_is_judged_by_its_spec(fake_topology):
-    """The spec gets the shape, the layout and its own options, world_size None while it is
-    auto and the resolved count after; its refusals reach the user with their key."""
+    """The spec gets the shape and the topology section (its layout and own options, world_size
+    `auto` and the resolved count after); its refusals reach the user with their key."""
     topo = {"kind": "fake", "layout": "stripes", "options": {"stripes": 2}}
     check_config(_with("topology", topo))
     assert fake_topology.seen[-1] == {
