@@ -639,7 +639,13 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("auto_pick_ms", "auto pick predicted (ms)", "ms", "topology=auto: the pick's predicted time"),
     M("auto_runner_up", "auto runner-up", "", "topology=auto: the next fastest candidate"),
-    M("auto_runner_up_ms", "auto runner-up (ms)", "ms", "topology=auto: its predicted time"),
+    M(
+        "auto_runner_up_ms",
+        "auto runner-up (ms)",
+        "ms",
+        "topology=auto: its predicted time, as the pick's (an untimed one's model price scaled "
+        "by the pick's timed over modelled time)",
+    ),
     M("auto_why", "auto why", "", "topology=auto: the pick's time, bound and margin", column=False),
     M("auto_candidates", "auto candidates", "", "topology=auto: candidates priced", column=False),
     M(

@@ -100,15 +100,15 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
         return _given(settings, answer, metrics, start, run_dir), None, None
     rows, left_out, inputs = _priced(run, metrics)
     best = rows[0]
-    second = next((r for r in rows[1:] if r.candidate != best.candidate), None)
+    second, second_ms = _runner_up(best, rows)
     timed = {r.candidate for r in rows if r.timed_ms is not None}
     metrics.update(
         {
             "auto_pick": f"{best.label}/{best.transport}",
             "auto_pick_ms": best.ms,
             "auto_runner_up": None if second is None else f"{second.label}/{second.transport}",
-            "auto_runner_up_ms": None if second is None else second.ms,
-            "auto_why": _why(best, second, bound=caveat is None),
+            "auto_runner_up_ms": second_ms,
+            "auto_why": _why(best, second, second_ms, bound=caveat is None),
             "auto_timed": len(timed),
             "auto_cached": None,
             "prediction_refused": caveat,
@@ -552,7 +552,20 @@ def _transports(settings: Settings, given) -> tuple[str, ...]:
     return MEASURED_FABRICS[topo.fabric]
 
 
-def _why(best: Priced, second: Priced | None, *, bound: bool) -> str:
+def _runner_up(best: Priced, rows: list[Priced]) -> tuple[Priced | None, float | None]:
+    """The next candidate after the pick (`rows`: timed first, fastest first) and its time in
+    the pick's currency: its timing where it was timed, else the model's price scaled by the
+    pick's timed over modelled time (what slowed the pick's timing, a busy machine, slows
+    the others alike); never a timing beside a model's price."""
+    second = next((r for r in rows if r.candidate != best.candidate), None)
+    if second is None:
+        return None, None
+    if second.timed_ms is not None or best.timed_ms is None or best.model_ms <= 0:
+        return second, second.ms
+    return second, second.model_ms * best.timed_ms / best.model_ms
+
+
+def _why(best: Priced, second: Priced | None, second_ms: float | None, *, bound: bool) -> str:
     """The pick's time, what bounds it (not on a CPU: `cpu_caveat`) and its margin."""
     prediction, fab = best.result[4], best.result[3]
     what = (
@@ -563,7 +576,7 @@ def _why(best: Priced, second: Priced | None, *, bound: bool) -> str:
     line = f"{best.label} over {best.transport}: {best.ms:.3f} ms predicted on {fab.name} ({what})"
     if second is None:
         return f"{line}; the only candidate"
-    margin = second.ms / best.ms - 1 if best.ms > 0 else 0.0
+    margin = second_ms / best.ms - 1 if best.ms > 0 else 0.0
     return f"{line}; {margin:.1%} faster than {second.label} over {second.transport}"
 
 

@@ -189,3 +189,17 @@ def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_p
     fresh = attngym.run(overrides=[*common, "topology.options.reuse=false"],
                         run_dir=tmp_path / "fresh")  # fmt: skip
     assert fresh["auto_cached"] is None
+
+
+def test_the_runner_up_is_priced_in_the_picks_currency():
+    """A busy machine timed the pick four times slower than the model's price: an untimed
+    runner-up's price is scaled alike, never set beside the timing as is."""
+    from attngym.tasks.cp_auto import Priced, _runner_up
+
+    pick = Priced("ring", "contiguous", {}, False, "gloo", model_ms=36.0, timed_ms=138.0)
+    other = Priced("ulysses", "contiguous", {}, False, "gloo", model_ms=63.0)
+    second, ms = _runner_up(pick, [pick, other])
+    assert second is other and ms == pytest.approx(63.0 * 138.0 / 36.0) and ms >= pick.ms
+    timed = Priced("allgather", "balanced", {}, False, "gloo", model_ms=30.0, timed_ms=140.0)
+    assert _runner_up(pick, [pick, timed, other]) == (timed, 140.0)
+    assert _runner_up(pick, [pick]) == (None, None)
