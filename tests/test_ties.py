@@ -18,7 +18,7 @@ import torch
 from attngym import bench, report, tuning
 from attngym.metrics import ci95_metric, format_cell, is_tie, metric_of
 from attngym.tasks import phases
-from attngym.tracking.sweep import summarize
+from attngym.tracking.sweep import summarize, write_csv
 
 
 def _times(rng: torch.Generator, n: int = 40) -> list[float]:
@@ -146,10 +146,7 @@ def test_the_tuner_takes_a_configuration_only_where_its_interval_clears_the_defa
     sweep = tmp_path / "study"
     sweep.mkdir()
     rows = [tied, unknown]
-    with (sweep / "summary.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=sorted({k for row in rows for k in row}))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, sweep / "summary.csv")
     with pytest.raises(ValueError) as info:
         tuning.update(sweep, "fwd_bwd_ms", tmp_path / "t.json", skip_defaults=True)
     assert "\n" not in str(info.value)

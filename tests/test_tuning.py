@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from attngym import config, tuning
+from attngym.tracking.sweep import write_csv
 
 ROWS = [
     # two configs of causal/d128 on sm90: the faster one (by fwd_bwd_tflops) must win
@@ -339,10 +340,7 @@ def test_the_tuner_never_writes_the_defaults_and_says_in_one_line_why_nothing_wo
     assert tuning.winners(rows, "fwd_bwd_ms", skip_defaults=True) == {}
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    with (sweep / "summary.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=sorted({k for row in rows for k in row}))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, sweep / "summary.csv")
     with pytest.raises(ValueError) as info:
         tuning.update(sweep, "fwd_bwd_ms", tmp_path / "t.json", skip_defaults=True)
     assert str(info.value) == (
