@@ -46,23 +46,17 @@ from typing import Any
 import torch
 
 from attngym import kernels
-from attngym.distributed.cp import (
-    Accumulator,
-    CPCall,
-    CPOptions,
-    CPStats,
-    GradSum,
+from attngym.distributed.accumulate import Accumulator, GradSum
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, attend, run
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.pairs import (
     PositionedCall,
     Saved,
-    StepClock,
-    attend,
     pairs,
     positioned,
     recompute_pair,
-    run,
     runs_read,
 )
-from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict

@@ -47,25 +47,19 @@ from typing import Any
 import torch
 
 from attngym.distributed import flex_backward
-from attngym.distributed.cp import (
-    HELD,
-    Accumulator,
-    CPCall,
-    CPOptions,
-    CPStats,
-    GradSum,
+from attngym.distributed.accumulate import HELD, Accumulator, GradSum
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, run
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.pairs import (
     Saved,
-    StepClock,
     backward_pairs,
     forward_pairs,
     one_call_steps,
     pairs,
     read_part,
     rows_read,
-    run,
     step_call,
 )
-from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import (
     Item,
     ItemTime,
