@@ -507,16 +507,19 @@ def test_cuda_graph_refuses_gloo_on_cuda(hydra_ctx):
     data = {"topology": {"kind": "ring", "cuda_graph": True, "transport": "gloo",
                          "simulate": False}, "device": {"name": "cuda"}}  # fmt: skip
     with pytest.raises(ConfigError, match="cannot capture") as info:
-        config._cuda_graph(data)
+        config.topology._cuda_graph(data)
     assert info.value.key == "topology.transport"
     for transport in ("copy_engine", "nccl", "auto"):  # what a graph can capture
-        config._cuda_graph({**data, "topology": {**data["topology"], "transport": transport}})
+        config.topology._cuda_graph(
+            {**data, "topology": {**data["topology"], "transport": transport}}
+        )
 
 
 def test_flash_backend_needs_the_flash_block_size(monkeypatch):
     from attngym import config
 
-    monkeypatch.setattr(config, "_flash_block_size", lambda device: (256, 128))  # an SM100 GPU
+    sm100 = lambda device: (256, 128)  # an SM100 GPU's FLASH block size
+    monkeypatch.setattr(config.flash, "_flash_block_size", sm100)
 
     def resolved(backend, q):
         return {
@@ -528,9 +531,9 @@ def test_flash_backend_needs_the_flash_block_size(monkeypatch):
     with pytest.raises(
         ConfigError, match=r"\(256, 128\) .* got \(128, 128\); use block_size=flash"
     ):
-        config._flash_on_this_device(resolved("FLASH", 128))
-    config._flash_on_this_device(resolved("FLASH", 256))
-    config._flash_on_this_device(resolved("TRITON", 128))
+        config.flash._flash_on_this_device(resolved("FLASH", 128))
+    config.flash._flash_on_this_device(resolved("FLASH", 256))
+    config.flash._flash_on_this_device(resolved("TRITON", 128))
 
 
 def test_flash_backend_needs_flash_attn_and_its_cute_dsl(monkeypatch):
@@ -547,12 +550,12 @@ def test_flash_backend_needs_flash_attn_and_its_cute_dsl(monkeypatch):
     assert tuning.flash_missing() == "cutlass (nvidia-cutlass-dsl) is not importable"
     flash = {"kernel_options": {"BACKEND": "FLASH"}}
     with pytest.raises(ConfigError, match="FLASH runs flash-attn-4's kernels, but cutlass") as info:
-        config._flash_is_installed(flash)
+        config.flash._flash_is_installed(flash)
     assert info.value.key == "kernel_options.BACKEND"
-    config._flash_is_installed({"kernel_options": {"BACKEND": "TRITON"}})
+    config.flash._flash_is_installed({"kernel_options": {"BACKEND": "TRITON"}})
     here.add("cutlass")
     assert tuning.flash_missing() is None and tuning.flash_importable()
-    config._flash_is_installed(flash)
+    config.flash._flash_is_installed(flash)
 
 
 def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
@@ -976,7 +979,7 @@ def test_every_topology_spec_fits_the_typed_topology():
     from attngym import config
 
     fields = {f.name: f for f in dataclasses.fields(config.Topology)}
-    specs = config._topology_specs()
+    specs = config.machine._topology_specs()
     assert set(specs) == set(registry.names("task")) - {"single"}
     for kind, spec in specs.items():
         if spec.options is not None:
@@ -1002,7 +1005,7 @@ def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_comp
         return {"kernel_options": options, "device": {"name": device},
                 "block_size": {"q": q, "kv": 128}}  # fmt: skip
 
-    refuse = config._triton_tiles_divide_blocks
+    refuse = config.flash._triton_tiles_divide_blocks
     with pytest.raises(ConfigError, match=r"128 must divide block_size.q \(64\)") as info:
         refuse(resolved("cuda", 64, fwd_BLOCK_M=128))
     assert info.value.key == "kernel_options.fwd_BLOCK_M"
@@ -1030,7 +1033,7 @@ def test_backward_tiles_that_do_not_nest_are_refused_before_the_compile():
     def resolved(device="cuda", passes=("fwd", "bwd"), **options):
         return {"kernel_options": options, "device": {"name": device}, "passes": list(passes)}
 
-    refuse = config._triton_backward_tiles_nest
+    refuse = config.flash._triton_backward_tiles_nest
     with pytest.raises(
         ConfigError, match=r"32 must be a multiple of kernel_options.bwd_BLOCK_M1 \(64\)"
     ) as info:  # noqa: E501
@@ -1101,8 +1104,8 @@ def test_the_tuner_draws_flash_only_where_it_can_run_and_tiles_that_nest(monkeyp
         assert len(options) == 10
         data = {"kernel_options": options, "device": {"name": "cuda"}, "passes": ["fwd", "bwd"],
                 "block_size": {"q": 128, "kv": 128}}  # fmt: skip
-        config._triton_tiles_divide_blocks(data)
-        config._triton_backward_tiles_nest(data)
+        config.flash._triton_tiles_divide_blocks(data)
+        config.flash._triton_backward_tiles_nest(data)
     assert seen == {"TRITON", "FLASH"}
 
 
@@ -1127,13 +1130,13 @@ def test_a_block_size_with_no_triton_backward_kernel_is_refused_in_one_line(monk
             "compile_mode": "default", "device": {"name": "cuda"}, "dtype": "bfloat16",
             "shape": {"head_dim": 128}, "block_size": {"q": 128, "kv": 64}}  # fmt: skip
     with pytest.raises(ConfigError, match=r"^block_size.kv: 64 has no Triton backward") as info:
-        config._triton_backward_has_a_kernel(data)
+        config.flash._triton_backward_has_a_kernel(data)
     assert "\n" not in str(info.value)
     for fine in ({"passes": ["fwd"]}, {"compile": False}, {"kernel_options": {"BACKEND": "FLASH"}},
                  {"device": {"name": "cpu"}}):  # fmt: skip
-        config._triton_backward_has_a_kernel({**data, **fine})
+        config.flash._triton_backward_has_a_kernel({**data, **fine})
     monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: None)  # cannot say
-    config._triton_backward_has_a_kernel(data)
+    config.flash._triton_backward_has_a_kernel(data)
 
 
 def test_inductors_own_backward_tiles_are_read_for_the_gpu(monkeypatch):

@@ -132,10 +132,10 @@ def test_under_torchrun_every_rank_judges_by_the_total_memory(monkeypatch, caplo
         "baseline_max_mask_bytes": None,
     }  # fmt: skip
     with caplog.at_level("INFO", logger="attngym.config"):
-        config._check_fits(data, "cpu", "float32", 1, (128, 128))
+        config.resolve._check_fits(data, "cpu", "float32", 1, (128, 128))
     assert "available" in caplog.text and "in all" not in caplog.text
     caplog.clear()
     monkeypatch.setenv("LOCAL_RANK", "0")
     with caplog.at_level("INFO", logger="attngym.config"):
-        config._check_fits(data, "cpu", "float32", 1, (128, 128))
+        config.resolve._check_fits(data, "cpu", "float32", 1, (128, 128))
     assert f"of {format_bytes(total)} in all (each rank of torchrun or SLURM" in caplog.text

@@ -46,23 +46,17 @@ from typing import Any
 import torch
 
 from attngym import kernels
-from attngym.distributed.cp import (
-    Accumulator,
-    CPCall,
-    CPOptions,
-    CPStats,
-    GradSum,
+from attngym.distributed.accumulate import Accumulator, GradSum
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, attend, run
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.pairs import (
     PositionedCall,
     Saved,
-    StepClock,
-    attend,
     pairs,
     positioned,
     recompute_pair,
-    run,
     runs_read,
 )
-from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
 from attngym.distributed.spec import TopologySpec
 from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
@@ -352,7 +346,8 @@ def _part_grads(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
 
 def _merged_rows(call: CPCall, q, out, lse, rows: slice, part) -> tuple:
     """(out, lse) of the own keys' call with `part`, the received rows' (out, lse) over query
-    rows `rows`, merged in by their lse (cp.Accumulator) and written back into those rows."""
+    rows `rows`, merged in by their lse (accumulate.Accumulator) and written back into those
+    rows."""
     n = rows.stop - rows.start
     acc = Accumulator.of(call, q[:, :, rows], out.shape[-1])
     acc.add(slice(0, n), out[:, :, rows], lse[:, :, rows])

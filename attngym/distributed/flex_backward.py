@@ -160,7 +160,7 @@ class _Graphs:
             g.torchdynamo_force_dynamic = True
 
 
-# Variant -> {(dtype, device, shift): _Graphs}; weak keys, as the pair plans in cp.py.
+# Variant -> {(dtype, device, shift): _Graphs}; weak keys, as the pair plans in pairs.py.
 _GRAPHS: weakref.WeakKeyDictionary[Variant, dict[tuple, _Graphs]] = weakref.WeakKeyDictionary()
 
 
@@ -358,7 +358,7 @@ def grads(
 
 
 def pair_grads(call, saved, q_rows, k_i, v_i, qc, kc, block_mask) -> tuple | None:
-    """One pair's (dq, dk, dv) for cp.backward_pairs: `grads` over the pair's rows of `saved`."""
+    """One pair's (dq, dk, dv) for pairs.backward_pairs: `grads` over the pair's rows of `saved`."""
     return grads(
         call, saved.q[:, :, q_rows], k_i, v_i, saved.out[:, :, q_rows], saved.lse[:, :, q_rows],
         saved.dout[:, :, q_rows], block_mask, q_offset=qc[0], kv_offset=kc[0],

@@ -7,8 +7,8 @@ where a row saw no key), attention over the union of the K_i is
 
 Rows where every lse_i is -inf stay out = 0, lse = -inf (no NaN). `merge` combines a list
 (differentiable); context-parallel calls hold a rank's partials and merge several in one pass
-(cp.Accumulator, compiled on CUDA: `compiled_sums`); backward splits the output gradient with
-the same weights (`weights`).
+(accumulate.Accumulator, compiled on CUDA: `compiled_sums`); backward splits the output
+gradient with the same weights (`weights`).
 """
 
 from __future__ import annotations

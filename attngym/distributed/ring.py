@@ -10,13 +10,13 @@ Contract (P ranks, this rank r, channels from `transport`):
       (its own at i = 0, else `recv`). It first pushes the rows the next hop needs on, then computes
       its q chunks against what it holds, so the transfer for step i + 1 overlaps the compute of
       step i. A step is one kernel: of the chunk pair where the shard is one chunk (contiguous),
-      else of the whole q shard against the rows held at their global positions (cp.step_call: a
+      else of the whole q shard against the rows held at their global positions (pairs.step_call: a
       host issues a compiled call more slowly than the device runs a pair of small chunks, so pair
       kernels would leave the device waiting). After the compute the slot is released: the onward
       push out of it is queued (joined first where it went out on the next, narrower channel), so
       the slot may be overwritten. Partials are held and merged in one pass at the end
-      (cp.Accumulator: a q chunk that meets one K/V pair keeps the kernel's output as it is; so at
-      world size 1 the call is one kernel forward and one backward).
+      (accumulate.Accumulator: a q chunk that meets one K/V pair keeps the kernel's output as it is;
+      so at world size 1 the call is one kernel forward and one backward).
     * Backward computes each step's gradient (its one call's, or its pair's) from the merged out and
       lse (CPOptions.backward: flex's backward op, or its forward re-run; see cp.py), steps 1 ..
       steps-1 first and the own shard last. The rows held at step 1 are kept from the forward
@@ -25,10 +25,10 @@ Contract (P ranks, this rank r, channels from `transport`):
       The other ranks' dK/dV of a shard (rows held at step 1) travel one push behind them: a
       rank adds its contribution and pushes the sum on; the last push goes home (the next ring
       hop after P steps, else straight back) while the home rank computes its own shard's step.
-      Gradient pieces are held and summed in one pass (cp.GradSum): in float32 only where two
-      pieces meet, nothing filled; the dK/dV a rank passes on are summed at its step.
-    * Fully masked (q chunk, kv chunk) pairs are skipped (cp.pairs: the decision and the pair's
-      BlockMask live as long as the Variant object).
+      Gradient pieces are held and summed in one pass (accumulate.GradSum): in float32 only where
+      two pieces meet, nothing filled; the dK/dV a rank passes on are summed at its step.
+    * Fully masked (q chunk, kv chunk) pairs are skipped (attngym.distributed.pairs: the decision
+      and the pair's BlockMask live as long as the Variant object).
     * In flight at any time: one K/V push, one dK/dV push (backward), one receive per slot.
       Send nothing is the limit case: a shard no other rank reads never leaves (steps = 1).
 
@@ -47,25 +47,19 @@ from typing import Any
 import torch
 
 from attngym.distributed import flex_backward
-from attngym.distributed.cp import (
-    HELD,
-    Accumulator,
-    CPCall,
-    CPOptions,
-    CPStats,
-    GradSum,
+from attngym.distributed.accumulate import HELD, Accumulator, GradSum
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, StepClock, run
+from attngym.distributed.layout import LAYOUTS, Layout
+from attngym.distributed.pairs import (
     Saved,
-    StepClock,
     backward_pairs,
     forward_pairs,
     one_call_steps,
     pairs,
     read_part,
     rows_read,
-    run,
     step_call,
 )
-from attngym.distributed.layout import LAYOUTS, Layout
 from attngym.distributed.simulate import (
     Item,
     ItemTime,
@@ -161,7 +155,7 @@ def _step_rows(
 ) -> list[tuple[int, int]]:
     """The local q rows (start, stop) of the pieces ring step i adds to this rank's sums: its
     partials (whole q chunks), or with `masks` (the backward's block masks) its dq pieces, each
-    pair cut to the rows it reads as backward_pairs cuts it (cp.read_part). The simulation
+    pair cut to the rows it reads as backward_pairs cuts it (pairs.read_part). The simulation
     replays them to time a step from the sums the steps before it leave."""
     s = (call.rank - i) % call.world_size
     window = (plan.starts[s][i], plan.widths[i])
@@ -370,7 +364,7 @@ def ring_attention(
         transport: auto | copy_engine | nccl | gloo (see attngym.distributed.transport).
         layout: contiguous | zigzag | balanced, or a Layout (see attngym.distributed.layout).
             `balanced` by name is placed by blocks, as `shard(..., variant=)` places it (a step
-            of a shard of several chunks is one kernel over the whole shard, cp.step_call).
+            of a shard of several chunks is one kernel over the whole shard, pairs.step_call).
         options: kernel and backward choices (CPOptions; default CPOptions()).
         stats: filled with pair counts, bytes and per-step timings when given.
         **overrides: any CPOptions field on top of `options` (backend, block_size,
@@ -516,8 +510,8 @@ def _step_structure(call, q_r, s, window, clock) -> tuple:
 def _held_before(call, q_r, dv_dim: int, plan: RingPlan, saved) -> tuple[list[tuple], int]:
     """Per step i: (forward, backward) the sums this rank holds before the step, where the
     step's time depends on them: the step that adds them up (the forward's last; the backward's
-    own, run last) or adds to a sum holding cp.HELD pieces; else None (the step only holds its
-    pieces). And the most bytes of pieces held at once. Replayed with the pieces' shapes only
+    own, run last) or adds to a sum holding accumulate.HELD pieces; else None (the step only holds
+    its pieces). And the most bytes of pieces held at once. Replayed with the pieces' shapes only
     (on "meta")."""
     last = {"fwd": plan.steps - 1, "bwd": 0}
     out, most = [[None, None] for _ in range(plan.steps)], 0

@@ -49,15 +49,9 @@ import torch
 
 from attngym import kernels
 from attngym.distributed import layout as layouts
-from attngym.distributed.cp import (
-    CPCall,
-    CPOptions,
-    CPStats,
-    Saved,
-    attend_chunk,
-    resolve_backward,
-)
+from attngym.distributed.cp import CPCall, CPOptions, CPStats, attend_chunk, resolve_backward
 from attngym.distributed.grid import plans_for
+from attngym.distributed.pairs import Saved
 from attngym.distributed.transfer_model import RankWork
 from attngym.variants.base import Variant
 

@@ -668,18 +668,18 @@ def test_interrupted_launch_leaves_no_rank_alive(monkeypatch):
 
 def test_pair_plans_live_as_long_as_their_variant():
     """The skip decisions are kept per Variant object and go with it (no growing global cache)."""
-    from attngym.distributed import cp
+    from attngym.distributed import pairs
 
     variant = variants.get("causal")
     args = (1, 2, (16, 16), (0, 16), (16, 16), "reference", torch.device("cpu"))
-    assert cp._pair_plan(variant, *args) == (False, None)
-    assert cp._pair_plan(variant, 1, 2, (0, 16), (16, 16), *args[4:])[0] is True  # future keys
-    assert len(cp._PLANS[variant]) == 2
-    assert cp._pair_plan(variant, *args) is cp._PLANS[variant][(*args[:2], *args[2:])]
-    before = len(cp._PLANS)
+    assert pairs._pair_plan(variant, *args) == (False, None)
+    assert pairs._pair_plan(variant, 1, 2, (0, 16), (16, 16), *args[4:])[0] is True  # future keys
+    assert len(pairs._PLANS[variant]) == 2
+    assert pairs._pair_plan(variant, *args) is pairs._PLANS[variant][(*args[:2], *args[2:])]
+    before = len(pairs._PLANS)
     del variant
     gc.collect()
-    assert len(cp._PLANS) == before - 1
+    assert len(pairs._PLANS) == before - 1
 
 
 @pytest.mark.parametrize("seq, block", [(1024, (64, 64)), (1000, (64, 64)), (768, (128, 64))])

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from attngym.distributed.cp import HELD, Accumulator, GradSum
+from attngym.distributed.accumulate import HELD, Accumulator, GradSum
 from attngym.distributed.launch import launch
 
 from .gpu_ranks import skip_reason, transports
