@@ -113,7 +113,7 @@ def estimate(
         dtype: "float32", "bfloat16", "float16" or "float64" (resolved, not "auto").
         device: "cpu", "cuda" or "cuda:N" (resolved, not "auto").
         passes: "fwd" and/or "bwd".
-        baselines: baseline names (attngym.config.BASELINES).
+        baselines: baseline names (attngym.runner.config.BASELINES).
         validate_rows: query rows checked against the float64 reference (0: no validation).
         world_size: ranks of context parallelism (1: one device).
         block_size: the block mask's (q, kv) block.

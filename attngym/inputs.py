@@ -40,7 +40,7 @@ def make_inputs(
 
     Args:
         shape: anything with batch, heads, kv_heads (None: heads), seq_len and head_dim, such as
-            attngym.config.Shape.
+            attngym.runner.config.Shape.
         seed: seeds the draw.
 
     Returns:

@@ -320,8 +320,8 @@ def make_block_mask(
 
     A variant without a mask gives None, or with `full_when_unmasked` a BlockMask keeping every
     block (flex's backward op takes a block mask in every case). Inside `kept_block_masks()` (a
-    run: attngym.job, a context-parallel rank) the last BLOCK_MASKS_KEPT masks are kept (keyed
-    by the variant's mask_mod, lengths, integer offsets, block size and device), so the
+    run: attngym.runner.job, a context-parallel rank) the last BLOCK_MASKS_KEPT masks are kept
+    (keyed by the variant's mask_mod, lengths, integer offsets, block size and device), so the
     validation, the contenders, the pictures and context parallelism reuse the run's mask
     instead of building it again.
     """

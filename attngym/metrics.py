@@ -3,9 +3,9 @@
 A single-device run and a context-parallel run of one config must land in the same columns of a
 sweep summary, so each metric is one `Metric` row of `METRICS` and everything that shows metrics
 reads it: the tasks (which fill them), metrics.json, the results table printed at the end of a run
-(attngym.results), summary.md and the printed sweep table (attngym.tracking.sweep), the columns
-of report.html and the W&B summary. `format_value` says how a value reads in every table, from
-the metric's unit. `import attngym.metrics` pulls in no torch: the sweep summary reads metric
+(attngym.results), summary.md and the printed sweep table (attngym.runner.tracking.sweep), the
+columns of report.html and the W&B summary. `format_value` says how a value reads in every table,
+from the metric's unit. `import attngym.metrics` pulls in no torch: the sweep summary reads metric
 names in processes that never attend.
 
 A row's name is a key (`fwd_ms`) or a family of keys, a pattern with placeholders in angle
@@ -32,8 +32,8 @@ PASSES = tuple(PASS_PARTS)
 # fastest SDPA, a dense-mask SDPA and flex untuned.
 HEADLINE_BASELINES = ("best", "best_sdpa", "sdpa_dense_mask", "flex_default")
 
-# The numbers of a workload's batch rows that a workload run aggregates (attngym.tasks.workloads),
-# each as <name>_<stat> over the batches.
+# The numbers of a workload's batch rows that a workload run aggregates
+# (attngym.runner.tasks.workloads), each as <name>_<stat> over the batches.
 WORKLOAD_AGGREGATES = (
     "block_mask_ms", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
     "fwd_kept_tflops", "fwd_bwd_kept_tflops", "flex_over_best_fwd", "flex_over_best_fwd_bwd",
@@ -48,11 +48,11 @@ WORKLOAD_STATS = ("mean", "p50", "p95", "max")
 PLACEHOLDERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "pass": ("fwd_bwd|fwd|bwd", PASSES),
     "headline": ("|".join(HEADLINE_BASELINES), HEADLINE_BASELINES),
-    "baseline": ("[a-z][a-z0-9_]*?", None),  # a name of attngym.config.BASELINES
+    "baseline": ("[a-z][a-z0-9_]*?", None),  # a name of attngym.runner.config.BASELINES
     "NAME": ("[A-Za-z0-9_]+", None),  # a flex_attention kernel option
     "phase": ("[a-z][a-z0-9_]*", None),  # a phase of attngym.timeline.PHASES, or baseline_<name>
     "aggregated": ("|".join(sorted(WORKLOAD_AGGREGATES, key=len, reverse=True)), None),
-    # PyTorch's load balancers torch_cp runs (attngym.distributed.torch_cp.BALANCERS; a test
+    # PyTorch's load balancers torch_cp runs (attngym.distributed.schemes.torch_cp.BALANCERS; a test
     # holds them equal)
     "balancer": ("head_tail|per_document_head_tail|ptrr", None),
     "stat": ("|".join(WORKLOAD_STATS), None),
@@ -239,8 +239,8 @@ METRICS: tuple[Metric, ...] = (
         "ms",
         "building the run's block mask on its device, once (a workload: each batch's)",
     ),
-    # A workload (workload=documents, attngym.tasks.workloads): batches of packed documents, each
-    # a row of batches.csv; on such a run the plain timings above are their mean.
+    # A workload (workload=documents, attngym.runner.tasks.workloads): batches of packed documents,
+    # each a row of batches.csv; on such a run the plain timings above are their mean.
     M("workload", "workload", "", "none (one batch) or documents (batches of packed documents)"),
     M("workload_distribution", "lengths from", "", "how document lengths are drawn"),
     M(
@@ -446,7 +446,7 @@ METRICS: tuple[Metric, ...] = (
         "ok, not available: <reason> (flex has no CPU backward), or not requested",
         shown="run",
     ),
-    # Context parallelism (attngym.tasks.context_parallel).
+    # Context parallelism (attngym.runner.tasks.context_parallel).
     M(
         "load_imbalance",
         "block imbalance",
@@ -539,7 +539,7 @@ METRICS: tuple[Metric, ...] = (
         "chunk pairs the mask empties, summed over ranks",
         column=False,
     ),
-    # Simulated ranks (topology.simulate=true, attngym.tasks.cp_simulate): a prediction.
+    # Simulated ranks (topology.simulate=true, attngym.runner.tasks.cp_simulate): a prediction.
     M("simulate", "simulated", "", "true: the ranks were simulated on one device", shown="cp"),
     M("fabric", "fabric", "", "simulate: the links transfers are priced on", shown="cp"),
     M(
@@ -929,7 +929,8 @@ def pass_flops(shape: Any, seq_len: int, sparsity: float) -> dict[str, float]:
     """Useful FLOPs of each pass ("fwd", "bwd", "fwd_bwd") for the whole problem.
 
     Args:
-        shape: the run's shape, anything with batch, heads and head_dim (attngym.config.Shape).
+        shape: the run's shape, anything with batch, heads and head_dim
+        (attngym.runner.config.Shape).
         seq_len: S for both q and kv.
         sparsity: fraction of blocks the block mask skips (their FLOPs are not counted).
     """

@@ -22,11 +22,11 @@ _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
 # The package whose modules register each kind.
 PACKAGES = {
     "variant": "attngym.variants",
-    "task": "attngym.tasks",
-    "tracker": "attngym.tracking",
+    "task": "attngym.runner.tasks",
+    "tracker": "attngym.runner.tracking",
     "profiler": "attngym.profiling",
     "transport": "attngym.distributed",
-    "topology": "attngym.distributed.topologies",
+    "topology": "attngym.distributed.schemes.topologies",
 }
 # How an unknown name of a kind is described to the user.
 _LABELS = {"variant": "attention variant"}

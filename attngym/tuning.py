@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 TABLE = Path(__file__).with_name("tuned.json")
 DEFAULT_BLOCK_SIZE = (128, 128)
-# Columns of summary.csv that hold kernel options (`kernel_options.<NAME>`), see attngym.tracking.
+# Columns of summary.csv that hold kernel options (`kernel_options.<NAME>`), see
+# attngym.runner.tracking.
 OPTION_PREFIX = "kernel_options."
 # Kernel options that set Triton flex's tiles, warps and stages (FLASH ignores them).
 TRITON_TILE_OPTIONS = ("fwd_", "bwd_", "BLOCK_", "num_warps", "num_stages")
@@ -202,7 +203,8 @@ def choose_backend(
     return flash, f"FLASH (Triton not taken: FLASH measured {speedup:.2f}x Triton)"
 
 
-# The tuner's block sizes for Triton trials (attngym.tune_search); FLASH takes block_size=flash.
+# The tuner's block sizes for Triton trials (attngym.runner.tune_search); FLASH takes
+# block_size=flash.
 TUNED_BLOCK_SIZES = (64, 128)
 
 

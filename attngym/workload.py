@@ -18,7 +18,8 @@ Distributions (`DISTRIBUTIONS`), each seeded:
                 its start when it runs out), or one JSON list of lengths a line (given batches,
                 each summing to seq_len, taken in order).
 
-Standard library only; the run layer turns a workload config into these calls (attngym.tasks).
+Standard library only; the run layer turns a workload config into these calls
+(attngym.runner.tasks).
 """
 
 from __future__ import annotations

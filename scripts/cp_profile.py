@@ -1,7 +1,8 @@
 """Where a context-parallel call spends its time: GPU kernels, GPU idle time, host syncs, ops.
 
 Runs one context-parallel topology (ring, allgather, ulysses or hybrid: its function from the
-topology table, attngym.distributed.topologies) on every rank (one process each), then on rank 0.
+topology table, attngym.distributed.schemes.topologies) on every rank (one process each), then on
+rank 0.
 
 On CUDA (one rank per GPU):
     * one forward and one forward+backward under torch.cuda.set_sync_debug_mode("warn"), with
@@ -50,9 +51,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attngym import registry, variants
 from attngym.distributed import CPOptions, shard
-from attngym.distributed.cp import BACKWARDS
-from attngym.distributed.launch import launch
-from attngym.distributed.layout import LAYOUTS
+from attngym.distributed.call.cp import BACKWARDS
+from attngym.distributed.placement.layout import LAYOUTS
+from attngym.distributed.ranks.launch import launch
 from attngym.errors import ConfigError
 
 
@@ -132,7 +133,7 @@ class CallCost(TorchDispatchMode):
     """The aten ops and memory of one call beyond its attention kernels (CPU counting).
 
     Kernels: attngym.kernels.attend_chunk (every topology's chunk or whole-shard call), the
-    flex backward op's call (attngym.distributed.flex_backward._call_op) and the autograd
+    flex backward op's call (attngym.distributed.call.flex_backward._call_op) and the autograd
     backward of an attend_chunk (the graph nodes it recorded), each counted once in
     `kernel_calls`; the ops they dispatch are theirs and not counted. Every other op that
     computes (not a view) is counted by name in `ops`. Memory: the storages those ops create and
@@ -159,7 +160,7 @@ class CallCost(TorchDispatchMode):
 
     def __enter__(self):
         from attngym import kernels
-        from attngym.distributed import flex_backward
+        from attngym.distributed.call import flex_backward
 
         for module, name in ((kernels, "attend_chunk"), (flex_backward, "_call_op")):
             original = getattr(module, name)
@@ -272,7 +273,7 @@ def _cpu_worker(
     dtype: str,
 ) -> dict:
     """CallCost of one forward and one forward+backward on this CPU rank (after two warm-ups)."""
-    from attngym.distributed import flex_backward
+    from attngym.distributed.call import flex_backward
 
     spec = registry.get("topology", kind)
     gen = torch.Generator().manual_seed(0)

@@ -60,7 +60,7 @@ def _attention(name: str, heads: int, seq_len: int) -> dict:
     with its `${shape.*}` interpolations resolved for this shape."""
     from omegaconf import OmegaConf
 
-    from attngym.overrides import register_resolvers
+    from attngym.runner.overrides import register_resolvers
 
     path = Path(__file__).resolve().parents[1] / "conf" / "attention" / f"{name}.yaml"
     if not path.exists():

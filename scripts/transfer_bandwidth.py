@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from attngym import registry
-from attngym.distributed.launch import launch
+from attngym.distributed.ranks.launch import launch
 from attngym.profiling import cuda_kernel_profiler
 
 MIB = 2**20

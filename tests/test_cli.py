@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from attngym.errors import ConfigError
-from attngym.overrides import prepare_overrides
+from attngym.runner.overrides import prepare_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -151,7 +151,7 @@ def test_keys_that_take_new_entries_still_take_plus():
 
 
 def test_an_unknown_key_in_a_config_file_is_refused():
-    from attngym.config import check_config
+    from attngym.runner.config import check_config
 
     with pytest.raises(ConfigError) as info:
         check_config({"shape": {"seq_len": 64, "seqlen": 512}})
@@ -166,7 +166,7 @@ def test_a_gpu_sized_preset_is_refused_before_its_sweep_starts():
 
 def test_import_is_light():
     code = (
-        "import sys, attngym, attngym.config, attngym.tracking; "
+        "import sys, attngym, attngym.runner.config, attngym.runner.tracking; "
         "bad = [m for m in ('wandb', 'matplotlib', 'hydra') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -206,7 +206,7 @@ def test_prepare_overrides_forces_open_keys():
 def test_forced_kernel_option_composes_from_null_and_sweeps_keep_mappings():
     from hydra import compose, initialize_config_dir
 
-    from attngym.overrides import CONF_DIR
+    from attngym.runner.overrides import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=prepare_overrides(["kernel_options.BACKEND=FLASH"]))
@@ -224,7 +224,7 @@ def test_failed_validation_fails_the_run_and_keeps_the_numbers(tmp_path, attngym
     args = [*SMALL, "logger=none", f"hydra.run.dir={run_dir}"]
     code = (  # a float32 tolerance no kernel meets: the verdict, not the numbers, must change
         "import sys; from attngym import validation; validation.RTOL['float32'] = 1e-15; "
-        f"from attngym.cli import entry; entry({args!r})"
+        f"from attngym.runner.cli import entry; entry({args!r})"
     )
     proc = attngym_cli([], REPO, command=("-c", code))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -270,8 +270,8 @@ def test_a_refused_run_draws_and_tracks_nothing(tmp_path, attngym_cli, args, key
 def test_pictures_of_a_very_long_sequence_are_skipped_with_the_reason(tmp_path, caplog):
     import logging
 
-    from attngym.config import Settings, Shape
-    from attngym.pictures import PICTURE_MAX_PAIRS, draw_pictures
+    from attngym.runner.config import Settings, Shape
+    from attngym.runner.pictures import PICTURE_MAX_PAIRS, draw_pictures
 
     seq_len = 2 * int(PICTURE_MAX_PAIRS["cpu"] ** 0.5)  # 4x the pairs allowed on a CPU
     settings = Settings(attention={"name": "causal"}, device="cpu", shape=Shape(seq_len=seq_len))
@@ -374,7 +374,7 @@ def test_run_and_multirun_flags_run(tmp_path, attngym_cli, flag):
 
 
 def test_split_flags_keeps_flag_arguments_apart_from_overrides():
-    from attngym.overrides import split_flags
+    from attngym.runner.overrides import split_flags
 
     argv = ["--cfg", "job", "attention=alibi", "-cd", "d", "--info", "x=1", "-m", "--resolve"]
     flags, overrides = split_flags(argv)
@@ -405,7 +405,7 @@ def test_prepare_overrides_leaves_flag_arguments_and_completion_alone():
     ],
 )
 def test_as_typed_undoes_what_prepare_overrides_did(hydra_form, typed):
-    from attngym.overrides import as_typed
+    from attngym.runner.overrides import as_typed
 
     assert as_typed(hydra_form) == typed
     assert as_typed(typed) == typed  # idempotent: typed records compare equal
@@ -413,7 +413,7 @@ def test_as_typed_undoes_what_prepare_overrides_did(hydra_form, typed):
 
 
 def test_run_name_is_the_typed_overrides_as_hydra_joins_them():
-    from attngym.overrides import run_name
+    from attngym.runner.overrides import run_name
 
     typed = ["attention=sliding_window", "attention.window_size=128", "logger=none", "seed=1"]
     name = run_name(typed, exclude_keys=["logger", "seed"], item_sep=",", kv_sep="=")
@@ -490,7 +490,7 @@ def test_the_results_table_fits_a_terminal_and_says_slower_below_1(tmp_path):
 
 
 def test_torchrun_ranks_tag_their_terminal_lines():
-    from attngym import job
+    from attngym.runner import job
 
     handler = logging.StreamHandler()
     root = logging.getLogger()

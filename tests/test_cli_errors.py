@@ -13,7 +13,7 @@ import pytest
 from test_cli import REPO, SMALL
 
 from attngym.errors import ConfigError
-from attngym.overrides import HydraRefused, prepare_overrides
+from attngym.runner.overrides import HydraRefused, prepare_overrides
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def test_an_error_raised_under_flexs_vmap_with_no_user_frame_names_the_callbacks
     import torch
 
     from attngym.errors import UserCodeError
-    from attngym.job import _inside_flex
+    from attngym.runner.job import _inside_flex
 
     settings = types.SimpleNamespace(attention={"name": "custom", "score_mod": "vmods.noisy"})
     try:
@@ -140,7 +140,7 @@ def test_an_error_raised_under_flexs_vmap_with_no_user_frame_names_the_callbacks
 def test_a_run_folder_inside_the_config_folder_is_refused(tmp_path, attngym_cli, where):
     import shutil
 
-    from attngym.overrides import CONF_DIR
+    from attngym.runner.overrides import CONF_DIR
 
     before = sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*"))
     target = CONF_DIR.parent / where

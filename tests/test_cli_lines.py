@@ -8,7 +8,7 @@ import re
 
 from test_cli import SMALL
 
-from attngym.overrides import LINE_WIDTH, group_options, launch_lines, unknown_option
+from attngym.runner.overrides import LINE_WIDTH, group_options, launch_lines, unknown_option
 
 
 def _too_wide(text: str) -> list[str]:

@@ -47,8 +47,8 @@ def test_null_leaves_pytorchs_place(clean_env):
 
 
 def test_bad_compile_threads_is_one_line_naming_the_key():
-    from attngym.config import from_config
     from attngym.errors import ConfigError
+    from attngym.runner.config import from_config
 
     with pytest.raises(ConfigError, match="compile_threads.*positive integer or null"):
         from_config({"attention": {"name": "causal"}, "compile_threads": 0})

@@ -1,7 +1,7 @@
 """Every config file composes to the values it promises; every bad value is refused by its key.
 
 Configs are composed with Hydra's compose API from the repository's conf/ (no subprocess), then
-checked with attngym.config. Each rejection has a matching accepted value next to it.
+checked with attngym.runner.config. Each rejection has a matching accepted value next to it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from attngym import registry
-from attngym.config import check_config, from_config
 from attngym.errors import ConfigError
-from attngym.overrides import expect_launcher_schema, register_resolvers
+from attngym.runner.config import check_config, from_config
+from attngym.runner.overrides import expect_launcher_schema, register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("attention", "device", "block_size", "topology", "profiler", "logger")
@@ -207,7 +207,9 @@ def test_hydra_settings(hydra_ctx):
     assert cfg.hydra.job.chdir is False
     assert cfg.hydra.run.dir.startswith("outputs/")
     assert cfg.hydra.sweep.dir.startswith("multirun/")
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "attngym.tracking.sweep.SweepSummary"
+    assert (
+        cfg.hydra.callbacks.sweep_summary._target_ == "attngym.runner.tracking.sweep.SweepSummary"
+    )
 
 
 def test_slurm_launcher_config_composes_against_the_released_plugins_schema(hydra_ctx):
@@ -224,7 +226,7 @@ def test_slurm_launcher_config_composes_against_the_released_plugins_schema(hydr
 
 
 def test_a_launcher_whose_plugin_is_not_installed_is_refused_in_one_line(monkeypatch):
-    from attngym import overrides
+    from attngym.runner import overrides
 
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
     assert overrides.prepare_overrides(["-m", "hydra/launcher=submitit_slurm"])  # installed
@@ -460,7 +462,7 @@ def test_from_config_resolves_auto(hydra_ctx):
 
 
 def test_resolvers():
-    from attngym.overrides import _div, _split
+    from attngym.runner.overrides import _div, _split
 
     assert _split(1000, [0.4, 0.1, 0.3, 0.2]) == [400, 100, 300, 200]
     assert sum(_split(1021, [1, 1, 1])) == 1021
@@ -502,7 +504,7 @@ def test_cuda_graph_refused_where_nothing_can_be_captured(hydra_ctx, overrides, 
 
 
 def test_cuda_graph_refuses_gloo_on_cuda(hydra_ctx):
-    from attngym import config
+    from attngym.runner import config
 
     data = {"topology": {"kind": "ring", "cuda_graph": True, "transport": "gloo",
                          "simulate": False}, "device": {"name": "cuda"}}  # fmt: skip
@@ -516,7 +518,7 @@ def test_cuda_graph_refuses_gloo_on_cuda(hydra_ctx):
 
 
 def test_flash_backend_needs_the_flash_block_size(monkeypatch):
-    from attngym import config
+    from attngym.runner import config
 
     sm100 = lambda device: (256, 128)  # an SM100 GPU's FLASH block size
     monkeypatch.setattr(config.flash, "_flash_block_size", sm100)
@@ -541,7 +543,8 @@ def test_flash_backend_needs_flash_attn_and_its_cute_dsl(monkeypatch):
     naming the module, instead of failing inside Inductor's first compile."""
     import importlib.util
 
-    from attngym import config, tuning
+    from attngym import tuning
+    from attngym.runner import config
 
     here = {"flash_attn.cute"}  # flash-attn-4 found, its DSL not (a --target install, say)
     monkeypatch.setattr(
@@ -573,17 +576,17 @@ def test_device_resolved_by_the_device_module(hydra_ctx, monkeypatch):
 
 
 def test_choices_are_the_library_tuples(hydra_ctx):
-    from attngym.distributed.layout import LAYOUTS
+    from attngym.distributed.placement.layout import LAYOUTS
     from attngym.distributed.transport import TRANSPORTS
     from attngym.inputs import TORCH_DTYPES
-    from attngym.tracking.wandb_logger import MODES
+    from attngym.runner.tracking.wandb_logger import MODES
 
     for choices, key in ((TRANSPORTS, "topology.transport"), (LAYOUTS, "topology.layout")):
         with pytest.raises(ConfigError, match=", ".join(sorted(choices))):
             check_config(make([f"{key}=nope"]))
     with pytest.raises(ConfigError, match=", ".join(sorted(MODES))):
         check_config(make(["logger.mode=nope"]))
-    import attngym.config as config
+    import attngym.runner.config as config
 
     assert set(TORCH_DTYPES) == set(config.DTYPES) - {"auto"}
     assert not hasattr(config, "TRANSPORTS") and not hasattr(config, "WANDB_MODES")
@@ -592,7 +595,7 @@ def test_choices_are_the_library_tuples(hydra_ctx):
 def test_defaults_come_from_the_dataclasses():
     """A mapping that names only the variant is a whole config: every other value is the default
     of its Settings field, so the dataclasses are the one source of defaults."""
-    from attngym.config import Settings
+    from attngym.runner.config import Settings
 
     settings = from_config({"attention": {"name": "causal"}, "device": {"name": "cpu"}})
     default = Settings(attention={"name": "causal"}, device="cpu")
@@ -610,7 +613,7 @@ def test_defaults_come_from_the_dataclasses():
 def test_auto_is_a_typed_default_resolved_in_settings():
     """device, dtype and topology.world_size default to `auto` in the types; Settings hold them
     resolved (from_config resolves them, Settings made directly alike)."""
-    from attngym.config import AUTO, Settings, Topology
+    from attngym.runner.config import AUTO, Settings, Topology
 
     defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
     assert defaults["device"] == defaults["dtype"] == AUTO
@@ -687,7 +690,7 @@ def test_yaml_defaults_agree_with_the_typed_defaults():
 
 
 def test_every_yaml_key_is_a_known_key():
-    from attngym.config import check_key
+    from attngym.runner.config import check_key
 
     for key in _leaves(_default_files()[""]):
         check_key(key)
@@ -706,7 +709,7 @@ def test_every_yaml_key_is_a_known_key():
 def test_choice_tuples_come_from_the_literal_types():
     from typing import get_args
 
-    from attngym import config
+    from attngym.runner import config
 
     assert get_args(config.Dtype) == config.DTYPES[1:] and config.DTYPES[0] == "auto"
     assert config.DEVICES == ("auto", "cpu", "cuda")
@@ -731,7 +734,7 @@ def test_settings_carry_the_variant_built_once(hydra_ctx, monkeypatch):
 
 
 def test_kv_heads_resolved_once():
-    from attngym.config import Shape
+    from attngym.runner.config import Shape
 
     assert Shape(heads=8).kv_heads == 8 and Shape(heads=8, kv_heads=2).kv_heads == 2
 
@@ -811,7 +814,7 @@ def _with(key: str, value) -> dict:
 
 def test_the_walker_names_the_dotted_key_of_every_setting():
     """A value of the wrong type anywhere is refused by its own dotted key, in every section."""
-    from attngym.config import known_keys
+    from attngym.runner.config import known_keys
 
     keys = known_keys()
     sections = {key.split(".")[0] for key in keys if "." in key}
@@ -976,7 +979,7 @@ def test_every_topology_spec_fits_the_typed_topology():
     """Each context-parallel task has a spec, whose options are a dataclass of its own (the
     keys topology.options.* a config writes, none a Topology field) and whose layouts take the
     typed default."""
-    from attngym import config
+    from attngym.runner import config
 
     fields = {f.name: f for f in dataclasses.fields(config.Topology)}
     specs = config.machine._topology_specs()
@@ -989,7 +992,7 @@ def test_every_topology_spec_fits_the_typed_topology():
 
 
 def test_device_gpu_suggests_cuda_not_cpu():
-    from attngym.overrides import prepare_overrides
+    from attngym.runner.overrides import prepare_overrides
 
     with pytest.raises(ConfigError, match=r"did you mean 'cuda'\?"):
         prepare_overrides(["device=gpu"])
@@ -999,7 +1002,7 @@ def test_device_gpu_suggests_cuda_not_cpu():
 
 def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_compile():
     """What a tuning trial met on the H200 only inside Inductor, seconds into a compile."""
-    from attngym import config
+    from attngym.runner import config
 
     def resolved(device, q, **options):
         return {"kernel_options": options, "device": {"name": device},
@@ -1028,7 +1031,7 @@ def test_a_triton_tile_that_does_not_divide_its_block_is_refused_before_any_comp
 def test_backward_tiles_that_do_not_nest_are_refused_before_the_compile():
     """Inductor's backward template asserts BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 ==
     0: a tuning trial on the H200 drew M1 64 with N1 32 and failed in bwd_dkdv_inner, compiling."""
-    from attngym import config
+    from attngym.runner import config
 
     def resolved(device="cuda", passes=("fwd", "bwd"), **options):
         return {"kernel_options": options, "device": {"name": device}, "passes": list(passes)}
@@ -1066,7 +1069,7 @@ def _tune_cfg(device="cpu", dtype="auto"):
 
 def test_the_tuner_draws_block_sizes_alone_on_a_cpu():
     """Eager flex on a CPU has no kernel options and one backend: a trial draws block sizes."""
-    from attngym import tune_search
+    from attngym.runner import tune_search
 
     trial = _trial()
     tune_search.search_space(_tune_cfg(), trial)
@@ -1079,7 +1082,8 @@ def test_the_tuner_draws_flash_only_where_it_can_run_and_tiles_that_nest(monkeyp
     the block sizes and nest, so every drawn configuration passes the config's own rules."""
     import torch
 
-    from attngym import config, device, tune_search, tuning
+    from attngym import device, tuning
+    from attngym.runner import config, tune_search
 
     monkeypatch.setattr(device, "resolve_device", lambda name: torch.device(name))
     monkeypatch.setattr(device, "triton_backward_tiles", lambda *a, **k: H200_D128_BACKWARD)
@@ -1117,7 +1121,8 @@ def test_a_block_size_with_no_triton_backward_kernel_is_refused_in_one_line(monk
     """What the tuner met on the H200: every Triton trial with a 64-block failed seconds into
     its compile (NoValidChoicesError, pages of IR): Inductor filters its own backward tiles by
     the block sizes before a user's bwd_ options apply."""
-    from attngym import config, device
+    from attngym import device
+    from attngym.runner import config
 
     assert config.backward_block_error({"q": 128, "kv": 128}, H200_D128_BACKWARD) is None
     key, why = config.backward_block_error({"q": 128, "kv": 64}, H200_D128_BACKWARD)
@@ -1143,7 +1148,8 @@ def test_inductors_own_backward_tiles_are_read_for_the_gpu(monkeypatch):
     """Inductor's real heuristics, only the GPU's capability faked (9.0, an H100/H200)."""
     import torch
 
-    from attngym import config, device
+    from attngym import device
+    from attngym.runner import config
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(device, "resolve_device", lambda name: torch.device("cuda"))

@@ -261,7 +261,7 @@ def test_a_mistake_on_the_command_line_is_one_line_and_exit_2(mymasks):
 
 
 def test_a_config_folder_of_your_own_makes_its_attention_files_options(tmp_path):
-    from attngym.overrides import prepare_overrides
+    from attngym.runner.overrides import prepare_overrides
 
     (tmp_path / "attention").mkdir()
     (tmp_path / "attention" / "board.yaml").write_text("name: custom\nmask_mod: m.board\n")

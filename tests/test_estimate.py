@@ -122,7 +122,7 @@ def test_an_unknown_dtype_is_refused():
 def test_under_torchrun_every_rank_judges_by_the_total_memory(monkeypatch, caplog):
     """Free memory differs between GPUs (and moves between ranks' checks): under torchrun the
     ranks judge against the device's total, which is the same on like machines, so they agree."""
-    from attngym import config
+    from attngym.runner import config
 
     total = available_memory("cpu", total=True)
     assert total is not None and total >= available_memory("cpu")
@@ -131,11 +131,11 @@ def test_under_torchrun_every_rank_judges_by_the_total_memory(monkeypatch, caplo
         "passes": ["fwd"], "baselines": [], "validate": False, "validate_rows": 0,
         "baseline_max_mask_bytes": None,
     }  # fmt: skip
-    with caplog.at_level("INFO", logger="attngym.config"):
+    with caplog.at_level("INFO", logger="attngym.runner.config"):
         config.resolve._check_fits(data, "cpu", "float32", 1, (128, 128))
     assert "available" in caplog.text and "in all" not in caplog.text
     caplog.clear()
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with caplog.at_level("INFO", logger="attngym.config"):
+    with caplog.at_level("INFO", logger="attngym.runner.config"):
         config.resolve._check_fits(data, "cpu", "float32", 1, (128, 128))
     assert f"of {format_bytes(total)} in all (each rank of torchrun or SLURM" in caplog.text

@@ -1,5 +1,5 @@
 """attention-gym's catalogue through attngym: every conf/attention/gym_* option composed by Hydra
-and checked by attngym.config at 32 tokens, its forward through FlexAttention (eager, on CPU)
+and checked by attngym.runner.config at 32 tokens, its forward through FlexAttention (eager, on CPU)
 against the float64 reference, its backward through the reference in float32 against float64,
 and every generator attention-gym exports accounted for (an option, or why there is none).
 

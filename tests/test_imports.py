@@ -25,7 +25,7 @@ LIBRARY = (
     "attngym.variants",
     "attngym.reference",
     "attngym.kernels",
-    "attngym.config",
+    "attngym.runner.config",
     "attngym.registry",
     "attngym.viz",
     "attngym.bench",
@@ -39,11 +39,11 @@ LIBRARY = (
     "attngym.estimate",
     "attngym.fileio",
     "attngym.distributed",
-    "attngym.distributed.ulysses",
-    "attngym.distributed.hybrid",
-    "attngym.distributed.torch_cp",
-    "attngym.distributed.launch",
-    "attngym.distributed.keepalive",
+    "attngym.distributed.schemes.ulysses",
+    "attngym.distributed.schemes.hybrid",
+    "attngym.distributed.schemes.torch_cp",
+    "attngym.distributed.ranks.launch",
+    "attngym.distributed.ranks.keepalive",
 )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngym.config import Shape
 from attngym.inputs import TORCH_DTYPES, make_inputs, torch_dtype
+from attngym.runner.config import Shape
 
 
 def test_make_inputs_are_seeded_random_and_shaped():

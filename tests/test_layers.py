@@ -12,42 +12,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "attngym"
 
-# The library: what a notebook imports to attend, validate and time without the run layer.
-LIBRARY = (
-    "attngym.variants",
-    "attngym.reference",
-    "attngym.kernels",
-    "attngym.distributed",
-    "attngym.viz",
-    "attngym.bench",
-    "attngym.validation",
-    "attngym.metrics",
-    "attngym.results",
-    "attngym.inputs",
-    "attngym.varlen",
-    "attngym.device",
-    "attngym.errors",
-    "attngym.utils",
-    "attngym.fileio",
-    "attngym.estimate",
-    "attngym.progress",
-)
-RUN_LAYER = (
-    "attngym.tasks",
-    "attngym.tracking",
-    "attngym.cli",
-    "attngym.overrides",
-    "attngym.job",
-    "attngym.pictures",
-    "attngym.api",
-    "attngym.config",
-    "attngym.tune_search",
-    "attngym.presets",
-    "attngym.slurm",
-    "hydra",
-    "omegaconf",
-    "wandb",
-)
+# The layers are folders: attngym/runner/ is the run layer (Hydra, the tasks, tracking, the
+# launchers); the rest of attngym/ is the library, what a notebook imports to attend, validate and
+# time without the run layer. The package's entry points open the run layer lazily.
+RUN_LAYER = ("attngym.runner", "hydra", "omegaconf", "wandb")
+ENTRY_POINTS = ("attngym", "attngym.__main__")
 
 
 def module_names() -> dict[str, Path]:
@@ -129,9 +98,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
     assert "attngym.variants.base" in graph["attngym.kernels"]
-    assert "attngym.tracking.files" in graph["attngym.tracking.sweep"]
-    assert "attngym.registry" in graph["attngym.config.settings"]  # imported inside a function
-    assert "hydra" in graph["attngym.cli"] and "omegaconf" in graph["attngym.overrides"]
+    assert "attngym.runner.tracking.files" in graph["attngym.runner.tracking.sweep"]
+    assert (
+        "attngym.registry" in graph["attngym.runner.config.settings"]
+    )  # imported inside a function
+    assert (
+        "hydra" in graph["attngym.runner.cli"] and "omegaconf" in graph["attngym.runner.overrides"]
+    )
 
 
 def test_find_cycle_reports_one():
@@ -146,7 +119,7 @@ def test_no_import_cycles():
 
 def test_library_never_imports_the_run_layer():
     graph = import_graph()
-    library = [m for m in graph if _within(m, LIBRARY)]
+    library = [m for m in graph if not _within(m, RUN_LAYER) and m not in ENTRY_POINTS]
     assert "attngym.validation" in library and "attngym.variants.spec" in library
     bad = {
         module: sorted(t for t in targets if _within(t, RUN_LAYER))
@@ -159,15 +132,17 @@ def test_library_never_imports_the_run_layer():
 def test_tracking_reads_the_metric_schema_not_tasks():
     graph = import_graph()
     for module, targets in graph.items():
-        if _within(module, ("attngym.tracking",)):
-            assert not any(_within(t, ("attngym.tasks",)) for t in targets), module
+        if _within(module, ("attngym.runner.tracking",)):
+            assert not any(_within(t, ("attngym.runner.tasks",)) for t in targets), module
 
 
 def test_config_imports_nothing_from_distributed():
     """What the config knows of a topology it asks the topology's spec, through attngym.registry
     (lazy imports counted too)."""
     graph = import_graph()
-    package = [m for m in graph if _within(m, ("attngym.config",))]  # the package and its modules
-    assert "attngym.config.topology" in package
+    package = [
+        m for m in graph if _within(m, ("attngym.runner.config",))
+    ]  # the package and its modules
+    assert "attngym.runner.config.topology" in package
     imported = set().union(*(graph[m] for m in package))
     assert not [m for m in imported if _within(m, ("attngym.distributed",))], sorted(imported)

@@ -148,8 +148,8 @@ def test_a_cpu_has_no_energy_counter():
 
 
 def test_a_cpu_run_says_in_one_place_what_it_cannot_measure(tmp_path):
-    from attngym.config import Benchmark, Settings, Shape
-    from attngym.tasks import single
+    from attngym.runner.config import Benchmark, Settings, Shape
+    from attngym.runner.tasks import single
 
     settings = Settings(
         attention={"name": "sliding_window", "window_size": 32},
@@ -211,8 +211,8 @@ def test_kernel_family_reads_the_kernels_that_ran(names, family):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_gpu_run_reports_its_fraction_of_peak_energy_and_kernel_path(tmp_path):
-    from attngym.config import Benchmark, Settings, Shape
-    from attngym.tasks import single
+    from attngym.runner.config import Benchmark, Settings, Shape
+    from attngym.runner.tasks import single
 
     settings = Settings(
         attention={"name": "causal"},

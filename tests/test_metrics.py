@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from attngym.config import Shape
 from attngym.metrics import (
     HEADLINE_BASELINES,
     METRICS,
@@ -24,6 +23,7 @@ from attngym.metrics import (
     table_columns,
     unknown_keys,
 )
+from attngym.runner.config import Shape
 
 
 def test_pass_metrics_from_timings():
@@ -46,7 +46,7 @@ def test_metric_schema_imports_without_torch():
 # --- the metric table ------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-# Keys the run layer (attngym.job) adds to a task's metrics in metrics.json.
+# Keys the run layer (attngym.runner.job) adds to a task's metrics in metrics.json.
 RUN_LAYER_KEYS = (
     "status",
     "error",
@@ -121,8 +121,8 @@ def test_columns_are_the_column_rows_in_table_order_error_last():
 
 
 def test_every_key_the_single_task_writes_is_in_the_table(tmp_path):
-    from attngym.config import Benchmark, Settings
-    from attngym.tasks import single
+    from attngym.runner.config import Benchmark, Settings
+    from attngym.runner.tasks import single
 
     settings = Settings(
         attention={"name": "causal"},
@@ -143,7 +143,7 @@ def test_every_key_the_cp_task_writes_is_in_the_table(tmp_path):
     """ring on 2 gloo ranks with the torch_cp baseline (the cheap settings of
     tests/distributed/test_cp_task.py); every topology's own keys from its spec."""
     from attngym import registry
-    from attngym.config import Benchmark, Settings, Topology
+    from attngym.runner.config import Benchmark, Settings, Topology
 
     settings = Settings(
         attention={"name": "causal"},
@@ -164,7 +164,7 @@ def test_every_key_the_cp_task_writes_is_in_the_table(tmp_path):
 
 
 def test_described_kernel_options_are_in_the_table():
-    from attngym.config import Settings
+    from attngym.runner.config import Settings
 
     described = Settings(attention={"name": "causal"}, kernel_options={"BLOCK_M": 64}).describe()
     assert "kernel_options.BLOCK_M" in described and _unknown(described) == []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from attngym import overrides
+from attngym.runner import overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_hydra_finds_attngyms_launcher_plugins(tmp_path):
     install hides them from that scan unless the CLI shows them (a wheel: .ci/check_wheel)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
     scan = (  # a fresh process (Hydra scans once), outside the repository, as a user's
-        "from attngym import cli; cli._show_own_plugins(); "
+        "from attngym.runner import cli; cli._show_own_plugins(); "
         "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
         "print(*(f'{c.__module__}.{c.__name__}' for c in Plugins.instance().discover(Launcher)))"
     )

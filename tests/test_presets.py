@@ -34,7 +34,7 @@ def test_help_lists_every_preset_with_its_device_and_time():
 
 def test_a_gpu_sized_preset_on_a_cpu_is_refused_naming_the_overrides_that_fit():
     from attngym.errors import ConfigError
-    from attngym.presets import check_fits_machine
+    from attngym.runner.presets import check_fits_machine
 
     with pytest.raises(ConfigError) as info:
         check_fits_machine(CONF, "flex_vs_sdpa", "cpu", ["device=cpu"])
@@ -54,7 +54,7 @@ def test_a_gpu_sized_preset_on_a_cpu_is_refused_naming_the_overrides_that_fit():
 def test_a_refusal_names_the_whole_machine_and_nothing_cut(name):
     # The header's sentence goes on over lines; the refusal quotes the machine alone, whole.
     from attngym.errors import ConfigError
-    from attngym.presets import check_fits_machine
+    from attngym.runner.presets import check_fits_machine
 
     try:
         check_fits_machine(CONF, name, "cpu", [])

@@ -108,10 +108,10 @@ def test_a_failed_sweep_prints_lines_that_fit(tmp_path, attngym_cli):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_attngym_command_of_the_docs_reads_as_written(page, tmp_path, monkeypatch):
     """Each `attngym` line of the page's bash blocks passes attngym's checks of a command line
-    (attngym.overrides.prepare_overrides); the folders a block makes first (a config folder of
-    your own) are made in a temporary folder, where the line is read."""
+    (attngym.runner.overrides.prepare_overrides); the folders a block makes first (a config folder
+    of your own) are made in a temporary folder, where the line is read."""
     from attngym.errors import ConfigError
-    from attngym.overrides import prepare_overrides
+    from attngym.runner.overrides import prepare_overrides
 
     monkeypatch.chdir(tmp_path)
     read = 0

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from attngym import report
-from attngym.tracking import write_metrics
+from attngym.runner import report
+from attngym.runner.tracking import write_metrics
 
 
 def _png(path, value):

@@ -15,8 +15,9 @@ import subprocess
 
 import pytest
 
-from attngym import report, variants, viz
-from attngym.tracking import write_metrics
+from attngym import variants, viz
+from attngym.runner import report
+from attngym.runner.tracking import write_metrics
 
 BROWSER = next(
     (p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))),

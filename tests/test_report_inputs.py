@@ -9,8 +9,8 @@ import re
 
 from test_report import _png
 
-from attngym import report
-from attngym.tracking import write_metrics
+from attngym.runner import report
+from attngym.runner.tracking import write_metrics
 
 
 def _run(folder, with_pictures=True):

@@ -1,4 +1,5 @@
-"""What each SLURM job asks for, from its own run (attngym.slurm): tasks, GPUs and CPUs.
+"""What each SLURM job asks for, from its own run (attngym.runner.launchers.slurm): tasks, GPUs and
+CPUs.
 
 The sbatch scripts of real jobs are checked in tests/slurm; here every combination a user may
 choose, on the composed config, without a cluster: `sinfo`'s answer about the partition's GPUs
@@ -14,10 +15,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from attngym.errors import ConfigError
-from attngym.overrides import expect_launcher_schema, register_resolvers
+from attngym.runner.overrides import expect_launcher_schema, register_resolvers
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
-from attngym import slurm  # noqa: E402  (needs the plugin)
+from attngym.runner.launchers import slurm  # noqa: E402  (needs the plugin)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

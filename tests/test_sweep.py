@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from attngym.tracking.sweep import collect
+from attngym.runner.tracking.sweep import collect
 
 TINY = [
     "device=cpu",
@@ -129,7 +129,7 @@ def test_a_sweep_records_and_shows_the_overrides_as_typed(failing):
 def test_a_sweep_folder_recorded_with_hydra_forms_resumes(tmp_path, attngym_cli):
     """metrics.json and grid.json written before records held typed overrides (Hydra's forms,
     `++attention.window_size=16`): the same command resumes the sweep, every job skipped."""
-    from attngym.overrides import prepare_overrides
+    from attngym.runner.overrides import prepare_overrides
 
     sweep = tmp_path / "sweep"
     typed = ["shape.seq_len=64", "attention=sliding_window", "attention.window_size=16,32"]
@@ -154,7 +154,7 @@ def test_a_sweep_folder_recorded_with_hydra_forms_resumes(tmp_path, attngym_cli)
 
 def test_summary_columns_follow_the_metric_names(tmp_path):
     from attngym.metrics import table_columns
-    from attngym.tracking.sweep import md_columns, write_markdown
+    from attngym.runner.tracking.sweep import md_columns, write_markdown
 
     columns = md_columns()
     assert columns == ("job", "overrides", *table_columns()) and columns[-1] == "error"
@@ -174,7 +174,7 @@ def test_summary_columns_follow_the_metric_names(tmp_path):
 
 def test_summary_plot_leaves_pyplot_alone(tmp_path):
     code = (
-        "import sys, matplotlib; from attngym.tracking.sweep import write_plot; "
+        "import sys, matplotlib; from attngym.runner.tracking.sweep import write_plot; "
         f"ok = write_plot([{{'status': 'ok', 'variant': 'causal', 'seq_len': 64, 'fwd_ms': 1.0}}], "
         f"__import__('pathlib').Path({str(tmp_path / 'p.png')!r}), 't'); "
         "print(ok, 'matplotlib.pyplot' in sys.modules)"
@@ -185,7 +185,7 @@ def test_summary_plot_leaves_pyplot_alone(tmp_path):
 
 
 def test_table_layout_names_shared_settings_once():
-    from attngym.tracking.sweep import table_layout
+    from attngym.runner.tracking.sweep import table_layout
 
     rows = [
         {"job": 0, "status": "ok", "variant": "causal", "device": "cpu", "seq_len": 512, "x": None},
@@ -222,13 +222,13 @@ def test_table_layout_names_shared_settings_once():
     ],
 )
 def test_format_value_uses_units_a_person_reads(column, value, text):
-    from attngym.tracking.sweep import format_value
+    from attngym.runner.tracking.sweep import format_value
 
     assert format_value(column, value) == text
 
 
 def test_summary_text_keeps_the_columns_that_vary():
-    from attngym.tracking.sweep import summary_text
+    from attngym.runner.tracking.sweep import summary_text
 
     rows = [
         {"job": str(i), "status": "ok", "variant": v, "device": "cpu", "fwd_ms": ms}
@@ -248,7 +248,7 @@ def test_summary_text_keeps_the_columns_that_vary():
 
 
 def test_one_length_sweep_draws_bars_and_many_lengths_draw_lines(tmp_path):
-    from attngym.tracking.sweep import series_name, write_plot
+    from attngym.runner.tracking.sweep import series_name, write_plot
 
     rows = [
         {
@@ -289,7 +289,7 @@ def test_a_failed_sweep_prints_the_command_that_resumes_it(tmp_path, attngym_cli
 
 
 def test_a_failed_jobs_empty_cells_make_no_column_vary():
-    from attngym.tracking.sweep import table_layout
+    from attngym.runner.tracking.sweep import table_layout
 
     rows = [
         {"job": "0", "status": "ok", "variant": "causal", "device": "cpu", "seq_len": 512},
@@ -301,7 +301,7 @@ def test_a_failed_jobs_empty_cells_make_no_column_vary():
 
 
 def test_the_printed_summary_fits_a_terminal_and_summary_md_keeps_every_error():
-    from attngym.tracking.sweep import PRINT_WIDTH, summary_text
+    from attngym.runner.tracking.sweep import PRINT_WIDTH, summary_text
 
     many = {f"flex_over_sdpa_{p}": 1.0 + i for i, p in enumerate(("fwd", "fwd_bwd", "bwd"))}
     rows = [
@@ -350,7 +350,7 @@ def test_a_failed_sweeps_printed_table_keeps_what_it_measured(tmp_path, attngym_
 
 
 def test_an_interrupted_job_is_counted_apart():
-    from attngym.tracking.sweep import outcome_count
+    from attngym.runner.tracking.sweep import outcome_count
 
     rows = [{"status": "ok"}, {"status": "failed"}, {"status": "interrupted"}]
     assert outcome_count(rows) == "3 jobs, 1 failed, 1 interrupted"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from attngym import reference
-from attngym.config import Benchmark, Settings, Shape
 from attngym.inputs import make_inputs
-from attngym.tasks import phases, single
+from attngym.runner.config import Benchmark, Settings, Shape
+from attngym.runner.tasks import phases, single
 from attngym.variants.spec import build_variant
 
 TOL = 1e-4

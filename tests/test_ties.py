@@ -15,10 +15,11 @@ import json
 import pytest
 import torch
 
-from attngym import bench, report, tuning
+from attngym import bench, tuning
 from attngym.metrics import ci95_metric, format_cell, is_tie, metric_of
-from attngym.tasks import phases
-from attngym.tracking.sweep import summarize, write_csv
+from attngym.runner import report
+from attngym.runner.tasks import phases
+from attngym.runner.tracking.sweep import summarize, write_csv
 
 
 def _times(rng: torch.Generator, n: int = 40) -> list[float]:

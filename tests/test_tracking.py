@@ -17,7 +17,7 @@ import pytest
 
 from attngym import registry
 from attngym.errors import ConfigError
-from attngym.tracking import RunRecord, read_metrics, write_metrics
+from attngym.runner.tracking import RunRecord, read_metrics, write_metrics
 
 
 def test_write_metrics_atomic_and_json_safe(tmp_path):
@@ -116,12 +116,12 @@ class _StuckRun:
 
 
 def test_wandb_finish_is_bounded_online(caplog):
-    from attngym.tracking.wandb_logger import WandbTracker
+    from attngym.runner.tracking.wandb_logger import WandbTracker
 
     run = _StuckRun()
     tracker = WandbTracker(mode="online", finish_timeout_s=0.2)
     start = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="attngym.tracking.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="attngym.runner.tracking.wandb_logger"):
         tracker._finish(run, exit_code=1)
     assert time.perf_counter() - start < 2 and run.finished == [1]
     assert "did not return within" in caplog.text and "wandb sync" in caplog.text

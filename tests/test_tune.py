@@ -68,7 +68,8 @@ def test_a_study_over_your_own_mask_resumes_and_block_size_tuned_takes_its_winne
     assert summary.n_trials == 7  # the second command went on with the same study
     assert summary.study_name.startswith("custom-stripes.stripes-b1h2s256d16-cpu-float32")
 
-    # What a CPU trial draws (attngym.tune_search.search_space): the block sizes, nothing else.
+    # What a CPU trial draws (attngym.runner.tune_search.search_space): the block sizes, nothing
+    # else.
     for row in every:
         drawn = sorted(o.split("=")[0] for o in row["overrides"].split() if "block_size" in o
                        or "kernel_options" in o)  # fmt: skip

@@ -8,8 +8,9 @@ import logging
 
 import pytest
 
-from attngym import config, tuning
-from attngym.tracking.sweep import write_csv
+from attngym import tuning
+from attngym.runner import config
+from attngym.runner.tracking.sweep import write_csv
 
 ROWS = [
     # two configs of causal/d128 on sm90: the faster one (by fwd_bwd_tflops) must win

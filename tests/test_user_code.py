@@ -371,8 +371,8 @@ def test_resume_reruns_a_job_whose_mask_was_edited(mymasks, attngym_cli):
 
 
 def test_the_record_covers_every_import_path_of_the_config():
-    from attngym import job
-    from attngym.config import Settings, Topology
+    from attngym.runner import job
+    from attngym.runner.config import Settings, Topology
 
     settings = Settings(
         attention={

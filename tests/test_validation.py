@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from attngym import reference
-from attngym.config import Shape
 from attngym.inputs import make_inputs
+from attngym.runner.config import Shape
 from attngym.validation import (
     judge_errors,
     max_abs_error,

@@ -18,10 +18,10 @@ import torch
 from test_tasks_single import settings as single_settings
 
 from attngym import kernels
-from attngym.config import Benchmark, Shape
 from attngym.distributed import plan
 from attngym.inputs import make_inputs
-from attngym.tasks import single
+from attngym.runner.config import Benchmark, Shape
+from attngym.runner.tasks import single
 from attngym.validation import ROW_RTOL, RTOL, judge_errors, sample_rows, validate_rows
 from attngym.variants.spec import build_variant
 
@@ -141,7 +141,7 @@ def test_a_single_run_whose_later_calls_differ_fails(tmp_path, monkeypatch):
 SCHEME = '''
 import torch
 import torch.distributed as dist
-from attngym.distributed.ring import ring_attention
+from attngym.distributed.schemes.ring import ring_attention
 
 CALLS = []
 

@@ -8,8 +8,8 @@ import pytest
 
 wr = pytest.importorskip("wandb_workspaces.reports.v2")
 
-from attngym import report  # noqa: E402
-from attngym.tracking import wandb_report  # noqa: E402
+from attngym.runner import report  # noqa: E402
+from attngym.runner.tracking import wandb_report  # noqa: E402
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import statistics
 import pytest
 
 from attngym import workload
-from attngym.config import check_config
 from attngym.errors import ConfigError
+from attngym.runner.config import check_config
 from attngym.variants.spec import build_variant, with_documents
 
 
@@ -125,7 +125,7 @@ def test_a_sweep_of_schemes_draws_each_jobs_batches(tmp_path, attngym_cli):
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
     done = attngym_cli(args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    from attngym.pictures import batch_series
+    from attngym.runner.pictures import batch_series
 
     with (tmp_path / "sweep" / "0" / "batches.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -167,7 +167,7 @@ def test_every_batch_of_a_cp_workload_matches_float64_forward_and_backward(
 def test_the_ranks_start_once_for_all_batches(tmp_path, monkeypatch):
     """A CP workload starts its ranks once: each batch is their next run, not a new launch."""
     import attngym
-    from attngym.distributed import launch as launching
+    from attngym.distributed.ranks import launch as launching
 
     launches = []
     real = launching.launch

@@ -10,7 +10,7 @@ Public API:
     CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain
     ring_attention, allgather_attention context-parallel attention of sharded q, k, v
-    CPOptions, CPStats                  their options and statistics (attngym.distributed.cp)
+    CPOptions, CPStats                  their options and statistics (attngym.distributed.call.cp)
     ulysses_attention, hybrid_attention head-parallel (all-to-all) and all-to-all + ring/all-gather
     check_ulysses_heads                 the heads check a config can run before any tensor work
     TopologySpec, TOPOLOGIES            what the run layer knows of each scheme, by name
@@ -25,24 +25,24 @@ import importlib
 from typing import Any
 
 from attngym.distributed import transport  # noqa: F401  (registers kind "transport")
-from attngym.distributed.allgather import allgather_attention
-from attngym.distributed.cp import CPOptions, CPStats, attend_chunk
-from attngym.distributed.hybrid import hybrid_attention
-from attngym.distributed.layout import Layout, load_imbalance, plan, shard, unshard
-from attngym.distributed.merge import merge
-from attngym.distributed.p2p import P2PAllGather, P2PAllToAll, P2PChannel
-from attngym.distributed.ring import ring_attention
-from attngym.distributed.spec import TopologySpec
-from attngym.distributed.topologies import TOPOLOGIES
+from attngym.distributed.call.cp import CPOptions, CPStats, attend_chunk
+from attngym.distributed.call.merge import merge
+from attngym.distributed.placement.layout import Layout, load_imbalance, plan, shard, unshard
+from attngym.distributed.schemes.allgather import allgather_attention
+from attngym.distributed.schemes.hybrid import hybrid_attention
+from attngym.distributed.schemes.ring import ring_attention
+from attngym.distributed.schemes.spec import TopologySpec
+from attngym.distributed.schemes.topologies import TOPOLOGIES
+from attngym.distributed.schemes.ulysses import check_ulysses_heads, ulysses_attention
 from attngym.distributed.transport import all_gather
-from attngym.distributed.ulysses import check_ulysses_heads, ulysses_attention
+from attngym.distributed.transport.p2p import P2PAllGather, P2PAllToAll, P2PChannel
 
 _LAZY = {
-    "CopyEngineAllGather": "attngym.distributed.copy_engine",
-    "CopyEngineAllToAll": "attngym.distributed.copy_engine",
-    "CopyEngineChannel": "attngym.distributed.copy_engine",
-    "in_one_nvlink_domain": "attngym.distributed.domain",
-    "nvlink_domain": "attngym.distributed.domain",
+    "CopyEngineAllGather": "attngym.distributed.transport.copy_engine",
+    "CopyEngineAllToAll": "attngym.distributed.transport.copy_engine",
+    "CopyEngineChannel": "attngym.distributed.transport.copy_engine",
+    "in_one_nvlink_domain": "attngym.distributed.transport.domain",
+    "nvlink_domain": "attngym.distributed.transport.domain",
 }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from attngym import bench
-from attngym.distributed.merge import compiled_sums
+from attngym.distributed.call.merge import compiled_sums
 
 STEPS = 8
 

@@ -23,11 +23,11 @@ import pstats
 import torch
 
 from attngym import bench
-from attngym.distributed.cp import CPOptions, attend_chunk
-from attngym.distributed.grid import plans_for
-from attngym.distributed.simulate import ItemTime, bench_timer, simulate
-from attngym.distributed.topologies import TOPOLOGIES
-from attngym.distributed.transfer_model import fabric
+from attngym.distributed.call.cp import CPOptions, attend_chunk
+from attngym.distributed.model.simulate import ItemTime, bench_timer, simulate
+from attngym.distributed.model.transfer_model import fabric
+from attngym.distributed.placement.grid import plans_for
+from attngym.distributed.schemes.topologies import TOPOLOGIES
 from attngym.variants.causal import causal
 from attngym.variants.document import document
 from attngym.variants.sliding_window import sliding_window

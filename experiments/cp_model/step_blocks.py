@@ -20,7 +20,7 @@ import re
 import torch
 from host_time import make_variant  # beside this script
 
-from attngym.distributed import grid, layout
+from attngym.distributed.placement import grid, layout
 
 
 def main() -> None:

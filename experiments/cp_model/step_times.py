@@ -15,9 +15,9 @@ import torch
 from host_time import parser, placed, problem  # beside this script
 
 from attngym import bench
-from attngym.distributed.cp import CPOptions, attend_chunk
-from attngym.distributed.simulate import bench_timer, simulate
-from attngym.distributed.topologies import TOPOLOGIES
+from attngym.distributed.call.cp import CPOptions, attend_chunk
+from attngym.distributed.model.simulate import bench_timer, simulate
+from attngym.distributed.schemes.topologies import TOPOLOGIES
 
 
 def kernels(fn, calls: int = 3) -> list[tuple[str, float, int]]:

@@ -55,8 +55,8 @@ def bare_tflops(batch, heads, seq_len, head_dim, repeats) -> tuple[float, float]
 
 def attngym_tflops(batch, heads, seq_len, head_dim, repeats) -> tuple[float, float]:
     """attngym's single-device task, forward only, no baselines: its fwd_ms and fwd_tflops."""
-    from attngym.config import Benchmark, Settings, Shape
-    from attngym.tasks.single import run
+    from attngym.runner.config import Benchmark, Settings, Shape
+    from attngym.runner.tasks.single import run
 
     settings = Settings(
         attention={"name": "causal"},

@@ -1,22 +1,23 @@
 """attngym's Hydra launcher plugins: Hydra instantiates launchers only from the `hydra_plugins`
 namespace, so the classes that conf/hydra/launcher/*.yaml name live here; what they do is
-attngym.basic_launcher's (the default, jobs on this machine) and attngym.slurm's. Without
-hydra-submitit-launcher (the `slurm` extra) there is no SLURM launcher to define, and Hydra's
-plugin scan must not fail on that."""
+attngym.runner.launchers.basic's (the default, jobs on this machine) and
+attngym.runner.launchers.slurm's. Without hydra-submitit-launcher (the `slurm` extra) there is no
+SLURM launcher to define, and Hydra's plugin scan must not fail on that."""
 
-from attngym.basic_launcher import AttngymBasicLauncher
+from attngym.runner.launchers.basic import AttngymBasicLauncher
 
 try:
-    from attngym.slurm import AttngymSlurmLauncher
+    from attngym.runner.launchers.slurm import AttngymSlurmLauncher
 except ImportError:  # hydra-submitit-launcher is not installed: no SLURM launcher
     AttngymSlurmLauncher = None
 
 
 class BasicLauncher(AttngymBasicLauncher):
-    """attngym.basic_launcher.AttngymBasicLauncher, where Hydra's plugin rules want it."""
+    """attngym.runner.launchers.basic.AttngymBasicLauncher, where Hydra's plugin rules want it."""
 
 
 if AttngymSlurmLauncher is not None:
 
     class SlurmLauncher(AttngymSlurmLauncher):
-        """attngym.slurm.AttngymSlurmLauncher, where Hydra's plugin rules want it."""
+        """attngym.runner.launchers.slurm.AttngymSlurmLauncher, where Hydra's plugin rules want
+        it."""

@@ -60,13 +60,13 @@ def options() -> list[str]:
 
 @functools.cache
 def compose_entries(seq_len: int = S, heads: int = HEADS) -> dict[str, dict[str, Any]]:
-    """option -> its `attention` entry, composed by Hydra and checked by attngym.config (which
-    builds and probes the variant), at `seq_len` tokens and `heads` heads (SMALL's overrides at
-    32 tokens). Cached: composing costs about half a second an option on a 2-core CPU."""
+    """option -> its `attention` entry, composed by Hydra and checked by attngym.runner.config
+    (which builds and probes the variant), at `seq_len` tokens and `heads` heads (SMALL's overrides
+    at 32 tokens). Cached: composing costs about half a second an option on a 2-core CPU."""
     from hydra import compose, initialize_config_dir
 
-    from attngym.config import check_config
-    from attngym.overrides import register_resolvers
+    from attngym.runner.config import check_config
+    from attngym.runner.overrides import register_resolvers
 
     register_resolvers()
     entries = {}

@@ -8,11 +8,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from attngym.distributed import all_gather, attend_chunk, merge, plan
-from attngym.distributed.layout import LAYOUTS
-from attngym.distributed.simulate import Item, SequenceRanks, SimulatedCall, Simulation, nbytes
-from attngym.distributed.spec import TopologySpec
-from attngym.distributed.transfer_model import Fabric, Prediction, RankWork, predict
+from attngym.distributed import all_gather, attend_chunk, plan
+from attngym.distributed.call import merge
+from attngym.distributed.model.simulate import (
+    Item,
+    SequenceRanks,
+    SimulatedCall,
+    Simulation,
+    nbytes,
+)
+from attngym.distributed.model.transfer_model import Fabric, Prediction, RankWork, predict
+from attngym.distributed.placement.layout import LAYOUTS
+from attngym.distributed.schemes.spec import TopologySpec
 
 
 def pairwise(q, k, v, variant, *, group, layout, options=None, transport="auto", **kwargs):

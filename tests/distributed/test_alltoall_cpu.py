@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from attngym.distributed import P2PAllToAll
-from attngym.distributed.launch import launch
-from attngym.distributed.parts import AllToAllPlan
+from attngym.distributed.ranks.launch import launch
+from attngym.distributed.transport.parts import AllToAllPlan
 
 # (part_shape, split_dim, concat_dim, split_order, concat_order) per world size
 CASES = {

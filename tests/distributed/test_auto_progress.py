@@ -95,7 +95,7 @@ def test_on_a_cpu_a_simulated_or_auto_run_says_its_device_is_not_the_fabrics(tmp
 
 def test_a_simulated_run_reports_the_items_it_has_timed(tmp_path, monkeypatch, caplog):
     from attngym import registry
-    from attngym.config import Benchmark, Settings, Shape, Topology
+    from attngym.runner.config import Benchmark, Settings, Shape, Topology
 
     monkeypatch.setattr(progress, "on_terminal", lambda: False)
     monkeypatch.setattr(progress, "INTERVAL_S", 0.01)  # a line every 10 ms, not every 10 s

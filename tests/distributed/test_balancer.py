@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from attngym import variants
-from attngym.distributed import layout, shard, unshard
+from attngym.distributed import shard, unshard
+from attngym.distributed.placement import layout
 
 from . import balancers
 

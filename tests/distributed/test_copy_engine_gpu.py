@@ -78,7 +78,7 @@ def _spawn(monkeypatch, scenario: str, arg=None) -> None:
 
 def _scenario_channel_stream(rank, device, steps):
     """Fresh data every step for `steps` steps, three sequences: slots alternate, values exact."""
-    from attngym.distributed.copy_engine import CopyEngineChannel
+    from attngym.distributed.transport.copy_engine import CopyEngineChannel
 
     shape = (3, 64, 40)
     ch = CopyEngineChannel(shape, 2, dtype=torch.float32, device=device, timeout_s=60)
@@ -106,7 +106,7 @@ def _scenario_channel_stream(rank, device, steps):
 
 def _scenario_channel_relay(rank, device, steps):
     """Each received slot is pushed onward before release: data hops around the ring."""
-    from attngym.distributed.copy_engine import CopyEngineChannel
+    from attngym.distributed.transport.copy_engine import CopyEngineChannel
 
     shape = (2, 8, 128, 16)
     ch = CopyEngineChannel(shape, 2, dtype=torch.float32, device=device, timeout_s=60)
@@ -137,7 +137,7 @@ def test_channel_relays_from_received_slots(monkeypatch):
 
 def _scenario_allgather(rank, device, dim):
     """Many gathers with fresh data: rank r's shard at r * part_shape[dim] along dim, exactly."""
-    from attngym.distributed.copy_engine import CopyEngineAllGather
+    from attngym.distributed.transport.copy_engine import CopyEngineAllGather
 
     part_shape = (2, 3, 16, 8)
     gather = CopyEngineAllGather(part_shape, 2, dim, dtype=torch.float32, device=device)
@@ -160,7 +160,7 @@ def test_allgather_writes_the_consumer_layout(monkeypatch, dim):
 
 
 def _scenario_allgather_grad(rank, device, _):
-    from attngym.distributed.copy_engine import CopyEngineAllGather
+    from attngym.distributed.transport.copy_engine import CopyEngineAllGather
 
     part_shape = (2, 4, 32, 8)
     gather = CopyEngineAllGather(part_shape, 2, 2, dtype=torch.float32, device=device)
@@ -194,7 +194,7 @@ def test_allgather_wait_is_differentiable(monkeypatch):
 
 def _scenario_graphs(rank, device, eager_first):
     """Captured send/recv and start/wait replay with right values, eager run first or not."""
-    from attngym.distributed.copy_engine import CopyEngineAllGather, CopyEngineChannel
+    from attngym.distributed.transport.copy_engine import CopyEngineAllGather, CopyEngineChannel
 
     shape = (4, 64, 32)
     ch = CopyEngineChannel(shape, 2, dtype=torch.float32, device=device)
@@ -244,7 +244,7 @@ def _scenario_profiler(rank, device, _):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from attngym.distributed.copy_engine import CopyEngineAllGather, CopyEngineChannel
+    from attngym.distributed.transport.copy_engine import CopyEngineAllGather, CopyEngineChannel
 
     shape = (4, 256, 64)
     ch = CopyEngineChannel(shape, 2, dtype=torch.bfloat16, device=device)
@@ -281,8 +281,8 @@ def test_profiler_shows_no_sm_kernels(monkeypatch):
 
 def _ulysses_a2a(layout, shape, device, num_parts=2):
     """The Ulysses exchange of (B, H, S, D) `shape` in `layout`: heads split, sequence in order."""
-    from attngym.distributed import layout as layouts
-    from attngym.distributed.copy_engine import CopyEngineAllToAll
+    from attngym.distributed.placement import layout as layouts
+    from attngym.distributed.transport.copy_engine import CopyEngineAllToAll
 
     b, h, s, d = shape
     order = [
@@ -305,7 +305,7 @@ def _ulysses_a2a(layout, shape, device, num_parts=2):
 
 def _scenario_alltoall(rank, device, layout):
     """Fresh data every exchange: head slice `rank` of the whole sequence in order, and back."""
-    from attngym.distributed.layout import shard
+    from attngym.distributed.placement.layout import shard
 
     shape = (2, 4, 64, 16)
     a2a = _ulysses_a2a(layout, shape, device)
@@ -334,7 +334,7 @@ def test_alltoall_places_heads_and_sequence(monkeypatch, layout):
 
 def _scenario_alltoall_grad(rank, device, layout):
     """d loss / d shard is the inverse exchange of the upstream gradient, exactly."""
-    from attngym.distributed.layout import shard
+    from attngym.distributed.placement.layout import shard
 
     shape = (1, 4, 32, 8)
     a2a = _ulysses_a2a(layout, shape, device)
@@ -359,7 +359,7 @@ def test_alltoall_is_differentiable(monkeypatch):
 
 
 def _scenario_alltoall_graph(rank, device, eager_first):
-    from attngym.distributed.layout import shard
+    from attngym.distributed.placement.layout import shard
 
     shape = (1, 4, 64, 32)
     a2a = _ulysses_a2a("zigzag", shape, device)
@@ -427,7 +427,7 @@ def _scenario_alltoall_dead_peer(rank, device, _):
     """Rank 1 builds the all-to-all, then stops calling; rank 0's exchange fails, never hangs."""
     import faulthandler
 
-    from attngym.distributed.copy_engine import CopyEngineAllToAll
+    from attngym.distributed.transport.copy_engine import CopyEngineAllToAll
 
     faulthandler.dump_traceback_later(60, exit=True)
     a2a = CopyEngineAllToAll((4, 256), 1, 0, 1, dtype=torch.float32, device=device, timeout_s=3.0)
@@ -454,7 +454,7 @@ def _scenario_dead_peer(rank, device, _):
     """Rank 1 sets up, then stops calling; rank 0's recv times out with an error, never hangs."""
     import faulthandler
 
-    from attngym.distributed.copy_engine import CopyEngineChannel
+    from attngym.distributed.transport.copy_engine import CopyEngineChannel
 
     faulthandler.dump_traceback_later(60, exit=True)  # a hang prints stacks and fails the test
     ch = CopyEngineChannel((1024,), 1, dtype=torch.float32, device=device, timeout_s=3.0)
@@ -475,7 +475,7 @@ def test_dead_peer_times_out(monkeypatch):
 
 
 def _scenario_domain(rank, device, _):
-    from attngym.distributed.domain import in_one_nvlink_domain, nvlink_domain
+    from attngym.distributed.transport.domain import in_one_nvlink_domain, nvlink_domain
 
     print(f"rank {rank}: nvlink_domain() = {nvlink_domain()!r}")
     assert in_one_nvlink_domain() is True
@@ -491,7 +491,7 @@ def test_ranks_of_one_host_share_an_nvlink_domain(monkeypatch):
 def _scenario_exchange(rank, device, _):
     """Uneven blocks (rank 1 sends nothing), exact, three rounds through one staging buffer;
     the inverse sends each block back."""
-    from attngym.distributed.copy_engine import CopyEngineExchange
+    from attngym.distributed.transport.copy_engine import CopyEngineExchange
 
     sizes = ((0, 4096 * 3 + 5), (0, 0))
     ex = CopyEngineExchange(sizes, dtype=torch.float32, device=device, timeout_s=60)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from attngym.distributed import grid, layout
+from attngym.distributed.placement import grid, layout
 from attngym.variants.base import Variant
 
 pytestmark = pytest.mark.timeout(600)
@@ -125,7 +125,7 @@ def test_auto_weighs_a_users_balancer_named_in_its_layouts(tmp_path, monkeypatch
 def _causal_item(seq_len: int, name: str = "ring"):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from attngym.distributed.simulate import Item
+    from attngym.distributed.model.simulate import Item
 
     mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq_len, seq_len, "cpu")
     key = (name, (1, 2, seq_len, 8), seq_len)
@@ -133,7 +133,7 @@ def _causal_item(seq_len: int, name: str = "ring"):
 
 
 def test_the_model_times_a_few_items_of_a_kind_and_prices_the_rest_by_their_blocks():
-    from attngym.distributed.simulate import ItemTime, ModelTimer, block_units
+    from attngym.distributed.model.simulate import ItemTime, ModelTimer, block_units
 
     timed = []
 
@@ -158,7 +158,7 @@ def test_the_model_times_a_few_items_of_a_kind_and_prices_the_rest_by_their_bloc
 
 
 def test_the_fit_never_prices_below_zero_or_falls_with_size():
-    from attngym.distributed.simulate import _fit
+    from attngym.distributed.model.simulate import _fit
 
     assert _fit([(10.0, 2.0)]) == (0.0, 0.2)  # one sample: through the origin
     assert _fit([(10.0, 1.0), (20.0, 5.0)]) == pytest.approx((0.0, 0.22))  # no negative a
@@ -194,7 +194,7 @@ def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_p
 def test_the_runner_up_is_priced_in_the_picks_currency():
     """A busy machine timed the pick four times slower than the model's price: an untimed
     runner-up's price is scaled alike, never set beside the timing as is."""
-    from attngym.tasks.cp_auto import Priced, _runner_up
+    from attngym.runner.tasks.cp_auto import Priced, _runner_up
 
     pick = Priced("ring", "contiguous", {}, False, "gloo", model_ms=36.0, timed_ms=138.0)
     other = Priced("ulysses", "contiguous", {}, False, "gloo", model_ms=63.0)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.config import Benchmark, Settings, Shape, Topology
 from attngym.distributed import (
     P2PAllGather,
     P2PChannel,
@@ -27,9 +26,10 @@ from attngym.distributed import (
     shard,
     unshard,
 )
-from attngym.distributed.launch import launch
-from attngym.distributed.ring import CPStats
+from attngym.distributed.ranks.launch import launch
+from attngym.distributed.schemes.ring import CPStats
 from attngym.errors import ConfigError, RankFailure
+from attngym.runner.config import Benchmark, Settings, Shape, Topology
 
 from .catalogue import HEADS, PARAMS
 
@@ -139,7 +139,7 @@ def _attention_worker(rank, world_size):
         )  # fmt: skip
     # The ring's placement priced per pair kernel (here another one than by blocks: rank 0
     # holds the second half), handed to shard and to the call as one Layout.
-    from attngym.distributed import layout as layouts
+    from attngym.distributed.placement import layout as layouts
 
     docs = variants.get("document", doc_lengths=[20, 4, 8])
     priced = layouts.plan("balanced", world_size, S, docs, (4, 4),
@@ -265,10 +265,10 @@ def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
 def _transport_worker(rank, world_size, run_dir):
     import torch.distributed as dist
 
-    from attngym.distributed import launch as launch_mod
-    from attngym.distributed.topologies import TOPOLOGIES
+    from attngym.distributed.ranks import launch as launch_mod
+    from attngym.distributed.schemes.topologies import TOPOLOGIES
     from attngym.distributed.transport import resolve_transport
-    from attngym.tasks.context_parallel import _rank_run
+    from attngym.runner.tasks.context_parallel import _rank_run
 
     out = {}
     # Channel: many steps over two rounds; at step i a rank holds rank (r - i)'s data.
@@ -368,7 +368,7 @@ def _transport_worker(rank, world_size, run_dir):
     )
     out["task_ok"] = _rank_run(rank, world_size, settings, "ring")
     # (The second run also skips the one-device comparison, as a CPU run too large for it would.)
-    import attngym.tasks.context_parallel as ring_task
+    import attngym.runner.tasks.context_parallel as ring_task
 
     real, limit = ring_task.CPRun, ring_task.SINGLE_CPU_MAX_BYTES
     ring = TOPOLOGIES["ring"]
@@ -628,8 +628,8 @@ def test_config_error_on_a_rank_reaches_the_caller_as_itself():
 
 
 def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path):
-    from attngym.tasks.context_parallel import check_hardware
-    from attngym.tasks.cp_setup import CPRun
+    from attngym.runner.tasks.context_parallel import check_hardware
+    from attngym.runner.tasks.cp_setup import CPRun
 
     def settings(transport):
         return Settings(
@@ -668,7 +668,7 @@ def test_interrupted_launch_leaves_no_rank_alive(monkeypatch):
 
 def test_pair_plans_live_as_long_as_their_variant():
     """The skip decisions are kept per Variant object and go with it (no growing global cache)."""
-    from attngym.distributed import pairs
+    from attngym.distributed.call import pairs
 
     variant = variants.get("causal")
     args = (1, 2, (16, 16), (0, 16), (16, 16), "reference", torch.device("cpu"))
@@ -693,9 +693,9 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
     from torch.nn.attention.flex_attention import create_block_mask
 
     from attngym import kernels
-    from attngym.distributed import layout as layouts
-    from attngym.distributed.allgather import ReadPlan, key_positions
-    from attngym.distributed.positions import at_positions
+    from attngym.distributed.placement import layout as layouts
+    from attngym.distributed.placement.positions import at_positions
+    from attngym.distributed.schemes.allgather import ReadPlan, key_positions
 
     P = 2
     params = {"sliding_window": {"window_size": 100}, "document": {"doc_lengths": [300, seq - 300]}}
@@ -735,7 +735,7 @@ def test_gathers_backward_refuses_a_cuda_graph_capture_over_gloo(monkeypatch):
     all-gather's backward says so in words instead of an invalidated capture."""
     from types import SimpleNamespace
 
-    from attngym.distributed.copy_engine import CopyEngineAllGather
+    from attngym.distributed.transport.copy_engine import CopyEngineAllGather
 
     gather = SimpleNamespace(
         out_shape=(1, 2, 8), world_size=2, num_parts=1, _rows=2, _chunk=4, rank=0,

@@ -15,7 +15,7 @@ import torch
 
 from attngym import reference, variants
 from attngym.distributed import allgather_attention, ring_attention, shard, ulysses_attention
-from attngym.distributed.launch import launch
+from attngym.distributed.ranks.launch import launch
 
 from .gpu_ranks import relative_errors, skip_reason, transports
 
@@ -181,7 +181,7 @@ def test_compiled_flex_backward_op_matches_reference(case):
     """One chunk pair's gradient from the whole rows' out and lse through flex's compiled
     backward op, against the float64 reference restricted to that pair's keys."""
     from attngym import kernels
-    from attngym.distributed.flex_backward import attend_backward
+    from attngym.distributed.call.flex_backward import attend_backward
 
     S = 512
     made = {
@@ -280,7 +280,7 @@ def test_flash_backend_runs_every_topologys_forward_and_backward(transport, monk
 def test_compiled_sums_match_eager_ones_on_accumulator_views():
     """The fused (compiled) merge and sum give the rows the eager ones give, empty rows
     included, written into a view of a larger tensor as the accumulators write them."""
-    from attngym.distributed.merge import compiled_sums, merged_weights, weighted_sum
+    from attngym.distributed.call.merge import compiled_sums, merged_weights, weighted_sum
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     outs = [torch.randn(1, 4, 256, 64, generator=gen, device="cuda").bfloat16() for _ in range(5)]

@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from attngym.distributed.accumulate import HELD, Accumulator, GradSum
-from attngym.distributed.launch import launch
+from attngym.distributed.call.accumulate import HELD, Accumulator, GradSum
+from attngym.distributed.ranks.launch import launch
 
 from .gpu_ranks import skip_reason, transports
 

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from attngym.config import Benchmark, Settings, Shape, Topology
-from attngym.tasks.context_parallel import torch_cp_skip_reason
-from attngym.tasks.phases import NO_CPU_BWD
+from attngym.runner.config import Benchmark, Settings, Shape, Topology
+from attngym.runner.tasks.context_parallel import torch_cp_skip_reason
+from attngym.runner.tasks.phases import NO_CPU_BWD
 from attngym.validation import add_failure
 
 
@@ -135,8 +135,8 @@ def test_cp_sweep_under_torchrun_runs_every_job_in_the_same_ranks(tmp_path):
 
 WRAPPER = """
 import os
-import attngym.tasks.context_parallel as cp
-from attngym import cli
+import attngym.runner.tasks.context_parallel as cp
+from attngym.runner import cli
 
 real = cp.one_device
 
@@ -205,7 +205,7 @@ def _settings(**topology):
 
 def _first_on_device(rank, world_size, devices):
     """Every rank's answer for `devices` (one device name per rank), gathered on every rank."""
-    from attngym.tasks.context_parallel import first_on_device
+    from attngym.runner.tasks.context_parallel import first_on_device
 
     mine = first_on_device(torch.device(devices[rank]), rank, world_size)
     every = [None] * world_size
@@ -220,14 +220,14 @@ def _first_on_device(rank, world_size, devices):
 def test_the_lowest_rank_on_a_device_speaks_for_it(devices, first):
     """Energy is read from a device's counter, which holds every process on it: of the ranks that
     share a device only the lowest counts it."""
-    from attngym.distributed.launch import launch
+    from attngym.distributed.ranks.launch import launch
 
     assert launch(_first_on_device, 3, args=(devices,), timeout_s=60) == first
 
 
 def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     from attngym import registry
-    from attngym.distributed.topologies import TOPOLOGIES
+    from attngym.distributed.schemes.topologies import TOPOLOGIES
 
     assert (
         registry.names("topology")
@@ -241,7 +241,7 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
         module = sys.modules[spec.attention.__module__]
         assert module.__name__.startswith("attngym.distributed.")
         assert getattr(module, spec.attention.__name__) is spec.attention
-    from attngym.distributed.hybrid import HybridOptions
+    from attngym.distributed.schemes.hybrid import HybridOptions
 
     assert registry.get("topology", "hybrid").options is HybridOptions
     assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag")
@@ -366,7 +366,7 @@ def test_a_call_that_cannot_be_captured_is_refused_naming_the_key():
     """A call that reads a value back to the host mid-call cannot be a CUDA graph: the run
     fails on topology.cuda_graph, not on a CUDA error."""
     from attngym.errors import ConfigError
-    from attngym.tasks import phases
+    from attngym.runner.tasks import phases
 
     x = torch.randn(64, device="cuda", requires_grad=True)
 
@@ -382,8 +382,8 @@ def test_a_call_that_cannot_be_captured_is_refused_naming_the_key():
 
 def test_ulysses_heads_and_layout_are_checked_before_any_rank_starts():
     from attngym.errors import ConfigError
-    from attngym.tasks.context_parallel import check_hardware
-    from attngym.tasks.cp_setup import CPRun
+    from attngym.runner.tasks.context_parallel import check_hardware
+    from attngym.runner.tasks.cp_setup import CPRun
 
     settings = _settings(kind="ulysses", world_size=3, seq_len=768)  # 2 heads over 3 ranks
     with pytest.raises(ConfigError, match=r"shape.heads: 2 query heads cannot be split over 3"):
@@ -424,8 +424,8 @@ def test_hybrid_task_on_four_ranks_matches_the_reference(tmp_path):
 
 def test_hybrid_layout_is_checked_before_any_rank_starts():
     from attngym.errors import ConfigError
-    from attngym.tasks.context_parallel import check_hardware
-    from attngym.tasks.cp_setup import CPRun
+    from attngym.runner.tasks.context_parallel import check_hardware
+    from attngym.runner.tasks.cp_setup import CPRun
 
     with pytest.raises(ConfigError, match=r"topology.layout: .*'balanced'.*contiguous, zigzag"):
         check_hardware(CPRun.of(_settings(kind="hybrid", layout="balanced")))
@@ -452,7 +452,7 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
     from attngym import bench, variants
     from attngym.bench import Timing
     from attngym.distributed import CPOptions
-    from attngym.tasks.context_parallel import one_device
+    from attngym.runner.tasks.context_parallel import one_device
 
     settings = _settings()
     shape = settings.shape
@@ -489,8 +489,8 @@ def test_one_device_comparison_out_of_memory_keeps_the_run(caplog, monkeypatch):
 
 def _phases_recording_rank(rank, world_size, settings):
     """The CP task's rank body with tasks.phases.time_passes recording what it is asked."""
-    import attngym.tasks.context_parallel as cp
-    from attngym.tasks import phases
+    import attngym.runner.tasks.context_parallel as cp
+    from attngym.runner.tasks import phases
 
     real, seen = phases.time_passes, []
 
@@ -520,8 +520,8 @@ TIMING_KEYS = {
 def test_single_and_cp_tasks_time_through_the_same_phases(tmp_path):
     """Both tasks time their measured call with tasks.phases (the single device at world size
     1), so first_call_s, the pass timings and peak_mem_bytes are the same keys with one meaning."""
-    from attngym.distributed.launch import launch
-    from attngym.tasks import single
+    from attngym.distributed.ranks.launch import launch
+    from attngym.runner.tasks import single
 
     settings = _settings(seq_len=256)
     settings.validate_rows = 16
@@ -574,7 +574,7 @@ def test_torch_cp_runs_each_of_pytorchs_balancers_beside_a_balanced_layout(tmp_p
 
 
 def test_the_metric_table_names_pytorchs_balancers():
-    from attngym.distributed.torch_cp import BALANCERS
+    from attngym.distributed.schemes.torch_cp import BALANCERS
     from attngym.metrics import PLACEHOLDERS
 
     assert PLACEHOLDERS["balancer"][0].split("|") == list(BALANCERS)

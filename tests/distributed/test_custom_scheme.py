@@ -1,7 +1,7 @@
-"""Your own context-parallel scheme (topology=custom, attngym.distributed.custom) through every
-part of attngym, editing no file of the package: the all-gather of docs/custom-cp.md, in a file of
-its own, runs on 2 CPU ranks through the CLI, a sweep beside the built-ins (W&B offline, resume)
-and attngym.run, validated forward and backward against float64 next to torch_cp; every user
+"""Your own context-parallel scheme (topology=custom, attngym.distributed.schemes.custom) through
+every part of attngym, editing no file of the package: the all-gather of docs/custom-cp.md, in a
+file of its own, runs on 2 CPU ranks through the CLI, a sweep beside the built-ins (W&B offline,
+resume) and attngym.run, validated forward and backward against float64 next to torch_cp; every user
 error is one line naming the key before any rank starts; a scheme that lives only in the tests
 is a whole topology (registered beside the built-ins, simulated and priced)."""
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from attngym import registry
-from attngym.config import Benchmark, Settings, Shape, Topology, check_config
 from attngym.errors import ConfigError
+from attngym.runner.config import Benchmark, Settings, Shape, Topology, check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "ATTNGYM_PROGRESS": "0"}
@@ -191,8 +191,8 @@ def test_a_factory_takes_its_arguments_and_names_a_wrong_one(user_dir):
     ],
 )
 def test_the_probe_refuses_a_wrong_output_before_any_rank(user_dir, scheme, message):
-    from attngym.tasks.context_parallel import check_hardware
-    from attngym.tasks.cp_setup import CPRun
+    from attngym.runner.tasks.context_parallel import check_hardware
+    from attngym.runner.tasks.cp_setup import CPRun
 
     with pytest.raises(ConfigError, match=message) as info:
         check_hardware(CPRun.of(_settings(scheme)))
@@ -224,7 +224,7 @@ def test_a_function_is_refused_by_the_simulation_and_a_spec_that_declares_it_is_
 def test_a_topology_living_only_in_the_tests_registers_beside_the_builtins(monkeypatch, tmp_path):
     """What a new built-in needs, from outside the package: its TopologySpec (function, layouts,
     simulation, pricing), one registry entry and its task; the config takes it by name."""
-    from attngym.tasks.context_parallel import register_task
+    from attngym.runner.tasks.context_parallel import register_task
     from tests.distributed.schemes import PAIRWISE
 
     for kind in ("topology", "task"):
@@ -271,8 +271,8 @@ def test_no_module_of_distributed_imports_anothers_private_names():
 
 def test_a_balancers_wrong_placement_is_one_line_before_any_rank(monkeypatch):
     """check_hardware calls a user's balancer once and names topology.layout for what is wrong."""
-    from attngym.tasks.context_parallel import check_hardware
-    from attngym.tasks.cp_setup import CPRun
+    from attngym.runner.tasks.context_parallel import check_hardware
+    from attngym.runner.tasks.cp_setup import CPRun
 
     monkeypatch.syspath_prepend(str(ROOT))
     settings = _settings(

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngym.distributed import copy_engine, domain
-from attngym.distributed.copy_engine import CopyEngineAllGather, CopyEngineChannel
-from attngym.distributed.parts import ChannelSteps as _ChannelSteps
-from attngym.distributed.parts import as_parts as _as_parts
+from attngym.distributed.transport import copy_engine, domain
+from attngym.distributed.transport.copy_engine import CopyEngineAllGather, CopyEngineChannel
+from attngym.distributed.transport.parts import ChannelSteps as _ChannelSteps
+from attngym.distributed.transport.parts import as_parts as _as_parts
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,8 @@ def _fresh_probe_cache():
 
 def test_import_pulls_in_no_heavy_module():
     code = (
-        "import sys, attngym.distributed.copy_engine, attngym.distributed.domain\n"
+        "import sys, attngym.distributed.transport.copy_engine\n"
+        "import attngym.distributed.transport.domain\n"
         "bad = [m for m in ('cuda.bindings', 'torch.distributed._symmetric_memory') "
         "if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngym.distributed.launch import launch
-from attngym.distributed.p2p import P2PExchange
+from attngym.distributed.ranks.launch import launch
+from attngym.distributed.transport.p2p import P2PExchange
 
 # sizes[src][dst]: elements src sends dst; a rank that sends nothing, one that receives nothing.
 SIZES = ((0, 5, 0), (3, 0, 0), (7, 1, 0))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from attngym import kernels, reference, variants
-from attngym.distributed import flex_backward
-from attngym.distributed.cp import resolve_backward
+from attngym.distributed.call import flex_backward
+from attngym.distributed.call.cp import resolve_backward
 
 TOL = 1e-10
 S, HALF = 32, 16
@@ -150,7 +150,7 @@ def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
     would raise), it never falls back silently."""
     from types import SimpleNamespace
 
-    from attngym.distributed.cp import CPOptions
+    from attngym.distributed.call.cp import CPOptions
 
     monkeypatch.setattr(flex_backward, "_FAILED", ["RuntimeError: an earlier failure"])
     monkeypatch.setattr(flex_backward, "attend_backward", lambda *a, **kw: "the op ran")
@@ -172,7 +172,7 @@ def test_after_an_auto_failure_only_auto_falls_back(monkeypatch):
 def test_flash_refuses_the_recompute_backward(monkeypatch):
     """FLASH has no lse gradient, which a re-run pair needs: recompute is refused with it, and
     without flex's backward op a FLASH CP backward says so instead of recomputing."""
-    from attngym.distributed.cp import CPOptions
+    from attngym.distributed.call.cp import CPOptions
 
     with pytest.raises(ValueError, match="backward='recompute' .* FLASH"):
         CPOptions(backward="recompute", kernel_options={"BACKEND": "FLASH"})

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("attn_gym", reason="attention-gym is not installed: pip install 'attngym[gym]'")
 
 from attngym.distributed import allgather_attention, ring_attention  # noqa: E402
-from attngym.distributed.launch import launch  # noqa: E402
+from attngym.distributed.ranks.launch import launch  # noqa: E402
 from attngym.variants.spec import build_variant  # noqa: E402
 
 from .gym_options import HEADS, S, compose_entries, options  # noqa: E402

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.distributed import layout, merge, shard, unshard
+from attngym.distributed import shard, unshard
+from attngym.distributed.call import merge
+from attngym.distributed.placement import layout
 
 
 @pytest.mark.parametrize("name", ["contiguous", "zigzag", "balanced"])
@@ -174,7 +176,7 @@ def test_swap_search_prices_pieces_as_the_model_does_and_makes_the_slowest_rank_
 def test_the_ring_prices_its_placement_per_step_call():
     """The ring's step is one call per shard pair: its balanced placement is priced so on CUDA
     (the SM count is the device's), by blocks elsewhere."""
-    from attngym.distributed.topologies import TOPOLOGIES
+    from attngym.distributed.schemes.topologies import TOPOLOGIES
 
     assert TOPOLOGIES["ring"].step_kernels and not TOPOLOGIES["allgather"].step_kernels
     assert TOPOLOGIES["ring"].kernel_pricing(8, "cpu") is None
@@ -201,7 +203,7 @@ def test_balanced_layout_needs_the_variant_and_a_matching_plan():
 
 def test_cp_options_reject_bad_values_by_name_and_accept_good_ones():
     from attngym.distributed import CPOptions
-    from attngym.distributed.cp import options_from
+    from attngym.distributed.call.cp import options_from
 
     with pytest.raises(ValueError, match="backward.*'flexx'.*auto, flex, recompute"):
         CPOptions(backward="flexx")
@@ -290,7 +292,7 @@ def test_merge_is_differentiable(rng):
 def test_a_wait_that_fails_at_once_is_not_called_a_timeout():
     """A peer rank that ended makes gloo's wait fail at once: the message says so, not "timed
     out after 120 s"."""
-    from attngym.distributed.p2p import _wait
+    from attngym.distributed.transport.p2p import _wait
     from attngym.errors import RankFailure
 
     class Broken:

@@ -1,4 +1,5 @@
-"""Simulated ranks (attngym.distributed.simulate, topology.simulate=true) and the transfer model.
+"""Simulated ranks (attngym.distributed.model.simulate, topology.simulate=true) and the transfer
+model.
 
 The simulation at P=2 must do the real 2-rank run's work (same pairs computed and skipped, same
 bytes moved: the real run's metrics, on gloo ranks); the model's arithmetic is checked on
@@ -15,16 +16,16 @@ import pytest
 import torch
 
 from attngym import registry, variants
-from attngym.config import Benchmark, Settings, Shape, Topology
 from attngym.distributed import CPOptions
-from attngym.distributed import layout as layouts
-from attngym.distributed import transfer_model as tm
-from attngym.distributed.allgather import gather_rank_ms
-from attngym.distributed.hybrid import HYBRID, price_hybrid
-from attngym.distributed.ring import RING, ring_rank_ms
-from attngym.distributed.simulate import ItemTime, simulate
-from attngym.distributed.ulysses import alltoall_rank_ms
+from attngym.distributed.model import transfer_model as tm
+from attngym.distributed.model.simulate import ItemTime, simulate
+from attngym.distributed.placement import layout as layouts
+from attngym.distributed.schemes.allgather import gather_rank_ms
+from attngym.distributed.schemes.hybrid import HYBRID, price_hybrid
+from attngym.distributed.schemes.ring import RING, ring_rank_ms
+from attngym.distributed.schemes.ulysses import alltoall_rank_ms
 from attngym.inputs import make_inputs
+from attngym.runner.config import Benchmark, Settings, Shape, Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
     """Documents at P=4 (a rank reads more than a shard): with overlap each rank times its own
     keys' call and the received rows' apart, and its prediction hides the exchange behind the
     own keys' call; a contiguous window's halo (less than a shard) is not split by default."""
-    from attngym.distributed.allgather import ALLGATHER
+    from attngym.distributed.schemes.allgather import ALLGATHER
 
     q, k, v, g = make_inputs(Shape(batch=1, heads=2, seq_len=1024, head_dim=8), 0, "cpu",
                              torch.float32)  # fmt: skip
@@ -173,8 +174,8 @@ def test_gather_and_alltoall_arithmetic_and_the_bottleneck():
     assert tm.bottleneck(10.2, [10.0, 10.0]) == "compute"
     assert tm.bottleneck(15.0, [10.0, 10.0]) == "transfer"
     assert tm.bottleneck(10.0, [10.0, 6.0]) == "imbalance"
-    from attngym.distributed.allgather import ALLGATHER
-    from attngym.distributed.simulate import Simulation
+    from attngym.distributed.model.simulate import Simulation
+    from attngym.distributed.schemes.allgather import ALLGATHER
 
     across = Simulation(1, [work], 1, extra={"torch_cp": [work]})
     across.extra.update(across=ALLGATHER, exchange=tm.RankWork((), fwd_bytes=(1e6,)), a2a_size=2)
@@ -233,7 +234,7 @@ def test_measured_fabric_is_the_stored_measurement_and_interpolates():
 def test_fabric_names_agree_with_the_config_and_bad_ones_are_refused():
     from typing import get_args
 
-    from attngym.config import Fabric
+    from attngym.runner.config import Fabric
 
     assert get_args(Fabric) == tm.FABRIC_NAMES
     assert tm.fabric("custom", gbps=100, latency_us=5).ms("allgather", 1e8) == pytest.approx(1.005)
@@ -268,10 +269,10 @@ def test_two_level_fabric_prices_what_crosses_domains_on_the_slower_link():
 
 
 def test_each_scheme_prices_what_crosses_nodes_on_the_two_level_fabric():
-    from attngym.distributed.allgather import ALLGATHER, price_allgather
-    from attngym.distributed.hybrid import price_hybrid
-    from attngym.distributed.ring import price_ring
-    from attngym.distributed.simulate import Simulation
+    from attngym.distributed.model.simulate import Simulation
+    from attngym.distributed.schemes.allgather import ALLGATHER, price_allgather
+    from attngym.distributed.schemes.hybrid import price_hybrid
+    from attngym.distributed.schemes.ring import price_ring
 
     hgx, one = tm.fabric("hgx_h200", "nccl"), tm.fabric("h200_nvlink", "nccl")
     ib = tm.fabric("infiniband")
@@ -335,8 +336,8 @@ def test_placement_priced_per_pair_kernel_speeds_a_pairwise_schemes_slowest_rank
     several chunks, so its `balanced`, like the all-gather's, is priced by blocks."""
     import dataclasses
 
-    from attngym.distributed.allgather import ALLGATHER
-    from attngym.distributed.ring import RING
+    from attngym.distributed.schemes.allgather import ALLGATHER
+    from attngym.distributed.schemes.ring import RING
 
     from .schemes import PAIRWISE
 

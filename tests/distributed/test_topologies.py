@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attngym import registry, variants
-from attngym.distributed.topologies import TOPOLOGIES
+from attngym.distributed.schemes.topologies import TOPOLOGIES
 from attngym.errors import ConfigError
 
 GOOD = dict(heads=4, kv_heads=2, seq_len=512, world_size=2, layout="zigzag", options={})
@@ -149,7 +149,7 @@ def test_the_spec_module_imports_nothing_heavy_at_module_level():
     import ast
     from pathlib import Path
 
-    import attngym.distributed.spec as spec
+    import attngym.distributed.schemes.spec as spec
 
     tree = ast.parse(Path(spec.__file__).read_text())
     top = {

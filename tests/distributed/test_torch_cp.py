@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.distributed import layout as layouts
-from attngym.distributed import torch_cp
-from attngym.distributed.launch import launch
-from attngym.distributed.ring import ring_attention
+from attngym.distributed.placement import layout as layouts
+from attngym.distributed.ranks.launch import launch
+from attngym.distributed.schemes import torch_cp
+from attngym.distributed.schemes.ring import ring_attention
 
 S = 256  # the smallest sequence PyTorch's CP runs on 2 ranks: 2 x its 128-token mask blocks
 

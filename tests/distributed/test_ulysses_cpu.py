@@ -21,7 +21,7 @@ from attngym.distributed import (
     shard,
     ulysses_attention,
 )
-from attngym.distributed.launch import launch
+from attngym.distributed.ranks.launch import launch
 
 from .catalogue import HEADS, PARAMS
 

@@ -15,7 +15,7 @@ import torch
 
 from attngym import reference, variants
 from attngym.distributed import hybrid_attention, shard, ulysses_attention
-from attngym.distributed.launch import launch
+from attngym.distributed.ranks.launch import launch
 
 from .gpu_ranks import relative_errors, skip_reason, transports
 

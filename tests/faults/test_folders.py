@@ -15,8 +15,8 @@ import pytest
 
 from attngym.errors import ConfigError
 from attngym.fileio import SymlinkRefused, atomic_write, tmp_name
-from attngym.tracking import files, sweep
-from attngym.tracking.lock import LOCK_FILE, FolderLock, FolderLocked
+from attngym.runner.tracking import files, sweep
+from attngym.runner.tracking.lock import LOCK_FILE, FolderLock, FolderLocked
 
 from .procs import wait_gone
 
@@ -142,7 +142,7 @@ def test_a_failed_write_leaves_no_temporary_and_the_old_file(tmp_path, monkeypat
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from attngym.tracking.lock import FolderLock
+    from attngym.runner.tracking.lock import FolderLock
     lock = FolderLock(sys.argv[1]).acquire()
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -192,7 +192,7 @@ def test_a_file_system_without_flock_runs_unlocked_with_a_warning(
     def refused(fd, op):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("attngym.tracking.lock.fcntl.flock", refused)
+    monkeypatch.setattr("attngym.runner.tracking.lock.fcntl.flock", refused)
     with FolderLock(tmp_path) as lock:
         assert json.loads(lock.path.read_text())["pid"] == os.getpid()
     assert "does not lock files" in caplog.text and "-o flock" in caplog.text
@@ -202,7 +202,7 @@ def test_other_flock_errors_are_not_taken_for_a_missing_flock(tmp_path, monkeypa
     def broken(fd, op):
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr("attngym.tracking.lock.fcntl.flock", broken)
+    monkeypatch.setattr("attngym.runner.tracking.lock.fcntl.flock", broken)
     with pytest.raises(OSError, match="I/O error"):
         FolderLock(tmp_path).acquire()
 
@@ -242,7 +242,7 @@ def test_a_holder_that_exits_without_releasing_leaves_no_stale_name(tmp_path):
     """A clean exit (a Ctrl-C's SystemExit included) empties the lock file: the next writer
     takes it without calling the holder dead."""
     code = (
-        "import sys; from attngym.tracking.lock import FolderLock; "
+        "import sys; from attngym.runner.tracking.lock import FolderLock; "
         f"FolderLock({str(tmp_path)!r}).acquire(); sys.exit(130)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from attngym import job
 from attngym.errors import ConfigError
-from attngym.tracking import files, sweep
-from attngym.tracking.lock import LOCK_FILE
+from attngym.runner import job
+from attngym.runner.tracking import files, sweep
+from attngym.runner.tracking.lock import LOCK_FILE
 
 from .test_folders import TINY
 
@@ -111,8 +111,8 @@ def test_argparse_at_import_of_the_users_module_is_a_config_error(tmp_path, attn
 FAILING_SUMMARY = textwrap.dedent(
     """
     import sys
-    from attngym import cli
-    from attngym.tracking import sweep
+    from attngym.runner import cli
+    from attngym.runner.tracking import sweep
 
     def broken(sweep_dir):
         raise RuntimeError("summary exploded")
@@ -335,7 +335,7 @@ def test_a_single_run_into_a_folder_with_a_symlinked_hydra_is_refused(tmp_path, 
 FILL_AFTER_FIRST = textwrap.dedent(
     """
     import errno, os, sys
-    from attngym import cli, job
+    from attngym.runner import cli, job
     import hydra.core.utils as hydra_utils
 
     disk, args = sys.argv[1], sys.argv[2:]
@@ -394,7 +394,7 @@ def test_a_rerun_sets_the_earlier_offline_wandb_run_aside(tmp_path, attngym_cli)
     failing = textwrap.dedent(
         """
         import sys
-        from attngym import cli, job
+        from attngym.runner import cli, job
         def broken(settings, run_dir, metrics):
             raise RuntimeError("the first attempt fails")
         job._run_task = broken

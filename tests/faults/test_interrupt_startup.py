@@ -43,7 +43,7 @@ sys.meta_path.insert(0, Hold())
     ("module", "where"),
     [
         ("torch._dynamo", "job"),  # the job's timeline starting, before it ran anything
-        ("attngym.distributed.launch", "rank"),  # a rank's interpreter starting
+        ("attngym.distributed.ranks.launch", "rank"),  # a rank's interpreter starting
     ],
     ids=["job", "rank"],
 )

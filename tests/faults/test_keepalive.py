@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from attngym.distributed.keepalive import rank0_work
-from attngym.distributed.launch import launch
+from attngym.distributed.ranks.keepalive import rank0_work
+from attngym.distributed.ranks.launch import launch
 from attngym.errors import RankFailure
 
 pytestmark = pytest.mark.faults
@@ -56,7 +56,7 @@ SLOW_ONE_DEVICE_S = 6.0
 def _slow_one_device_rank(rank, world_size, settings, stop_rank0):
     """The CP task's rank body with rank 0's one-device comparison slower than timeout_s, or
     rank 0 stopped (SIGSTOP) there."""
-    import attngym.tasks.context_parallel as cp
+    import attngym.runner.tasks.context_parallel as cp
 
     real = cp.one_device
 
@@ -72,7 +72,7 @@ def _slow_one_device_rank(rank, world_size, settings, stop_rank0):
 
 
 def _cp_settings(timeout_s):
-    from attngym.config import Benchmark, Settings, Shape, Topology
+    from attngym.runner.config import Benchmark, Settings, Shape, Topology
 
     return Settings(
         attention={"name": "causal"},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from attngym.distributed.launch import launch
+from attngym.distributed.ranks.launch import launch
 from attngym.errors import RankFailure
 
 from .procs import gone, wait_gone
@@ -20,8 +20,8 @@ from .procs import gone, wait_gone
 pytestmark = pytest.mark.faults
 
 # Longer than any test here runs: the peers wait as rank 0's peers wait in
-# attngym.tasks.context_parallel (a gloo group whose timeout is far beyond topology.timeout_s), so
-# only launch can end the wait.
+# attngym.runner.tasks.context_parallel (a gloo group whose timeout is far beyond
+# topology.timeout_s), so only launch can end the wait.
 LONG_WAIT_S = 3600
 
 
@@ -72,7 +72,7 @@ def _reporting_worker(rank, world_size):
     """Rank 0 reports twice, then rank 1 dies: what rank 0 reported last must survive."""
     import torch.distributed as dist
 
-    from attngym.distributed.launch import report
+    from attngym.distributed.ranks.launch import report
 
     report({"fwd_ms": 1.0})
     report({"fwd_ms": 2.0, "validation": "ok"})

@@ -1,8 +1,8 @@
 """A run under faults, through the command line: a folder another run holds, a failing rank,
 signals, a full disk, an interruption between metrics.json and the pictures.
 
-Faults inside the task are injected by FAULTY, which replaces attngym.job._run_task (the one call
-from the run layer into a task) before the command line runs; everything else is the real run.
+Faults inside the task are injected by FAULTY, which replaces attngym.runner.job._run_task (the one
+call from the run layer into a task) before the command line runs; everything else is the real run.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 
-from attngym.tracking import sweep
-from attngym.tracking.lock import FolderLock
+from attngym.runner.tracking import sweep
+from attngym.runner.tracking.lock import FolderLock
 
 from .test_folders import TINY
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.faults
 FAULTY = textwrap.dedent(
     """
     import os, signal, sys, time
-    from attngym import cli, job, pictures
+    from attngym.runner import cli, job, pictures
     from attngym.errors import RankFailure
 
     fault, args = sys.argv[1], sys.argv[2:]
@@ -121,8 +121,9 @@ def test_a_job_killed_between_metrics_json_and_its_pictures_runs_again_on_resume
 
 
 def test_resume_reruns_a_job_with_a_bad_status_flag_or_picture(tmp_path):
-    from attngym import job, user_code
-    from attngym.tracking import write_metrics
+    from attngym import user_code
+    from attngym.runner import job
+    from attngym.runner.tracking import write_metrics
 
     overrides = ["shape.seq_len=64"]
     ok = {"status": "ok", "complete": True, "overrides": overrides, **user_code.record([])}

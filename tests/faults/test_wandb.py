@@ -18,8 +18,8 @@ pytestmark = pytest.mark.faults
 # CHILD_START_S is shortened so that a stall shows.
 RUN = """
 import json, pathlib, sys, time
-from attngym.tracking import wandb_logger
-from attngym.tracking.files import RunRecord, write_metrics
+from attngym.runner.tracking import wandb_logger
+from attngym.runner.tracking.files import RunRecord, write_metrics
 wandb_logger.CHILD_START_S = 5.0
 run_dir = pathlib.Path(sys.argv[1])
 metrics = {"status": "ok", "fwd_ms": 1.25}
@@ -84,8 +84,8 @@ def test_a_child_past_its_deadline_is_killed_with_everything_it_started(
 ):
     """Whatever hangs in the child (wandb's init, upload, exit hooks), the caller kills it and its
     process group at the deadline and goes on with a warning."""
-    from attngym.tracking import wandb_logger
-    from attngym.tracking.files import RunRecord
+    from attngym.runner.tracking import wandb_logger
+    from attngym.runner.tracking.files import RunRecord
 
     tag = uuid.uuid4().hex
     hung = tmp_path / "python"  # stands in for the child's interpreter: it starts one more

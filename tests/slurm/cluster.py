@@ -23,9 +23,9 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
-# What each node offers: jobs of the tests ask for 2 CPUs per rank (attngym.slurm.CPUS_PER_RANK),
-# a two-rank job on one node 4; slurmd trusts these numbers (config_overrides), so a 2-core
-# machine runs them, its ranks sharing the cores.
+# What each node offers: jobs of the tests ask for 2 CPUs per rank
+# (attngym.runner.launchers.slurm.CPUS_PER_RANK), a two-rank job on one node 4; slurmd trusts these
+# numbers (config_overrides), so a 2-core machine runs them, its ranks sharing the cores.
 NODE_CPUS = 4
 NODE_MEMORY_MB = 8000
 

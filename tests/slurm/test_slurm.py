@@ -273,7 +273,7 @@ def test_each_task_of_a_step_gets_torchruns_variables_from_slurms(slurm, user_sh
     """3 tasks over 2 nodes (2 + 1): every task is a rank of one world, its local rank and its
     node's task count from SLURM, and all agree on the rendezvous host and port."""
     code = (
-        "import os; from attngym.distributed.launch import join_slurm_step; "
+        "import os; from attngym.distributed.ranks.launch import join_slurm_step; "
         "assert join_slurm_step(); "
         "print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
         "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')))"
@@ -290,7 +290,7 @@ def test_each_task_of_a_step_gets_torchruns_variables_from_slurms(slurm, user_sh
     ]
     # Outside a step of several tasks nothing is set: the batch script, or one task that spawns.
     alone = (
-        "import os; from attngym.distributed.launch import join_slurm_step; "
+        "import os; from attngym.distributed.ranks.launch import join_slurm_step; "
         "assert not join_slurm_step() and 'RANK' not in os.environ"
     )
     proc = user_shell(f'srun --ntasks=1 python -c "{alone}"')

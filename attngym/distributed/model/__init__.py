@@ -1,0 +1,1 @@
+"""Prediction: simulated ranks on one device and the transfer model of each fabric."""

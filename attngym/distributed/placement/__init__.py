@@ -1,0 +1,1 @@
+"""Where the sequence lies: layouts (balancers), the block grid, global positions."""

@@ -1,0 +1,1 @@
+"""Starting and keeping the ranks: one process per rank, the keep-alive."""

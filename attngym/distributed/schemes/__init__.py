@@ -1,0 +1,2 @@
+"""The CP schemes, one module each, and the table the run layer reads (TopologySpec,
+TOPOLOGIES)."""

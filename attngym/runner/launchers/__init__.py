@@ -1,0 +1,1 @@
+"""Where a sweep's jobs run: this machine (basic) or SLURM (submitit)."""

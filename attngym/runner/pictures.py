@@ -1,0 +1,168 @@
+"""Which pictures a run draws, and when it draws none: the run layer's policy over attngym.viz.
+
+Every run, whatever its topology, gets heatmap.png (the variant's attention pattern: the whole
+sequence pooled and a zoom of HEATMAP_WINDOW tokens) and block_mask.png (the block mask at the
+run's block size). attngym.viz draws them; this module decides what to draw, where, and what
+to skip: a picture of a sequence too long to evaluate in seconds is skipped with the reason, one
+that fails to draw is a warning, and one that cannot be written fails the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from attngym.runner.config import Settings
+from attngym.workload import ROWS_FILE
+
+log = logging.getLogger(__name__)
+
+# Picture name → its file in the run folder (a resumed sweep checks both: attngym.runner.job).
+PICTURES = {"heatmap": "heatmap.png", "block_mask": "block_mask.png"}
+# A workload run's picture: each batch's time against its longest document (batches.csv's rows).
+BATCH_PICTURE = "batches.png"
+HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
+# Without a block mask (a CPU run past kernels.COMPILED_MASK_ENTRIES) the pictures evaluate the
+# mask over all S x S (query, key) pairs, tile by tile: ~8 s at S=64K on one CPU thread, growing
+# with S^2. Above these many pairs on the run's device the pictures are skipped with the reason,
+# so a long run is not followed by minutes of drawing.
+PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
+
+
+def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
+    """heatmap.png and block_mask.png for any topology: {picture name: path} of those drawn.
+
+    Both start from the run's BlockMask on its device (attngym.kernels.make_block_mask keeps the
+    one the task attended with): the block picture draws its classes, the heatmap evaluates the
+    mask only in its partial blocks, so a long sequence costs what its mask's edges need.
+
+    Raises:
+        OSError: a picture could not be written (the run fails: attngym.runner.job).
+    """
+    from attngym import viz
+
+    variant = settings.variant
+    seq_len = settings.shape.seq_len
+    device = settings.device
+    if seq_len * seq_len > PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]):
+        log.info(
+            "%s not drawn: S x S = %.3g mask pairs to classify on %s, above %.3g",
+            " and ".join(PICTURES.values()),
+            float(seq_len) ** 2,
+            device,
+            PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]),
+        )
+        return {}
+    classes = _block_classes(settings)
+
+    def heatmap(path: Path) -> None:
+        window = min(HEATMAP_WINDOW, seq_len)
+        viz.save_heatmap(
+            variant,
+            path,
+            seq_len=seq_len,
+            window=window,
+            seed=settings.seed,
+            classes=classes,
+            block_size=settings.block_size,
+            device=device,
+        )
+
+    def block_mask(path: Path) -> None:
+        viz.save_block_mask_picture(
+            variant.to(device).mask_mod,
+            seq_len,
+            seq_len,
+            path,
+            block_size=settings.block_size,
+            title=f"{variant.name}: block mask at {settings.block_size}",
+            device=device,
+            classes=classes,
+        )
+
+    drawn = {}
+    if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
+        drawn.update(_batch_picture(settings, run_dir))
+    for name, draw in (("heatmap", heatmap), ("block_mask", block_mask)):
+        path = run_dir / PICTURES[name]
+        try:
+            draw(path)
+            drawn[name] = path
+        except OSError:
+            raise  # a write error fails the run
+        except Exception as err:
+            log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
+    return drawn
+
+
+def _batch_picture(settings: Settings, run_dir: Path) -> dict[str, Path]:
+    """batches.png from the run's batches.csv: the run's own call and every contender that
+    timed its batches; a failure to draw is a warning, as above."""
+    import csv
+
+    from attngym import viz
+
+    with (run_dir / ROWS_FILE).open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    topo = settings.topology
+    label = "flex" if topo.kind == "single" else f"{topo.kind} ({topo.world_size} ranks)"
+    title = f"{settings.variant.name}: {len(rows)} batches of {settings.shape.seq_len} tokens"
+    path = run_dir / BATCH_PICTURE
+    try:
+        viz.save_batch_times(**batch_series(rows, label), path=path, title=title)
+    except OSError:
+        raise
+    except Exception as err:
+        log.warning("%s not drawn: %s: %s", BATCH_PICTURE, type(err).__name__, err)
+        return {}
+    return {"batches": path}
+
+
+def batch_series(rows: list[dict[str, Any]], label: str, *, contenders: bool = True
+                 ) -> dict[str, Any]:  # fmt: skip
+    """The keywords of viz.save_batch_times for a run's batch rows: its own time (`label`) and,
+    with `contenders`, every contender's (`<contender>_<pass>_ms`), the pass fwd+bwd where the
+    rows have it, else fwd."""
+    pass_name = "fwd_bwd" if any(_number(r.get("fwd_bwd_ms")) for r in rows) else "fwd"
+    suffix = f"_{pass_name}_ms"
+    columns = {label: f"{pass_name}_ms"}
+    for column in dict.fromkeys(k for r in rows for k in r) if contenders else ():
+        own = column.removesuffix(suffix)
+        if column.endswith(suffix) and own and own not in NOT_CONTENDERS:
+            columns[own] = column
+    series = {
+        name: [(x, y) for r in rows
+               if (x := _number(r.get("doc_len_max"))) and (y := _number(r.get(column)))]
+        for name, column in columns.items()
+    }  # fmt: skip
+    return {"series": series, "time_label": f"{pass_name.replace('_', '+')} time (ms)"}
+
+
+# `<name>_<pass>_ms` columns of a batch row that are no contender's time.
+NOT_CONTENDERS = ("single", "predicted", "best", "best_sdpa", "torch_cp_head_tail",
+                  "torch_cp_per_document_head_tail", "torch_cp_ptrr")  # fmt: skip
+
+
+def _number(value: Any) -> float | None:
+    """A CSV cell as a float; None for an empty or non-numeric one."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _block_classes(settings: Settings):
+    """The block classes of the run's BlockMask (None without a mask, or where building one
+    would materialise S x S on a CPU: then the pictures evaluate the mask tile by tile)."""
+    from attngym import kernels, viz
+
+    seq_len, device = settings.shape.seq_len, settings.device
+    if device != "cuda" and seq_len * seq_len > kernels.COMPILED_MASK_ENTRIES:
+        return None
+    block_mask = kernels.make_block_mask(
+        settings.variant, seq_len, seq_len, block_size=settings.block_size, device=device
+    )
+    return None if block_mask is None else viz.block_classes(block_mask)

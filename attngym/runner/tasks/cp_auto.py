@@ -1,0 +1,586 @@
+"""`topology=auto` (attngym.distributed.schemes.auto): price the candidates, time the few that could
+win, pick one, and keep the answer.
+
+Each candidate scheme and layout, with and without CUDA graphs where graphs can run, is first
+simulated with the model (simulate.ModelTimer: a few items of each kind timed on this device,
+the rest priced from their blocks) and priced on the run's fabric for each transport; again with
+each option set its simulation names as another way to run it (Simulation.extra
+"alternatives": the all-gather's overlap). The candidates the model puts within SHORTLIST_MARGIN
+of its best (topology.options.shortlist of them at most; 0: every one) are then simulated with
+every item timed, as a `topology.simulate=true` run of them is, sharing what they have in
+common; the fastest timed is the pick. The answer is kept in a table in the cache folder keyed
+by the question (`question`: the variant and its code, shape, P, fabric, transport, device), so
+asking again takes it from there (topology.options.reuse=false asks afresh). The run records
+
+    auto_pick, auto_pick_ms        the pick (scheme/layout/transport[/cuda_graph]), its time
+    auto_runner_up, auto_runner_up_ms   the next fastest
+    auto_why                       one line: the pick's time, what bounds it, the margin
+    auto_candidates, auto_s        how many candidates were priced, the choice's wall time
+    auto_timed                     how many of them were simulated with every item timed
+    auto_cached                    when the answer came from the table: when it was asked
+    auto_simulated, auto_planned   simulations done of those planned (written as they go, with
+    auto_best_so_far               the best so far: an interrupted choice keeps what it had)
+
+and auto.json in the run folder holds every candidate's prediction (the model's and, for those
+timed, the timed one) and why a scheme was left out (its rules refused the run, e.g. Ulysses
+with more ranks than heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from attngym import registry
+from attngym.errors import ConfigError
+from attngym.runner.config import AUTO, Settings
+from attngym.runner.tasks.cp_setup import CPRun
+
+log = logging.getLogger(__name__)
+
+# Candidates the model prices this close to its best are timed: the model's error on one
+# candidate against another (the fit of a few items per kind) stays well inside it.
+SHORTLIST_MARGIN = 0.15
+# The answers asked before, in the cache folder (attngym.compile_cache.root).
+ANSWERS = "auto_answers.json"
+
+
+@dataclasses.dataclass
+class Priced:
+    """A candidate priced over one transport: the model's time, then the timed one (None until
+    its simulation has timed every item)."""
+
+    scheme: str
+    layout: str
+    own: dict[str, Any]
+    cuda_graph: bool
+    transport: str
+    model_ms: float
+    result: tuple | None = None  # (Simulation, Layout, variant, Fabric, Prediction)
+    timed_ms: float | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.scheme, self.layout, *(f"{k}={v}" for k, v in self.own.items())]
+        return "/".join(parts + ["cuda_graph"] * self.cuda_graph)
+
+    @property
+    def ms(self) -> float:
+        return self.model_ms if self.timed_ms is None else self.timed_ms
+
+    @property
+    def candidate(self) -> tuple:
+        return self.scheme, self.layout, json.dumps(self.own, sort_keys=True), self.cuda_graph
+
+
+def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
+    """The pick for this run: (its settings, its simulation (Simulation, Layout, variant,
+    Fabric, Prediction) or None where the answer came from the table, the simulated inputs or
+    None); the choice goes into `metrics` and auto.json.
+
+    Raises:
+        ConfigError(topology.options.candidates): no candidate accepts the run.
+    """
+    from attngym.runner.tasks.cp_simulate import cpu_caveat
+
+    start = time.perf_counter()
+    caveat = cpu_caveat(settings)
+    run = CPRun.of(settings)
+    opts = run.scheme_options
+    key, asked, answer = _asked(settings, opts, metrics)
+    if caveat is not None and not (answer and settings.topology.simulate):  # else its run says it
+        log.warning("topology=auto: %s", caveat)
+    if answer is not None:
+        return _given(settings, answer, metrics, start, run_dir), None, None
+    rows, left_out, inputs = _priced(run, metrics)
+    best = rows[0]
+    second, second_ms = _runner_up(best, rows)
+    timed = {r.candidate for r in rows if r.timed_ms is not None}
+    metrics.update(
+        {
+            "auto_pick": f"{best.label}/{best.transport}",
+            "auto_pick_ms": best.ms,
+            "auto_runner_up": None if second is None else f"{second.label}/{second.transport}",
+            "auto_runner_up_ms": second_ms,
+            "auto_why": _why(best, second, second_ms, bound=caveat is None),
+            "auto_timed": len(timed),
+            "auto_cached": None,
+            "prediction_refused": caveat,
+        }
+    )
+    metrics["auto_s"] = time.perf_counter() - start
+    log.info("topology=auto picked %s: %s", metrics["auto_pick"], metrics["auto_why"])
+    table = {
+        "pick": metrics["auto_pick"],
+        "candidates": [
+            {"scheme": r.scheme, "layout": r.layout, "options": r.own,
+             "cuda_graph": r.cuda_graph, "transport": r.transport, "predicted_ms": r.ms,
+             "model_ms": r.model_ms, "timed_ms": r.timed_ms,
+             "bottleneck": None if caveat or r.result is None else r.result[4].bottleneck,
+             "time_imbalance": None if r.result is None else r.result[4].time_imbalance}
+            for r in rows
+        ],
+        "left_out": left_out,
+    }  # fmt: skip
+    _write_table(run_dir, table)
+    pick = (best.scheme, best.layout, best.transport, best.own, best.cuda_graph)
+    kept = [
+        "auto_pick", "auto_pick_ms", "auto_runner_up", "auto_runner_up_ms", "auto_why",
+        "auto_timed", "auto_candidates", "prediction_refused",
+    ]  # fmt: skip
+    _keep_answer(key, asked, pick, {k: metrics.get(k) for k in kept}, table)
+    return _picked(settings, *pick), best.result, inputs
+
+
+def _priced(run: CPRun, metrics: dict[str, Any]):
+    """Every candidate priced by the model, then the shortlist timed: (the rows, fastest
+    first; the schemes left out and why; the simulated inputs)."""
+    settings, opts = run.settings, run.scheme_options
+    pricing = Pricing(run)
+    with ChoiceProgress(pricing.planned_count(settings), metrics) as progress:
+        rows, left_out = pricing.modelled(settings, progress)
+        pricing.timed(settings, _shortlist(rows, opts["shortlist"]), rows, progress)
+    timed = [r for r in rows if r.timed_ms is not None]
+    rows = sorted(timed, key=lambda r: r.ms) + sorted(
+        (r for r in rows if r.timed_ms is None), key=lambda r: r.ms
+    )
+    return rows, left_out, pricing.inputs
+
+
+class Pricing:
+    """What pricing candidates on this device shares, from one run's settings to the next of
+    the same shape (a workload's batches): the inputs, the model's fit and the timings taken.
+    `run`: the auto run (its options are auto's)."""
+
+    def __init__(self, run: CPRun):
+        from attngym.distributed.model.simulate import ModelTimer, bench_timer
+        from attngym.runner.tasks.cp_simulate import simulation_inputs
+
+        settings, opts = run.settings, run.scheme_options
+        self.opts, bench = opts, settings.benchmark
+        self.device = run.on_rank()
+        self.inputs = simulation_inputs(settings, self.device)
+        self.graphs = _graph_choices(settings, opts)
+        model = ModelTimer(bench_timer(self.device, bench.warmup, bench.repeats))
+        self.models = {False: model, True: model.with_graphs()}
+        self.seen: dict[bool, dict] = {False: model.measured, True: {}}
+
+    def planned(self, settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
+        from attngym.distributed.placement.layout import LAYOUTS
+        from attngym.distributed.schemes.auto import PICK
+        from attngym.distributed.schemes.topologies import TOPOLOGIES
+
+        pickable = [name for name, spec in TOPOLOGIES.items() if spec.pickable]  # table order
+
+        layout = settings.topology.layout
+        wanted = self.opts["layouts"] or LAYOUTS if layout == PICK else (layout,)
+        return [
+            (name, layout, own)
+            for name in self.opts["candidates"] or pickable
+            for layout in wanted
+            if registry.get("topology", name).takes_layout(layout)
+            for own in registry.get("topology", name).options_to_try(
+                settings.topology, settings.shape
+            )
+        ]
+
+    def planned_count(self, settings: Settings) -> int:
+        return len(self.planned(settings)) * len(self.graphs)
+
+    def price(self, settings: Settings, row_of, result, graph) -> list[Priced]:
+        """A simulated candidate priced over each transport."""
+        from attngym.runner.tasks.cp_simulate import fabric_of
+
+        made = []
+        for transport in _transports(settings, self.opts["transports"]):
+            name, layout, own = row_of
+            fab = fabric_of(_candidate(settings, name, layout, transport, graph, own), transport)
+            prediction = registry.get("topology", name).price(
+                result[0], fab, "bwd" in settings.passes
+            )
+            ms = prediction.fwd_bwd_ms if "bwd" in settings.passes else prediction.fwd_ms
+            made.append(Priced(*row_of, graph, transport, ms, (*result, fab, prediction)))
+        return made
+
+    def modelled(self, settings: Settings, progress: ChoiceProgress):
+        """Every candidate simulated with the model and priced: (rows, left out and why)."""
+        from attngym.runner.tasks.cp_simulate import simulated
+
+        planned, rows, left_out = self.planned(settings), [], {}
+        while planned:
+            name, layout, own = planned.pop(0)
+            for graph in self.graphs:
+                candidate = _candidate(settings, name, layout, settings.topology.transport,
+                                       graph, own)  # fmt: skip
+                label = Priced(name, layout, own, graph, "", 0.0).label
+                progress.simulating(f"{label} (model)")
+                try:
+                    result = simulated(CPRun.of(candidate), self.inputs, self.device,
+                                       timer=self.models[graph])  # fmt: skip
+                except ConfigError as err:  # this scheme's rules refuse the run
+                    left_out[label] = str(err)
+                    progress.simulated()
+                    continue
+                except RuntimeError as err:  # CUDA refusing to capture the call
+                    if not graph or "captur" not in str(err):
+                        raise
+                    left_out[label] = f"cannot be captured as a CUDA graph: {err}"
+                    progress.simulated()
+                    continue
+                if not graph:
+                    alternatives = [{**own, **a} for a in result[0].extra.get("alternatives", ())]
+                    planned[:0] = [(name, layout, alt) for alt in alternatives]
+                    progress.grow(len(alternatives) * len(self.graphs))
+                for row in self.price(settings, (name, layout, own), result, graph):
+                    rows.append(row)
+                    progress.priced(f"{row.label} over {row.transport}", row.ms)
+                progress.simulated()
+        if not rows:
+            raise ConfigError(
+                "topology.options.candidates",
+                "no candidate accepts this run: "
+                + "; ".join(f"{k}: {v}" for k, v in left_out.items()),
+            )
+        return rows, left_out
+
+    def timed(self, settings: Settings, shortlist, rows, progress: ChoiceProgress) -> None:
+        """The shortlisted candidates simulated with every item timed; their rows (in `rows`)
+        get the timed result and time."""
+        from attngym.distributed.model.simulate import bench_timer
+        from attngym.runner.tasks.cp_simulate import simulated
+
+        bench = settings.benchmark
+        for row in shortlist:
+            name, layout, own, graph = row.scheme, row.layout, row.own, row.cuda_graph
+            candidate = _candidate(settings, name, layout, settings.topology.transport, graph,
+                                   own)  # fmt: skip
+            progress.timing(f"{row.label} (timed)")
+            timer = bench_timer(self.device, bench.warmup, bench.repeats, graph)
+            result = simulated(CPRun.of(candidate), self.inputs, self.device, timer=timer,
+                               seen=self.seen[graph])  # fmt: skip
+            for timed in self.price(settings, (name, layout, own), result, graph):
+                same = next(r for r in rows if (r.candidate, r.transport)
+                            == (timed.candidate, timed.transport))  # fmt: skip
+                same.result, same.timed_ms = timed.result, timed.model_ms
+                progress.priced(f"{same.label} over {same.transport}, timed", same.ms, again=True)
+            progress.simulated()
+
+
+def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
+    """One pick for a whole workload, as a job fixes its scheme at launch: every candidate
+    priced by the model on every batch (the model's fit and timings shared by the batches),
+    the pick the least total time; `auto_dynamic_gain` is what picking per batch would save
+    against it, net of the planning each switch of scheme costs (the new pick's placement on
+    that batch), with `auto_dynamic_switches` and `auto_dynamic_cost_ms`. The settings with
+    the pick; the answer is kept as `choose` keeps one."""
+    from attngym.runner.config import workload_batches
+    from attngym.runner.tasks.cp_simulate import cpu_caveat
+    from attngym.runner.tasks.workloads import batch_settings
+
+    start = time.perf_counter()
+    run = CPRun.of(settings)
+    opts = run.scheme_options
+    key, asked, answer = _asked(settings, opts, metrics)
+    if answer is not None:
+        return _given(settings, answer, metrics, start, run_dir)
+    data = {"workload": dataclasses.asdict(settings.workload),
+            "shape": {"seq_len": settings.shape.seq_len}}  # fmt: skip
+    batches = [batch_settings(settings, docs, i)
+               for i, docs in enumerate(workload_batches(data))]  # fmt: skip
+    pricing = Pricing(run)  # what it shares is the same for every batch
+    per_batch: list[dict[tuple, Priced]] = []
+    with ChoiceProgress(pricing.planned_count(batches[0]) * len(batches), metrics) as progress:
+        for batch in batches:
+            rows, _ = pricing.modelled(batch, progress)
+            per_batch.append({(r.candidate, r.transport): r for r in rows})
+    every = [k for k in per_batch[0] if all(k in rows for rows in per_batch)]
+    if not every:
+        raise ConfigError("topology.options.candidates",
+                          "no candidate accepts every batch of the workload")  # fmt: skip
+    totals = sorted(every, key=lambda k: sum(rows[k].ms for rows in per_batch))
+    static_ms = sum(rows[totals[0]].ms for rows in per_batch)
+    best = [min(rows.values(), key=lambda r: r.ms) for rows in per_batch]
+    switches = [b for i, b in enumerate(best) if i and b.candidate != best[i - 1].candidate]
+    cost_ms = sum(b.result[0].extra.get("planning_ms", 0.0) for b in switches)
+    dynamic_ms = sum(b.ms for b in best) + cost_ms
+    pick, second = per_batch[0][totals[0]], per_batch[0][totals[1]] if len(totals) > 1 else None
+    n = len(batches)
+    metrics.update(
+        {
+            "auto_pick": f"{pick.label}/{pick.transport}",
+            "auto_pick_ms": static_ms / n,
+            "auto_runner_up": None if second is None else f"{second.label}/{second.transport}",
+            "auto_runner_up_ms": None if second is None
+            else sum(rows[totals[1]].ms for rows in per_batch) / n,
+            "auto_why": f"the least predicted time over the workload's {n} batches, "
+            f"{static_ms / n:.3f} ms a batch (the model's)",
+            "auto_timed": 0,
+            "auto_cached": None,
+            "auto_dynamic_gain": 1 - dynamic_ms / static_ms if static_ms else None,
+            "auto_dynamic_switches": len(switches),
+            "auto_dynamic_cost_ms": cost_ms,
+            "prediction_refused": cpu_caveat(settings),
+        }
+    )  # fmt: skip
+    metrics["auto_s"] = time.perf_counter() - start
+    log.info("topology=auto picked %s for the workload: %s; picking per batch would save %.1f %%",
+             metrics["auto_pick"], metrics["auto_why"],
+             100 * (metrics["auto_dynamic_gain"] or 0.0))  # fmt: skip
+    table = {
+        "pick": metrics["auto_pick"],
+        "candidates": [
+            {"scheme": r.scheme, "layout": r.layout, "options": r.own,
+             "cuda_graph": r.cuda_graph, "transport": r.transport,
+             "predicted_ms": sum(rows[k].ms for rows in per_batch) / n,
+             "batches_ms": [rows[k].ms for rows in per_batch]}
+            for k in totals for r in (per_batch[0][k],)
+        ],
+        "per_batch_best": [f"{b.label}/{b.transport}" for b in best],
+    }  # fmt: skip
+    _write_table(run_dir, table)
+    chosen = (pick.scheme, pick.layout, pick.transport, pick.own, pick.cuda_graph)
+    kept = [k for k in metrics if k.startswith("auto_") and k not in ("auto_s", "auto_cached")]
+    _keep_answer(key, asked, chosen, {k: metrics[k] for k in kept}, table)
+    return _picked(settings, *chosen)
+
+
+def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
+    """The candidates to time: each one's fastest transport, those the model puts within
+    SHORTLIST_MARGIN of its best, `most` of them at most (0: every candidate)."""
+    fastest: dict[tuple, Priced] = {}
+    for row in sorted(rows, key=lambda r: r.model_ms):
+        fastest.setdefault(row.candidate, row)
+    ordered = list(fastest.values())
+    if most == 0:
+        return ordered
+    bound = ordered[0].model_ms * (1 + SHORTLIST_MARGIN)
+    return [r for r in ordered if r.model_ms <= bound][:most]
+
+
+def _graph_choices(settings: Settings, opts: dict[str, Any]) -> tuple[bool, ...]:
+    """With and without CUDA graphs where graphs can run (CUDA, and a transport on the device:
+    not gloo's host copies between real ranks); topology.cuda_graph=true asks for graphs only;
+    topology.options.cuda_graphs narrows it."""
+    topo = settings.topology
+    if topo.cuda_graph:
+        return (True,)
+    can = settings.device == "cuda" and (topo.simulate or topo.transport != "gloo")
+    wanted = tuple(opts["cuda_graphs"]) or (False, True)
+    return tuple(g for g in wanted if can or not g) or (False,)
+
+
+def question(settings: Settings, metrics: dict[str, Any]) -> dict[str, Any]:
+    """What an answer of auto depends on: the variant (its config entry and the fingerprint of
+    the user's code it names), shape, dtype, passes, kernels, the topology's keys, attngym's
+    and torch's versions and this device."""
+    import torch
+
+    import attngym
+    from attngym.device import device_info
+
+    topo = settings.topology
+    return {
+        "attention": settings.attention,
+        "workload": dataclasses.asdict(settings.workload),
+        "code": metrics.get("code_fingerprint"),
+        "shape": dataclasses.asdict(settings.shape),
+        "dtype": settings.dtype,
+        "passes": list(settings.passes),
+        "block_size": list(settings.block_size),
+        "kernel_options": settings.kernel_options,
+        "compile": [settings.compile, settings.compile_mode],
+        "topology": {
+            "world_size": topo.world_size, "transport": topo.transport, "layout": topo.layout,
+            "options": {k: v for k, v in topo.options.items() if k != "reuse"},
+            "simulate": topo.simulate, "fabric": topo.fabric, "gbps": topo.fabric_gbps,
+            "latency_us": topo.fabric_latency_us, "cuda_graph": topo.cuda_graph,
+        },
+        "versions": [attngym.__version__, torch.__version__],
+        "device": {k: v for k, v in device_info(settings.device).items()
+                   if k in ("name", "capability", "count", "cuda")},
+    }  # fmt: skip
+
+
+def _asked(settings: Settings, opts: dict[str, Any], metrics: dict[str, Any]):
+    """(the question's key, the question, its kept answer or None: none with
+    topology.options.reuse=false)."""
+    asked = question(settings, metrics)
+    key = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
+    return key, asked, _answers().get(key) if opts["reuse"] else None
+
+
+def _given(settings, answer, metrics, start: float, run_dir: Path | None) -> Settings:
+    """The settings with a kept answer's pick; its metrics and table are the run's, said."""
+    metrics.update(answer["metrics"], auto_cached=answer["asked"])
+    metrics["auto_s"] = time.perf_counter() - start
+    log.info("topology=auto picked %s: the answer asked on %s, kept in %s (%s)",
+             answer["metrics"]["auto_pick"], answer["asked"], _answers_path(),
+             answer["metrics"]["auto_why"])  # fmt: skip
+    _write_table(run_dir, answer["table"])
+    return _picked(settings, *answer["pick"])
+
+
+def _answers_path() -> Path:
+    from attngym import compile_cache
+
+    return compile_cache.root() / ANSWERS
+
+
+def _answers() -> dict[str, Any]:
+    """The table of answers asked before ({} where there is none or it cannot be read)."""
+    try:
+        table = json.loads(_answers_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _keep_answer(key: str, asked: dict, pick: tuple, metrics: dict, table: dict) -> None:
+    """Add this answer to the table (atomically: a run reading it sees the old or the new)."""
+    from attngym.fileio import atomic_write
+
+    answers = _answers()
+    answers[key] = {
+        "asked": datetime.datetime.now().isoformat(timespec="seconds"),
+        "question": asked,
+        "pick": list(pick),
+        "metrics": metrics,
+        "table": table,
+    }
+    try:
+        _answers_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(_answers_path(), json.dumps(answers, indent=1, default=str))
+    except OSError as err:  # a cache that cannot be written costs the next run its time only
+        log.warning("topology=auto: the answer is not kept (%s)", err)
+
+
+def _write_table(run_dir: Path | None, table: dict[str, Any]) -> None:
+    if run_dir is not None:
+        (Path(run_dir) / "auto.json").write_text(json.dumps(table, indent=1))
+
+
+def _picked(settings, name, layout, transport, own, cuda_graph) -> Settings:
+    """The run's settings with the pick, as the run itself takes them."""
+    picked = _candidate(settings, name, layout, transport, cuda_graph, own)
+    picked.topology.simulate = settings.topology.simulate
+    return picked
+
+
+class ChoiceProgress:
+    """auto's progress, apart from how it prices: candidate i of N (N grows by the alternatives
+    a simulation names), the best so far and the time left, on a bar or a log line each
+    (attngym.progress), and in `metrics` as it goes (auto_simulated of auto_planned,
+    auto_candidates, auto_best_so_far), so an interrupted run's metrics.json keeps what it had."""
+
+    def __init__(self, planned: int, metrics: dict[str, Any]):
+        from attngym.progress import Progress
+
+        self.metrics = metrics
+        self.best: tuple[float, str] | None = None
+        self.timing_started = False
+        self.bar = Progress(planned, "topology=auto candidates", line_per_step=True)
+        metrics.update(auto_planned=planned, auto_simulated=0, auto_candidates=0)
+
+    def simulating(self, label: str) -> None:
+        self.bar.running(label)
+
+    def timing(self, label: str) -> None:
+        """A candidate simulated again with every item timed: one more step; the best so far
+        is then the best timed."""
+        if not self.timing_started:
+            self.timing_started, self.best = True, None
+        self.grow(1)
+        self.bar.running(label)
+
+    def grow(self, more: int) -> None:
+        self.bar.grow(more)
+        self.metrics["auto_planned"] += more
+
+    def priced(self, label: str, ms: float, *, again: bool = False) -> None:
+        """A candidate priced; `again`: one priced before, now timed (counted once)."""
+        self.metrics["auto_candidates"] += not again
+        if self.best is None or ms < self.best[0]:
+            self.best = (ms, label)
+            self.metrics["auto_best_so_far"] = f"{label}: {ms:.3f} ms predicted"
+            self.bar.note(f"best so far {label} {ms:.3f} ms")
+
+    def simulated(self) -> None:
+        self.metrics["auto_simulated"] += 1
+        self.bar.running("")
+        self.bar.update()
+
+    def __enter__(self) -> ChoiceProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+
+def _candidate(settings: Settings, name, layout, transport, cuda_graph, own) -> Settings:
+    """The run's settings with topology `name`, `layout`, `transport`, `cuda_graph` and its own
+    options `own` (the rest at their defaults: hybrid's groups, the fabric's domain), simulated."""
+    topo = dataclasses.replace(
+        settings.topology, kind=name, layout=layout, transport=transport, options=dict(own),
+        cuda_graph=cuda_graph, simulate=True,
+    )  # fmt: skip
+    return dataclasses.replace(settings, topology=topo)
+
+
+def _transports(settings: Settings, given) -> tuple[str, ...]:
+    """The transports to price: on real ranks only those that can run there (gloo on CPUs, the
+    copy engine where ranks share a GPU); else `given`; else on a fabric measured per transport
+    both measured ones while the ranks fit in one NVLink domain (NCCL beyond); else the run's."""
+    from attngym.distributed.model.transfer_model import MEASURED_FABRICS, spans_domains
+
+    topo = settings.topology
+    if not topo.simulate and settings.device == "cpu":
+        return ("gloo",)
+    if not topo.simulate and topo.world_size > _gpus():  # ranks share GPUs: no NCCL group
+        return ("copy_engine",)
+    if given:
+        return tuple(given)
+    if topo.transport != AUTO or topo.fabric not in MEASURED_FABRICS:
+        return (topo.transport,)
+    if spans_domains(topo.fabric, topo.world_size):
+        return ("nccl",)
+    return MEASURED_FABRICS[topo.fabric]
+
+
+def _runner_up(best: Priced, rows: list[Priced]) -> tuple[Priced | None, float | None]:
+    """The next candidate after the pick (`rows`: timed first, fastest first) and its time in
+    the pick's currency: its timing where it was timed, else the model's price scaled by the
+    pick's timed over modelled time (what slowed the pick's timing, a busy machine, slows
+    the others alike); never a timing beside a model's price."""
+    second = next((r for r in rows if r.candidate != best.candidate), None)
+    if second is None:
+        return None, None
+    if second.timed_ms is not None or best.timed_ms is None or best.model_ms <= 0:
+        return second, second.ms
+    return second, second.model_ms * best.timed_ms / best.model_ms
+
+
+def _why(best: Priced, second: Priced | None, second_ms: float | None, *, bound: bool) -> str:
+    """The pick's time, what bounds it (not on a CPU: `cpu_caveat`) and its margin."""
+    prediction, fab = best.result[4], best.result[3]
+    what = (
+        f"{prediction.bottleneck}-bound, time imbalance {prediction.time_imbalance:.2f}"
+        if bound
+        else "this CPU's compute: a ranking of these candidates, no GPU's prediction"
+    )
+    line = f"{best.label} over {best.transport}: {best.ms:.3f} ms predicted on {fab.name} ({what})"
+    if second is None:
+        return f"{line}; the only candidate"
+    margin = second_ms / best.ms - 1 if best.ms > 0 else 0.0
+    return f"{line}; {margin:.1%} faster than {second.label} over {second.transport}"
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
