@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from attngym.distributed import all_gather, attend_chunk, plan
-from attngym.distributed.call import merge
+from attngym.distributed import all_gather, attend_chunk, merge, plan
 from attngym.distributed.model.simulate import (
     Item,
     SequenceRanks,

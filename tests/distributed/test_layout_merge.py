@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from attngym import reference, variants
-from attngym.distributed import shard, unshard
-from attngym.distributed.call import merge
+from attngym.distributed import merge, shard, unshard
 from attngym.distributed.placement import layout
 
 

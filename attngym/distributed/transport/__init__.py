@@ -42,7 +42,7 @@ class Transport:
 
 
 @registry.register("transport", "copy_engine")
-def copy_engine() -> Transport:
+def copy_engine_transport() -> Transport:
     """Copy-engine pushes into symmetric memory (CUDA, one NVLink domain)."""
     from attngym.distributed.transport.copy_engine import (
         CopyEngineAllGather,
@@ -58,7 +58,7 @@ def copy_engine() -> Transport:
 
 
 @registry.register("transport", "nccl")
-def nccl() -> Transport:
+def nccl_transport() -> Transport:
     """torch.distributed P2P and collectives over NCCL (CUDA)."""
     from attngym.distributed.transport.p2p import P2PAllGather, P2PAllToAll, P2PChannel, P2PExchange
 
@@ -66,7 +66,7 @@ def nccl() -> Transport:
 
 
 @registry.register("transport", "gloo")
-def gloo() -> Transport:
+def gloo_transport() -> Transport:
     """torch.distributed P2P and collectives over gloo (CPU)."""
     from attngym.distributed.transport.p2p import P2PAllGather, P2PAllToAll, P2PChannel, P2PExchange
 
