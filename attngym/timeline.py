@@ -50,6 +50,7 @@ PHASES = (
     "ranks_start",  # context parallel: starting the rank processes and their process group
     "shard",  # context parallel: each rank's shards
     "instrument",  # context parallel: step compute and transfer timed apart
+    "simulate",  # simulated ranks: each rank's plans and kernel calls timed on this device
     "torch_cp",  # context parallel: PyTorch's own flex CP on the same shards
     "one_device",  # context parallel: the whole problem on one device
     "pictures",  # heatmap.png and block_mask.png

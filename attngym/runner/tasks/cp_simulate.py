@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from attngym import timeline
 from attngym.inputs import make_inputs, torch_dtype
 from attngym.runner.config import AUTO, Settings
 from attngym.runner.tasks.cp_setup import CPRun
@@ -137,9 +138,11 @@ def run_simulated(
         log.warning("%s", caveat)
     from attngym.progress import Progress
 
-    inputs = simulation_inputs(settings, device)
+    with timeline.phase("inputs"):
+        inputs = simulation_inputs(settings, device)
     label = f"simulated {kind} over {settings.topology.world_size} ranks: items timed"
-    with Progress(None, label) as bar:  # a line every 10 s when redirected: never silent
+    # the progress prints a line every 10 s when redirected: never silent
+    with timeline.phase("simulate"), Progress(None, label) as bar:
         sim, layout, variant = simulated(run, inputs, device, on_timed=bar.update)
     fab = fabric_of(settings)
     prediction = run.spec.price(sim, fab, "bwd" in settings.passes)
@@ -187,8 +190,6 @@ def simulated_metrics(run: CPRun, kind, metrics, result, inputs, one_device) -> 
         metrics[f"predicted_{name}_fwd_ms"] = theirs.fwd_ms
         metrics[f"predicted_{name}_fwd_bwd_ms"] = theirs.fwd_bwd_ms
     if "torch_cp" in s.baselines:
-        from attngym import timeline
-
         with timeline.phase("baseline_torch_cp"):
             metrics.update(predicted_torch_cp(run, inputs, variant, fab))
     log.info(
@@ -205,7 +206,8 @@ def simulated_metrics(run: CPRun, kind, metrics, result, inputs, one_device) -> 
         fab.name,
     )
     if topo.compare_one_device:
-        single = one_device(run, kind, inputs, device, "bwd" in s.passes)
+        with timeline.phase("one_device"):
+            single = one_device(run, kind, inputs, device, "bwd" in s.passes)
         metrics.update(_efficiency(single, topo.world_size, None if caveat else prediction))
     return metrics
 
