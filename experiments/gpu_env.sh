@@ -1,8 +1,10 @@
 # Sourced from the repository root by the GPU experiments' run.sh: the settings of the lent H200
 # (no NVLink multicast), attngym and its wheels from .whl/ where the machine has no network
 # (Hydra, OmegaConf, wandb, attngym's own), and `t NAME COMMAND...`, which runs a command in $W
-# with a timeout (T_TIMEOUT, default 300 s) into $OUT/NAME.log and notes its exit code and wall
-# time in $OUT/summary.txt; `readme_masks DIR` writes the Quick start's mymasks.py into DIR.
+# with a timeout (T_TIMEOUT, default 300 s, cut to end 20 s before the epoch second T_DEADLINE
+# where that is set, so that a call cut by the machine's limit still copies what finished) into
+# $OUT/NAME.log and notes its exit code and wall time in $OUT/summary.txt; `readme_masks DIR`
+# writes the Quick start's mymasks.py into DIR.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -12,8 +14,13 @@ export PYTHONPATH=/tmp/site PYTHONPYCACHEPREFIX=/tmp/pyc
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 t() {
   local name=$1; shift
-  local s=$(date +%s.%N)
-  ( cd "$W" && timeout "${T_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1 )
+  local s=$(date +%s.%N) limit=${T_TIMEOUT:-300}
+  if [ -n "${T_DEADLINE:-}" ]; then
+    local left=$((T_DEADLINE - $(date +%s) - 20))
+    ((left < limit)) && limit=$left
+    ((limit > 0)) || { echo "$name skipped: past T_DEADLINE" | tee -a "$OUT/summary.txt"; return; }
+  fi
+  ( cd "$W" && timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 )
   local rc=$?
   echo "$name rc=$rc wall_s=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" | tee -a "$OUT/summary.txt"
 }

@@ -135,14 +135,14 @@ def read_part(call: CPCall, q: torch.Tensor, pair, backend: str):
     """The pair (as `pairs` gives it) cut to the query rows and keys its mask reads, when they
     are at most half of either side (a halo pair then returns gradient pieces over the band it
     touches, not over the whole q chunk and kv window). A cut is a power-of-two number of blocks
-    (`_bucket`), so the kernel shapes cuts add, each compiled once, stay few. Memoised."""
+    (`bucket`), so the kernel shapes cuts add, each compiled once, stay few. Memoised."""
     q_rows, kv_rows, qc, kc, block_mask = pair
     plans = _PLANS.setdefault(call.variant, {})
     key = ("read", *q.shape[:2], qc, kc, call.options.block_size, backend, q.device)
     if key not in plans:
         qa, qb, ka, kb = _read_extent(call, q, qc, kc, block_mask, backend)
         bq, bkv = call.options.block_size
-        plans[key] = (*_bucket(qa, qb, qc[1], bq), *_bucket(ka, kb, kc[1], bkv))
+        plans[key] = (*bucket(qa, qb, qc[1], bq), *bucket(ka, kb, kc[1], bkv))
     qa, qb, ka, kb = plans[key]
     if (qa, qb, ka, kb) == (0, qc[1], 0, kc[1]):
         return pair
@@ -157,16 +157,23 @@ def read_part(call: CPCall, q: torch.Tensor, pair, backend: str):
     )
 
 
-def _bucket(a: int, b: int, n: int, block: int) -> tuple[int, int]:
-    """Rows [a, b) of n widened to a power-of-two number of blocks inside [0, n); all of [0, n)
-    when they are more than half of it."""
+def bucket(a: int, b: int, n: int, block: int) -> tuple[int, int]:
+    """Rows [a, b) of n widened to `pow2_blocks` inside [0, n); all of [0, n) when they are more
+    than half of it."""
     if 2 * (b - a) > n:
         return 0, n
     start = a - a % block
-    blocks = -(-(b - start) // block)
-    length = min(block << math.ceil(math.log2(blocks)), n)
+    length = pow2_blocks(b - start, n, block)
     start = min(start, n - length)
     return start, start + length
+
+
+def pow2_blocks(rows: int, n: int, block: int) -> int:
+    """`rows` rounded up to a power-of-two number of blocks, at most n. Every kernel shape is
+    compiled once: rows of any count would compile anew for each mask (each batch of a
+    workload), these at most log2(n / block) + 2 times."""
+    blocks = max(-(-rows // block), 1)
+    return min(block << math.ceil(math.log2(blocks)), n)
 
 
 def _read_extent(call: CPCall, q: torch.Tensor, qc, kc, block_mask, backend: str):

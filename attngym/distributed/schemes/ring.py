@@ -56,6 +56,7 @@ from attngym.distributed.call.pairs import (
     forward_pairs,
     one_call_steps,
     pairs,
+    pow2_blocks,
     read_part,
     rows_read,
     step_call,
@@ -103,7 +104,9 @@ class RingPlan:
     """Which rows of which shard travel at each step (the same on every rank).
 
     steps: ring steps the mask needs, 1 + the farthest hop at which some rank still reads a shard.
-    widths[i]: rows of a shard held at step i (widths[0] = S/P, the own shard); non-increasing.
+    widths[i]: rows of a shard held at step i (widths[0] = S/P, the own shard); non-increasing,
+        each a power-of-two number of blocks (pairs.pow2_blocks), so that a workload's masks share
+        a few kernel shapes instead of compiling anew for each batch.
     starts[s][i]: the first local row of shard s held at step i (by rank s + i).
 
     Rows held at step i cover every row ranks s + i, s + i + 1, ... read (from their block
@@ -138,8 +141,10 @@ def _build_ring_plan(call: CPCall, q: torch.Tensor) -> RingPlan:
         for i in range(steps - 1, 0, -1):
             here = [x for x in (reads[s][i], spans[s][i + 1] if i + 1 < steps else None) if x]
             spans[s][i] = (min(a for a, _ in here), max(b for _, b in here)) if here else None
+    block = call.options.block_size[1]
     widths = [n] + [
-        max((sp[i][1] - sp[i][0] for sp in spans if sp[i]), default=1) for i in range(1, steps)
+        pow2_blocks(max((sp[i][1] - sp[i][0] for sp in spans if sp[i]), default=1), n, block)
+        for i in range(1, steps)
     ]
     starts = []
     for s in range(P):
