@@ -295,6 +295,34 @@ def test_each_scheme_prices_what_crosses_nodes_on_the_two_level_fabric():
     )
 
 
+def test_ring_halos_of_a_workload_share_a_few_widths(monkeypatch):
+    """Batches of documents whose reads differ at every step: each step's halo is a power-of-two
+    number of blocks (or the whole shard), so the kernels a workload runs are compiled for a few
+    shapes, not anew for each batch; the halo still holds every row a rank reads."""
+    from attngym.distributed.schemes import ring
+
+    plans = []
+    build = ring._build_ring_plan
+    monkeypatch.setattr(ring, "_build_ring_plan", lambda call, q: plans.append(build(call, q))
+                        or plans[-1])  # fmt: skip
+    q, k, v, g = make_inputs(Shape(batch=1, heads=1, seq_len=2048, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    batches = ([1000, 600, 448], [300, 1500, 248], [1700, 348], [420, 560, 500, 568])
+    for lengths in batches:
+        simulate(RING, q, k, v, g, variants.get("document", doc_lengths=lengths), world_size=4,
+                 layout="contiguous", options=CPOptions(block_size=(32, 32)),
+                 timer=_counting_timer([]))  # fmt: skip
+    assert len(plans) == len(batches)
+    n = 2048 // 4
+    halos = {w for plan in plans for w in plan.widths[1:]}
+    assert halos and halos <= {32 << i for i in range(5)} | {n}, halos
+    # The 1700-token document spans shards 0-3: rank 3 reads shard 0 (three hops) whole.
+    assert plans[2].steps == 4 and plans[2].widths == (n, n, n, n)
+    # [420, 560, 500, 568]: the widest read back is rank 1's, rows 420..511 of shard 0 (blocks
+    # 13-15): held as 4 blocks, rows 384..511; no rank reads two shards back.
+    assert plans[3].widths == (n, 128) and plans[3].starts[0][1] == 384
+
+
 def _priced(item, which):
     """A rank's predicted time from its block masks, at layout.BLOCK_COSTS."""
     full_cost, partial_cost = layouts.BLOCK_COSTS
