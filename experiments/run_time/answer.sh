@@ -18,7 +18,9 @@ export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
 has() { [[ $WHAT == *" $1 "* ]]; }
 AG="python3 -m attngym logger=none"
-AUTO="topology=auto topology.simulate=true topology.world_size=8 shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=131072 validate=false"
+# The asks are judged by auto_s (the choice): no torch_cp beside the pick, which took 70-96 s of
+# each run on an H100 (2026-12-05), so that every phase fits one device call.
+AUTO="topology=auto topology.simulate=true topology.world_size=8 shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=131072 validate=false baselines=[]"
 ask() {  # NAME OVERRIDES...: asked, then asked again
   local name=$1; shift
   T_TIMEOUT=200 t "${name}_1" $AG $AUTO "$@" hydra.run.dir="${name}_1"

@@ -116,6 +116,30 @@ def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
     assert "alternatives" not in causal.extra
 
 
+def test_torch_cp_is_simulated_over_whole_shards_in_one_kernel_shape():
+    """PyTorch's CP gathers every shard whole and runs one call per rank over all S keys: so is it
+    simulated (the all-gather's ranks read a window's halo only, each rank's keys a length of
+    its own), so its kernel compiles once for every rank and balancer."""
+    from attngym.distributed.schemes.allgather import ALLGATHER, TORCH_CP_SIMULATION
+
+    q, k, v, g = make_inputs(Shape(batch=1, heads=2, seq_len=1024, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    window = variants.get("sliding_window", window_size=64)
+    keys = {}
+    for spec in (ALLGATHER, TORCH_CP_SIMULATION):
+        calls: list = []
+        sim = simulate(spec, q, k, v, g, window, world_size=4, layout="contiguous",
+                       scheme_options={"overlap": False}, timer=_counting_timer(calls))  # fmt: skip
+        keys[spec.name] = {key[2] for _, key in calls}  # ("allgather", q, k shape, mask)
+        assert {len(w.fwd_ms) for w in sim.ranks} == {1}
+    assert keys["torch_cp"] == {(1, 2, 1024, 8)}
+    # rank 0 holds its own 256 keys; ranks 1-3 one block of the shard before theirs too
+    assert keys["allgather"] == {(1, 2, 256, 8), (1, 2, 384, 8)}
+    assert sim.bytes_moved == 2 * 2 * 256 * 8 * 4 * 3  # K and V of 3 whole shards, float32
+    priced = TORCH_CP_SIMULATION.price(sim, tm.fabric("h200_nvlink"), True)
+    assert priced.contenders["torch_cp"].fwd_bwd_ms == pytest.approx(priced.fwd_bwd_ms)
+
+
 def test_identical_work_is_timed_once():
     """Causal zigzag at P=16: 16 ranks x 16 steps of pairs, a handful of distinct structures
     (with each step's role, and the steps that add up the sums held: every HELD-th and the

@@ -606,31 +606,32 @@ def allgather_transfer_ms(
 # Simulated and priced (topology.simulate=true; attngym.distributed.model.simulate, transfer_model).
 
 
-def simulate_allgather(sc: SimulatedCall) -> Simulation:
+def simulate_allgather(sc: SimulatedCall, whole: bool = False) -> Simulation:
     """Every rank's call (cp.attend) on the keys it would hold (the gathered shards, or its own
     and the rows the ReadPlan sends it), with the positioned variant and block mask the
     algorithm builds; backward: the call's, as the algorithm differentiates it. Overlapped
     (AllGatherOptions.overlap), its two calls apart. Also the ranks of PyTorch's scheme, one
-    call with whole shards gathered (Simulation.extra["torch_cp"])."""
+    call with whole shards gathered (Simulation.extra["torch_cp"]). `whole`: every rank gathers
+    every shard whole, whatever its queries read (simulate_torch_cp)."""
     ranks = SequenceRanks(sc)
     works, whole_shards, sent, buffers, pattern = [], [], 0, 0, "allgather"
     overlap = sc.scheme_options.get("overlap")
     for r in range(sc.world_size):
-        work, received, buffer, pattern = _simulated_rank(ranks, r, sc.clock, overlap)
+        work, received, buffer, pattern = _simulated_rank(ranks, r, sc.clock, overlap, whole)
         works.append(work)
         sent, buffers = max(sent, received), max(buffers, buffer)
-        whole = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
-        whole *= sc.world_size - 1
+        gathered = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
+        gathered *= sc.world_size - 1
         whole_shards.append(
             RankWork(fwd_ms=(work.compute_fwd_ms,), bwd_ms=(sum(work.bwd_ms),),
-                     fwd_bytes=(whole,), bwd_bytes=(whole,), host_fwd_ms=work.host_fwd_ms,
+                     fwd_bytes=(gathered,), bwd_bytes=(gathered,), host_fwd_ms=work.host_fwd_ms,
                      host_bwd_ms=work.host_bwd_ms)
         )  # fmt: skip
     sim = ranks.simulation(works)
     sim.bytes_moved, sim.peak_mem_bytes = sent, buffers
     sim.extra["torch_cp"] = whole_shards
     sim.extra["pattern"] = pattern
-    plan = read_plan(ranks.call(0), ranks.qs[0]) if sc.world_size > 1 else None
+    plan = read_plan(ranks.call(0), ranks.qs[0]) if sc.world_size > 1 and not whole else None
     if overlap is None and plan is not None and plan.moves and not plan.gathers:
         # The default split (or not) around the exchange is a rule of thumb: the other way may
         # be faster (a halo's small second call once the host is out of the way, CUDA graphs).
@@ -638,15 +639,33 @@ def simulate_allgather(sc: SimulatedCall) -> Simulation:
     return sim
 
 
+def simulate_torch_cp(sc: SimulatedCall) -> Simulation:
+    """PyTorch's CP's ranks: every shard gathered whole, one call per rank over all S keys at
+    their positions in the balancer's placement, as PyTorch's scheme runs them (priced as its
+    `torch_cp` contender). Its calls have one shape on every rank and under every balancer, so
+    the kernel compiles once where keys of each rank's own length would compile per rank."""
+    return simulate_allgather(sc, whole=True)
+
+
+def whole_plan(world_size: int, shard_rows: int) -> ReadPlan:
+    """The ReadPlan of every rank reading every other shard whole (ReadPlan.gathers)."""
+    P, n = world_size, shard_rows
+    runs = tuple(tuple(() if src == dst else ((0, n),) for src in range(P)) for dst in range(P))
+    return ReadPlan(runs, n)
+
+
 def _simulated_rank(
-    ranks: SequenceRanks, r: int, clock, overlap: bool | None
+    ranks: SequenceRanks, r: int, clock, overlap: bool | None, whole: bool = False
 ) -> tuple[RankWork, int, int, str]:
     """Rank r's RankWork, the bytes it receives, its received buffer's bytes and the transfer's
-    pattern (allgather, or alltoall for the exchange)."""
+    pattern (allgather, or alltoall for the exchange); `whole`: every shard gathered whole."""
     P, q_r, ks, vs = ranks.world_size, ranks.qs[r], ranks.ks, ranks.vs
     call, counted = ranks.call(r), ranks.call(r, counted=True)
     saved = ranks.saved[r] if ranks.saved is not None else None
-    plan = read_plan(call, q_r) if P > 1 else ReadPlan((((),),), ks[0].shape[2])
+    if P == 1:
+        plan = ReadPlan((((),),), ks[0].shape[2])
+    else:
+        plan = whole_plan(P, ks[0].shape[2]) if whole else read_plan(call, q_r)
     b, g, n, d = ks[0].shape
     row = nbytes(2, b, g, 1, d, itemsize=ks[0].element_size())
     for p in range(P):  # the chunk pairs the calls cover, counted as the algorithm does
@@ -795,4 +814,8 @@ ALLGATHER = TopologySpec(
     simulate=simulate_allgather,
     price=price_allgather,
     pickable=True,
+)
+# PyTorch's CP simulated (the run layer's predicted torch_cp contender); not a topology of its own.
+TORCH_CP_SIMULATION = dataclasses.replace(
+    ALLGATHER, name="torch_cp", simulate=simulate_torch_cp, pickable=False
 )

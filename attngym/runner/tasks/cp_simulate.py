@@ -214,21 +214,21 @@ def simulated_metrics(run: CPRun, kind, metrics, result, inputs, one_device) -> 
 
 def predicted_torch_cp(run: CPRun, inputs, variant, fab) -> dict[str, Any]:
     """PyTorch's own flex CP predicted with each of its load balancers that can place the
-    variant (attngym.distributed.schemes.torch_cp.BALANCERS), whatever scheme the run simulates: the
-    all-gather's ranks simulated on the balancer's placement and priced as PyTorch's scheme
-    (whole K/V shards gathered, one call per rank). predicted_torch_cp_<balancer>_<pass>_ms,
-    the fastest as predicted_torch_cp_<pass>_ms and predicted_torch_cp_balancer, and why a
-    balancer could not run (predicted_torch_cp_<balancer>_status)."""
-    from attngym import registry
+    variant (attngym.distributed.schemes.torch_cp.BALANCERS), whatever scheme the run simulates:
+    its ranks on the balancer's placement, each shard gathered whole and one call per rank over
+    all keys, priced as PyTorch's scheme (allgather.simulate_torch_cp).
+    predicted_torch_cp_<balancer>_<pass>_ms, the fastest as predicted_torch_cp_<pass>_ms and
+    predicted_torch_cp_balancer, and why a balancer could not run
+    (predicted_torch_cp_<balancer>_status)."""
     from attngym.distributed.model.simulate import bench_timer, simulate
     from attngym.distributed.model.transfer_model import domain_size
+    from attngym.distributed.schemes.allgather import TORCH_CP_SIMULATION as spec
     from attngym.distributed.schemes.torch_cp import BALANCERS, balancer_layout
 
     s, topo = run.settings, run.settings.topology
     device = run.on_rank()
     q, k, v, grad_out = inputs
     do_bwd = "bwd" in s.passes
-    spec = registry.get("topology", "allgather")
     out: dict[str, Any] = {}
     best: tuple[float, str] | None = None
     for balancer in BALANCERS:
