@@ -146,6 +146,12 @@ def _attention_worker(rank, world_size):
                           kernels=layouts.PairKernels(2, 2))  # fmt: skip
     assert priced.placement != layouts.plan("balanced", world_size, S, docs, (4, 4)).placement
     errors.update(_parity(rank, world_size, "document", docs, 4, 4, (ring_attention,), (priced,)))
+    # Rank 1 reads 3 blocks of rank 0's shard (a document of 24 rows from row 4): its call also
+    # holds the unread block before them as zeros (ReadPlan.pads); exact all the same, forward
+    # and backward.
+    docs = variants.get("document", doc_lengths=[4, 24, 4])
+    errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
+                          ("contiguous",), overlap=False, block_size=(4, 4)))  # fmt: skip
     # Pairs computed / skipped by a causal forward, per rank.
     counts = {}
     gen = torch.Generator().manual_seed(1)
@@ -247,7 +253,8 @@ def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
-    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1) + 1  # + the ring on its pair-priced placement
+    # + the ring on its pair-priced placement, the all-gather with pads
+    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1) + 2
     assert reruns["ring_attention", "flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no re-run
     # zigzag: a step is one call over the rank's two chunks, so one re-run per step
     assert reruns["ring_attention", "recompute"] == (2, 5, "recompute")
@@ -695,7 +702,7 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
     from attngym import kernels
     from attngym.distributed.placement import layout as layouts
     from attngym.distributed.placement.positions import at_positions
-    from attngym.distributed.schemes.allgather import ReadPlan, key_positions
+    from attngym.distributed.schemes.allgather import key_positions, whole_plan
 
     P = 2
     params = {"sliding_window": {"window_size": 100}, "document": {"doc_lengths": [300, seq - 300]}}
@@ -703,10 +710,7 @@ def test_allgather_block_mask_is_the_mapped_mask_s(name, layout, seq, block):
     plan = layouts.resolve(layout, P, seq, variant, "cpu")
     aligned = all(start % b == 0 and length % b == 0
                   for r in range(P) for start, length in plan.chunks(r) for b in block)  # fmt: skip
-    n = seq // P
-    whole = ReadPlan(
-        tuple(tuple(() if s == d else ((0, n),) for s in range(P)) for d in range(P)), n
-    )
+    whole = whole_plan(P, seq // P)
     for rank in range(P):
         kv_positions = key_positions(plan, rank, whole, "cpu")
         mapped = at_positions(variant, plan.positions(rank), kv_positions, "cpu", "mapped")

@@ -120,13 +120,13 @@ def test_torch_cp_is_simulated_over_whole_shards_in_one_kernel_shape():
     """PyTorch's CP gathers every shard whole and runs one call per rank over all S keys: so is it
     simulated (the all-gather's ranks read a window's halo only, each rank's keys a length of
     its own), so its kernel compiles once for every rank and balancer."""
-    from attngym.distributed.schemes.allgather import ALLGATHER, TORCH_CP_SIMULATION
+    from attngym.distributed.schemes.allgather import ALLGATHER, torch_cp_simulation
 
     q, k, v, g = make_inputs(Shape(batch=1, heads=2, seq_len=1024, head_dim=8), 0, "cpu",
                              torch.float32)  # fmt: skip
     window = variants.get("sliding_window", window_size=64)
     keys = {}
-    for spec in (ALLGATHER, TORCH_CP_SIMULATION):
+    for spec in (ALLGATHER, torch_cp_simulation()):
         calls: list = []
         sim = simulate(spec, q, k, v, g, window, world_size=4, layout="contiguous",
                        scheme_options={"overlap": False}, timer=_counting_timer(calls))  # fmt: skip
@@ -136,8 +136,31 @@ def test_torch_cp_is_simulated_over_whole_shards_in_one_kernel_shape():
     # rank 0 holds its own 256 keys; ranks 1-3 one block of the shard before theirs too
     assert keys["allgather"] == {(1, 2, 256, 8), (1, 2, 384, 8)}
     assert sim.bytes_moved == 2 * 2 * 256 * 8 * 4 * 3  # K and V of 3 whole shards, float32
-    priced = TORCH_CP_SIMULATION.price(sim, tm.fabric("h200_nvlink"), True)
+    priced = torch_cp_simulation().price(sim, tm.fabric("h200_nvlink"), True)
     assert priced.contenders["torch_cp"].fwd_bwd_ms == pytest.approx(priced.fwd_bwd_ms)
+
+
+def test_allgather_pads_each_ranks_received_rows_to_a_power_of_two_of_blocks():
+    """The rows a rank receives and the zeros beside them make a power-of-two number of blocks,
+    taken from rows it does not read: next to the run read (a halo and its shard stay one run
+    of positions), before it where there is room, else after; sources read first."""
+    from attngym.distributed.placement import layout as layouts
+    from attngym.distributed.schemes.allgather import ReadPlan, key_pieces, key_positions
+
+    empty = ((), (), ())
+    plan = ReadPlan(
+        (empty, (((4, 16),), (), ()), (((8, 12),), ((0, 8),), ())), shard_rows=16, block=4
+    )
+    assert plan.pads(0) == ((), (), ())  # receives nothing
+    assert plan.pads(1) == (((0, 4),), (), ())  # 12 rows: 4 more, before the run
+    assert plan.pads(2) == (((4, 8),), (), ())  # 4 + 8 rows: 4 more, from shard 0 first
+    contiguous = layouts.resolve("contiguous", 3, 48, None, "cpu")
+    pieces = key_pieces(contiguous, 1, plan)
+    assert pieces == ((0, 0, 4, None), (0, 4, 16, 0), (1, 0, 16, 0))
+    assert torch.equal(key_positions(contiguous, 1, plan, "cpu"), torch.arange(32))
+    after = ReadPlan((((), ((0, 12),)), ((), ())), shard_rows=16, block=4)
+    assert after.pads(0) == ((), ((12, 16),))  # no room before the run: after it
+    assert ReadPlan(plan.runs, 16).pads(1) == ((), (), ())  # no block given: no pads
 
 
 def test_identical_work_is_timed_once():

@@ -11,12 +11,13 @@ Contract (P ranks, this rank r, on `transport`):
       the transport's uneven exchange (`exchange`): each rank packs the rows each peer reads into
       one buffer (destinations in rank order) and receives only its own.
     * The keys of the (one) call: the gathered buffer in rank order (whole shards), else this rank's
-      own chunks and the rows it received, in the order of their global positions (a window's
-      halo and shard form one run). One kernel call attends the rank's q shard (S/P rows) to
-      those keys: the variant's callbacks read each local row and key index through a map to
-      global positions (an offset when the keys are one run, else a position table), and the
-      block mask is cut in that local index space, so every masked block is skipped as in the
-      one-device kernel.
+      own chunks, the rows it received and zeros at rows it does not read that bring those to a
+      power-of-two number of blocks (ReadPlan.pads: a few kernel shapes, however the ranks and
+      masks differ), in the order of their global positions (a window's halo and shard form one
+      run). One kernel call attends the rank's q shard (S/P rows) to those keys: the variant's
+      callbacks read each local row and key index through a map to global positions (an offset
+      when the keys are one run, else a position table), and the block mask is cut in that local
+      index space, so every masked block is skipped as in the one-device kernel.
     * Backward: flex's backward op over the received K/V from the call's own out and lse
       (`CPOptions.backward` flex, as the ring's pairs; the kernel compiled flex's autograd runs,
       issued without its wrappers), or the kernel's own autograd (recompute; the reference's on
@@ -53,6 +54,7 @@ from attngym.distributed.call.pairs import (
     Saved,
     pairs,
     positioned,
+    pow2_blocks,
     recompute_pair,
     runs_read,
 )
@@ -96,10 +98,41 @@ class ReadPlan:
         runs: runs[dst][src], the runs of src's local rows that dst's queries read, in order;
             () for dst == src (a rank's own keys never travel).
         shard_rows: rows per shard (S/P).
+        block: the kernel's kv block; where given, each rank's call also holds `pads`.
     """
 
     runs: tuple[tuple[tuple[Run, ...], ...], ...]
     shard_rows: int
+    block: int = 0
+
+    def pads(self, dst: int) -> tuple[tuple[Run, ...], ...]:
+        """pads[src]: rows of src's shard that dst's queries do not read, held as zeros beside
+        the rows dst receives so that their count is a power-of-two number of blocks
+        (pairs.pow2_blocks). Each rank's keys would otherwise have a length of their own, and
+        the kernel compile anew for each rank and each mask; these rows move nowhere, and are
+        exact: the mask keeps none of them for any of dst's queries, so their blocks are
+        skipped. Taken from just before a run read first, so that a halo and the shard it
+        leads into stay one run of positions."""
+        return self._pads[dst]
+
+    @functools.cached_property
+    def _pads(self) -> tuple[tuple[tuple[Run, ...], ...], ...]:
+        P, n = len(self.runs), self.shard_rows
+        out = []
+        for dst in range(P):
+            left = 0
+            if self.block and self.moves and not self.gathers and self.received(dst):
+                held = self.received(dst)
+                left = pow2_blocks(held, (P - 1) * n, self.block) - held
+            pads: list[list[Run]] = [[] for _ in range(P)]
+            for src in sorted(range(P), key=lambda src: not self.runs[dst][src]):
+                for a, b, before in _gaps(self.runs[dst][src], n) if src != dst else ():
+                    take = min(left, b - a)
+                    if take:  # the rows next to the run the gap comes before, or after
+                        pads[src].append((b - take, b) if before else (a, a + take))
+                        left -= take
+            out.append(tuple(tuple(sorted(x)) for x in pads))
+        return tuple(out)
 
     def rows(self, dst: int, src: int) -> int:
         """Rows dst receives from src."""
@@ -148,16 +181,31 @@ def read_plan(call: CPCall, q: torch.Tensor) -> ReadPlan:
             tuple(() if src == dst else runs_read(call, q, dst, src) for src in range(P))
             for dst in range(P)
         )
-        per[key] = ReadPlan(runs, call.seq_len // P)
+        per[key] = ReadPlan(runs, call.seq_len // P, call.options.block_size[1])
     return per[key]
 
 
+def _gaps(runs: tuple[Run, ...], n: int) -> list[tuple[int, int, bool]]:
+    """(start, stop, before): the rows of [0, n) outside `runs` (in order, merged), each gap
+    before a run (before=True), then the one after the last run (all of [0, n) where none)."""
+    gaps, prev = [], 0
+    for a, b in runs:
+        if a > prev:
+            gaps.append((prev, a, True))
+        prev = b
+    return gaps + ([(prev, n, not runs)] if prev < n else [])
+
+
 @functools.lru_cache(maxsize=256)
-def key_pieces(layout: Layout, rank: int, plan: ReadPlan) -> tuple[tuple[int, int, int, int], ...]:
+def key_pieces(
+    layout: Layout, rank: int, plan: ReadPlan
+) -> tuple[tuple[int, int, int, int | None], ...]:
     """(src, start, stop, offset): the pieces of rank `rank`'s keys when it exchanges, its own
-    chunks (src == rank) and the runs it receives (at `offset` rows of what it received), in the
-    order of their first global position. Memoised: every forward asks."""
-    pieces, start = [], 0
+    chunks (src == rank), the runs it receives (at `offset` rows of what it received) and its
+    pads (ReadPlan.pads: offset None, zeros), in the order of their first global position.
+    Memoised: every forward asks."""
+    pieces: list[tuple[int, int, int, int | None]] = []
+    start = 0
     for _, n in layout.chunks(rank):
         pieces.append((rank, start, start + n, 0))
         start += n
@@ -166,6 +214,7 @@ def key_pieces(layout: Layout, rank: int, plan: ReadPlan) -> tuple[tuple[int, in
         for a, b in runs:
             pieces.append((src, a, b, offset))
             offset += b - a
+    pieces += [(src, a, b, None) for src, pads in enumerate(plan.pads(rank)) for a, b in pads]
     first = [layout.positions(p, "cpu") for p in range(layout.world_size)]
     return tuple(sorted(pieces, key=lambda piece: int(first[piece[0]][piece[1]])))
 
@@ -505,8 +554,13 @@ def _allgather(
         k_all, v_all = _call_keys(
             key_pieces(call.layout, r, plan),
             lambda src, a, b, o: tuple(
-                own[j][:, :, a:b] if src == r else got[j][:, :, o : o + b - a] for j in (0, 1)
-            ),
+                own[j][:, :, a:b]
+                if src == r
+                else own[j].new_zeros(*k.shape[:2], b - a, own[j].shape[3])
+                if o is None
+                else got[j][:, :, o : o + b - a]
+                for j in (0, 1)
+            ),  # fmt: skip
             # an empty piece of what arrived: a rank that receives nothing still joins the
             # exchange's backward, which every rank must call
             tail=[(got[0][:, :, :0], got[1][:, :, :0])],
@@ -681,6 +735,7 @@ def _simulated_rank(
     elif plan.moves:  # this rank's chunks and the rows it receives, in position order
         k_all, v_all = _call_keys(
             key_pieces(call.layout, r, plan),
+            # a pad's rows as they are: the mask keeps none of them for this rank
             lambda src, a, b, o: (ks[src][:, :, a:b], vs[src][:, :, a:b]),
         )
         received = buffer = row * plan.received(r)
@@ -815,7 +870,12 @@ ALLGATHER = TopologySpec(
     price=price_allgather,
     pickable=True,
 )
-# PyTorch's CP simulated (the run layer's predicted torch_cp contender); not a topology of its own.
-TORCH_CP_SIMULATION = dataclasses.replace(
-    ALLGATHER, name="torch_cp", simulate=simulate_torch_cp, pickable=False
-)
+
+
+def torch_cp_simulation() -> TopologySpec:
+    """The spec that simulates PyTorch's CP (simulate_torch_cp; the run layer's predicted
+    torch_cp contender). Made on request: a TopologySpec of a module of this folder is a
+    topology users can select (topologies.py), and this one is not."""
+    return dataclasses.replace(
+        ALLGATHER, name="torch_cp", simulate=simulate_torch_cp, pickable=False
+    )

@@ -222,13 +222,14 @@ def predicted_torch_cp(run: CPRun, inputs, variant, fab) -> dict[str, Any]:
     (predicted_torch_cp_<balancer>_status)."""
     from attngym.distributed.model.simulate import bench_timer, simulate
     from attngym.distributed.model.transfer_model import domain_size
-    from attngym.distributed.schemes.allgather import TORCH_CP_SIMULATION as spec
+    from attngym.distributed.schemes.allgather import torch_cp_simulation
     from attngym.distributed.schemes.torch_cp import BALANCERS, balancer_layout
 
     s, topo = run.settings, run.settings.topology
     device = run.on_rank()
     q, k, v, grad_out = inputs
     do_bwd = "bwd" in s.passes
+    spec = torch_cp_simulation()
     out: dict[str, Any] = {}
     best: tuple[float, str] | None = None
     for balancer in BALANCERS:
