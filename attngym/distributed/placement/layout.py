@@ -95,6 +95,9 @@ STEP_LAUNCH = 46.0
 # every rank stops at the same swap): P=8 at 128K searches to its end inside it (0.6e8, under a
 # second on a CPU core); P=64 stops after about 1500 swaps tried at 128K, 190 at 1M.
 SWAP_SEARCH = 10**8
+# Swaps priced together (_ShardPairPrices.swapped_times), in (swap, q block, rank) entries: 64
+# swaps at P=8 and 128K; more per batch stop paying once the batch outgrows the CPU's caches.
+SWAP_BATCH = 2**19
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,18 +393,51 @@ class _ShardPairPrices:
     def rank_times(self, owner: torch.Tensor, ranks: int) -> torch.Tensor:
         """(ranks,) predicted times when piece i is on rank owner[i] (sums in a fixed order,
         index_add rather than a BLAS product, so every rank searches alike)."""
+        return self.swapped_times(owner, ranks, torch.empty(0, 2, dtype=torch.long))[0]
+
+    def swapped_times(self, owner: torch.Tensor, ranks: int, pairs: torch.Tensor) -> torch.Tensor:
+        """(len(pairs), ranks) predicted times of `owner` with pieces i and j swapped, for each
+        (i, j) of `pairs` (an empty `pairs`: (1, ranks), `owner`'s own). A swap changes two ranks'
+        sums: they are updated from `owner`'s, not summed again, so a round of the search prices
+        its swaps together in about the time of one placement."""
         f64 = torch.float64
-        by_q_rank = torch.zeros(ranks, len(owner), dtype=f64).index_add_(0, owner, self.total)
-        total = torch.zeros(ranks, ranks, dtype=f64).index_add_(1, owner, by_q_rank)
-        nq, nkv = len(self.by_kv_piece), self.by_q_piece.shape[1]
+        n, nq = len(owner), len(self.by_kv_piece)
+        by_q_rank = torch.zeros(ranks, n, dtype=f64).index_add_(0, owner, self.total)
         rows = torch.zeros(nq, ranks, dtype=f64).index_add_(1, owner, self.by_kv_piece)
-        q_rank = owner.repeat_interleave(self.q_per).unsqueeze(1).expand_as(rows)
-        row = torch.zeros(ranks, ranks, dtype=f64).scatter_reduce_(0, q_rank, rows, "amax")
-        cols = torch.zeros(ranks, nkv, dtype=f64).index_add_(0, owner, self.by_q_piece)
-        kv_rank = owner.repeat_interleave(self.kv_per).unsqueeze(0).expand_as(cols)
-        col = torch.zeros(ranks, ranks, dtype=f64).scatter_reduce_(1, kv_rank, cols, "amax")
-        price = _pair_price(self.kernels, total, row, col)
-        return torch.zeros(ranks, 1, dtype=f64).index_add_(1, owner.new_zeros(ranks), price)[:, 0]
+        cols = torch.zeros(ranks, self.by_q_piece.shape[1], dtype=f64).index_add_(
+            0, owner, self.by_q_piece
+        )
+        if len(pairs) == 0:
+            owners, by_q_rank, rows, cols = (x.unsqueeze(0) for x in (owner, by_q_rank, rows, cols))
+        else:
+            i, j, at = pairs[:, 0], pairs[:, 1], torch.arange(len(pairs))
+            ri, rj = owner[i], owner[j]
+            owners = owner.repeat(len(pairs), 1)
+            owners[at, i], owners[at, j] = rj, ri
+            by_q_rank, rows, cols = (x.repeat(len(pairs), 1, 1) for x in (by_q_rank, rows, cols))
+            for moved, by_piece in ((by_q_rank, self.total), (cols, self.by_q_piece)):
+                change = by_piece[j] - by_piece[i]  # rank ri's queries gain piece j, lose piece i
+                moved[at, ri] += change
+                moved[at, rj] -= change
+            change = self.by_kv_piece[:, j].T - self.by_kv_piece[:, i].T  # [swap, q block]
+            rows[at, :, ri] += change
+            rows[at, :, rj] -= change
+        trials = len(owners)
+        # [trial, q rank, kv rank]: each trial's ranks numbered apart, so one index_add sums all.
+        flat = (owners + ranks * torch.arange(trials).unsqueeze(1)).reshape(-1)
+        total = torch.zeros(ranks, trials * ranks, dtype=f64).index_add_(
+            1, flat, by_q_rank.transpose(0, 1).reshape(ranks, -1)
+        )
+        total = total.reshape(ranks, trials, ranks).transpose(0, 1)
+        q_rank = owners.repeat_interleave(self.q_per, 1).unsqueeze(2).expand_as(rows)
+        row = torch.zeros_like(total).scatter_reduce_(1, q_rank, rows, "amax")  # longest row
+        kv_rank = owners.repeat_interleave(self.kv_per, 1).unsqueeze(1).expand_as(cols)
+        col = torch.zeros_like(total).scatter_reduce_(2, kv_rank, cols, "amax")  # longest column
+        price = _pair_price(self.kernels, total, row, col).reshape(trials * ranks, ranks)
+        times = torch.zeros(trials * ranks, 1, dtype=f64).index_add_(
+            1, owner.new_zeros(ranks), price
+        )
+        return times.reshape(trials, ranks)
 
 
 def _owner(owned: Sequence[Sequence[int]], n: int) -> torch.Tensor:
@@ -423,13 +459,14 @@ def _swapped(owner: torch.Tensor, prices: _ShardPairPrices, ranks: int) -> torch
     while trials > 0:
         slowest, best = float(times.max()), None
         swaps = [(i, j) for i in (owner == int(times.argmax())).nonzero()[:, 0].tolist()
-                 for j in (owner != owner[i]).nonzero()[:, 0].tolist()]  # fmt: skip
-        for i, j in swaps[:trials]:
-            owner[[i, j]] = owner[[j, i]]
-            trial = prices.rank_times(owner, ranks)
-            owner[[i, j]] = owner[[j, i]]
-            if float(trial.max()) < slowest * (1 - 1e-9):
-                slowest, best = float(trial.max()), (i, j, trial)
+                 for j in (owner != owner[i]).nonzero()[:, 0].tolist()][:trials]  # fmt: skip
+        batch = max(1, SWAP_BATCH // (len(prices.by_kv_piece) * ranks))
+        for start in range(0, len(swaps), batch):
+            pairs = torch.tensor(swaps[start : start + batch])
+            trial_times = prices.swapped_times(owner, ranks, pairs)
+            for t, worst in enumerate(trial_times.max(1).values.tolist()):
+                if worst < slowest * (1 - 1e-9):
+                    slowest, best = worst, (*swaps[start + t], trial_times[t])
         trials -= len(swaps)
         if best is None:
             break
