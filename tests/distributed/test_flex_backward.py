@@ -181,3 +181,31 @@ def test_flash_refuses_the_recompute_backward(monkeypatch):
     with pytest.raises(ValueError, match="FLASH needs flex's backward op .*no such op"):
         resolve_backward(CPOptions(kernel_options={"BACKEND": "FLASH"}))
     assert resolve_backward(CPOptions()) == "recompute"
+
+
+def test_variants_whose_graphs_trace_alike_share_one_compile():
+    """A workload's batches: each a new document variant of its own lengths, the same mask code.
+    They share the first one's graphs (one compile in all), each exact with its own documents;
+    a variant whose code differs (another window) compiles its own."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(flex_backward._call_op, backend=counter, dynamic=False, fullgraph=True)
+
+    def call(graphs, args):
+        graphs.ready_for_dynamo()
+        return compiled(*args)
+
+    batches = [variants.get("document", doc_lengths=lengths)
+               for lengths in ([10, 14, 8], [3, 20, 9], [32])]  # fmt: skip
+    windows = [variants.get("sliding_window", window_size=w) for w in (5, 9)]
+    frames = []
+    for variant in [*batches, *windows]:
+        problem = _problem(variant)
+        got = _sum_pairs(variant, call, problem)
+        want = problem[-1]
+        assert (got[0] - want[0][:, :, HALF:]).abs().max().item() < TOL
+        assert (got[1] - want[1]).abs().max().item() < TOL
+        assert (got[2] - want[2]).abs().max().item() < TOL
+        frames.append(counter.frame_count)
+    assert frames == [1, 1, 1, 2, 3]

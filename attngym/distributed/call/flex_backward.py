@@ -32,7 +32,8 @@ Facts it depends on (read in the torch 2.11.0 and 2.13.0 sources; the eager path
     * Compiled (CUDA): a function calling the op under torch.compile. Dynamo on 2.11 accepts the
       op only with pre-traced graphs reached through a dict of dicts (the source of each graph
       must be `d[name][name]`); 2.13 accepts that too. Dynamo guards a GraphModule by its type,
-      which is unique per instance, so each variant's graphs compile once and are reused. Dynamo
+      which is unique per instance, so each variant's graphs compile once and are reused; variants
+      whose graphs trace to the same code share them (a workload's batches). Dynamo
       marks a graph it installs as static (`torchdynamo_force_dynamic = False`), which would make
       the next trace of the same graph fail; the flag is reset before each call.
 """
@@ -154,6 +155,20 @@ class _Graphs:
             )
         }
 
+    def code(self) -> tuple[str, ...] | None:
+        """The graphs' Python code, which says all they compute when every tensor they read is
+        an input (the variant's buffers are); None when a graph holds a tensor of its own (a
+        constant the code does not show), so it is shared with no other."""
+        graphs = (self.fw, self.joint, self.mask)
+        if any(node.op == "get_attr" for g in graphs for node in g.graph.nodes):
+            return None
+        return tuple(g.code for g in graphs)
+
+    def share(self, alike: _Graphs) -> None:
+        """Call `alike`'s graphs (the same code) with this variant's buffers."""
+        self.fw, self.joint, self.mask = alike.fw, alike.joint, alike.mask
+        self.nested = alike.nested
+
     def ready_for_dynamo(self) -> None:
         """Undo the static mark Dynamo puts on graphs it installed (see the module docstring)."""
         for g in (self.fw, self.joint, self.mask):
@@ -164,11 +179,21 @@ class _Graphs:
 _GRAPHS: weakref.WeakKeyDictionary[Variant, dict[tuple, _Graphs]] = weakref.WeakKeyDictionary()
 
 
+# (dtype, device, shift, the graphs' code) -> the graphs first traced so: variants whose graphs
+# trace alike (a workload's batches: new documents, the same mask code) share one set of
+# GraphModules, so Dynamo's guard on their type lets them reuse what the first one compiled.
+_ALIKE: dict[tuple, _Graphs] = {}
+
+
 def _graphs(variant: Variant, dtype: torch.dtype, device: torch.device, shift) -> _Graphs:
     per = _GRAPHS.setdefault(variant, {})
     key = (dtype, device, shift)
     if key not in per:
-        per[key] = _Graphs(variant, dtype, device, shift)
+        made = _Graphs(variant, dtype, device, shift)
+        code = made.code()
+        if code is not None:
+            made.share(_ALIKE.setdefault((*key, code), made))
+        per[key] = made
     return per[key]
 
 
