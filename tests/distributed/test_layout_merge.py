@@ -148,7 +148,8 @@ def test_time_imbalance_is_each_ranks_predicted_time_from_the_dense_mask(rng, bl
 
 def test_swap_search_prices_pieces_as_the_model_does_and_makes_the_slowest_rank_faster(rng):
     """The ring's placement search prices a swap from per-piece sums: the same times as the
-    cost model on every placement it visits, and a slowest rank no slower than greedy's."""
+    cost model on every placement it visits (a round's swaps priced together as each alone),
+    and a slowest rank no slower than greedy's."""
     S, P, piece = 256, 4, 16
     docs = variants.get("document", doc_lengths=_document_lengths(rng, S, 5))
     kernels = PRICINGS[1]
@@ -161,6 +162,14 @@ def test_swap_search_prices_pieces_as_the_model_does_and_makes_the_slowest_rank_
                      for r in range(P)]  # fmt: skip
         expected = model.rank_times([layout._joined(c) for c in placement])
         assert prices.rank_times(owner, P).tolist() == pytest.approx(expected, rel=1e-12)
+        # A round's swaps priced together, each from owner's sums: as each swapped placement.
+        pairs = torch.tensor([(i, j) for i in range(n) for j in range(n) if owner[i] < owner[j]])
+        together = prices.swapped_times(owner, P, pairs)
+        for (i, j), times in zip(pairs.tolist(), together, strict=True):
+            swapped = owner.clone()
+            swapped[[i, j]] = owner[[j, i]]
+            assert times.tolist() == pytest.approx(prices.rank_times(swapped, P).tolist(),
+                                                   rel=1e-12)  # fmt: skip
     start = torch.arange(n) % P
     searched = layout._swapped(start, prices, P)
     assert torch.bincount(searched, minlength=P).tolist() == [n // P] * P  # pieces per rank
