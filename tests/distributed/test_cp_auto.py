@@ -35,6 +35,24 @@ def test_sub_mask_is_create_block_mask_of_the_mapped_user_mask():
     assert plans.sub_mask(q_pos + 1, kv_pos, mapped) is None  # not whole blocks: built instead
 
 
+def test_kept_decides_every_chunk_pair_as_the_pair_plan_does():
+    """GridPlans.kept answers for all chunk pairs at once what a pair's own plan decides (any
+    kept block), on unevenly long whole-block chunks; unaligned chunks are left to the pairs."""
+
+    def banded(b, h, q_idx, kv_idx):  # documents of 384 with a checkerboard inside
+        return (q_idx // 384 == kv_idx // 384) & _checkerboard(b, h, q_idx, kv_idx)
+
+    user = Variant(name="user", mask_mod=banded)
+    plans = grid.plans_for(user, 2048, (128, 128), "cpu")
+    q_chunks = [(0, 128), (384, 256), (1024, 128), (1792, 256)]
+    kv_chunks = [(128, 256), (640, 128), (768, 512), (1664, 128)]
+    kept = plans.kept(q_chunks, kv_chunks, (128, 128), "cpu")
+    each = [[not plans(1, 1, qc, kc, (128, 128), "flex", "cpu")[0] for kc in kv_chunks]
+            for qc in q_chunks]  # fmt: skip
+    assert kept.tolist() == each and any(map(any, each)) and not all(map(all, each))
+    assert plans.kept([(64, 128)], kv_chunks, (128, 128), "cpu") is None
+
+
 def test_bytes_needed_counts_the_blocks_other_ranks_hold_that_the_mask_reads():
     from attngym.variants.sliding_window import sliding_window
 
@@ -168,6 +186,7 @@ def test_the_fit_never_prices_below_zero_or_falls_with_size():
 
 def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_path):
     import attngym
+    from attngym.errors import ConfigError
 
     common = ["topology=auto", "topology.simulate=true", "topology.world_size=2",
               "attention=document", "device=cpu", "shape.seq_len=512", "shape.heads=2",
@@ -189,6 +208,14 @@ def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_p
     fresh = attngym.run(overrides=[*common, "topology.options.reuse=false"],
                         run_dir=tmp_path / "fresh")  # fmt: skip
     assert fresh["auto_cached"] is None
+    every = attngym.run(overrides=[*common, "topology.options.reuse=false",
+                                   "topology.options.shortlist=0"], run_dir=tmp_path / "every")  # fmt: skip
+    rows = json.loads((tmp_path / "every" / "auto.json").read_text())["candidates"]
+    ways = {(c["scheme"], c["layout"], json.dumps(c["options"]), c["cuda_graph"]) for c in rows}
+    assert every["auto_timed"] == len(ways) > 2  # 0: every candidate timed (its best transport)
+    with pytest.raises(ConfigError, match="integer >= 0, got -1") as err:
+        attngym.run(overrides=[*common, "topology.options.shortlist=-1"], run_dir=tmp_path / "x")
+    assert err.value.key == "topology.options.shortlist"
 
 
 def test_the_runner_up_is_priced_in_the_picks_currency():

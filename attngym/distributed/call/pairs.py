@@ -92,6 +92,7 @@ def pairs(
     *,
     block_masks: str | None = None,
     window: tuple[int, int] | None = None,
+    masks: bool = True,
 ):
     """The (q rows, kv rows, q chunk, kv chunk, block_mask) pairs to compute against kv_rank.
 
@@ -106,29 +107,51 @@ def pairs(
             (a halo, see ring.py); kv rows are then relative to `start` and each kv chunk is cut
             to the window. Rows outside it must be masked for this rank (the halo plan ensures
             it), so the cut is exact.
+        masks: False: which pairs are computed (and counted), their block masks None and not
+            built (a caller that counts, or asks whether any pair is left).
     """
     backend = block_masks or call.backend
     lo, hi = (0, call.seq_len // call.world_size) if window is None else (window[0], sum(window))
+    q_chunks, q_starts, start = call.chunks(call.rank), [], 0
+    for qc in q_chunks:
+        q_starts.append(start)
+        start += qc[1]
+    kv_cuts = []  # (kv rows held, the kv chunk cut to them)
+    kv_start = 0
+    for kc in call.chunks(kv_rank):
+        a, b = max(kv_start, lo), min(kv_start + kc[1], hi)
+        if a < b:
+            kv_cuts.append((slice(a - lo, b - lo), (kc[0] + a - kv_start, b - a)))
+        kv_start += kc[1]
+    kept = _kept(call, q, q_chunks, [kc for _, kc in kv_cuts])
+    if kept is not None:  # the kept pairs at once, row by row as the loop below
+        chosen = kept.nonzero().tolist()
+        if call.stats is not None and block_masks is None:
+            call.stats.pairs_skipped += kept.numel() - len(chosen)
+            call.stats.pairs_computed += len(chosen)
+    else:
+        chosen = [(i, j) for i in range(len(q_chunks)) for j in range(len(kv_cuts))]
     out = []
-    q_start = 0
-    for qc in call.chunks(call.rank):
-        kv_start = 0
-        for kc in call.chunks(kv_rank):
-            a, b = max(kv_start, lo), min(kv_start + kc[1], hi)
-            kv_start += kc[1]
-            if a >= b:
-                continue
-            kc_cut = (kc[0] + a - (kv_start - kc[1]), b - a)
-            skip, block_mask = _call_plan(call, q, qc, kc_cut, backend)
-            if call.stats is not None and block_masks is None:
+    for i, j in chosen:
+        qc, (kv_rows, kc) = q_chunks[i], kv_cuts[j]
+        block_mask = None
+        if kept is None or masks:
+            skip, block_mask = _call_plan(call, q, qc, kc, backend)
+            if kept is None and call.stats is not None and block_masks is None:
                 call.stats.pairs_skipped += int(skip)
                 call.stats.pairs_computed += int(not skip)
-            if not skip:
-                out.append(
-                    (slice(q_start, q_start + qc[1]), slice(a - lo, b - lo), qc, kc_cut, block_mask)
-                )
-        q_start += qc[1]
+            if skip:
+                continue
+        q_rows = slice(q_starts[i], q_starts[i] + qc[1])
+        out.append((q_rows, kv_rows, qc, kc, block_mask))
     return out
+
+
+def _kept(call: CPCall, q: torch.Tensor, q_chunks, kv_chunks) -> torch.Tensor | None:
+    """Which chunk pairs the mask keeps anything of, all at once from the whole sequence's
+    grid (grid.GridPlans.kept); None where the pairs are decided one by one (`_pair_plan`)."""
+    kept = getattr(call.plans, "kept", None)
+    return None if kept is None else kept(q_chunks, kv_chunks, call.options.block_size, q.device)
 
 
 def read_part(call: CPCall, q: torch.Tensor, pair, backend: str):
@@ -266,7 +289,7 @@ def step_call(
     per = _STEPS.setdefault(call.variant, {})
     if key not in per:
         # The chunk pairs decide (uncounted: block_masks given).
-        if not pairs(call, q, kv_rank, block_masks=call.backend, window=window):
+        if not pairs(call, q, kv_rank, block_masks=call.backend, window=window, masks=False):
             per[key] = None
             return None
         q_pos = call.layout.positions(call.rank, q.device)
@@ -347,7 +370,8 @@ def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=
     call over the whole shard where it has several chunks (step_call), else per chunk pair."""
     if one_call_steps(call):
         if call.stats is not None:
-            pairs(call, q, kv_rank, window=window)  # counted, as the pairs the call covers
+            # counted, as the pairs the call covers
+            pairs(call, q, kv_rank, window=window, masks=False)
         step = step_call(call, q, kv_rank, window)
         if step is not None:
             out_i, lse_i = attend(call, q, k, v, 0, 0, step.block_mask, variant=step.variant)

@@ -176,13 +176,40 @@ class GridPlans:
             seq_lengths=(self.seq_len, self.seq_len),
         )  # fmt: skip
 
-    def __call__(self, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
+    def _answers(self, q_chunks, kv_chunks, block_size, device) -> bool:
+        """Whether the grid decides these chunks' pairs: whole blocks inside the sequence, at
+        the grid's block size and device."""
         bq, bk = self.block
-        aligned = all(x % bq == 0 for x in q_chunk) and all(x % bk == 0 for x in kv_chunk)
-        inside = max(sum(q_chunk), sum(kv_chunk)) <= self.seq_len
+        aligned = all(x % bq == 0 for c in q_chunks for x in c) and all(
+            x % bk == 0 for c in kv_chunks for x in c
+        )
+        inside = max(sum(c) for c in (*q_chunks, *kv_chunks)) <= self.seq_len
         same = tuple(block_size) == self.block and torch.device(device) == self.device
-        if not (self.usable and aligned and inside and same):
+        return self.usable and aligned and inside and same
+
+    def kept(self, q_chunks, kv_chunks, block_size, device) -> torch.Tensor | None:
+        """kept[i, j] (bool, on the CPU): whether the mask keeps any block of (q_chunks[i],
+        kv_chunks[j]), every pair of the two lists in one reduction over the grid and one copy
+        to the host (a pair at a time is a device sync each, and PyTorch's per-document
+        balancers give a rank a hundred chunks at 128K); None where the grid does not decide
+        them (`__call__`'s conditions)."""
+        if not q_chunks or not kv_chunks:
+            return torch.zeros((len(q_chunks), len(kv_chunks)), dtype=torch.bool)
+        if not self._answers(q_chunks, kv_chunks, block_size, device):
             return None
+        rows, row_of = _blocks_of(q_chunks, self.block[0], self.device)
+        cols, col_of = _blocks_of(kv_chunks, self.block[1], self.device)
+        tiles = (self.partial[rows][:, cols] | self.full[rows][:, cols]).to(torch.int32)
+        per_row = torch.zeros((len(q_chunks), cols.numel()), dtype=torch.int32, device=self.device)
+        per_row.index_add_(0, row_of, tiles)
+        out = torch.zeros((len(q_chunks), len(kv_chunks)), dtype=torch.int32, device=self.device)
+        out.index_add_(1, col_of, per_row)
+        return (out > 0).cpu()
+
+    def __call__(self, batch, heads, q_chunk, kv_chunk, block_size, backend, device):
+        if not self._answers((q_chunk,), (kv_chunk,), block_size, device):
+            return None
+        bq, bk = self.block
         rows = slice(q_chunk[0] // bq, (q_chunk[0] + q_chunk[1]) // bq)
         cols = slice(kv_chunk[0] // bk, (kv_chunk[0] + kv_chunk[1]) // bk)
         partial, full = self.partial[rows, cols], self.full[rows, cols]
@@ -201,6 +228,14 @@ class GridPlans:
         if whole_full:
             self.all_full[partial.shape] = block_mask
         return False, block_mask
+
+
+def _blocks_of(chunks, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid blocks of (offset, length) chunks of whole blocks, in order, and the index of
+    the chunk each belongs to."""
+    blocks = [torch.arange(o // block, (o + n) // block) for o, n in chunks]
+    owner = [torch.full((b.numel(),), i) for i, b in enumerate(blocks)]
+    return torch.cat(blocks).to(device), torch.cat(owner).to(device)
 
 
 def _whole_blocks(positions: torch.Tensor, block: int) -> torch.Tensor | None:

@@ -588,7 +588,7 @@ def _record(call: CPCall, q: torch.Tensor, out, lse) -> None:
         # overlapped calls re-run their forwards there)
         stats.backward = "flex" if call.backward == "flex" else "kernel"
         for p in range(call.world_size):  # the chunk pairs the one call covers, for comparison
-            pairs(call, q, p)
+            pairs(call, q, p, masks=False)
 
 
 def allgather_attention(
@@ -723,7 +723,7 @@ def _simulated_rank(
     b, g, n, d = ks[0].shape
     row = nbytes(2, b, g, 1, d, itemsize=ks[0].element_size())
     for p in range(P):  # the chunk pairs the calls cover, counted as the algorithm does
-        pairs(counted, q_r, p)
+        pairs(counted, q_r, p, masks=False)
     pattern = "allgather" if plan.gathers else "alltoall"
     grads = 2 if saved is not None else 1
     if plan.overlaps(overlap):

@@ -52,7 +52,7 @@ class AutoOptions:
     """Each candidate captured as CUDA graphs (true), not (false), or both (default) where
     graphs can run: on CUDA, with a transport on the device (topology.cuda_graph=true: graphs
     only). The pick says which (`/cuda_graph`) and the run takes it."""
-    shortlist: int = 3
+    shortlist: int = dataclasses.field(default=3, metadata={"low": 0})
     """Candidates the model prices within 15 % of its best that are then timed item by item,
     at most (0: every candidate is timed, the model only orders them)."""
     reuse: bool = True
@@ -78,16 +78,6 @@ def _known_layouts(*, options: dict[str, Any], **_: Any) -> None:
             raise ConfigError("topology.options.layouts", choice_error("layout", layout, allowed))
 
 
-def _shortlist_size(*, options: dict[str, Any], **_: Any) -> None:
-    """topology.options.shortlist is a count: 0 (time every candidate) or more."""
-    most = options["shortlist"]
-    if isinstance(most, bool) or not isinstance(most, int) or most < 0:
-        raise ConfigError(
-            "topology.options.shortlist",
-            f"must be a whole number of candidates to time, 0 for every one; got {most!r}",
-        )
-
-
 def _runs_the_pick(*_: Any, **__: Any) -> Any:
     raise RuntimeError("topology=auto runs the scheme it picks (attngym.runner.tasks.cp_auto)")
 
@@ -98,6 +88,6 @@ AUTO = TopologySpec(
     layouts=(PICK, *LAYOUTS),
     user_layouts=True,
     options=AutoOptions,
-    rules=(_known_candidates, _known_layouts, _shortlist_size),
+    rules=(_known_candidates, _known_layouts),
     chooses=True,
 )

@@ -459,7 +459,8 @@ def _simulated_rank(ranks: SequenceRanks, r: int, clock) -> tuple[RankWork, int,
     for i in range(plan.steps):
         s = (r - i) % P
         window = (plan.starts[s][i], plan.widths[i])
-        pairs(counted, q_r, s, window=window)  # counts computed / skipped pairs, as the forward
+        # counts computed / skipped pairs, as the forward
+        pairs(counted, q_r, s, window=window, masks=False)
         structure = _step_structure(call, q_r, s, window, clock)
         # The held rows' sizes matter to the backward's sums too, and what the step adds to
         # (the first hop's rows kept; the dK/dV so far, or coming home), and the sums held

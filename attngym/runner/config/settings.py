@@ -94,6 +94,10 @@ def setting(
 
 
 def _rule(field: dataclasses.Field) -> _Rule:
+    """The field's rule: `setting`'s, or an int's least value as a scheme's options (which the
+    run layer's `setting` does not reach) write it, `field(default=3, metadata={"low": 0})`."""
+    if "low" in field.metadata:
+        return _Rule(low=field.metadata["low"])
     return field.metadata.get(_META, _NO_RULE)
 
 

@@ -27,8 +27,10 @@ efficiency).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -114,12 +116,23 @@ def simulated(
 
 
 def simulation_inputs(settings: Settings, device) -> tuple[torch.Tensor, ...]:
-    """The run's seeded whole inputs (q, k, v, grad_out) on `device`, in the run's dtype."""
-    dtype = torch_dtype(settings.dtype)
-    return tuple(
-        t.to(device=device, dtype=dtype)
-        for t in make_inputs(settings.shape, settings.seed, "cpu", torch.float32)
-    )
+    """The run's seeded whole inputs (q, k, v, grad_out) on `device`, in the run's dtype (the
+    last draw kept: a workload's batches share shape and seed, and a draw at 128K takes seconds
+    on the host; read-only, as every simulation takes them)."""
+    s = settings.shape
+    return _inputs((s.batch, s.heads, s.kv_heads, s.seq_len, s.head_dim), settings.seed,
+                   str(torch.device(device)), settings.dtype)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _inputs(shape: tuple[int, ...], seed: int, device: str, dtype: str) -> tuple[torch.Tensor, ...]:
+    batch, heads, kv_heads, seq_len, head_dim = shape
+    drawn = make_inputs(
+        types.SimpleNamespace(batch=batch, heads=heads, kv_heads=kv_heads, seq_len=seq_len,
+                              head_dim=head_dim),
+        seed, "cpu", torch.float32,
+    )  # fmt: skip
+    return tuple(t.to(device=device, dtype=torch_dtype(dtype)) for t in drawn)
 
 
 def run_simulated(
