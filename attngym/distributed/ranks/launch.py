@@ -420,6 +420,7 @@ def launch(
     timeout_s: float = 120.0,
     run_dir: str | os.PathLike | None = None,
     progress: dict | None = None,
+    in_process: bool = False,
 ) -> Any:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks and return rank 0's result.
 
@@ -432,6 +433,9 @@ def launch(
             longest a spawned rank may go without a heartbeat before the caller stops the run.
         run_dir: where ranks write rank<N>.log (None: no files); see the module docstring.
         progress: updated with rank 0's latest `report`, however the launch ends.
+        in_process: a world of one runs in this process (`_run_here`) where it has no process
+            group yet: no interpreter to start, no imports or CUDA context again (seconds), no
+            heartbeat (a hang is this process's, as a one-device run's); else spawned as usual.
 
     Returns:
         Rank 0's return value (spawned), or this rank's return value (torchrun).
@@ -455,6 +459,8 @@ def launch(
             run_dir=run_dir,
             progress=progress,
         )
+    if in_process and world_size == 1 and not _has_group():
+        return _run_here(fn, args=args, device=device, timeout_s=timeout_s, progress=progress)
     from multiprocessing import resource_tracker
 
     import torch.multiprocessing as mp
@@ -618,6 +624,37 @@ def _join_torchrun(
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def _has_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _run_here(
+    fn: Callable[..., Any], *, args: tuple, device: str, timeout_s: float, progress: dict | None
+) -> Any:
+    """A world of one in this process: its group (on an in-memory store) made for `fn` and
+    destroyed after it, with its transports; rank 0's reports go to `progress`."""
+    import torch.distributed as dist
+
+    from attngym.distributed.transport import clear_cache
+
+    global _REPORT_TO
+    os.environ.update(RANK_ENV)  # before NCCL or symmetric memory initialise in this process
+    _set_device(device, 0)
+    dist.init_process_group(
+        _backend(device, 1), store=dist.HashStore(), rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    before, _REPORT_TO = _REPORT_TO, progress
+    try:
+        return fn(0, 1, *args)
+    finally:
+        _REPORT_TO = before
+        clear_cache()
+        dist.destroy_process_group()
 
 
 def _logs_to(path: pathlib.Path) -> bool:

@@ -198,6 +198,7 @@ def run_context_parallel(
                 timeout_s=settings.topology.timeout_s,
                 run_dir=run_dir,
                 progress=metrics,  # rank 0 reports after each phase
+                in_process=True,  # a world of one: no rank to start
             )
         )
         rank_time = metrics.pop(RANK_TIME, None)
