@@ -24,9 +24,9 @@ rank. Every rank runs the same phases in order; each phase returns the metrics i
    tolerance fails the run the same way): every rank attends with an output gradient kept on the
    validated rows (a seeded sample, and always every rank's first and last query blocks and the
    edges of every piece of the layout: `validation.sample_rows`), the shards of out, lse and the
-   gradients are gathered to rank 0's CPU, and rank 0 compares them with the float64 dense
-   reference on its CPU (validated q rows against the whole K/V: O(R·S) host memory, no device
-   memory beyond the shards).
+   gradients are gathered to rank 0, and rank 0 compares them with the float64 dense reference
+   (validated q rows against the whole K/V, O(R·S) memory) on its GPU where that fits in half
+   its free memory (`_reference_device`), else on its CPU.
 4. `time`: fwd, bwd, fwd+bwd timed together with the peers (bench.time_fn; every rank makes the
    same calls), and `peak_mem_bytes`, the largest peak over the ranks of what the timed calls add
    (CUDA: beyond the live inputs; CPU: the process's peak RSS), so that ring and all-gather memory
@@ -557,21 +557,44 @@ def validate(job: RankJob) -> dict[str, Any]:
     with rank0_alone:
         rank0_alone.enter_context(rank0_work(s.topology.timeout_s))  # rank 0's reference
         if job.rank == 0:
-            q, k, v, grad_out = job.whole
+            on = _reference_device(job)
+            q, k, v, grad_out = (t.to(on) for t in job.whole)
+
+            def attend_on(g_masked: torch.Tensor | None = None):
+                out, lse, grads = attend(g_masked)
+                grads = None if grads is None else tuple(t.to(on) for t in grads)
+                return out.to(on), None if lse is None else lse.to(on), grads
+
             metrics, job.validated = validate_rows(
-                job.variant_cpu,
+                job.variant_cpu if on.type == "cpu" else job.variant,
                 q,
                 k,
                 v,
                 grad_out,
-                attend,
+                attend_on,
                 do_bwd=job.do_bwd,
-                rows=job.rows,
+                rows=job.rows.to(on),
                 rows_at_once=s.validate_rows,
             )
         else:
             attend()
     return metrics
+
+
+def _reference_device(job: RankJob) -> torch.device:
+    """Where rank 0's float64 reference runs: its GPU where what the reference holds (float64
+    K/V and their gradients repeated over the heads, a few score matrices of a row group, the
+    whole problem gathered) takes at most half its free memory; else its CPU, seconds at 64K."""
+    if job.device.type != "cuda":
+        return torch.device("cpu")
+    shape = job.settings.shape
+    whole = shape.batch * shape.heads * shape.seq_len * shape.head_dim
+    scores = shape.batch * shape.heads * min(job.settings.validate_rows, job.rows.numel())
+    need = 8 * (6 * whole + 6 * scores * shape.seq_len) + 8 * whole * job.shards[0].element_size()
+    free, _ = torch.cuda.mem_get_info(job.device)
+    on = job.device if need <= free // 2 else torch.device("cpu")
+    log.info("float64 reference on %s (~%.1f GiB)", on, need / 2**30)
+    return on
 
 
 def check_timed(job: RankJob) -> dict[str, Any]:
