@@ -634,6 +634,28 @@ def test_config_error_on_a_rank_reaches_the_caller_as_itself():
         launch(_config_error_worker, 1, timeout_s=20)
 
 
+def _here_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from attngym.distributed.ranks.launch import report
+
+    report({"rank": rank})
+    return os.getpid(), dist.get_world_size(), float(torch.ones(1).sum())
+
+
+def test_a_world_of_one_runs_in_this_process_when_asked_and_leaves_no_group():
+    import torch.distributed as dist
+
+    progress: dict = {}
+    here = launch(_here_worker, 1, timeout_s=20, in_process=True, progress=progress)
+    assert here == (os.getpid(), 1, 1.0) and progress == {"rank": 0}
+    assert not dist.is_initialized()
+    assert launch(_here_worker, 1, timeout_s=20)[0] != os.getpid()  # spawned unless asked
+    with pytest.raises(ConfigError, match="topology.transport: copy_engine"):
+        launch(_config_error_worker, 1, timeout_s=20, in_process=True)
+    assert not dist.is_initialized()
+
+
 def test_task_rejects_copy_engine_on_cpu_before_launch_and_accepts_gloo(tmp_path):
     from attngym.runner.tasks.context_parallel import check_hardware
     from attngym.runner.tasks.cp_setup import CPRun
