@@ -208,8 +208,8 @@ def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_p
     fresh = attngym.run(overrides=[*common, "topology.options.reuse=false"],
                         run_dir=tmp_path / "fresh")  # fmt: skip
     assert fresh["auto_cached"] is None
-    every = attngym.run(overrides=[*common, "topology.options.reuse=false",
-                                   "topology.options.shortlist=0"], run_dir=tmp_path / "every")  # fmt: skip
+    every_key = ["topology.options.reuse=false", "topology.options.shortlist=0"]
+    every = attngym.run(overrides=[*common, *every_key], run_dir=tmp_path / "every")
     rows = json.loads((tmp_path / "every" / "auto.json").read_text())["candidates"]
     ways = {(c["scheme"], c["layout"], json.dumps(c["options"]), c["cuda_graph"]) for c in rows}
     assert every["auto_timed"] == len(ways) > 2  # 0: every candidate timed (its best transport)
