@@ -187,16 +187,25 @@ def test_the_fit_never_prices_below_zero_or_falls_with_size():
 def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_path):
     import attngym
     from attngym.errors import ConfigError
+    from attngym.runner.tasks.cp_auto import SHORTLIST_MARGIN
 
     common = ["topology=auto", "topology.simulate=true", "topology.world_size=2",
               "attention=document", "device=cpu", "shape.seq_len=512", "shape.heads=2",
               "shape.head_dim=8", "validate=false", "baselines=[]", "benchmark.warmup=0",
               "benchmark.repeats=1", "logger=none", "topology.options.shortlist=2"]  # fmt: skip
     first = attngym.run(overrides=common, run_dir=tmp_path / "first")
-    assert first["auto_timed"] == 2 and first["auto_cached"] is None
+    assert first["auto_cached"] is None
     table = json.loads((tmp_path / "first" / "auto.json").read_text())
     timed = [c for c in table["candidates"] if c["timed_ms"] is not None]
-    assert len({(c["scheme"], c["layout"], json.dumps(c["options"])) for c in timed}) == 2
+    # at most 2, each (its fastest transport) within the margin of the model's best; how many
+    # depends on this CPU's timings
+    fastest: dict[tuple, float] = {}
+    for c in timed:
+        way = (c["scheme"], c["layout"], json.dumps(c["options"]))
+        fastest[way] = min(fastest.get(way, c["model_ms"]), c["model_ms"])
+    best = min(c["model_ms"] for c in table["candidates"])
+    assert 1 <= first["auto_timed"] == len(fastest) <= 2
+    assert all(ms <= best * (1 + SHORTLIST_MARGIN) for ms in fastest.values())
     assert table["candidates"][0] in timed  # the pick is a timed one
     assert all(not c["cuda_graph"] for c in table["candidates"])  # no graphs on a CPU
     again = attngym.run(overrides=common, run_dir=tmp_path / "again")
