@@ -40,6 +40,10 @@ Contract:
       SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of SLURM_STEP_NODELIST as the
       rendezvous host), so a task is one rank exactly as under torchrun; a step of one task spawns
       its ranks.
+    * In this process (`in_process=True`, a world of one, no process group yet): `fn` runs here
+      in a group of one on an in-memory store, destroyed after it with its transports; no
+      heartbeat and no rank0.log (its records are this process's). Its interpreter, imports and
+      CUDA context are the caller's: a CP job at world size 1 starts in a second, not several.
     * torchrun (RANK, WORLD_SIZE and LOCAL_RANK set, possibly several nodes): this process is one
       rank; it joins (or reuses) the default process group and returns its own `fn` result. A
       group it creates lives until the process exits (so a torchrun sweep runs every job in the
