@@ -181,9 +181,7 @@ def estimate(
     # Eager flex on the CPU: (chunk x S) float32 scores and probabilities per (b, h), in every
     # rank's process at once; compiled flex on CUDA adds nothing of that order.
     flex = 2 * batch * heads * chunk * seq_len * 4 * world_size if on_cpu else 0
-    reference = 3 * batch * heads * min(validate_rows, seq_len) * seq_len * 8
-    if backward:
-        reference *= 2
+    reference = reference_bytes(batch, heads, validate_rows, seq_len, backward=backward)
     transients = {"flex": flex, "reference": reference}
     baseline_bytes = {
         name: _baseline_bytes(name, on_cpu, batch, heads, seq_len, elem)
@@ -289,6 +287,13 @@ def _baseline_bytes(name: str, on_cpu: bool, batch: int, heads: int, seq: int, e
 def _largest(parts: Mapping[str, int]) -> str:
     name = max(parts, key=lambda k: parts[k])
     return f"largest: {name} ~{format_bytes(parts[name])}"
+
+
+def reference_bytes(batch: int, heads: int, rows: int, seq_len: int, *, backward: bool) -> int:
+    """The float64 reference's transient for a group of `rows` query rows: (rows x S) scores,
+    probabilities and mask per (b, h), twice with a backward (validation.validate_rows)."""
+    once = 3 * batch * heads * min(rows, seq_len) * seq_len * 8
+    return 2 * once if backward else once
 
 
 def available_memory(device: str | torch.device, *, total: bool = False) -> int | None:

@@ -582,17 +582,20 @@ def validate(job: RankJob) -> dict[str, Any]:
 
 
 def _reference_device(job: RankJob) -> torch.device:
-    """Where rank 0's float64 reference runs: its GPU where what the reference holds (float64
-    K/V and their gradients repeated over the heads, a few score matrices of a row group, the
-    whole problem gathered) takes at most half its free memory; else its CPU, seconds at 64K."""
+    """Where rank 0's float64 reference runs: its GPU where what the reference holds (a row
+    group's transient, estimate.reference_bytes; float64 K/V and their gradients repeated over
+    the heads; the whole problem gathered in the run dtype) takes at most half its free memory;
+    else its CPU, seconds at 64K."""
+    from attngym.estimate import available_memory, reference_bytes
+
     if job.device.type != "cuda":
         return torch.device("cpu")
     shape = job.settings.shape
     whole = shape.batch * shape.heads * shape.seq_len * shape.head_dim
-    scores = shape.batch * shape.heads * min(job.settings.validate_rows, job.rows.numel())
-    need = 8 * (6 * whole + 6 * scores * shape.seq_len) + 8 * whole * job.shards[0].element_size()
-    free, _ = torch.cuda.mem_get_info(job.device)
-    on = job.device if need <= free // 2 else torch.device("cpu")
+    need = reference_bytes(shape.batch, shape.heads, job.settings.validate_rows, shape.seq_len,
+                           backward=job.do_bwd)  # fmt: skip
+    need += 8 * 6 * whole + 8 * whole * job.shards[0].element_size()
+    on = job.device if need <= available_memory(job.device) // 2 else torch.device("cpu")
     log.info("float64 reference on %s (~%.1f GiB)", on, need / 2**30)
     return on
 
