@@ -47,7 +47,7 @@ scheme() {  # NAME TIMEOUT OVERRIDES...
   T_TIMEOUT=$limit t "$name" $AG $WL $SIM "$@" hydra.run.dir="$name"
   mkdir -p "$OUT/$name" && cp "$W/$name"/{batches.csv,metrics.json,batches.png} "$OUT/$name/" 2>/dev/null
 }
-has workload_ring && scheme workload_ring 330 topology=ring topology.layout=balanced
+has workload_ring && scheme workload_ring 400 topology=ring topology.layout=balanced
 has workload_allgather && scheme workload_allgather 240 topology=allgather topology.layout=balanced 'baselines=[]'
 has workload_ulysses && scheme workload_ulysses 150 topology=ulysses topology.layout=contiguous 'baselines=[]'
 has workload_hybrid && scheme workload_hybrid 200 topology=hybrid topology.layout=contiguous \
