@@ -35,9 +35,11 @@ def test_sub_mask_is_create_block_mask_of_the_mapped_user_mask():
     assert plans.sub_mask(q_pos + 1, kv_pos, mapped) is None  # not whole blocks: built instead
 
 
-def test_kept_decides_every_chunk_pair_as_the_pair_plan_does():
+def test_kept_decides_every_chunk_pair_as_the_pair_plan_does(monkeypatch):
     """GridPlans.kept answers for all chunk pairs at once what a pair's own plan decides (any
-    kept block), on unevenly long whole-block chunks; unaligned chunks are left to the pairs."""
+    kept block), on unevenly long whole-block chunks; unaligned chunks are left to the pairs.
+    Asked again it reads its answer: a CUDA graph's capture repeats the warm-up's questions and
+    allows no copy between host and device."""
 
     def banded(b, h, q_idx, kv_idx):  # documents of 384 with a checkerboard inside
         return (q_idx // 384 == kv_idx // 384) & _checkerboard(b, h, q_idx, kv_idx)
@@ -51,6 +53,12 @@ def test_kept_decides_every_chunk_pair_as_the_pair_plan_does():
             for qc in q_chunks]  # fmt: skip
     assert kept.tolist() == each and any(map(any, each)) and not all(map(all, each))
     assert plans.kept([(64, 128)], kv_chunks, (128, 128), "cpu") is None
+
+    def no_copies(*args):
+        raise AssertionError("kept reduced the grid again")
+
+    monkeypatch.setattr(grid, "_blocks_of", no_copies)
+    assert plans.kept(list(q_chunks), kv_chunks, (128, 128), "cpu").tolist() == each
 
 
 def test_bytes_needed_counts_the_blocks_other_ranks_hold_that_the_mask_reads():

@@ -147,6 +147,9 @@ class GridPlans:
         # The whole problem's forward that simulated ranks start a backward from, per inputs
         # (simulate.SequenceRanks._merged): one for every candidate topology=auto simulates.
         self.merged: dict[tuple, Any] = {}
+        # (q chunks, kv chunks) -> `kept`'s answer: asked again (a CUDA graph's capture replays
+        # the warm-up's calls, where no host copy may run) it is read, not reduced anew.
+        self.kept_pairs: dict[tuple, torch.Tensor] = {}
         grid = block_grid(variant, seq_len, self.block, self.device)
         self.usable = grid is not None
         if self.usable:  # else no mask: every pair full, built as usual
@@ -192,11 +195,17 @@ class GridPlans:
         kv_chunks[j]), every pair of the two lists in one reduction over the grid and one copy
         to the host (a pair at a time is a device sync each, and PyTorch's per-document
         balancers give a rank a hundred chunks at 128K); None where the grid does not decide
-        them (`__call__`'s conditions)."""
+        them (`__call__`'s conditions). Memoised."""
         if not q_chunks or not kv_chunks:
             return torch.zeros((len(q_chunks), len(kv_chunks)), dtype=torch.bool)
         if not self._answers(q_chunks, kv_chunks, block_size, device):
             return None
+        key = (tuple(map(tuple, q_chunks)), tuple(map(tuple, kv_chunks)))
+        if key not in self.kept_pairs:
+            self.kept_pairs[key] = self._kept(q_chunks, kv_chunks)
+        return self.kept_pairs[key]
+
+    def _kept(self, q_chunks, kv_chunks) -> torch.Tensor:
         rows, row_of = _blocks_of(q_chunks, self.block[0], self.device)
         cols, col_of = _blocks_of(kv_chunks, self.block[1], self.device)
         tiles = (self.partial[rows][:, cols] | self.full[rows][:, cols]).to(torch.int32)
