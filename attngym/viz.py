@@ -950,5 +950,6 @@ def save_batch_times(
     ax.set_ylabel(time_label)
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no series with a time: no legend to draw
+        ax.legend(fontsize=8)
     return save_png(fig, pathlib.Path(path))

@@ -134,6 +134,28 @@ def test_a_sweep_of_schemes_draws_each_jobs_batches(tmp_path, attngym_cli):
     assert (tmp_path / "sweep" / "batches.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_simulated_runs_batches_are_drawn_from_its_predictions():
+    """Simulated ranks time nothing of their own: the picture draws the scheme's predicted time
+    and PyTorch's CP with each balancer, fwd+bwd, not the best balancer twice."""
+    from attngym.runner.pictures import batch_series
+
+    rows = [{"doc_len_max": str(n), "fwd_ms": "", "fwd_bwd_ms": "",
+             "predicted_fwd_ms": "1.0", "predicted_fwd_bwd_ms": str(n / 1000),
+             "predicted_torch_cp_head_tail_fwd_bwd_ms": "9.0",
+             "predicted_torch_cp_ptrr_fwd_bwd_ms": str(n / 900),
+             "predicted_torch_cp_fwd_bwd_ms": str(n / 900), "single_fwd_bwd_ms": "30.0"}
+            for n in (4096, 16384)]  # fmt: skip
+    drawn = batch_series(rows, "ring (8 ranks)")
+    assert drawn["time_label"] == "fwd+bwd time (ms)"
+    assert drawn["series"] == {
+        "ring (8 ranks), predicted": [(4096.0, 4.096), (16384.0, 16.384)],
+        "torch_cp head_tail, predicted": [(4096.0, 9.0), (16384.0, 9.0)],
+        "torch_cp ptrr, predicted": [(4096.0, 4096 / 900), (16384.0, 16384 / 900)],
+    }
+    measured = [{**r, "fwd_bwd_ms": "2.0", "varlen_fwd_bwd_ms": "3.0"} for r in rows]
+    assert set(batch_series(measured, "flex")["series"]) == {"flex", "varlen"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["ring", "allgather", "ulysses"])
 def test_every_batch_of_a_cp_workload_matches_float64_forward_and_backward(
@@ -253,6 +275,11 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
     assert metrics["topology"] == first["scheme"]  # every batch ran the one pick
     assert all(c["predicted_ms"] >= first["predicted_ms"] for c in table["candidates"])
     assert first["predicted_ms"] == pytest.approx(sum(first["batches_ms"]) / 2)
+    # The pick was timed on one typical batch, its price on the other scaled by it.
+    assert table["timed_on_batch"] in (0, 1) and metrics["auto_timed"] >= 1
+    assert first["timed_over_model"] is not None
+    for c in table["candidates"]:  # each batch's price is the model's, times the ratio if timed
+        assert c["predicted_ms"] == pytest.approx(c["model_ms"] * (c["timed_over_model"] or 1))
     # Picking per batch: each batch's best, plus the planning its switches cost.
     best = sum(min(c["batches_ms"][i] for c in table["candidates"]) for i in (0, 1))
     assert metrics["auto_dynamic_switches"] in (0, 1)

@@ -124,13 +124,21 @@ def batch_series(rows: list[dict[str, Any]], label: str, *, contenders: bool = T
                  ) -> dict[str, Any]:  # fmt: skip
     """The keywords of viz.save_batch_times for a run's batch rows: its own time (`label`) and,
     with `contenders`, every contender's (`<contender>_<pass>_ms`), the pass fwd+bwd where the
-    rows have it, else fwd."""
-    pass_name = "fwd_bwd" if any(_number(r.get("fwd_bwd_ms")) for r in rows) else "fwd"
+    rows have it, else fwd. A simulated run's rows hold predictions (`predicted_<pass>_ms`, and
+    PyTorch's CP with each balancer as `predicted_torch_cp_<balancer>_<pass>_ms`): those are
+    drawn, named as predicted."""
+    simulated = not any(_number(r.get(k)) for r in rows for k in ("fwd_ms", "fwd_bwd_ms"))
+    prefix = "predicted_" if simulated else ""
+    pass_name = "fwd_bwd" if any(_number(r.get(f"{prefix}fwd_bwd_ms")) for r in rows) else "fwd"
     suffix = f"_{pass_name}_ms"
-    columns = {label: f"{pass_name}_ms"}
+    columns = {label + ", predicted" * simulated: f"{prefix}{pass_name}_ms"}
     for column in dict.fromkeys(k for r in rows for k in r) if contenders else ():
         own = column.removesuffix(suffix)
-        if column.endswith(suffix) and own and own not in NOT_CONTENDERS:
+        if not column.endswith(suffix) or not own:
+            continue
+        if simulated and own.startswith(PREDICTED_TORCH_CP):  # one line a balancer
+            columns[f"torch_cp {own.removeprefix(PREDICTED_TORCH_CP)}, predicted"] = column
+        elif not simulated and own not in NOT_CONTENDERS and not own.startswith("predicted"):
             columns[own] = column
     series = {
         name: [(x, y) for r in rows
@@ -140,8 +148,11 @@ def batch_series(rows: list[dict[str, Any]], label: str, *, contenders: bool = T
     return {"series": series, "time_label": f"{pass_name.replace('_', '+')} time (ms)"}
 
 
+# A simulated run's PyTorch CP predictions, one column a balancer (`predicted_torch_cp_<pass>_ms`
+# alone is the best of them, already drawn).
+PREDICTED_TORCH_CP = "predicted_torch_cp_"
 # `<name>_<pass>_ms` columns of a batch row that are no contender's time.
-NOT_CONTENDERS = ("single", "predicted", "best", "best_sdpa", "torch_cp_head_tail",
+NOT_CONTENDERS = ("single", "best", "best_sdpa", "torch_cp_head_tail",
                   "torch_cp_per_document_head_tail", "torch_cp_ptrr")  # fmt: skip
 
 
