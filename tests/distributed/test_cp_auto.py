@@ -274,3 +274,38 @@ def test_the_runner_up_is_priced_in_the_picks_currency():
     timed = Priced("allgather", "balanced", {}, False, "gloo", model_ms=30.0, timed_ms=140.0)
     assert _runner_up(pick, [pick, timed, other]) == (timed, 140.0)
     assert _runner_up(pick, [pick]) == (None, None)
+
+
+def test_graphs_that_cannot_speed_a_candidate_up_price_it_without_a_second_simulation():
+    """Graphs shorten only the host's time: a candidate whose every rank is bound by its device
+    (here a CPU's, its host time 0) is priced with graphs as without them, not simulated again,
+    and that price is the graphs' model's own."""
+    from attngym.runner.config import Benchmark, Settings, Shape, Topology
+    from attngym.runner.tasks.cp_auto import ChoiceProgress, Pricing, _candidate
+    from attngym.runner.tasks.cp_setup import CPRun
+    from attngym.runner.tasks.cp_simulate import simulated
+
+    settings = Settings(
+        attention={"name": "causal"}, device="cpu",
+        shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
+        topology=Topology(kind="auto", world_size=2, simulate=True,
+                          options={"candidates": ["allgather", "ulysses"]}),
+        benchmark=Benchmark(warmup=0, repeats=1), baselines=(),
+    )  # fmt: skip
+    pricing = Pricing(CPRun.of(settings))
+    pricing.graphs = (False, True)  # as on a GPU
+    metrics: dict = {}
+    with ChoiceProgress(pricing.planned_count(settings), metrics) as progress:
+        rows, _ = pricing.modelled(settings, progress)
+    plain = {r.candidate for r in rows if not r.cuda_graph}
+    graphed = [r for r in rows if r.cuda_graph]
+    assert len(plain) >= 2 and len({r.candidate for r in graphed}) == len(plain)
+    assert metrics["auto_simulated"] == metrics["auto_planned"] == len(plain)
+    for row in graphed:
+        alike = _candidate(settings, row.scheme, row.layout, "gloo", False, row.own)
+        result = simulated(CPRun.of(alike), pricing.inputs, pricing.device,
+                           timer=pricing.models[True])  # fmt: skip
+        again = pricing.price(settings, (row.scheme, row.layout, row.own), result, True)
+        assert [r.model_ms for r in again if r.transport == row.transport] == [
+            pytest.approx(row.model_ms)
+        ]

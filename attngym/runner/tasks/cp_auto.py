@@ -3,9 +3,10 @@ win, pick one, and keep the answer.
 
 Each candidate scheme and layout, with and without CUDA graphs where graphs can run, is first
 simulated with the model (simulate.ModelTimer: a few items of each kind timed on this device,
-the rest priced from their blocks) and priced on the run's fabric for each transport; again with
-each option set its simulation names as another way to run it (Simulation.extra
-"alternatives": the all-gather's overlap). The candidates the model puts within SHORTLIST_MARGIN
+the rest priced from their blocks) and priced on the run's fabric for each transport (with
+graphs as without where every rank is bound by its device, `_device_bound`); again with each
+option set its simulation names as another way to run it (Simulation.extra "alternatives": the
+all-gather's overlap). The candidates the model puts within SHORTLIST_MARGIN
 of its best (topology.options.shortlist of them at most; 0: every one) are then simulated with
 every item timed, as a `topology.simulate=true` run of them is, sharing what they have in
 common, and so is any other the model prices CONFIRM_MARGIN under the fastest timed one
@@ -223,7 +224,12 @@ class Pricing:
         planned, rows, left_out = self.planned(settings), [], {}
         while planned:
             name, layout, own = planned.pop(0)
+            plain: list[Priced] = []  # this candidate's rows without graphs
             for graph in self.graphs:
+                if graph and plain and all(map(_device_bound, plain)):
+                    rows += [dataclasses.replace(r, cuda_graph=True) for r in plain]
+                    progress.grow(-1)  # priced without simulating
+                    continue
                 candidate = _candidate(settings, name, layout, settings.topology.transport,
                                        graph, own)  # fmt: skip
                 label = Priced(name, layout, own, graph, "", 0.0).label
@@ -247,6 +253,7 @@ class Pricing:
                     progress.grow(len(alternatives) * len(self.graphs))
                 for row in self.price(settings, (name, layout, own), result, graph):
                     rows.append(row)
+                    plain += [row] * (not graph)
                     progress.priced(f"{row.label} over {row.transport}", row.ms)
                 progress.simulated()
         if not rows:
@@ -403,6 +410,21 @@ class _WorkloadPrices:
             time_one(row)
         _confirm([typical[k] for k in every], time_one,
                  cost=lambda r: self.total((r.candidate, r.transport)))  # fmt: skip
+
+
+def _device_bound(row: Priced) -> bool:
+    """Whether CUDA graphs would leave this candidate's price as it is, so that its price
+    without them is its price with them: every rank's device timeline at least its host's time
+    and at least the host's time with graphs (one replay an item, bounded by every item of the
+    simulation's). Graphs change only the host's time (simulate.ModelTimer.with_graphs)."""
+    from attngym.distributed.model.simulate import GRAPH_REPLAY_MS
+
+    sim, prediction = row.result[0], row.result[4]
+    with_graphs = sim.items * GRAPH_REPLAY_MS
+    return bool(prediction.rank_device_ms) and all(
+        device >= max(host, with_graphs)
+        for device, host in zip(prediction.rank_device_ms, prediction.rank_host_ms, strict=True)
+    )
 
 
 def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
