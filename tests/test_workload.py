@@ -256,10 +256,18 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
     tmp_path, monkeypatch
 ):
     import attngym
+    from attngym import viz
 
     (tmp_path / "given.txt").write_text("[512]\n[64, 64, 64, 64, 256]\n")
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
+    drawn, draw = [], viz.save_batch_times
+
+    def drawing(series, path, **kw):  # batches.png: which lines it draws
+        drawn.append(list(series))
+        return draw(series, path, **kw)
+
+    monkeypatch.setattr(viz, "save_batch_times", drawing)
     metrics = attngym.run(
         overrides=["workload=documents", "workload.distribution=file", "workload.file=given.txt",
                    "workload.batches=2", "attention=document", "topology=auto",
@@ -273,6 +281,7 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
     first = table["candidates"][0]  # the least total over both batches
     assert metrics["auto_pick"].startswith(f"{first['scheme']}/{first['layout']}")
     assert metrics["topology"] == first["scheme"]  # every batch ran the one pick
+    assert drawn == [[f"{first['scheme']} (2 ranks), predicted"]]  # batches.png: the pick's line
     assert all(c["predicted_ms"] >= first["predicted_ms"] for c in table["candidates"])
     assert first["predicted_ms"] == pytest.approx(sum(first["batches_ms"]) / 2)
     # The pick was timed on one typical batch, its price on the other scaled by it.

@@ -31,8 +31,9 @@ HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
 PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
 
 
-def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
-    """heatmap.png and block_mask.png for any topology: {picture name: path} of those drawn.
+def draw_pictures(settings: Settings, run_dir: Path, ran: str | None = None) -> dict[str, Path]:
+    """heatmap.png and block_mask.png for any topology: {picture name: path} of those drawn;
+    with a workload, batches.png, its line named by the topology that `ran` (auto's pick).
 
     Both start from the run's BlockMask on its device (attngym.kernels.make_block_mask keeps the
     one the task attended with): the block picture draws its classes, the heatmap evaluates the
@@ -84,7 +85,7 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
 
     drawn = {}
     if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
-        drawn.update(_batch_picture(settings, run_dir))
+        drawn.update(_batch_picture(settings, run_dir, ran or settings.topology.kind))
     for name, draw in (("heatmap", heatmap), ("block_mask", block_mask)):
         path = run_dir / PICTURES[name]
         try:
@@ -97,7 +98,7 @@ def draw_pictures(settings: Settings, run_dir: Path) -> dict[str, Path]:
     return drawn
 
 
-def _batch_picture(settings: Settings, run_dir: Path) -> dict[str, Path]:
+def _batch_picture(settings: Settings, run_dir: Path, ran: str) -> dict[str, Path]:
     """batches.png from the run's batches.csv: the run's own call and every contender that
     timed its batches; a failure to draw is a warning, as above."""
     import csv
@@ -107,7 +108,7 @@ def _batch_picture(settings: Settings, run_dir: Path) -> dict[str, Path]:
     with (run_dir / ROWS_FILE).open(newline="") as f:
         rows = list(csv.DictReader(f))
     topo = settings.topology
-    label = "flex" if topo.kind == "single" else f"{topo.kind} ({topo.world_size} ranks)"
+    label = "flex" if ran == "single" else f"{ran} ({topo.world_size} ranks)"
     title = f"{settings.variant.name}: {len(rows)} batches of {settings.shape.seq_len} tokens"
     path = run_dir / BATCH_PICTURE
     try:

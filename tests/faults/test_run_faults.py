@@ -44,10 +44,10 @@ FAULTY = textwrap.dedent(
                 time.sleep(30)  # the handler interrupts this
         return metrics
 
-    def killed_before_pictures(settings, run_dir):
+    def killed_before_pictures(settings, run_dir, *ran):
         if settings.shape.seq_len == 128:
             os.kill(os.getpid(), signal.SIGKILL)
-        return draw(settings, run_dir)
+        return draw(settings, run_dir, *ran)
 
     def enospc_on_png(fd):  # a full disk for the pictures only, where tmpfs cannot be mounted
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".png." + str(os.getpid()) + ".tmp"):
