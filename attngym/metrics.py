@@ -680,7 +680,8 @@ METRICS: tuple[Metric, ...] = (
         "auto_timed",
         "auto timed",
         "",
-        "topology=auto: candidates simulated with every item timed (the rest priced by the model)",
+        "topology=auto: candidates simulated with every item timed (the rest priced by the "
+        "model; on a workload, timed on one typical batch)",
         column=False,
     ),
     M(
@@ -688,7 +689,7 @@ METRICS: tuple[Metric, ...] = (
         "auto per-batch gain",
         "ratio",
         "topology=auto on a workload: what a pick per batch would save against the one pick, "
-        "net of the planning its switches cost (the model's)",
+        "net of the planning its switches cost (the model's prices, scaled for those timed)",
     ),
     M(
         "auto_dynamic_switches",
