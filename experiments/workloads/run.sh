@@ -3,7 +3,8 @@
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
 # PHASE: tests one_gpu headline workload_ring workload_allgather workload_ulysses workload_hybrid
 # workload_auto (default: all; a 10-minute call takes one_gpu and tests, or about three workload runs).
-#   tests     the varlen kernels against float64 (GPU tests), and a two-rank workload sharing the GPU
+#   tests     the varlen kernels against float64 (GPU tests), CP calls captured as CUDA graphs
+#             against eager ones, and a two-rank workload sharing the GPU
 #   one_gpu   the README's Results rows: B=4 H=16 S=8192 D=128, every variant, every contender
 #   headline  flex against varlen_attn, fwd+bwd, B=1 H=8 S=64K D=128: window(1024), four documents
 #   workload_<scheme>  16 lognormal batches (median 2K, tail to 64K) of 128K, P=8 simulated with
@@ -29,6 +30,8 @@ fi
 if has tests; then
   export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
   T_TIMEOUT=150 t varlen_tests python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/test_varlen.py"
+  T_TIMEOUT=150 t graph_tests python3 -m pytest -q -p no:cacheprovider \
+    "$ROOT/tests/distributed/test_cp_gpu.py" -k replay_as_cuda_graphs
   T_TIMEOUT=120 t workload_2ranks $AG $WL workload.batches=3 attention=document topology=ring topology.world_size=2 \
     topology.layout=balanced shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=16384 \
     hydra.run.dir=workload_2ranks
