@@ -288,8 +288,8 @@ def _run_started(cfg: DictConfig, job: Job, metrics: dict[str, Any]) -> dict[str
                 if tracker is not None and hasattr(tracker, "begin"):  # W&B inits meanwhile
                     tracker.begin(_record(cfg, job, settings, metrics, {}))
                 with timeline.phase("pictures"):
-                    images = (pictures.draw_pictures(settings, job.run_dir, metrics.get("topology"))
-                              if ok else {})  # fmt: skip
+                    ran = metrics.get("topology")  # auto's pick, where auto chose
+                    images = pictures.draw_pictures(settings, job.run_dir, ran) if ok else {}
                 metrics.update(_run_time())  # the tracker's summary has them, less its own time
                 if tracker is not None:  # None: building it was the failure
                     with timeline.phase("tracker"):

@@ -150,7 +150,7 @@ def batch_series(rows: list[dict[str, Any]], label: str, *, contenders: bool = T
 
 
 # A simulated run's PyTorch CP predictions, one column a balancer (`predicted_torch_cp_<pass>_ms`
-# alone is the best of them, already drawn).
+# is the best of them, drawn as that balancer's line).
 PREDICTED_TORCH_CP = "predicted_torch_cp_"
 # `<name>_<pass>_ms` columns of a batch row that are no contender's time.
 NOT_CONTENDERS = ("single", "best", "best_sdpa", "torch_cp_head_tail",

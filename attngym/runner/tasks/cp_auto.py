@@ -253,7 +253,8 @@ class Pricing:
                     progress.grow(len(alternatives) * len(self.graphs))
                 for row in self.price(settings, (name, layout, own), result, graph):
                     rows.append(row)
-                    plain += [row] * (not graph)
+                    if not graph:
+                        plain.append(row)
                     progress.priced(f"{row.label} over {row.transport}", row.ms)
                 progress.simulated()
         if not rows:
