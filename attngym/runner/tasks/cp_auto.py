@@ -392,8 +392,9 @@ class _WorkloadPrices:
 
     def time_those_that_could_win(self, pricing, batches, every, progress, most: int) -> None:
         """The model's error differs from scheme to scheme, little from batch to batch: the
-        candidates that could win (the model's shortlist over the totals, then `_confirm`'s)
-        are timed on one typical batch, the median of the batches' best prices."""
+        candidates that could win (the model's shortlist over the totals, then every one priced
+        under the fastest timed, `_confirm`) are timed on one typical batch, the median of the
+        batches' best prices."""
         n = len(self.per_batch)
         best = [min(r.model_ms for r in rows.values()) for rows in self.per_batch]
         self.at = sorted(range(n), key=best.__getitem__)[n // 2]
@@ -409,8 +410,9 @@ class _WorkloadPrices:
         by_total = [dataclasses.replace(typical[k], model_ms=self.total(k)) for k in every]
         for row in _shortlist(by_total, most):
             time_one(row)
+        # margin 0: the pick is the least total, and it must be a timed one
         _confirm([typical[k] for k in every], time_one,
-                 cost=lambda r: self.total((r.candidate, r.transport)))  # fmt: skip
+                 cost=lambda r: self.total((r.candidate, r.transport)), margin=0.0)  # fmt: skip
 
 
 def _device_bound(row: Priced) -> bool:
@@ -441,9 +443,11 @@ def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
     return [r for r in ordered if r.model_ms <= bound][:most]
 
 
-def _confirm(rows: list[Priced], time_one, cost=lambda row: row.ms) -> None:
-    """Time candidates until none left untimed costs CONFIRM_MARGIN less than the fastest timed
-    one (`cost`: default the timed time, else the model's), the cheapest first (`time_one(row)`
+def _confirm(
+    rows: list[Priced], time_one, cost=lambda row: row.ms, margin: float = CONFIRM_MARGIN
+) -> None:
+    """Time candidates until none left untimed costs `margin` less than the fastest timed one
+    (`cost`: default the timed time, else the model's), the cheapest first (`time_one(row)`
     times every transport of its candidate). The model's error differs from one scheme to
     another (on a workload of packed documents the all-gather timed 1.29-1.50 times its
     price, Ulysses 0.94-1.06 times), so a shortlist by the model alone can leave out the
@@ -455,7 +459,7 @@ def _confirm(rows: list[Priced], time_one, cost=lambda row: row.ms) -> None:
         if not timed or not left:
             return
         cheapest = min(left, key=cost)
-        if cost(cheapest) >= min(timed) * (1 - CONFIRM_MARGIN):
+        if cost(cheapest) >= min(timed) * (1 - margin):
             return
         done.add(cheapest.candidate)
         time_one(cheapest)
