@@ -210,15 +210,20 @@ def test_auto_times_a_shortlist_and_keeps_its_answer_for_the_same_question(tmp_p
     # fastest timed by more than CONFIRM_MARGIN, until none is left.
     fastest: dict[tuple, float] = {}
     for c in timed:
-        way = (c["scheme"], c["layout"], json.dumps(c["options"]))
-        fastest[way] = min(fastest.get(way, c["model_ms"]), c["model_ms"])
+        candidate = (c["scheme"], c["layout"], json.dumps(c["options"]))
+        fastest[candidate] = min(fastest.get(candidate, c["model_ms"]), c["model_ms"])
     best = min(c["model_ms"] for c in table["candidates"])
     assert 1 <= first["auto_timed"] == len(fastest)
     assert any(ms <= best * (1 + SHORTLIST_MARGIN) for ms in fastest.values())
     assert table["candidates"][0] in timed  # the pick is a timed one
     pick_ms = table["candidates"][0]["timed_ms"]
-    untimed = [c["model_ms"] for c in table["candidates"] if c["timed_ms"] is None]
-    assert all(ms >= pick_ms * (1 - CONFIRM_MARGIN) for ms in untimed)
+    ratios: dict[tuple, list[float]] = {}  # each way's timed over modelled times
+    for c in timed:
+        ratios.setdefault(_way(c), []).append(c["timed_ms"] / c["model_ms"])
+    for c in table["candidates"]:
+        if c["timed_ms"] is None:
+            seen = ratios.get(_way(c), [1.0])
+            assert c["model_ms"] * sum(seen) / len(seen) >= pick_ms * (1 - CONFIRM_MARGIN)
     assert all(not c["cuda_graph"] for c in table["candidates"])  # no graphs on a CPU
     again = attngym.run(overrides=common, run_dir=tmp_path / "again")
     assert again["auto_cached"] and again["auto_pick"] == first["auto_pick"]
@@ -260,6 +265,71 @@ def test_a_candidate_the_model_prices_under_the_fastest_timed_one_is_timed_too()
     assert asked == ["allgather"]
     _confirm(rows, time_one)
     assert asked == ["allgather", "ulysses"] and min(rows, key=lambda r: r.ms).scheme == "ulysses"
+
+
+def _way(c: dict) -> tuple:
+    return c["scheme"], json.dumps(c["options"], sort_keys=True)
+
+
+# auto.json of `topology=auto` with every candidate timed, window(1024) and four documents of 32K
+# at 128K, P=8, one H100 (2026-12-06): (scheme, layout, options, twin_of, graphs, model, timed).
+# Asked with the shortlist of the model's three best, auto picked 9.2 % and 5.8 % behind the best.
+WINDOW_1206 = [
+    ("allgather", "contiguous", {}, None, True, 0.962, 0.993),
+    ("allgather", "zigzag", {}, None, True, 0.965, 1.000),
+    ("allgather", "contiguous", {}, None, False, 0.962, 0.998),
+    ("ring", "contiguous", {}, None, True, 0.998, 1.037),
+    ("allgather", "contiguous", {"overlap": True}, {}, True, 1.144, 0.910),
+    ("allgather", "zigzag", {"overlap": True}, {}, True, 1.144, 1.038),
+    ("allgather", "contiguous", {"overlap": True}, {}, False, 1.312, 0.914),
+    ("ulysses", "contiguous", {}, None, True, 2.026, 2.026),
+]
+DOCUMENTS_1206 = [
+    ("allgather", "balanced", {"overlap": False}, {}, True, 9.018, 10.199),
+    ("allgather", "balanced", {"overlap": False}, {}, False, 9.018, 10.212),
+    ("hybrid", "contiguous", {"a2a_size": 2, "across": "allgather"}, None, False, 10.313, 10.313),
+    ("hybrid", "contiguous", {"a2a_size": 2, "across": "ring"}, None, False, 10.325, 10.336),
+    ("allgather", "balanced", {}, None, True, 10.451, 9.613),
+    ("allgather", "balanced", {}, None, False, 10.451, 9.596),
+    ("ulysses", "contiguous", {}, None, False, 10.682, 10.69),
+    ("allgather", "zigzag", {}, None, True, 11.170, 9.641),
+    ("ring", "zigzag", {}, None, True, 13.914, 13.95),
+]
+
+
+@pytest.mark.parametrize("table", [WINDOW_1206, DOCUMENTS_1206], ids=["window", "documents"])
+def test_the_shortlist_times_each_way_once_with_its_twin_and_picks_within_5_percent(table):
+    """The model ranked the all-gather's two ways of one call wrongly on both problems (the
+    overlapped one at 0.66-0.91 of its price on the window, the plain one at 1.13 on the
+    documents), and its three best were one way in three layouts or graphs. Timing each way's
+    best with its twin, then whatever its way's error puts under the fastest, the pick is
+    within 5 % of every candidate timed, at four timings or fewer."""
+    from attngym.runner.tasks.cp_auto import (
+        CONFIRM_MARGIN,
+        Priced,
+        _confirm,
+        _scaled_by_way,
+        _shortlist,
+    )
+
+    rows = [Priced(s, layout, own, graph, "nccl", model_ms=model, twin_of=twin)
+            for s, layout, own, twin, graph, model, _ in table]  # fmt: skip
+    timings = {r.candidate: t[-1] for r, t in zip(rows, table, strict=True)}
+    asked = []
+
+    def time_one(row):
+        asked.append(row.candidate)
+        row.timed_ms = timings[row.candidate]
+
+    shortlist = _shortlist(rows, 3)
+    assert len({r.way for r in shortlist}) == len(shortlist)  # one of each way
+    assert any(shortlist[0].twins(r) for r in shortlist)  # the model's best, with its twin
+    for row in shortlist:
+        time_one(row)
+    _confirm(rows, time_one, cost=_scaled_by_way(rows))
+    pick = min((r for r in rows if r.timed_ms is not None), key=lambda r: r.ms)
+    assert pick.ms <= min(timings.values()) * (1 + CONFIRM_MARGIN)
+    assert len(asked) == len(set(asked)) <= 4
 
 
 def test_the_runner_up_is_priced_in_the_picks_currency():

@@ -53,8 +53,9 @@ class AutoOptions:
     graphs can run: on CUDA, with a transport on the device (topology.cuda_graph=true: graphs
     only). The pick says which (`/cuda_graph`) and the run takes it."""
     shortlist: int = dataclasses.field(default=3, metadata={"low": 0})
-    """Candidates the model prices within 15 % of its best that are then timed item by item,
-    at most (0: every candidate is timed, the model only orders them)."""
+    """Ways of running a scheme (its options) whose best candidate the model prices within
+    15 % of its best, timed item by item (that candidate, with the same call run the other
+    way its scheme names), at most (0: every candidate is timed, the model only orders them)."""
     reuse: bool = True
     """Take the answer to the same question (variant and code, shape, P, fabric, transport,
     device) from the table in the cache folder where it was asked before (false: ask afresh,

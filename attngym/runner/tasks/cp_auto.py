@@ -6,12 +6,14 @@ simulated with the model (simulate.ModelTimer: a few items of each kind timed on
 the rest priced from their blocks) and priced on the run's fabric for each transport (with
 graphs as without where every rank is bound by its device, `_device_bound`); again with each
 option set its simulation names as another way to run it (Simulation.extra "alternatives": the
-all-gather's overlap). The candidates the model puts within SHORTLIST_MARGIN
-of its best (topology.options.shortlist of them at most; 0: every one) are then simulated with
-every item timed, as a `topology.simulate=true` run of them is, sharing what they have in
-common, and so is any other the model prices CONFIRM_MARGIN under the fastest timed one
-(`_confirm`); the fastest timed is the pick. On a workload the candidates are timed on one
-typical batch and each one's prices on the others scaled by its timed over modelled time there.
+all-gather's overlap). The model's best of each way of running a scheme (its options) within
+SHORTLIST_MARGIN of its best (topology.options.shortlist of them at most; 0: every candidate),
+each with its twin run the other way, are then simulated with every item timed, as a
+`topology.simulate=true` run of them is, sharing what they have in common, and so is any other
+priced CONFIRM_MARGIN under the fastest timed one, its price scaled by its way's timed over
+modelled time (`_confirm`); the fastest timed is the pick. On a workload the candidates are
+timed on one typical batch and each one's prices on the others scaled by its timed over
+modelled time there.
 The answer is kept in a table in the cache folder keyed by the question (`question`: the
 variant and its code, shape, P, fabric, transport, device), so asking again takes it from there
 (topology.options.reuse=false asks afresh). The run records
@@ -72,6 +74,9 @@ class Priced:
     model_ms: float
     result: tuple | None = None  # (Simulation, Layout, variant, Fabric, Prediction)
     timed_ms: float | None = None
+    twin_of: dict[str, Any] | None = None
+    """The options of the call this row runs another way (Simulation.extra "alternatives":
+    the all-gather's overlap flipped), None for the way its scheme takes by itself."""
 
     @property
     def label(self) -> str:
@@ -85,6 +90,18 @@ class Priced:
     @property
     def candidate(self) -> tuple:
         return self.scheme, self.layout, json.dumps(self.own, sort_keys=True), self.cuda_graph
+
+    @property
+    def way(self) -> tuple:
+        """The scheme and its options: rows the model errs on alike (the same kinds of item)."""
+        return self.scheme, json.dumps(self.own, sort_keys=True)
+
+    def twins(self, other: Priced) -> bool:
+        """Whether `other` is this call run the other way its scheme names (twin_of)."""
+        same = (self.scheme, self.layout, self.cuda_graph)
+        return same == (other.scheme, other.layout, other.cuda_graph) and (
+            other.twin_of == self.own or self.twin_of == other.own
+        )
 
 
 def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
@@ -154,7 +171,8 @@ def _priced(run: CPRun, metrics: dict[str, Any]):
     with ChoiceProgress(pricing.planned_count(settings), metrics) as progress:
         rows, left_out = pricing.modelled(settings, progress)
         pricing.timed(settings, _shortlist(rows, opts["shortlist"]), rows, progress)
-        _confirm(rows, lambda row: pricing.timed(settings, [row], rows, progress))
+        _confirm(rows, lambda row: pricing.timed(settings, [row], rows, progress),
+                 cost=_scaled_by_way(rows))  # fmt: skip
     timed = [r for r in rows if r.timed_ms is not None]
     rows = sorted(timed, key=lambda r: r.ms) + sorted(
         (r for r in rows if r.timed_ms is None), key=lambda r: r.ms
@@ -222,8 +240,10 @@ class Pricing:
         from attngym.runner.tasks.cp_simulate import simulated
 
         planned, rows, left_out = self.planned(settings), [], {}
+        twin_of: dict[tuple, dict[str, Any]] = {}  # an alternative's (name, layout, own): own's
         while planned:
             name, layout, own = planned.pop(0)
+            twin = twin_of.get((name, layout, json.dumps(own, sort_keys=True)))
             plain: list[Priced] = []  # this candidate's rows without graphs
             for graph in self.graphs:
                 if graph and plain and all(map(_device_bound, plain)):
@@ -247,11 +267,14 @@ class Pricing:
                     left_out[label] = f"cannot be captured as a CUDA graph: {err}"
                     progress.simulated()
                     continue
-                if not graph:
+                if not graph and twin is None:
                     alternatives = [{**own, **a} for a in result[0].extra.get("alternatives", ())]
                     planned[:0] = [(name, layout, alt) for alt in alternatives]
+                    twin_of.update({(name, layout, json.dumps(a, sort_keys=True)): own
+                                    for a in alternatives})  # fmt: skip
                     progress.grow(len(alternatives) * len(self.graphs))
                 for row in self.price(settings, (name, layout, own), result, graph):
+                    row.twin_of = twin
                     rows.append(row)
                     if not graph:
                         plain.append(row)
@@ -431,8 +454,13 @@ def _device_bound(row: Priced) -> bool:
 
 
 def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
-    """The candidates to time: each one's fastest transport, those the model puts within
-    SHORTLIST_MARGIN of its best, `most` of them at most (0: every candidate)."""
+    """The candidates to time (each one's fastest transport): the model's best of each way of
+    running a scheme (Priced.way) within SHORTLIST_MARGIN of its best, `most` of them at most
+    (0: every candidate), each with its twin (Priced.twins). One of a way is enough: its
+    layouts and graphs share its error, which the confirmation scales by (_scaled_by_way); a
+    twin is not, as the model ranks the two ways of one call wrongly (on an H100, the
+    overlapped all-gather timed 0.66-0.91 times its price on a window, the plain one 1.00-1.14
+    on documents: the model had picked the slower of the two on both)."""
     fastest: dict[tuple, Priced] = {}
     for row in sorted(rows, key=lambda r: r.model_ms):
         fastest.setdefault(row.candidate, row)
@@ -440,7 +468,28 @@ def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
     if most == 0:
         return ordered
     bound = ordered[0].model_ms * (1 + SHORTLIST_MARGIN)
-    return [r for r in ordered if r.model_ms <= bound][:most]
+    ways: dict[tuple, Priced] = {}
+    for row in ordered:
+        if row.model_ms <= bound:
+            ways.setdefault(row.way, row)
+    chosen = list(ways.values())[:most]
+    for row in list(chosen):
+        chosen += [t for t in ordered if row.twins(t) and all(t is not c for c in chosen)]
+    return chosen
+
+
+def _scaled_by_way(rows: list[Priced]):
+    """A row's price for _confirm: its timing, else the model's scaled by the timed over
+    modelled time of the rows of its way timed so far (the mean; 1 where none is)."""
+
+    def cost(row: Priced) -> float:
+        if row.timed_ms is not None:
+            return row.timed_ms
+        ratios = [r.timed_ms / r.model_ms for r in rows
+                  if r.way == row.way and r.timed_ms is not None and r.model_ms > 0]  # fmt: skip
+        return row.model_ms * (sum(ratios) / len(ratios) if ratios else 1.0)
+
+    return cost
 
 
 def _confirm(
