@@ -459,8 +459,8 @@ def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
     (0: every candidate), each with its twin (Priced.twins). One of a way is enough: its
     layouts and graphs share its error, which the confirmation scales by (_scaled_by_way); a
     twin is not, as the model ranks the two ways of one call wrongly (on an H100, the
-    overlapped all-gather timed 0.66-0.91 times its price on a window, the plain one 1.00-1.14
-    on documents: the model had picked the slower of the two on both)."""
+    overlapped all-gather timed 0.66-0.91 times its price on a window, the plain one 1.13-1.14
+    times on documents: the model had put the slower of the two first on both)."""
     fastest: dict[tuple, Priced] = {}
     for row in sorted(rows, key=lambda r: r.model_ms):
         fastest.setdefault(row.candidate, row)
