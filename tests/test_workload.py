@@ -298,3 +298,71 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
     assert metrics["workload_batches_done"] == 2
     with (run / "batches.csv").open() as f:  # a simulated batch's placement planned and timed
         assert all(float(r["planning_ms"]) > 0 for r in csv.DictReader(f))
+
+
+def test_auto_prices_every_candidate_on_three_probe_batches_then_those_within_reach(
+    tmp_path, monkeypatch
+):
+    """A workload's candidates are all priced on the least, median and most causal work; after
+    them only the calls within REACH of the best (with their twins) are simulated again, and
+    the count of simulations planned comes out right."""
+    import attngym
+    from attngym.runner.tasks import cp_auto
+
+    (tmp_path / "given.txt").write_text(
+        "[512]\n[64, 64, 64, 64, 256]\n[256, 256]\n[128, 128, 128, 128]\n[384, 128]\n"
+    )
+    assert cp_auto._probes([(512,), (64,) * 4 + (256,), (256, 256), (128,) * 4, (384, 128)]) == [
+        0,  # the most work
+        2,  # the median
+        3,  # the least
+    ]
+    reached = []
+
+    def allgather_only(probed):  # as if the model put every other scheme out of reach
+        calls = {r.call for rows in probed for r in rows.values()}
+        reached.append(calls)
+        return {c for c in calls if c[0] == "allgather"}
+
+    monkeypatch.setattr(cp_auto, "_within_reach", allgather_only)
+    monkeypatch.chdir(tmp_path)
+    metrics = attngym.run(
+        overrides=["workload=documents", "workload.distribution=file", "workload.file=given.txt",
+                   "workload.batches=5", "attention=document", "topology=auto",
+                   "topology.simulate=true", "topology.world_size=2", "device=cpu",
+                   "shape.seq_len=512", "shape.heads=2", "shape.head_dim=8", "validate=false",
+                   "baselines=[]", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none"],
+        run_dir=tmp_path / "run",
+    )  # fmt: skip
+    table = json.loads((tmp_path / "run" / "auto.json").read_text())
+    assert len(reached) == 1 and table["probe_batches"] == [0, 2, 3]
+    assert {c["scheme"] for c in table["candidates"]} == {"allgather"}
+    assert table["left_after_probes"] and all(
+        not label.startswith("allgather/") for label in table["left_after_probes"]
+    )
+    assert metrics["auto_pick"].startswith("allgather/")
+    assert metrics["auto_simulated"] == metrics["auto_planned"]  # the skipped ones not counted
+
+
+def test_within_reach_keeps_calls_priced_at_most_reach_times_the_best_and_their_twins():
+    from attngym.runner.tasks.cp_auto import REACH, Priced, _within_reach
+
+    def rows(**prices):
+        made = {}
+        for name, (ms, own, twin) in prices.items():
+            scheme, layout = name.split("_")
+            row = Priced(scheme, layout, own, False, "nccl", model_ms=ms, twin_of=twin)
+            made[row.candidate, row.transport] = row
+        return made
+
+    probe = rows(
+        allgather_balanced=(1.0, {}, None),
+        allgather_zigzag=(REACH + 0.5, {"overlap": True}, {}),  # out of reach
+        ring_balanced=(REACH - 0.1, {}, None),
+        ulysses_contiguous=(REACH + 0.1, {}, None),
+    )
+    overlap = Priced("allgather", "balanced", {"overlap": True}, False, "nccl", 9.0, twin_of={})
+    probe[overlap.candidate, overlap.transport] = overlap  # far out, but a kept call's twin
+    calls = _within_reach([probe, probe])
+    assert calls == {("allgather", "balanced", "{}"), ("ring", "balanced", "{}")}
+    assert overlap.call in calls

@@ -11,8 +11,9 @@ SHORTLIST_MARGIN of its best (topology.options.shortlist of them at most; 0: eve
 each with its twin run the other way, are then simulated with every item timed, as a
 `topology.simulate=true` run of them is, sharing what they have in common, and so is any other
 priced CONFIRM_MARGIN under the fastest timed one, its price scaled by its way's timed over
-modelled time (`_confirm`); the fastest timed is the pick. On a workload the candidates are
-timed on one typical batch and each one's prices on the others scaled by its timed over
+modelled time (`_confirm`); the fastest timed is the pick. On a workload every candidate is
+priced on PROBES batches and those within REACH of the best there on the others; the candidates
+are timed on one typical batch and each one's prices on the others scaled by its timed over
 modelled time there.
 The answer is kept in a table in the cache folder keyed by the question (`question`: the
 variant and its code, shape, P, fabric, transport, device), so asking again takes it from there
@@ -57,6 +58,10 @@ SHORTLIST_MARGIN = 0.15
 # An untimed candidate the model prices this much under the fastest timed one is timed too: a
 # pick within it of every candidate is a tie.
 CONFIRM_MARGIN = 0.05
+# On a workload every candidate is priced on PROBES batches, then only those whose model price
+# over them is within REACH times the best's on the others (_within_reach).
+PROBES = 3
+REACH = 2.0
 # The answers asked before, in the cache folder (attngym.compile_cache.root).
 ANSWERS = "auto_answers.json"
 
@@ -95,6 +100,12 @@ class Priced:
     def way(self) -> tuple:
         """The scheme and its options: rows the model errs on alike (the same kinds of item)."""
         return self.scheme, json.dumps(self.own, sort_keys=True)
+
+    @property
+    def call(self) -> tuple:
+        """The scheme, layout and options it runs by itself: a row and its twins share it."""
+        own = self.own if self.twin_of is None else self.twin_of
+        return self.scheme, self.layout, json.dumps(own, sort_keys=True)
 
     def twins(self, other: Priced) -> bool:
         """Whether `other` is this call run the other way its scheme names (twin_of)."""
@@ -235,8 +246,9 @@ class Pricing:
             made.append(Priced(*row_of, graph, transport, ms, (*result, fab, prediction)))
         return made
 
-    def modelled(self, settings: Settings, progress: ChoiceProgress):
-        """Every candidate simulated with the model and priced: (rows, left out and why)."""
+    def modelled(self, settings: Settings, progress: ChoiceProgress, only: set | None = None):
+        """Every candidate simulated with the model and priced: (rows, left out and why).
+        `only`: the calls (Priced.call) to simulate, None for all."""
         from attngym.runner.tasks.cp_simulate import simulated
 
         planned, rows, left_out = self.planned(settings), [], {}
@@ -244,6 +256,10 @@ class Pricing:
         while planned:
             name, layout, own = planned.pop(0)
             twin = twin_of.get((name, layout, json.dumps(own, sort_keys=True)))
+            call = (name, layout, json.dumps(own if twin is None else twin, sort_keys=True))
+            if only is not None and call not in only:
+                progress.grow(-len(self.graphs))  # its alternatives were never planned
+                continue
             plain: list[Priced] = []  # this candidate's rows without graphs
             for graph in self.graphs:
                 if graph and plain and all(map(_device_bound, plain)):
@@ -313,7 +329,8 @@ class Pricing:
 
 def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     """One pick for a whole workload, as a job fixes its scheme at launch: every candidate
-    priced by the model on every batch (the model's fit and timings shared by the batches),
+    priced by the model on the probe batches (_probes), those within reach of the best there
+    (_within_reach) on the others (the model's fit and timings shared by the batches),
     those that could win timed on a typical batch and their prices on the others scaled by it
     (_WorkloadPrices), the pick the least total time; `auto_dynamic_gain` is what picking per
     batch would save against it, net of the planning each switch of scheme costs (the new
@@ -331,15 +348,19 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
         return _given(settings, answer, metrics, start, run_dir)
     data = {"workload": dataclasses.asdict(settings.workload),
             "shape": {"seq_len": settings.shape.seq_len}}  # fmt: skip
-    batches = [batch_settings(settings, docs, i)
-               for i, docs in enumerate(workload_batches(data))]  # fmt: skip
+    lengths = workload_batches(data)
+    batches = [batch_settings(settings, docs, i) for i, docs in enumerate(lengths)]
     pricing = Pricing(run)  # what it shares is the same for every batch
-    per_batch: list[dict[tuple, Priced]] = []
     n = len(batches)
+    per_batch: list[dict[tuple, Priced]] = [{} for _ in range(n)]
+    probes = _probes(lengths)
+    kept = None  # after the probes: the calls still in
     with ChoiceProgress(pricing.planned_count(batches[0]) * n, metrics) as progress:
-        for batch in batches:
-            rows, _ = pricing.modelled(batch, progress)
-            per_batch.append({(r.candidate, r.transport): r for r in rows})
+        for i in [*probes, *(i for i in range(n) if i not in probes)]:
+            rows, _ = pricing.modelled(batches[i], progress, only=kept)
+            per_batch[i] = {(r.candidate, r.transport): r for r in rows}
+            if kept is None and all(per_batch[j] for j in probes):
+                kept = _within_reach([per_batch[j] for j in probes])
         every = [k for k in per_batch[0] if all(k in rows for rows in per_batch)]
         if not every:
             raise ConfigError("topology.options.candidates",
@@ -388,12 +409,41 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
         ],
         "timed_on_batch": at,
         "per_batch_best": [f"{b.label}/{b.transport}" for b in best],
+        "probe_batches": probes,
+        "left_after_probes": sorted({f"{r.label}/{r.transport}" for j in probes
+                                     for r in per_batch[j].values()
+                                     if kept is not None and r.call not in kept}),
     }  # fmt: skip
     _write_table(run_dir, table)
     chosen = (pick.scheme, pick.layout, pick.transport, pick.own, pick.cuda_graph)
     kept = [k for k in metrics if k.startswith("auto_") and k not in ("auto_s", "auto_cached")]
     _keep_answer(key, asked, chosen, {k: metrics[k] for k in kept}, table)
     return _picked(settings, *chosen)
+
+
+def _probes(lengths: list[tuple[int, ...]]) -> list[int]:
+    """The batches every candidate is priced on (PROBES of them): the least, the median and the
+    most causal work (the sum of squared document lengths), a workload's range."""
+    order = sorted(range(len(lengths)), key=lambda i: sum(n * n for n in lengths[i]))
+    if len(order) <= PROBES:
+        return order
+    return sorted({order[0], order[len(order) // 2], order[-1]})
+
+
+def _within_reach(probed: list[dict[tuple, Priced]]) -> set[tuple]:
+    """The calls (Priced.call) that stay in after the probe batches: those with a row whose
+    model price over the probes is at most REACH times the best's, with their twins. The
+    model's error differs by way of running a scheme, but within one problem the ways' timed
+    over modelled times were at most 1.7 apart on an H100 (0.62 and 1.04 on a window, 0.97
+    and 1.42 on a workload): REACH leaves out what that could not bring back."""
+    totals: dict[tuple, float] = {}
+    for k in probed[0]:
+        if all(k in rows for rows in probed):
+            totals[k] = sum(rows[k].model_ms for rows in probed)
+    if not totals:
+        return {r.call for rows in probed for r in rows.values()}
+    best = min(totals.values())
+    return {probed[0][k].call for k, total in totals.items() if total <= best * REACH}
 
 
 @dataclasses.dataclass
