@@ -251,6 +251,15 @@ def test_your_own_factory_gets_each_batchs_documents(tmp_path, attngym_cli, rank
         assert all(float(r["err_dq_rel"]) < 1e-4 for r in rows)
 
 
+# topology=auto on the batches given in given.txt, two simulated CPU ranks.
+AUTO_ON_GIVEN_BATCHES = [
+    "workload=documents", "workload.distribution=file", "workload.file=given.txt",
+    "attention=document", "topology=auto", "topology.simulate=true", "topology.world_size=2",
+    "device=cpu", "shape.seq_len=512", "shape.heads=2", "shape.head_dim=8", "validate=false",
+    "baselines=[]", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none",
+]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_batch(
     tmp_path, monkeypatch
@@ -269,11 +278,7 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
 
     monkeypatch.setattr(viz, "save_batch_times", drawing)
     metrics = attngym.run(
-        overrides=["workload=documents", "workload.distribution=file", "workload.file=given.txt",
-                   "workload.batches=2", "attention=document", "topology=auto",
-                   "topology.simulate=true", "topology.world_size=2", "device=cpu",
-                   "shape.seq_len=512", "shape.heads=2", "shape.head_dim=8", "validate=false",
-                   "baselines=[]", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none"],
+        overrides=[*AUTO_ON_GIVEN_BATCHES, "workload.batches=2"],
         run_dir=run,
     )  # fmt: skip
     table = json.loads((run / "auto.json").read_text())
@@ -300,6 +305,7 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
         assert all(float(r["planning_ms"]) > 0 for r in csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_auto_prices_every_candidate_on_three_probe_batches_then_those_within_reach(
     tmp_path, monkeypatch
 ):
@@ -327,11 +333,7 @@ def test_auto_prices_every_candidate_on_three_probe_batches_then_those_within_re
     monkeypatch.setattr(cp_auto, "_within_reach", allgather_only)
     monkeypatch.chdir(tmp_path)
     metrics = attngym.run(
-        overrides=["workload=documents", "workload.distribution=file", "workload.file=given.txt",
-                   "workload.batches=5", "attention=document", "topology=auto",
-                   "topology.simulate=true", "topology.world_size=2", "device=cpu",
-                   "shape.seq_len=512", "shape.heads=2", "shape.head_dim=8", "validate=false",
-                   "baselines=[]", "benchmark.warmup=0", "benchmark.repeats=1", "logger=none"],
+        overrides=[*AUTO_ON_GIVEN_BATCHES, "workload.batches=5"],
         run_dir=tmp_path / "run",
     )  # fmt: skip
     table = json.loads((tmp_path / "run" / "auto.json").read_text())
