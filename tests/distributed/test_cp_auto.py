@@ -183,6 +183,32 @@ def test_the_model_times_a_few_items_of_a_kind_and_prices_the_rest_by_their_bloc
     assert len(timed) == 5
 
 
+def test_the_overlaps_parts_are_priced_apart_from_the_one_call():
+    """The all-gather's overlap runs two calls a rank, the received rows' a short one with a
+    merge: priced on the one call's line, its fixed cost raised every call's price (on CPU
+    ranks the overlap's model price was 1.45-1.7 times its timing, the one call's 0.9-1.0)."""
+    import dataclasses
+
+    from attngym.distributed.model.simulate import ItemTime, ModelTimer, block_units
+
+    def device_time(item, which):  # the received part: a merge's 2 ms whatever its blocks
+        fixed = 2.0 if "received" in item.key else 0.0
+        return ItemTime(fixed + 0.01 * block_units(item), host_ms=0.1)
+
+    def part(n, *names):
+        item = _causal_item(n, name="allgather")
+        return dataclasses.replace(item, key=("allgather", *names, *item.key[1:]))
+
+    model = ModelTimer(device_time)
+    for n in (512, 2048):
+        model(part(n, "received"), "fwd")
+        model(part(n, "own"), "fwd")
+    one_call = model(part(1024), "fwd")  # the one call's first: timed, then priced by its line
+    assert one_call.ms == pytest.approx(0.01 * block_units(_causal_item(1024)))
+    priced = model(part(1200), "fwd")
+    assert priced.ms == pytest.approx(0.01 * block_units(_causal_item(1200)), rel=1e-6)
+
+
 def test_the_fit_never_prices_below_zero_or_falls_with_size():
     from attngym.distributed.model.simulate import _fit
 

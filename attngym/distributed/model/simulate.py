@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import itertools
 import math
 import time
 import weakref
@@ -130,7 +131,7 @@ class ModelTimer:
     first pass over every candidate, compiling and timing a handful of items, not all of them.
 
     An item's size is its blocks, full and partial weighed as the balanced layout weighs them
-    (layout.BLOCK_COSTS); items of one kind (the scheme's item, the pass, the kernels' batch,
+    (layout.BLOCK_COSTS); items of one kind (the scheme's item or its part, the pass, the kernels' batch,
     heads and head dim) cost `a + b * blocks`, fitted to up to `samples` of them timed with
     `timer`: the first of its kind, then any whose size lies outside what was timed by more
     than half (a least-squares line, `a` and `b` held non-negative). The host's time per item
@@ -194,11 +195,12 @@ def block_units(item: Item) -> float | None:
 
 
 def _kind(item: Item, which: str) -> tuple:
-    """Items priced by one line: the scheme's item (its key's name), the pass, and the batch,
-    heads and head dim of its queries (the first 4-d shape of its key)."""
-    name = item.key[0] if item.key and isinstance(item.key[0], str) else type(item.key).__name__
+    """Items priced by one line: the scheme's item (its key's leading names: the all-gather's
+    one call, or its overlap's own and received parts, each a line of its own), the pass, and
+    the batch, heads and head dim of its queries (the first 4-d shape of its key)."""
+    names = tuple(itertools.takewhile(lambda part: isinstance(part, str), item.key))
     shape = next((t for t in item.key if isinstance(t, tuple) and len(t) == 4), ())
-    return (name, which, *shape[:2], *shape[3:])
+    return (*names, which, *shape[:2], *shape[3:])
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
