@@ -131,11 +131,11 @@ class ModelTimer:
     first pass over every candidate, compiling and timing a handful of items, not all of them.
 
     An item's size is its blocks, full and partial weighed as the balanced layout weighs them
-    (layout.BLOCK_COSTS); items of one kind (the scheme's item or its part, the pass, the kernels' batch,
-    heads and head dim) cost `a + b * blocks`, fitted to up to `samples` of them timed with
-    `timer`: the first of its kind, then any whose size lies outside what was timed by more
-    than half (a least-squares line, `a` and `b` held non-negative). The host's time per item
-    is the mean of its kind's samples, or one graph replay's (GRAPH_REPLAY_MS) with
+    (layout.BLOCK_COSTS); items of one kind (the scheme's item or its part, the pass, the
+    kernels' batch, heads and head dim) cost `a + b * blocks`, fitted to up to `samples` of them
+    timed with `timer`: the first of its kind, then any whose size lies outside what was timed
+    by more than half (a least-squares line, `a` and `b` held non-negative). The host's time per
+    item is the mean of its kind's samples, or one graph replay's (GRAPH_REPLAY_MS) with
     `cuda_graph`, where a graph would issue it. Items whose masks are unknown (a reference
     backend) are timed for real. `measured` holds the real timings, keyed as Clock keys them,
     for later simulations to reuse.
