@@ -186,7 +186,7 @@ def test_the_model_times_a_few_items_of_a_kind_and_prices_the_rest_by_their_bloc
 def test_the_overlaps_parts_are_priced_apart_from_the_one_call():
     """The all-gather's overlap runs two calls a rank, the received rows' a short one with a
     merge: priced on the one call's line, its fixed cost raised every call's price (on CPU
-    ranks the overlap's model price was 1.45-1.7 times its timing, the one call's 0.9-1.0)."""
+    ranks the overlap's model price was 1.45-1.7 times its timing)."""
     import dataclasses
 
     from attngym.distributed.model.simulate import ItemTime, ModelTimer, block_units
