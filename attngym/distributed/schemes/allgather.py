@@ -756,7 +756,8 @@ def _simulated_rank(
                 out, _ = mapped_call(call, *leaves, pc)
                 torch.autograd.grad(out, leaves, saved.dout)
 
-    key = ("allgather", tuple(q_r.shape), tuple(k_all.shape), clock.mask_key(pc.block_mask))
+    key = ("allgather", *_read_through(pc), tuple(q_r.shape), tuple(k_all.shape),
+           clock.mask_key(pc.block_mask))  # fmt: skip
     item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(pc.block_mask,))
     fwd = clock.time(item, "fwd")
     both = clock.time(item, "bwd") if saved is not None else None
@@ -771,6 +772,14 @@ def _simulated_rank(
         host_bwd_ms=0.0 if both is None else max(both.host_ms - fwd.host_ms, 0.0),
     )
     return work, received, buffer * grads, pattern
+
+
+def _read_through(pc: PositionedCall) -> tuple[str, ...]:
+    """("tables",) for a call whose callbacks read positions through tables (a rank's rows or
+    keys in several runs), a kind of item the model prices apart from calls with offsets (on
+    CPU ranks it timed 1.5 times the offsets' line)."""
+    maps = pc.maps
+    return ("tables",) if maps is not None and maps.q_positions is not None else ()
 
 
 def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> RankWork:
@@ -804,7 +813,7 @@ def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> Ran
             with torch.no_grad():
                 _part_grads(call, _rows_of(saved, rows), k_p, v_p, pc)
 
-        key = ("allgather", part, tuple(q_p.shape), tuple(k_p.shape),
+        key = ("allgather", part, *_read_through(pc), tuple(q_p.shape), tuple(k_p.shape),
                clock.mask_key(pc.block_mask))  # fmt: skip
         item = Item(key=key, fwd=fwd, bwd=bwd if saved is not None else None,
                     block_masks=(pc.block_mask,))  # fmt: skip
