@@ -109,10 +109,8 @@ class Priced:
 
     def twins(self, other: Priced) -> bool:
         """Whether `other` is this call run the other way its scheme names (twin_of)."""
-        same = (self.scheme, self.layout, self.cuda_graph)
-        return same == (other.scheme, other.layout, other.cuda_graph) and (
-            other.twin_of == self.own or self.twin_of == other.own
-        )
+        same = (self.call, self.cuda_graph) == (other.call, other.cuda_graph)
+        return same and self.own != other.own
 
 
 def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
@@ -354,12 +352,12 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
     n = len(batches)
     per_batch: list[dict[tuple, Priced]] = [{} for _ in range(n)]
     probes = _probes(lengths)
-    kept = None  # after the probes: the calls still in
+    kept = None  # after the probes, where batches are left: the calls still in
     with ChoiceProgress(pricing.planned_count(batches[0]) * n, metrics) as progress:
         for i in [*probes, *(i for i in range(n) if i not in probes)]:
             rows, _ = pricing.modelled(batches[i], progress, only=kept)
             per_batch[i] = {(r.candidate, r.transport): r for r in rows}
-            if kept is None and all(per_batch[j] for j in probes):
+            if kept is None and len(probes) < n and all(per_batch[j] for j in probes):
                 kept = _within_reach([per_batch[j] for j in probes])
         every = [k for k in per_batch[0] if all(k in rows for rows in per_batch)]
         if not every:
