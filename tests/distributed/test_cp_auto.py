@@ -4,6 +4,7 @@ grid every plan is cut from (any mask, evaluated once)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,8 +84,11 @@ def test_auto_picks_by_the_model_records_why_and_the_pick_runs_validated(tmp_pat
     assert m["validation"] == "ok" and m["topology"] in ("ring", "allgather", "ulysses")
     assert m["transport"] == "gloo" and m["auto_pick"].endswith("/gloo")
     assert m["auto_pick"].startswith(f"{m['topology']}/{m['layout']}")
-    assert m["auto_runner_up"] and m["auto_runner_up_ms"] >= m["auto_pick_ms"]
-    assert "faster than" in m["auto_why"]
+    assert m["auto_runner_up"]
+    if m["auto_runner_up_ms"] >= m["auto_pick_ms"]:
+        assert "faster than" in m["auto_why"]
+    else:  # an untimed candidate priced within the confirmation's margin of the pick
+        assert "not timed" in m["auto_why"] and "a tie" in m["auto_why"]
     # The pick follows this machine's timings; bytes_needed is a sequence-sharded scheme's.
     assert (m["bytes_needed"] is None) == (m["topology"] == "ulysses")
     assert m["auto_measured_over_predicted"] == pytest.approx(m["fwd_bwd_ms"] / m["auto_pick_ms"])
@@ -370,6 +374,25 @@ def test_the_runner_up_is_priced_in_the_picks_currency():
     timed = Priced("allgather", "balanced", {}, False, "gloo", model_ms=30.0, timed_ms=140.0)
     assert _runner_up(pick, [pick, timed, other]) == (timed, 140.0)
     assert _runner_up(pick, [pick]) == (None, None)
+    # A twin the model prices alike costs the pick's time exactly, not a rounding below it.
+    ms = 25.42579199823509  # 3.0 * ms / 3.0 rounds below ms
+    pick = Priced("ulysses", "contiguous", {}, False, "gloo", model_ms=3.0, timed_ms=ms)
+    twin = Priced("ulysses", "zigzag", {}, False, "gloo", model_ms=3.0)
+    assert _runner_up(pick, [pick, twin]) == (twin, pick.timed_ms)
+
+
+def test_an_untimed_runner_up_priced_below_the_pick_is_said_to_be_a_tie():
+    """_confirm leaves untimed a candidate priced within its margin of the pick's timing: the
+    why names it a tie, not a negative margin."""
+    from attngym.runner.tasks.cp_auto import Priced, _why
+
+    fabric, prediction = SimpleNamespace(name="h200_nvlink"), SimpleNamespace()
+    pick = Priced("ring", "contiguous", {}, False, "nccl", model_ms=10.0, timed_ms=10.0,
+                  result=(None, None, None, fabric, prediction))  # fmt: skip
+    other = Priced("ulysses", "contiguous", {}, False, "nccl", model_ms=9.8)
+    why = _why(pick, other, 9.8, bound=False)
+    assert "not timed, is priced 2.0% below it" in why and "a tie" in why
+    assert "2.0% faster than ulysses" in _why(pick, other, 10.2, bound=False)
 
 
 def test_graphs_that_cannot_speed_a_candidate_up_price_it_without_a_second_simulation():

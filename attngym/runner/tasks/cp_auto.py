@@ -761,7 +761,7 @@ def _runner_up(best: Priced, rows: list[Priced]) -> tuple[Priced | None, float |
         return None, None
     if second.timed_ms is not None or best.timed_ms is None or best.model_ms <= 0:
         return second, second.ms
-    return second, second.model_ms * best.timed_ms / best.model_ms
+    return second, second.model_ms / best.model_ms * best.timed_ms  # equal prices: equal times
 
 
 def _why(best: Priced, second: Priced | None, second_ms: float | None, *, bound: bool) -> str:
@@ -776,6 +776,11 @@ def _why(best: Priced, second: Priced | None, second_ms: float | None, *, bound:
     if second is None:
         return f"{line}; the only candidate"
     margin = second_ms / best.ms - 1 if best.ms > 0 else 0.0
+    if margin < 0:  # left untimed by _confirm: the model's price is no reason to time it
+        return (
+            f"{line}; {second.label} over {second.transport}, not timed, is priced {-margin:.1%} "
+            f"below it: within the model's error ({CONFIRM_MARGIN:.0%}), a tie"
+        )
     return f"{line}; {margin:.1%} faster than {second.label} over {second.transport}"
 
 
