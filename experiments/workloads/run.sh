@@ -2,7 +2,8 @@
 # Workloads and the varlen contender on one H200 (issue "your data and your real alternative"):
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
 # PHASE: tests one_gpu headline workload_ring workload_allgather workload_ulysses workload_hybrid
-# workload_auto (default: all; a 10-minute call takes one_gpu and tests, or about three workload runs).
+# workload_auto workload_auto_profile (default: all but the profile; a 10-minute call takes
+# one_gpu and tests, or about three workload runs).
 #   tests     the varlen kernels against float64 (GPU tests), CP calls captured as CUDA graphs
 #             against eager ones, and a two-rank workload sharing the GPU
 #   one_gpu   the README's Results rows: B=4 H=16 S=8192 D=128, every variant, every contender
@@ -12,6 +13,8 @@
 #               (both balanced), Ulysses and hybrid (contiguous)
 #   workload_auto  the same batches, topology=auto: one pick for the workload, its choice's
 #               seconds and auto_dynamic_gain (graphs weighed, not fixed)
+#   workload_auto_profile  the same with a cProfile of the run's Python (run_profile.txt): where
+#               the choice's seconds go (the profiler slows it: its auto_s is not the answer's)
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
 WHAT=" ${*:-tests one_gpu headline workload_ring workload_allgather workload_ulysses workload_hybrid workload_auto} "
@@ -59,6 +62,12 @@ if has workload_auto; then
   T_TIMEOUT=240 t workload_auto $AG $WL ${SIM/topology.cuda_graph=true /} topology=auto \
     'baselines=[]' hydra.run.dir=workload_auto
   mkdir -p "$OUT/workload_auto" && cp "$W/workload_auto"/{auto.json,batches.csv,metrics.json} "$OUT/workload_auto/" 2>/dev/null
+fi
+if has workload_auto_profile; then
+  T_TIMEOUT=400 t workload_auto_profile $AG $WL ${SIM/topology.cuda_graph=true /} topology=auto \
+    topology.options.reuse=false profile_run=true 'baselines=[]' hydra.run.dir=workload_auto_profile
+  mkdir -p "$OUT/workload_auto_profile" && cp "$W/workload_auto_profile"/{auto.json,run_profile.txt,run_profile.prof,metrics.json} \
+    "$OUT/workload_auto_profile/" 2>/dev/null
 fi
 for d in "$W"/*/; do [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename "$d").metrics.json"; done
 python3 "$ROOT/experiments/workloads/compare.py" "$OUT" > "$OUT/compare.md" 2>&1
