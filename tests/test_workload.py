@@ -309,9 +309,10 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
 def test_auto_prices_every_candidate_on_three_probe_batches_then_those_within_reach(
     tmp_path, monkeypatch
 ):
-    """A workload's candidates are all priced on the least, median and most causal work; after
-    them only the calls within REACH of the best (with their twins) are simulated again, and
-    the count of simulations planned comes out right."""
+    """A workload's candidates are all priced on the least, median and most causal work and
+    those that could win timed on one of them; after them only the calls within REACH of the
+    best (with their twins) are simulated again, and the count of simulations planned comes out
+    right."""
     import attngym
     from attngym.runner.tasks import cp_auto
 
@@ -325,9 +326,9 @@ def test_auto_prices_every_candidate_on_three_probe_batches_then_those_within_re
     ]
     reached = []
 
-    def allgather_only(probed):  # as if the model put every other scheme out of reach
+    def allgather_only(probed, factor):  # as if the model put every other scheme out of reach
         calls = {r.call for rows in probed for r in rows.values()}
-        reached.append(calls)
+        reached.append(dict(factor))  # the timings on a probe, taken before
         return {c for c in calls if c[0] == "allgather"}
 
     monkeypatch.setattr(cp_auto, "_within_reach", allgather_only)
@@ -338,6 +339,7 @@ def test_auto_prices_every_candidate_on_three_probe_batches_then_those_within_re
     )  # fmt: skip
     table = json.loads((tmp_path / "run" / "auto.json").read_text())
     assert len(reached) == 1 and table["probe_batches"] == [0, 2, 3]
+    assert reached[0] and table["timed_on_batch"] in (0, 2, 3)
     assert {c["scheme"] for c in table["candidates"]} == {"allgather"}
     assert table["left_after_probes"] and all(
         not label.startswith("allgather/") for label in table["left_after_probes"]
@@ -365,6 +367,10 @@ def test_within_reach_keeps_calls_priced_at_most_reach_times_the_best_and_their_
     )
     overlap = Priced("allgather", "balanced", {"overlap": True}, False, "nccl", 9.0, twin_of={})
     probe[overlap.candidate, overlap.transport] = overlap  # far out, but a kept call's twin
-    calls = _within_reach([probe, probe])
+    calls = _within_reach([probe, probe], {})
     assert calls == {("allgather", "balanced", "{}"), ("ring", "balanced", "{}")}
     assert overlap.call in calls
+    # Timed on a probe: the ring twice its price (out of reach), Ulysses 0.8 of it (in).
+    ring, ulysses = (next(k for k in probe if k[0][0] == s) for s in ("ring", "ulysses"))
+    calls = _within_reach([probe, probe], {ring: 2.0, ulysses: 0.8})
+    assert calls == {("allgather", "balanced", "{}"), ("ulysses", "contiguous", "{}")}

@@ -12,9 +12,9 @@ each with its twin run the other way, are then simulated with every item timed, 
 `topology.simulate=true` run of them is, sharing what they have in common, and so is any other
 priced CONFIRM_MARGIN under the fastest timed one, its price scaled by its way's timed over
 modelled time (`_confirm`); the fastest timed is the pick. On a workload every candidate is
-priced on PROBES batches and those within REACH of the best there on the others; the candidates
-are timed on one typical batch and each one's prices on the others scaled by its timed over
-modelled time there.
+priced on PROBES batches, those that could win are timed on the typical one and each one's
+prices scaled by its timed over modelled time there, and those within REACH of the best are
+priced on the other batches.
 The answer is kept in a table in the cache folder keyed by the question (`question`: the
 variant and its code, shape, P, fabric, transport, device), so asking again takes it from there
 (topology.options.reuse=false asks afresh). The run records
@@ -58,10 +58,11 @@ SHORTLIST_MARGIN = 0.15
 # An untimed candidate the model prices this much under the fastest timed one is timed too: a
 # pick within it of every candidate is a tie.
 CONFIRM_MARGIN = 0.05
-# On a workload every candidate is priced on PROBES batches, then only those whose model price
-# over them is within REACH times the best's on the others (_within_reach).
+# On a workload every candidate is priced on PROBES batches and those that could win are timed
+# on one of them; then only those whose price over the probes (scaled by the timing where there
+# is one) is within REACH times the best's are priced on the others (_within_reach).
 PROBES = 3
-REACH = 2.0
+REACH = 1.25
 # The answers asked before, in the cache folder (attngym.compile_cache.root).
 ANSWERS = "auto_answers.json"
 
@@ -327,10 +328,11 @@ class Pricing:
 
 def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     """One pick for a whole workload, as a job fixes its scheme at launch: every candidate
-    priced by the model on the probe batches (_probes), those within reach of the best there
-    (_within_reach) on the others (the model's fit and timings shared by the batches),
-    those that could win timed on a typical batch and their prices on the others scaled by it
-    (_WorkloadPrices), the pick the least total time; `auto_dynamic_gain` is what picking per
+    priced by the model on the probe batches (_probes), those that could win there timed on
+    the typical probe and every price of theirs scaled by it (_WorkloadPrices), those within
+    reach of the best on the probes (_within_reach) priced on the other batches (the model's
+    fit and timings shared by the batches), any that could still win over the whole workload
+    timed too, the pick the least total time; `auto_dynamic_gain` is what picking per
     batch would save against it, net of the planning each switch of scheme costs (the new
     pick's placement on that batch), with `auto_dynamic_switches` and `auto_dynamic_cost_ms`.
     The settings with the pick; the answer is kept as `choose` keeps one."""
@@ -352,19 +354,23 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
     n = len(batches)
     per_batch: list[dict[tuple, Priced]] = [{} for _ in range(n)]
     probes = _probes(lengths)
+    prices = _WorkloadPrices(per_batch)
     kept = None  # after the probes, where batches are left: the calls still in
     with ChoiceProgress(pricing.planned_count(batches[0]) * n, metrics) as progress:
         for i in [*probes, *(i for i in range(n) if i not in probes)]:
             rows, _ = pricing.modelled(batches[i], progress, only=kept)
             per_batch[i] = {(r.candidate, r.transport): r for r in rows}
             if kept is None and len(probes) < n and all(per_batch[j] for j in probes):
-                kept = _within_reach([per_batch[j] for j in probes])
-        every = [k for k in per_batch[0] if all(k in rows for rows in per_batch)]
-        if not every:
-            raise ConfigError("topology.options.candidates",
-                              "no candidate accepts every batch of the workload")  # fmt: skip
-        prices = _WorkloadPrices(per_batch)
-        prices.time_those_that_could_win(pricing, batches, every, progress, opts["shortlist"])
+                on_probes = _every(per_batch, probes)
+                prices.time_those_that_could_win(
+                    pricing, batches, on_probes, progress, opts["shortlist"], over=probes
+                )
+                kept = _within_reach([per_batch[j] for j in probes], prices.factor)
+        every = _every(per_batch, range(n))
+        if kept is None:  # every batch a probe: the shortlist over them all
+            prices.time_those_that_could_win(pricing, batches, every, progress, opts["shortlist"])
+        else:  # the shortlist was timed on a probe: any other that could win over the workload
+            prices.confirm(pricing, batches, every, progress)
     cost, total, at, factor = prices.cost, prices.total, prices.at, prices.factor
     totals = sorted(every, key=total)
     static_ms = total(totals[0])
@@ -428,16 +434,30 @@ def _probes(lengths: list[tuple[int, ...]]) -> list[int]:
     return sorted({order[0], order[len(order) // 2], order[-1]})
 
 
-def _within_reach(probed: list[dict[tuple, Priced]]) -> set[tuple]:
+def _every(per_batch: list[dict[tuple, Priced]], batches) -> list[tuple]:
+    """The (candidate, transport) keys priced on every one of `batches`; ConfigError if none."""
+    first, *rest = (per_batch[i] for i in batches)
+    every = [k for k in first if all(k in rows for rows in rest)]
+    if not every:
+        raise ConfigError("topology.options.candidates",
+                          "no candidate accepts every batch of the workload")  # fmt: skip
+    return every
+
+
+def _within_reach(probed: list[dict[tuple, Priced]], factor: dict[tuple, float]) -> set[tuple]:
     """The calls (Priced.call) that stay in after the probe batches: those with a row whose
-    model price over the probes is at most REACH times the best's, with their twins. The
-    model's error differs by way of running a scheme, but within one problem the ways' timed
-    over modelled times were at most 1.7 apart on an H100 (0.62 and 1.04 on a window, 0.97
-    and 1.42 on a workload): REACH leaves out what that could not bring back."""
+    price over the probes (the model's, times its timed over modelled time where `factor` has
+    one) is at most REACH times the best's, with their twins. The timing took out each timed
+    way's error (0.62-1.42 on an H100); what is left is its change from batch to batch (the
+    all-gather 1.29-1.50 over 16 batches, Ulysses 0.94-1.06) and the error of the ways left
+    untimed, each priced above the best timed one (_confirm), which timed at least 0.94 of
+    the model's price on the GPU (Ulysses, the hybrid, the ring, the plain all-gather) but
+    for the all-gather's overlap (0.62-0.92 before its parts were priced apart), timed with
+    its twin: REACH leaves out what that could not bring back."""
     totals: dict[tuple, float] = {}
     for k in probed[0]:
         if all(k in rows for rows in probed):
-            totals[k] = sum(rows[k].model_ms for rows in probed)
+            totals[k] = sum(rows[k].model_ms for rows in probed) * factor.get(k, 1.0)
     if not totals:
         return {r.call for rows in probed for r in rows.values()}
     best = min(totals.values())
@@ -452,38 +472,51 @@ class _WorkloadPrices:
 
     per_batch: list[dict[tuple, Priced]]
     factor: dict[tuple, float] = dataclasses.field(default_factory=dict)
-    at: int = 0
+    at: int | None = None
 
     def cost(self, i: int, k: tuple) -> float:
         row = self.per_batch[i][k]
         return row.timed_ms if row.timed_ms is not None else row.model_ms * self.factor.get(k, 1.0)
 
-    def total(self, k: tuple) -> float:
-        return sum(self.cost(i, k) for i in range(len(self.per_batch)))
+    def total(self, k: tuple, over=None) -> float:
+        """`k`'s price summed over the batches `over` (default: all)."""
+        return sum(self.cost(i, k) for i in range(len(self.per_batch)) if over is None or i in over)
 
-    def time_those_that_could_win(self, pricing, batches, every, progress, most: int) -> None:
+    def time_those_that_could_win(
+        self, pricing, batches, every, progress, most: int, over=None
+    ) -> None:
         """The model's error differs from scheme to scheme, little from batch to batch: the
-        candidates that could win (the model's shortlist over the totals, then every one priced
-        under the fastest timed, `_confirm`) are timed on one typical batch, the median of the
-        batches' best prices."""
-        n = len(self.per_batch)
-        best = [min(r.model_ms for r in rows.values()) for rows in self.per_batch]
-        self.at = sorted(range(n), key=best.__getitem__)[n // 2]
+        candidates that could win over the batches `over` (default: all; the model's shortlist
+        over their totals, then every one priced under the fastest timed, `confirm`) are timed
+        on one typical batch, the median of those batches' best prices."""
+        over = range(len(self.per_batch)) if over is None else over
+        best = {i: min(r.model_ms for r in self.per_batch[i].values()) for i in over}
+        self.at = sorted(best, key=best.__getitem__)[len(best) // 2]
         typical = self.per_batch[self.at]
-
-        def time_one(row: Priced) -> None:
-            pricing.timed(batches[self.at], [typical[row.candidate, row.transport]],
-                          list(typical.values()), progress)  # fmt: skip
-            for k, r in typical.items():
-                if r.timed_ms is not None and r.model_ms > 0:
-                    self.factor[k] = r.timed_ms / r.model_ms
-
-        by_total = [dataclasses.replace(typical[k], model_ms=self.total(k)) for k in every]
+        by_total = [dataclasses.replace(typical[k], model_ms=self.total(k, over)) for k in every]
         for row in _shortlist(by_total, most):
-            time_one(row)
-        # margin 0: the pick is the least total, and it must be a timed one
-        _confirm([typical[k] for k in every], time_one,
-                 cost=lambda r: self.total((r.candidate, r.transport)), margin=0.0)  # fmt: skip
+            self._time(pricing, batches, row, progress)
+        self.confirm(pricing, batches, every, progress, over)
+
+    def confirm(self, pricing, batches, every, progress, over=None) -> None:
+        """Every candidate whose total over `over` (default: all), scaled where timed, is
+        under the fastest timed one's is timed on the typical batch (margin 0: the pick is the
+        least total, and it must be a timed one)."""
+        typical = self.per_batch[self.at]
+        _confirm(
+            [typical[k] for k in every],
+            lambda row: self._time(pricing, batches, row, progress),
+            cost=lambda r: self.total((r.candidate, r.transport), over),
+            margin=0.0,
+        )
+
+    def _time(self, pricing, batches, row: Priced, progress) -> None:
+        typical = self.per_batch[self.at]
+        pricing.timed(batches[self.at], [typical[row.candidate, row.transport]],
+                      list(typical.values()), progress)  # fmt: skip
+        for k, r in typical.items():
+            if r.timed_ms is not None and r.model_ms > 0:
+                self.factor[k] = r.timed_ms / r.model_ms
 
 
 def _device_bound(row: Priced) -> bool:
