@@ -365,13 +365,13 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
                 prices.time_those_that_could_win(
                     pricing, batches, on_probes, progress, opts["shortlist"], over=probes
                 )
-                kept = _within_reach([per_batch[j] for j in probes], prices.factor)
+                kept = _within_reach([per_batch[j] for j in probes], prices.ratios())
         every = _every(per_batch, range(n))
         if kept is None:  # every batch a probe: the shortlist over them all
             prices.time_those_that_could_win(pricing, batches, every, progress, opts["shortlist"])
         else:  # the shortlist was timed on a probe: any other that could win over the workload
             prices.confirm(pricing, batches, every, progress)
-    cost, total, at, factor = prices.cost, prices.total, prices.at, prices.factor
+    cost, total, at, ratios = prices.cost, prices.total, prices.at, prices.ratios()
     totals = sorted(every, key=total)
     static_ms = total(totals[0])
     best = [per_batch[i][min(per_batch[i], key=lambda k, i=i: cost(i, k))] for i in range(n)]
@@ -379,7 +379,7 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
     cost_ms = sum(b.result[0].extra.get("planning_ms", 0.0) for b in switches)
     dynamic_ms = sum(cost(i, (b.candidate, b.transport)) for i, b in enumerate(best)) + cost_ms
     pick, second = per_batch[0][totals[0]], per_batch[0][totals[1]] if len(totals) > 1 else None
-    timed = {k[0] for k in factor}
+    timed = {r.candidate for r in per_batch[at].values() if r.timed_ms is not None}
     metrics.update(
         {
             "auto_pick": f"{pick.label}/{pick.transport}",
@@ -387,8 +387,8 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
             "auto_runner_up": None if second is None else f"{second.label}/{second.transport}",
             "auto_runner_up_ms": None if second is None else total(totals[1]) / n,
             "auto_why": f"the least predicted time over the workload's {n} batches, "
-            f"{static_ms / n:.3f} ms a batch (the model's, scaled for each of the {len(timed)} "
-            f"candidates timed on batch {at} by its timed over modelled time there)",
+            f"{static_ms / n:.3f} ms a batch (the model's, scaled by the timed over modelled "
+            f"time on batch {at} of each way of the {len(timed)} candidates timed there)",
             "auto_timed": len(timed),
             "auto_cached": None,
             "auto_dynamic_gain": 1 - dynamic_ms / static_ms if static_ms else None,
@@ -408,7 +408,7 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
              "cuda_graph": r.cuda_graph, "transport": r.transport,
              "predicted_ms": total(k) / n,
              "model_ms": sum(rows[k].model_ms for rows in per_batch) / n,
-             "timed_over_model": factor.get(k), "batches_ms": [cost(i, k) for i in range(n)]}
+             "timed_over_model": ratios.get(k), "batches_ms": [cost(i, k) for i in range(n)]}
             for k in totals for r in (per_batch[0][k],)
         ],
         "timed_on_batch": at,
@@ -446,14 +446,14 @@ def _every(per_batch: list[dict[tuple, Priced]], batches) -> list[tuple]:
 
 def _within_reach(probed: list[dict[tuple, Priced]], factor: dict[tuple, float]) -> set[tuple]:
     """The calls (Priced.call) that stay in after the probe batches: those with a row whose
-    price over the probes (the model's, times its timed over modelled time where `factor` has
-    one) is at most REACH times the best's, with their twins. The timing took out each timed
-    way's error (0.62-1.42 on an H100); what is left is its change from batch to batch (the
-    all-gather 1.29-1.50 over 16 batches, Ulysses 0.94-1.06) and the error of the ways left
-    untimed, each priced above the best timed one (_confirm), which timed at least 0.94 of
-    the model's price on the GPU (Ulysses, the hybrid, the ring, the plain all-gather) but
-    for the all-gather's overlap (0.62-0.92 before its parts were priced apart), timed with
-    its twin: REACH leaves out what that could not bring back."""
+    price over the probes (the model's, times the timed over modelled time `factor` has for
+    it: _WorkloadPrices.ratios) is at most REACH times the best's, with their twins. The
+    timing took out each timed way's error (0.62-1.42 on an H100); what is left is its change
+    from batch to batch (the all-gather 1.29-1.50 over 16 batches, Ulysses 0.94-1.06) and the
+    error of the ways left untimed, each priced above the best timed one (_confirm), which
+    timed at least 0.94 of the model's price on the GPU (Ulysses, the hybrid, the ring, the
+    plain all-gather) but for the all-gather's overlap (0.62-0.92 before its parts were priced
+    apart), timed with its twin: REACH leaves out what that could not bring back."""
     totals: dict[tuple, float] = {}
     for k in probed[0]:
         if all(k in rows for rows in probed):
@@ -467,16 +467,27 @@ def _within_reach(probed: list[dict[tuple, Priced]], factor: dict[tuple, float])
 @dataclasses.dataclass
 class _WorkloadPrices:
     """Each candidate's price on each batch of a workload (`per_batch`: (candidate, transport)
-    -> Priced): timed where it was, else the model's, scaled by its candidate's timed over
-    modelled time (`factor`) where that was timed on batch `at`."""
+    -> Priced): timed where it was, else the model's, scaled by its timed over modelled time
+    on batch `at` (_ratio: its own, else its way's)."""
 
     per_batch: list[dict[tuple, Priced]]
-    factor: dict[tuple, float] = dataclasses.field(default_factory=dict)
     at: int | None = None
+    # ratios() until the next timing (_time)
+    _ratios: dict[tuple, float] | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def ratios(self) -> dict[tuple, float]:
+        """The timed over modelled time of each candidate with one on batch `at` (_ratio)."""
+        if self._ratios is None:
+            typical = [] if self.at is None else list(self.per_batch[self.at].values())
+            made = {(r.candidate, r.transport): _ratio(typical, r) for r in typical}
+            self._ratios = {k: ratio for k, ratio in made.items() if ratio is not None}
+        return self._ratios
 
     def cost(self, i: int, k: tuple) -> float:
         row = self.per_batch[i][k]
-        return row.timed_ms if row.timed_ms is not None else row.model_ms * self.factor.get(k, 1.0)
+        return (
+            row.timed_ms if row.timed_ms is not None else row.model_ms * self.ratios().get(k, 1.0)
+        )
 
     def total(self, k: tuple, over=None) -> float:
         """`k`'s price summed over the batches `over` (default: all)."""
@@ -514,9 +525,7 @@ class _WorkloadPrices:
         typical = self.per_batch[self.at]
         pricing.timed(batches[self.at], [typical[row.candidate, row.transport]],
                       list(typical.values()), progress)  # fmt: skip
-        for k, r in typical.items():
-            if r.timed_ms is not None and r.model_ms > 0:
-                self.factor[k] = r.timed_ms / r.model_ms
+        self._ratios = None
 
 
 def _device_bound(row: Priced) -> bool:
@@ -559,16 +568,25 @@ def _shortlist(rows: list[Priced], most: int) -> list[Priced]:
     return chosen
 
 
+def _ratio(rows: list[Priced], row: Priced) -> float | None:
+    """The timed over modelled time to scale `row`'s model price by: its own where it was
+    timed, else the mean of its way's timed `rows` (its layouts and graphs share the way's
+    error), None where none of its way was."""
+    if row.timed_ms is not None and row.model_ms > 0:
+        return row.timed_ms / row.model_ms
+    ratios = [r.timed_ms / r.model_ms for r in rows
+              if r.way == row.way and r.timed_ms is not None and r.model_ms > 0]  # fmt: skip
+    return sum(ratios) / len(ratios) if ratios else None
+
+
 def _scaled_by_way(rows: list[Priced]):
-    """A row's price for _confirm: its timing, else the model's scaled by the timed over
-    modelled time of the rows of its way timed so far (the mean; 1 where none is)."""
+    """A row's price for _confirm: its timing, else the model's scaled by its way's (_ratio;
+    1 where none of its way was timed)."""
 
     def cost(row: Priced) -> float:
         if row.timed_ms is not None:
             return row.timed_ms
-        ratios = [r.timed_ms / r.model_ms for r in rows
-                  if r.way == row.way and r.timed_ms is not None and r.model_ms > 0]  # fmt: skip
-        return row.model_ms * (sum(ratios) / len(ratios) if ratios else 1.0)
+        return row.model_ms * (_ratio(rows, row) or 1.0)
 
     return cost
 
