@@ -374,7 +374,10 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
     cost, total, at, ratios = prices.cost, prices.total, prices.at, prices.ratios()
     totals = sorted(every, key=total)
     static_ms = total(totals[0])
-    best = [per_batch[i][min(per_batch[i], key=lambda k, i=i: cost(i, k))] for i in range(n)]
+    # Per batch, the best of those priced on every batch (the table's): a probe's pruned ones
+    # and an option offered on some batches only (the overlap, where a batch reads other ranks)
+    # have no price over the workload.
+    best = [per_batch[i][min(every, key=lambda k, i=i: cost(i, k))] for i in range(n)]
     switches = [b for i, b in enumerate(best) if i and b.candidate != best[i - 1].candidate]
     cost_ms = sum(b.result[0].extra.get("planning_ms", 0.0) for b in switches)
     dynamic_ms = sum(cost(i, (b.candidate, b.transport)) for i, b in enumerate(best)) + cost_ms
