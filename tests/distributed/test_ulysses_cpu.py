@@ -87,6 +87,38 @@ def test_ulysses_matches_reference_for_every_variant_fwd_bwd():
     assert refused is not None and refused.startswith("heads: 3 query heads"), refused
 
 
+def _rounds_worker(rank, world_size):
+    """pipeline=True (zigzag, two rounds) for every variant, in turn MHA, GQA split and K/V
+    heads replicated, each backward choice; its pairs counted; contiguous refused."""
+    errors, pairs = {}, {}
+    for n, name in enumerate(variants.names()):
+        variant = variants.get(name, **PARAMS[name])
+        kv_heads = (4, 2, 1)[n % 3]
+        backward = ("auto", "flex", "recompute")[n % 3]
+        stats = CPStats()
+        errors[(name, kv_heads, backward)] = _errors(
+            ulysses_attention, rank, world_size, variant, kv_heads, "zigzag", n, pipeline=True,
+            backward=backward, stats=stats,
+        )  # fmt: skip
+        pairs[name] = stats.pairs_computed
+    x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
+    try:
+        ulysses_attention(x, x, x, variants.get("causal"), transport="gloo", pipeline=True)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return errors, pairs, refused
+
+
+def test_ulysses_in_rounds_matches_reference_for_every_variant_fwd_bwd():
+    errors, pairs, refused = launch(_rounds_worker, 2, timeout_s=180)
+    bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
+    assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
+    # a causal mask reads no later round's keys (one call a round); full attention does
+    assert pairs["causal"] == 2 and pairs["full"] == 3, pairs
+    assert refused is not None and refused.startswith("layout: pipeline=True"), refused
+
+
 def _options_worker(rank, world_size):
     """ulysses_attention with options=CPOptions(...) and with the same fields as keywords; then
     a backward choice, which ulysses has nothing to act on, as an option and as a keyword."""

@@ -25,6 +25,7 @@ Tensors: q_BHSD is this rank's shard in `layout`; _h names the head-sharded whol
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
@@ -123,6 +124,30 @@ def head_plan(variant, head_offset, heads, seq_len, block_size, backend, device)
     return plans[key]
 
 
+def _prepared(q, k, v, variant, group, transport: str, layout: str):
+    """The exchange's checks, then (P, this rank, the all-to-all class, the variant on q's
+    device, k and v with their heads repeated up to lcm(G, P): fewer K/V heads than ranks, or
+    not a multiple)."""
+    import torch.distributed as dist
+
+    from attngym.distributed.transport import check_transport, resolve_transport
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("head-parallel attention needs an initialised process group")
+    check_shards(q, k, v)
+    check_transport(transport, q.device)
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    check_ulysses_heads(q.shape[1], k.shape[1], P)
+    layouts.check_seq_len(q.shape[2] * P, P, layout)
+    if variant.device is not None and variant.device != q.device:
+        variant = variant.to(q.device)
+    cls = resolve_transport(transport, q.device, group).alltoall if P > 1 else None
+    replicas = math.lcm(k.shape[1], P) // k.shape[1]
+    if replicas > 1:
+        k, v = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
+    return P, r, cls, variant, k, v
+
+
 def exchange(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,27 +167,13 @@ def exchange(
     S_g the group's sequence (in global order for Ulysses, the next level's layout for hybrid),
     the variant on q's device and the global index of local head 0.
     """
-    import torch.distributed as dist
+    from attngym.distributed.transport import cached
 
-    from attngym.distributed.transport import cached, check_transport, resolve_transport
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("head-parallel attention needs an initialised process group")
-    check_shards(q, k, v)
-    check_transport(transport, q.device)
-    P, r = dist.get_world_size(group), dist.get_rank(group)
+    P, r, cls, variant, k, v = _prepared(q, k, v, variant, group, transport, layout)
     b, h, s, d = q.shape
-    check_ulysses_heads(h, k.shape[1], P)
-    layouts.check_seq_len(s * P, P, layout)
-    if variant.device is not None and variant.device != q.device:
-        variant = variant.to(q.device)
     if P == 1:  # nothing to exchange (hybrid with a2a_size 1 is ring or all-gather alone)
         return attend(q, k, v, variant, 0)
-    cls = resolve_transport(transport, q.device, group).alltoall
     order = exchange_order(layout, P, s * P)
-    replicas = math.lcm(k.shape[1], P) // k.shape[1]
-    if replicas > 1:  # fewer K/V heads than ranks (or not a multiple): repeat up to lcm(G, P)
-        k, v = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
 
     def a2a(like: torch.Tensor, parts: int, forward: bool):
         split, concat = (1, 2) if forward else (2, 1)
@@ -191,11 +202,24 @@ def exchange(
     return a2a(out_h, 1, False)([out_h])[0]
 
 
-def _ulysses_options(options: CPOptions | None, overrides: dict[str, Any]) -> CPOptions:
-    """The call's CPOptions; ValueError for a `backward` choice, which has nothing to act on here
-    (no chunk pairs: autograd differentiates the one kernel call and the all-to-alls)."""
+@dataclasses.dataclass(frozen=True)
+class UlyssesOptions:
+    """ulysses' own options: topology.options.<field>, ulysses_attention's keywords."""
+
+    pipeline: bool = False
+    """Exchange the layout's pieces round by round (zigzag: two), each round attended while the
+    next arrives and its output and gradients sent home once final (ulysses_rounds); False:
+    one all-to-all before the one call and one after."""
+
+
+def _ulysses_options(
+    options: CPOptions | None, overrides: dict[str, Any], pipeline: bool = False
+) -> CPOptions:
+    """The call's CPOptions; ValueError for a `backward` choice without `pipeline`, which has
+    nothing to act on there (no chunk pairs: autograd differentiates the one kernel call and the
+    all-to-alls)."""
     opts = options_from(options, **overrides)
-    if opts.backward != "auto":
+    if opts.backward != "auto" and not pipeline:
         raise ValueError(
             f"backward: ulysses_attention differentiates its one kernel call with autograd; "
             f"only 'auto' is allowed, got {opts.backward!r}"
@@ -212,6 +236,7 @@ def ulysses_attention(
     group=None,
     transport: str = "auto",
     layout: str = "contiguous",
+    pipeline: bool = False,
     options: CPOptions | None = None,
     stats: CPStats | None = None,
     **overrides: Any,
@@ -228,9 +253,12 @@ def ulysses_attention(
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (attngym.distributed.transport).
         layout: contiguous | zigzag (HEAD_PARALLEL_LAYOUTS; attngym.distributed.placement.layout).
+        pipeline: UlyssesOptions.pipeline: the exchanges in rounds (zigzag), each round's calls
+            beside the next round's exchange (attngym.distributed.schemes.ulysses_rounds).
         options: kernel choices (CPOptions; default CPOptions()). block_size is that of the
-            whole-sequence block mask; backward must stay auto: the gradient is autograd's
-            through the one kernel call and the all-to-alls, with no pairs to choose for.
+            whole-sequence block mask; backward must stay auto without `pipeline`: the gradient
+            is autograd's through the one kernel call and the all-to-alls, with no pairs to
+            choose for (with it: flex's backward op of each call, or the call re-run).
         stats: a CPStats; its bytes_sent grows by what this rank sends.
         **overrides: any CPOptions field on top of `options`, as in ring_attention.
 
@@ -238,17 +266,22 @@ def ulysses_attention(
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
 
     Raises:
-        ValueError: a layout other than contiguous or zigzag (`layout`), P does not divide H
-            (`heads`), a backward other than auto, or a bad option, shape or sequence length.
+        ValueError: a layout other than contiguous or zigzag (`layout`; with `pipeline`, zigzag),
+            P does not divide H (`heads`), a backward other than auto without `pipeline`, or a
+            bad option, shape or sequence length.
     """
     import torch.distributed as dist
 
     check_layout("ulysses_attention", layout)
-    opts = _ulysses_options(options, overrides)
+    opts = _ulysses_options(options, overrides, pipeline)
     resolved = kernels.resolve_backend(opts.backend, q.device)
     block = opts.block_size
-    if dist.is_available() and dist.is_initialized():
-        variant.check_seq_len(q.shape[2] * dist.get_world_size(group))
+    ranks = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 0
+    if ranks:
+        variant.check_seq_len(q.shape[2] * ranks)
+    if pipeline and ranks > 1:  # one rank has nothing to exchange: its one call as below
+        return _in_rounds(q, k, v, variant, group=group, transport=transport, layout=layout,
+                          options=opts, stats=stats)  # fmt: skip
 
     tables = kernels.offsets_as_tables(opts.kernel_options)
 
@@ -273,6 +306,24 @@ def ulysses_attention(
         timeout_s=opts.timeout_s,
         stats=stats,
     )
+
+
+def _in_rounds(q, k, v, variant, *, group, transport, layout, options: CPOptions, stats):
+    """ulysses_attention with pipeline=True: the exchanges and calls of ulysses_rounds."""
+    from attngym.distributed.schemes import ulysses_rounds as rounds
+
+    P, r, cls, variant, k, v = _prepared(q, k, v, variant, group, transport, layout)
+    b, h, s, d = q.shape
+    where = rounds.round_pieces(layout, P, s * P)
+    hp = h // P
+    calls = rounds.round_calls(variant, r * hp, hp, s * P, len(where), options, q.device)
+    if stats is not None:
+        stats.pairs_computed += sum(len(calls.plan.calls(j)) for j in range(len(where)))
+    ex = rounds.exchanges(cls, q, k, where, group=group, timeout_s=options.timeout_s)
+    if stats is not None:
+        sent = q.numel() + k.numel() + v.numel() + q.numel()  # q, k, v out; the output back
+        stats.bytes_sent += sent * q.element_size() * (P - 1) // P
+    return rounds.rounds_attention(q, k, v, calls, ex)
 
 
 def alltoall_transfer_ms(
@@ -400,11 +451,25 @@ def _heads_split(*, heads: int, kv_heads: int | None, world_size: int | None, **
         raise heads_config_error(err) from None
 
 
+def _rounds_of_layout(*, layout: Any, options: dict[str, Any], world_size: int | None,
+                      seq_len: int, **_: Any) -> None:  # fmt: skip
+    """pipeline=True: the layout's pieces make the rounds (zigzag)."""
+    if not options.get("pipeline") or world_size is None or not isinstance(layout, str):
+        return
+    from attngym.distributed.schemes.ulysses_rounds import round_pieces
+
+    try:
+        round_pieces(layout, world_size, seq_len)
+    except ValueError as err:
+        raise ConfigError("topology.options.pipeline", str(err).partition(": ")[2]) from None
+
+
 ULYSSES = TopologySpec(
     name="ulysses",
     attention=ulysses_attention,
     layouts=HEAD_PARALLEL_LAYOUTS,
-    rules=(_heads_split,),
+    options=UlyssesOptions,
+    rules=(_heads_split, _rounds_of_layout),
     timer=alltoall_transfer_ms,
     shards=lambda topology, shape: 1,
     simulate=simulate_ulysses,

@@ -814,8 +814,9 @@ class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
         start = (p * self.num_parts + k) * self._block_numel
         return buffer.view(-1)[start : start + self._block_numel]
 
-    def exchange(self, parts: Parts) -> torch.Tensor:
-        """The all-to-all of `parts`: a fresh (num_parts, *out_part) tensor (not differentiable).
+    def start(self, parts: Parts) -> torch.Tensor:
+        """Issue the all-to-all of `parts` on the side stream (after the current stream's work so
+        far); `wait` gives its output. What the current stream queues meanwhile runs beside it.
 
         Raises:
             RuntimeError: the object failed (a peer timed out earlier).
@@ -830,6 +831,7 @@ class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
             outs = [o.view(-1) for o in out.unbind(0)]
             flat = [t.view(-1) for t in items]
             self._side.wait_stream(cur)
+            self._keep_until_joined([*items, out])  # the caller may drop them before `wait`
             with torch.cuda.stream(self._side), torch.no_grad():
                 for p in peers:
                     self._wait_flag(self._side, p_world + p, f"rank {p} to free its staging slot")
@@ -849,8 +851,14 @@ class CopyEngineAllToAll(AllToAllCalls, _CopyEngineBase):
                         for src, dst, n in self._pull_rows[p]:
                             outs[k][dst : dst + n].copy_(slot[src : src + n])
                     self._set_flag(self._side, p, p_world + r)
-            cur.wait_stream(self._side)
         return out
+
+    def wait(self, started: torch.Tensor) -> torch.Tensor:
+        """The output of a `start`ed all-to-all, the current stream ordered after it: a fresh
+        (num_parts, *out_part) tensor the caller owns."""
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._held.clear()  # the current stream now follows every read of the parts
+        return started
 
 
 # ----------------------------------------------------------------------------- uneven exchange

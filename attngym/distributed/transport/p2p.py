@@ -389,8 +389,9 @@ class P2PAllToAll(AllToAllCalls):
             for dst in range(self.world_size)
         }
 
-    def exchange(self, parts: Parts) -> torch.Tensor:
-        """The all-to-all of `parts`: a fresh (num_parts, *out_part) tensor (not differentiable)."""
+    def start(self, parts: Parts):
+        """Issue the all-to-all of `parts` (packed now, sent beside what the caller queues next);
+        `wait` gives its output. One exchange of an object in flight at a time."""
         parts = as_parts(parts, self.num_parts, self.part_shape, self.dtype, self.device)
         r, world = self.rank, self.world_size
         with torch.no_grad():
@@ -398,14 +399,19 @@ class P2PAllToAll(AllToAllCalls):
                 for k, part in enumerate(parts):
                     for src, block, _ in self._moves[(r, p)]:
                         narrow(self._send[p, k], block).copy_(narrow(part, src))
-            if world > 1:
-                dist = _dist()
-                work = dist.all_to_all_single(
-                    self._recv, self._send, group=self.group, async_op=True
-                )
-                _wait([work], timeout_s=self.timeout_s, device=self.device, what="all-to-all")
-            else:
+            if world == 1:
                 self._recv.copy_(self._send)
+                return None
+            return _dist().all_to_all_single(
+                self._recv, self._send, group=self.group, async_op=True
+            )
+
+    def wait(self, started) -> torch.Tensor:
+        """The output of a `start`ed all-to-all: a fresh (num_parts, *out_part) tensor."""
+        r, world = self.rank, self.world_size
+        if started is not None:
+            _wait([started], timeout_s=self.timeout_s, device=self.device, what="all-to-all")
+        with torch.no_grad():
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             for p in range(world):
                 for k in range(self.num_parts):

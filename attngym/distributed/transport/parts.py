@@ -316,10 +316,18 @@ def narrow(t: torch.Tensor, region: Region) -> torch.Tensor:
 
 
 class AllToAllCalls:
-    """What every all-to-all class shares on top of its own `exchange`: the differentiable call
-    and the inverse object. Needs plan, num_parts, dtype, device, group and timeout_s."""
+    """What every all-to-all class shares on top of its own `start` (the transfer issued: work
+    the current stream queues after it runs beside it) and `wait` (its output, the current
+    stream ordered after it): `exchange`, the differentiable call and the inverse object. One
+    exchange of an object in flight at a time. Needs plan, num_parts, dtype, device, group and
+    timeout_s."""
 
     _inverse: Any = None
+
+    def exchange(self, parts: Parts) -> torch.Tensor:
+        """The all-to-all of `parts`: a fresh (num_parts, *out_part) tensor (not differentiable),
+        ordered before the current stream's next work (`wait(start(parts))`)."""
+        return self.wait(self.start(parts))
 
     def __call__(self, parts: Parts) -> torch.Tensor:
         """`exchange(parts)`, differentiable when grad is enabled and a part requires it."""
