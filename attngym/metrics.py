@@ -184,6 +184,13 @@ METRICS: tuple[Metric, ...] = (
         "allgather: own keys attended while the rows read from other shards arrive",
         column=False,
     ),
+    M(
+        "pipeline",
+        "pipeline",
+        "",
+        "ulysses: the exchanges in rounds of the layout's pieces, each beside the round before",
+        column=False,
+    ),
     M("device", "device", "", "cpu or cuda", shown="run"),
     M("device_name", "device name", "", "the GPU's name, or the CPU model"),
     M("capability", "capability", "", "the GPU's compute capability (none on a CPU)", column=False),

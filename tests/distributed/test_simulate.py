@@ -30,12 +30,13 @@ from attngym.runner.config import Benchmark, Settings, Shape, Topology
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _settings(simulate: bool, kind: str, layout: str, attention: dict) -> Settings:
+def _settings(simulate: bool, kind: str, layout: str, attention: dict, options=None) -> Settings:
     return Settings(
         attention=attention,
         device="cpu",
         shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
-        topology=Topology(kind=kind, world_size=2, layout=layout, simulate=simulate),
+        topology=Topology(kind=kind, world_size=2, layout=layout, simulate=simulate,
+                          options=options or {}),  # fmt: skip
         benchmark=Benchmark(warmup=0, repeats=1),
         baselines=(),
         validate=False,
@@ -44,19 +45,21 @@ def _settings(simulate: bool, kind: str, layout: str, attention: dict) -> Settin
 
 
 @pytest.mark.parametrize(
-    ("kind", "layout", "attention"),
+    ("kind", "layout", "attention", "options"),
     [
-        ("ring", "zigzag", {"name": "causal"}),
-        ("allgather", "contiguous", {"name": "sliding_window", "window_size": 64}),  # a halo
-        ("ulysses", "zigzag", {"name": "causal"}),
+        ("ring", "zigzag", {"name": "causal"}, None),
+        ("allgather", "contiguous", {"name": "sliding_window", "window_size": 64}, None),  # halo
+        ("ulysses", "zigzag", {"name": "causal"}, None),
+        ("ulysses", "zigzag", {"name": "full"}, {"pipeline": True}),  # later rounds' keys too
     ],
 )
-def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, attention):
+def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, attention,
+                                                       options):  # fmt: skip
     task = registry.get("task", kind)
     for name in ("real", "sim"):
         (tmp_path / name).mkdir()
-    real = task(_settings(False, kind, layout, attention), tmp_path / "real")
-    simulated = task(_settings(True, kind, layout, attention), tmp_path / "sim")
+    real = task(_settings(False, kind, layout, attention, options), tmp_path / "real")
+    simulated = task(_settings(True, kind, layout, attention, options), tmp_path / "sim")
     for key in ("pairs_computed", "pairs_skipped", "bytes_moved", "load_imbalance"):
         assert simulated[key] == real[key], key
     assert simulated["simulate"] is True and simulated["fabric"] == "h200_nvlink/copy_engine"
@@ -114,6 +117,45 @@ def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
     causal = simulate(ALLGATHER, q, k, v, g, variants.get("causal"), world_size=4,
                       layout="contiguous", timer=_counting_timer([]))  # fmt: skip
     assert "alternatives" not in causal.extra
+
+
+def test_ulysses_in_rounds_hides_the_exchanges_behind_the_rounds_calls():
+    """pipeline=True on zigzag: each rank's calls timed round by round (a causal mask: one call
+    a round; full attention: round 0's queries read round 1's keys too), priced with each
+    round's exchange behind the calls before it; the one-call Ulysses offers it to auto."""
+    from attngym.distributed.schemes import ulysses_rounds as rounds
+    from attngym.distributed.schemes.ulysses import ULYSSES
+
+    q, k, v, g = make_inputs(Shape(batch=1, heads=4, seq_len=1024, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    slow = tm.linear_fabric("toy", "test", gbps=0.01, latency_us=0.0)  # transfers dominate
+    sims = {}
+    for name in ("causal", "full"):
+        for pipeline in (False, True):
+            sims[name, pipeline] = simulate(
+                ULYSSES, q, k, v, g, variants.get(name), world_size=2, layout="zigzag",
+                scheme_options={"pipeline": pipeline}, timer=_counting_timer([]),
+            )  # fmt: skip
+    causal, full = sims["causal", True].ranks[0], sims["full", True].ranks[0]
+    # every call 1 ms (the timer): a round's calls forward, the last round's first backward
+    assert (causal.fwd_ms, causal.bwd_ms, causal.out_ready) == ((1.0, 1.0), (1.0, 1.0), (0, 1))
+    assert (full.fwd_ms, full.bwd_ms, full.out_ready) == ((1.0, 2.0), (1.0, 2.0), (1, 1))
+    assert full.grads_ready == (0, 0)
+    assert sims["causal", True].pairs_computed == 4 and sims["full", True].pairs_computed == 6
+    assert sims["causal", False].extra["alternatives"] == [{"pipeline": True}]
+    assert "alternatives" not in sims["causal", True].extra
+    into = slow.ms("alltoall", causal.fwd_bytes[0] / 2)  # a round's q/k/v
+    back = slow.ms("alltoall", causal.tail_fwd_bytes / 2)  # a round's output
+    # One call: every byte in, the call (1 ms), every byte back. In rounds, on this fabric the
+    # calls are hidden: round 0's beside round 1's exchange, round 1's beside round 0's output.
+    one_call = ULYSSES.price(sims["causal", False], slow, False).fwd_ms
+    assert one_call == pytest.approx(2 * into + 2 * back + 1.0)
+    in_rounds = ULYSSES.price(sims["causal", True], slow, False).fwd_ms
+    assert in_rounds == pytest.approx(2 * into + 2 * back)
+    # by hand: arrivals 1, 2; calls end 3, 5; outputs leave once final and the fabric is free
+    assert rounds._pipeline((2.0, 2.0), 1.0, 1.0, (0, 1)) == 6.0
+    assert rounds._pipeline((2.0, 2.0), 1.0, 1.0, (1, 1)) == 7.0
+    assert rounds._pipeline((0.5, 0.5), 1.0, 1.0, (0, 1)) == 4.0
 
 
 def test_torch_cp_is_simulated_over_whole_shards_in_one_kernel_shape():

@@ -354,7 +354,20 @@ def alltoall_transfer_ms(
 def simulate_ulysses(sc: SimulatedCall) -> Simulation:
     """Every rank's one call on its head slice of the whole sequence (K/V heads repeated up to
     lcm(G, P) as the all-to-all does), with the head-shifted variant and block mask of
-    ulysses_attention; the exchanges' bytes as exchange counts them."""
+    ulysses_attention; the exchanges' bytes as exchange counts them. With pipeline, the rounds'
+    calls (ulysses_rounds.simulate_rounds); without it on zigzag, the rounds are offered to
+    `auto` as an alternative."""
+    if sc.scheme_options.get("pipeline") and sc.world_size > 1:
+        from attngym.distributed.schemes.ulysses_rounds import simulate_rounds
+
+        return simulate_rounds(sc)
+    sim = _simulate_one_call(sc)
+    if sc.layout == "zigzag" and sc.world_size > 1:
+        sim.extra["alternatives"] = [{"pipeline": True}]
+    return sim
+
+
+def _simulate_one_call(sc: SimulatedCall) -> Simulation:
     q, k, v, P, opts, clock = sc.q, sc.k, sc.v, sc.world_size, sc.options, sc.clock
     b, h, seq_len, d = q.shape
     check_ulysses_heads(h, k.shape[1], P)
@@ -430,9 +443,14 @@ def alltoall_rank_ms(work: RankWork, fab: Fabric, backward: bool, crossing: floa
 
 
 def price_ulysses(sim: Simulation, fab: Fabric, backward: bool) -> Prediction:
-    """Ulysses' call on `fab`: the all-to-alls around the one call (alltoall_rank_ms)."""
+    """Ulysses' call on `fab`: the all-to-alls around the one call (alltoall_rank_ms), or the
+    rounds' (ulysses_rounds.rounds_rank_ms)."""
+    from attngym.distributed.schemes.ulysses_rounds import RoundWork, rounds_rank_ms
+
     crossing = fab.collective_crossing(len(sim.ranks))
-    return predict(functools.partial(alltoall_rank_ms, crossing=crossing), sim.ranks, fab, backward)
+    in_rounds = isinstance(sim.ranks[0], RoundWork)
+    rank_ms = rounds_rank_ms if in_rounds else alltoall_rank_ms
+    return predict(functools.partial(rank_ms, crossing=crossing), sim.ranks, fab, backward)
 
 
 def heads_config_error(err: ValueError) -> ConfigError:

@@ -22,6 +22,7 @@ Contract as ulysses_attention's (attngym.distributed.schemes.ulysses), with thes
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from attngym import kernels
 from attngym.distributed.call.accumulate import Accumulator
 from attngym.distributed.call.cp import CPCall, CPOptions, attend_chunk, resolve_backward
+from attngym.distributed.model.simulate import Item, Simulation
 from attngym.distributed.model.transfer_model import Fabric, RankWork
 from attngym.variants.base import Variant
 
@@ -295,6 +297,79 @@ def rounds_attention(q, k, v, calls: RoundCalls, ex: _Exchanges) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
+# Simulated (topology.simulate=true; attngym.distributed.model.simulate).
+
+
+def simulate_rounds(sc) -> Simulation:
+    """Every rank's calls of the rounds on its head slice (K/V heads repeated as the exchange
+    does), each timed through the clock: forward in the round that completes it, backward from
+    the whole problem's out and lse of those heads (one call, not timed) in the order the
+    backward runs them; the exchanges' bytes as ulysses counts them."""
+    from attngym.distributed.schemes.ulysses import check_ulysses_heads, exchange_bytes
+
+    q, k, v, P, opts, clock = sc.q, sc.k, sc.v, sc.world_size, sc.options, sc.clock
+    b, h, seq_len, d = q.shape
+    check_ulysses_heads(h, k.shape[1], P)
+    m = len(round_pieces(sc.layout, P, seq_len))
+    replicas = math.lcm(k.shape[1], P) // k.shape[1]
+    k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
+    hp, rp = h // P, k_rep.shape[1] // P
+    qkv_bytes, out_bytes = exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, q.element_size())
+    works, pairs, peak = [], 0, 0
+    for r in range(P):
+        q_h, k_h, v_h = (t[:, r * n : (r + 1) * n].contiguous()
+                         for t, n in ((q, hp), (k_rep, rp), (v_rep, rp)))  # fmt: skip
+        calls = round_calls(sc.variant, r * hp, hp, seq_len, m, opts, q.device)
+        plan, span = calls.plan, calls.plan.span
+        merged = None
+        if sc.grad_out is not None:
+            g_h = sc.grad_out[:, r * hp : (r + 1) * hp].contiguous()
+            with torch.no_grad():
+                merged = calls.attend(q_h, k_h, v_h, 0, 0)
+        fwd_ms, bwd_ms, host = [0.0] * m, [0.0] * m, [0.0, 0.0]
+        for j in range(m):
+            rows = slice(j * span, (j + 1) * span)
+            for a, c in plan.calls(j):
+                q_j, k_c, v_c = q_h[:, :, rows], k_h[:, :, a:c], v_h[:, :, a:c]
+
+                def fwd(q_j=q_j, k_c=k_c, v_c=v_c, at=(j * span, a)):
+                    with torch.no_grad():
+                        calls.attend(q_j, k_c, v_c, *at)
+
+                def bwd(q_j=q_j, k_c=k_c, v_c=v_c, at=(j * span, a), rows=rows):
+                    with torch.no_grad():
+                        out, lse = merged
+                        calls.grads(q_j, k_c, v_c, out[:, :, rows], lse[:, :, rows],
+                                    g_h[:, :, rows], *at)  # fmt: skip
+
+                bm = calls.mask(j * span, span, a, c - a)
+                key = ("ulysses_rounds", tuple(q_j.shape), tuple(k_c.shape), clock.mask_key(bm))
+                item = Item(key=key, fwd=fwd, bwd=bwd if merged is not None else None,
+                            block_masks=(bm,))  # fmt: skip
+                timed = clock.time(item, "fwd")
+                fwd_ms[max(j, a // span)] += timed.ms  # in the round whose keys it waits for
+                host[0] += timed.host_ms
+                if merged is not None:
+                    timed = clock.time(item, "bwd")
+                    bwd_ms[m - 1 - j] += timed.ms  # the backward runs the last round first
+                    host[1] += timed.host_ms
+                pairs += 1
+        works.append(
+            RoundWork(
+                fwd_ms=tuple(fwd_ms), bwd_ms=tuple(bwd_ms) if merged is not None else (),
+                fwd_bytes=(qkv_bytes * (P - 1) / P,), tail_fwd_bytes=out_bytes * (P - 1) / P,
+                host_fwd_ms=host[0], host_bwd_ms=host[1],
+                out_ready=tuple(plan.out_ready(j) for j in range(m)),
+                grads_ready=tuple(plan.grads_ready(j) for j in range(m)),
+            )
+        )  # fmt: skip
+        heads_whole = (hp + 2 * rp) * b * seq_len * d * q.element_size()
+        peak = max(peak, heads_whole + b * hp * seq_len * d * q.element_size())
+    sent = int((qkv_bytes + out_bytes) * (P - 1) // P)
+    return Simulation(P, works, 1, pairs_computed=pairs, bytes_moved=sent, peak_mem_bytes=peak)
+
+
+# ---------------------------------------------------------------------------------------------
 # Priced (attngym.distributed.model.transfer_model).
 
 
@@ -334,14 +409,4 @@ def rounds_rank_ms(work: RoundWork, fab: Fabric, backward: bool, crossing: float
         ready = [m - 1 - work.grads_ready[m - 1 - n] for n in range(m)]
         total += _pipeline(work.bwd_ms, back, into, ready)
     return total
-
-
-def round_bytes(b: int, h: int, kv_heads: int, seq_len: int, world_size: int, d: int,
-                itemsize: int) -> tuple[float, float]:  # fmt: skip
-    """(q, k, v out; the output back) bytes a rank sends over all rounds, as ulysses counts."""
-    from attngym.distributed.schemes.ulysses import exchange_bytes
-
-    qkv, out = exchange_bytes(b, h, kv_heads, seq_len // world_size, d, itemsize)
-    share = (world_size - 1) / world_size
-    return qkv * share, out * share
 
