@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Workloads and the varlen contender on one H200 (issue "your data and your real alternative"):
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
-# PHASE: tests one_gpu headline workload_ring workload_allgather workload_ulysses workload_hybrid
-# workload_auto workload_auto_profile (default: all but the profile; a 10-minute call takes
-# one_gpu and tests, or about three workload runs).
+# PHASE: tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses
+# workload_ulysses_rounds workload_hybrid workload_auto workload_auto_profile (default: all but the
+# profile; a 10-minute call takes one_gpu and tests, or about three workload runs).
 #   tests     the varlen kernels against float64 (GPU tests), CP calls captured as CUDA graphs
 #             against eager ones, and a two-rank workload sharing the GPU
+#   tests_ulysses  Ulysses (one call and in rounds) and the copy-engine all-to-all on two ranks
+#             sharing the GPU, against float64
 #   one_gpu   the README's Results rows: B=4 H=16 S=8192 D=128, every variant, every contender
 #   headline  flex against varlen_attn, fwd+bwd, B=1 H=8 S=64K D=128: window(1024), four documents
 #   workload_<scheme>  16 lognormal batches (median 2K, tail to 64K) of 128K, P=8 simulated with
 #               CUDA graphs: ring (PyTorch's CP predicted beside it with its balancers), all-gather
-#               (both balanced), Ulysses and hybrid (contiguous)
+#               (both balanced), Ulysses and hybrid (contiguous), Ulysses in rounds (zigzag,
+#               topology.options.pipeline=true)
 #   workload_auto  the same batches, topology=auto: one pick for the workload, its choice's
 #               seconds and auto_dynamic_gain (graphs weighed, not fixed)
 #   workload_auto_profile  the same with a cProfile of the run's Python (run_profile.txt): where
 #               the choice's seconds go (the profiler slows it: its auto_s is not the answer's)
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-tests one_gpu headline workload_ring workload_allgather workload_ulysses workload_hybrid workload_auto} "
+WHAT=" ${*:-tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses workload_ulysses_rounds workload_hybrid workload_auto} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
@@ -40,6 +43,13 @@ if has tests; then
     hydra.run.dir=workload_2ranks
   unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
 fi
+if has tests_ulysses; then
+  export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  T_TIMEOUT=200 t tests_ulysses python3 -m pytest -q -p no:cacheprovider \
+    "$ROOT/tests/distributed/test_ulysses_gpu.py" "$ROOT/tests/distributed/test_copy_engine_gpu.py" \
+    -k "ulysses or alltoall"
+  unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
+fi
 if has headline; then
   H="shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=65536 baselines=[varlen,flash_varlen,sdpa_cudnn]"
   t headline_window $AG $H attention=sliding_window ++attention.window_size=1024 hydra.run.dir=headline_window
@@ -56,6 +66,8 @@ scheme() {  # NAME TIMEOUT OVERRIDES...
 has workload_ring && scheme workload_ring 400 topology=ring topology.layout=balanced
 has workload_allgather && scheme workload_allgather 240 topology=allgather topology.layout=balanced 'baselines=[]'
 has workload_ulysses && scheme workload_ulysses 150 topology=ulysses topology.layout=contiguous 'baselines=[]'
+has workload_ulysses_rounds && scheme workload_ulysses_rounds 150 topology=ulysses topology.layout=zigzag \
+  topology.options.pipeline=true 'baselines=[]'
 has workload_hybrid && scheme workload_hybrid 200 topology=hybrid topology.layout=contiguous \
   topology.options.a2a_size=4 'baselines=[]'
 if has workload_auto; then

@@ -1,4 +1,5 @@
-"""Ulysses and hybrid attention on CUDA ranks: copy-engine and NCCL all-to-alls, compiled flex.
+"""Ulysses (one call, and in rounds) and hybrid attention on CUDA ranks: copy-engine and NCCL
+all-to-alls, compiled flex.
 
 Ranks share GPUs modulo the device count; copy_engine runs with two or more GPUs, or on one GPU
 when TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (a gloo group). Inputs are float32 and flex
@@ -36,6 +37,7 @@ def _worker(rank, world_size, transport):
         "hybrid_a2a2_allgather": functools.partial(
             hybrid_attention, a2a_size=2, across="allgather"
         ),
+        "ulysses_rounds": functools.partial(ulysses_attention, pipeline=True),  # zigzag only
     }
     errors = {}
     for n, (name, variant) in enumerate(cases.items()):
@@ -49,7 +51,7 @@ def _worker(rank, world_size, transport):
         ref_out, _ = reference.attention(qr, kr, vr, variant.score_mod, variant.mask_mod)
         ref_out.backward(dout.double())
         for call, fn in calls.items():
-            for layout in ("contiguous", "zigzag"):
+            for layout in ("contiguous", "zigzag")[call == "ulysses_rounds" :]:
                 q_s, k_s, v_s = (
                     shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v)
                 )
@@ -72,6 +74,6 @@ def test_ulysses_and_hybrid_on_cuda_match_reference(transport, monkeypatch):
     if torch.cuda.device_count() < 2:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     errors = launch(_worker, 2, args=(transport,), device="cuda", timeout_s=300)
-    assert len(errors) == 3 * 3 * 2
+    assert len(errors) == 3 * 3 * 2 + 3
     bad = {case: rel for case, rel in errors.items() if max(rel) >= REL}
     assert bad == {}, f"{transport}: relative errors of out, dq, dk, dv: {bad}"
