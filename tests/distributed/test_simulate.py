@@ -35,8 +35,9 @@ def _settings(simulate: bool, kind: str, layout: str, attention: dict, options=N
         attention=attention,
         device="cpu",
         shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
-        topology=Topology(kind=kind, world_size=2, layout=layout, simulate=simulate,
-                          options=options or {}),  # fmt: skip
+        topology=Topology(
+            kind=kind, world_size=2, layout=layout, simulate=simulate, options=options or {}
+        ),  # fmt: skip
         benchmark=Benchmark(warmup=0, repeats=1),
         baselines=(),
         validate=False,

@@ -240,10 +240,10 @@ class _Rounds(torch.autograd.Function):
             q_h.append(q_j)
             fused = calls.options.compile and q_j.device.type == "cuda"
             accs.append(Accumulator(q_j, q_j.shape[3], fused=fused))
-            for i in [*(i for i in range(j) if j in plan.later[i]), j]:  # the calls these keys end
+            for i in [*(i for i in range(j) if j in plan.later[i]), j]:  # calls these keys end
                 a, b = (j * span, (j + 1) * span) if i < j else (0, (j + 1) * span)
-                accs[i].add(slice(0, span), *calls.attend(q_h[i], k_all[:, :, a:b],
-                                                          v_all[:, :, a:b], i * span, a))  # fmt: skip
+                part = calls.attend(q_h[i], k_all[:, :, a:b], v_all[:, :, a:b], i * span, a)
+                accs[i].add(slice(0, span), *part)
             while len(back) < m and plan.out_ready(len(back)) <= j:
                 i = len(back)
                 results[i] = accs[i].result()
@@ -321,7 +321,7 @@ def simulate_rounds(sc) -> Simulation:
                          for t, n in ((q, hp), (k_rep, rp), (v_rep, rp)))  # fmt: skip
         calls = round_calls(sc.variant, r * hp, hp, seq_len, m, opts, q.device)
         plan, span = calls.plan, calls.plan.span
-        merged = None
+        merged = g_h = None
         if sc.grad_out is not None:
             g_h = sc.grad_out[:, r * hp : (r + 1) * hp].contiguous()
             with torch.no_grad():
@@ -330,20 +330,21 @@ def simulate_rounds(sc) -> Simulation:
         for j in range(m):
             rows = slice(j * span, (j + 1) * span)
             for a, c in plan.calls(j):
-                q_j, k_c, v_c = q_h[:, :, rows], k_h[:, :, a:c], v_h[:, :, a:c]
+                qkv = (q_h[:, :, rows], k_h[:, :, a:c], v_h[:, :, a:c])
 
-                def fwd(q_j=q_j, k_c=k_c, v_c=v_c, at=(j * span, a)):
+                def fwd(calls=calls, qkv=qkv, at=(j * span, a)):
                     with torch.no_grad():
-                        calls.attend(q_j, k_c, v_c, *at)
+                        calls.attend(*qkv, *at)
 
-                def bwd(q_j=q_j, k_c=k_c, v_c=v_c, at=(j * span, a), rows=rows):
+                def bwd(calls=calls, qkv=qkv, at=(j * span, a), rows=rows, merged=merged,
+                        g_h=g_h):  # fmt: skip
                     with torch.no_grad():
                         out, lse = merged
-                        calls.grads(q_j, k_c, v_c, out[:, :, rows], lse[:, :, rows],
-                                    g_h[:, :, rows], *at)  # fmt: skip
+                        calls.grads(*qkv, out[:, :, rows], lse[:, :, rows], g_h[:, :, rows], *at)
 
                 bm = calls.mask(j * span, span, a, c - a)
-                key = ("ulysses_rounds", tuple(q_j.shape), tuple(k_c.shape), clock.mask_key(bm))
+                key = ("ulysses_rounds", tuple(qkv[0].shape), tuple(qkv[1].shape),
+                       clock.mask_key(bm))  # fmt: skip
                 item = Item(key=key, fwd=fwd, bwd=bwd if merged is not None else None,
                             block_masks=(bm,))  # fmt: skip
                 timed = clock.time(item, "fwd")
@@ -409,4 +410,3 @@ def rounds_rank_ms(work: RoundWork, fab: Fabric, backward: bool, crossing: float
         ready = [m - 1 - work.grads_ready[m - 1 - n] for n in range(m)]
         total += _pipeline(work.bwd_ms, back, into, ready)
     return total
-
