@@ -314,7 +314,7 @@ def _in_rounds(q, k, v, variant, *, group, transport, layout, options: CPOptions
 
     P, r, cls, variant, k, v = _prepared(q, k, v, variant, group, transport, layout)
     b, h, s, d = q.shape
-    where = rounds.round_pieces(layout, P, s * P)
+    where = rounds.round_pieces(layout, exchange_order(layout, P, s * P))
     hp = h // P
     calls = rounds.round_calls(variant, r * hp, hp, s * P, len(where), options, q.device)
     if stats is not None:
@@ -358,9 +358,14 @@ def simulate_ulysses(sc: SimulatedCall) -> Simulation:
     calls (ulysses_rounds.simulate_rounds); without it on zigzag, the rounds are offered to
     `auto` as an alternative."""
     if sc.scheme_options.get("pipeline") and sc.world_size > 1:
-        from attngym.distributed.schemes.ulysses_rounds import simulate_rounds
+        from attngym.distributed.schemes import ulysses_rounds as rounds
 
-        return simulate_rounds(sc)
+        P, (b, h, s, d) = sc.world_size, sc.q.shape
+        check_ulysses_heads(h, sc.k.shape[1], P)
+        where = rounds.round_pieces(sc.layout, exchange_order(sc.layout, P, s))
+        kv_heads = math.lcm(sc.k.shape[1], P)  # repeated as the exchange does
+        sent = exchange_bytes(b, h, kv_heads, s // P, d, sc.q.element_size())
+        return rounds.simulate_rounds(sc, len(where), *sent)
     sim = _simulate_one_call(sc)
     if sc.layout == "zigzag" and sc.world_size > 1:
         sim.extra["alternatives"] = [{"pipeline": True}]
@@ -477,7 +482,11 @@ def _rounds_of_layout(*, layout: Any, options: dict[str, Any], world_size: int |
     from attngym.distributed.schemes.ulysses_rounds import round_pieces
 
     try:
-        round_pieces(layout, world_size, seq_len)
+        order = exchange_order(layout, world_size, seq_len)
+    except ValueError:  # the sequence length's own check says it
+        return
+    try:
+        round_pieces(layout, order)
     except ValueError as err:
         raise ConfigError("topology.options.pipeline", str(err).partition(": ")[2]) from None
 

@@ -36,14 +36,12 @@ from attngym.distributed.model.transfer_model import Fabric, RankWork
 from attngym.variants.base import Variant
 
 
-def round_pieces(layout: str, world_size: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+def round_pieces(layout: str, order) -> tuple[tuple[int, ...], ...]:
     """Per round, where each rank's piece lands in that round's part of the sequence (rank p's
-    j-th piece at position [j][p] of part j); ValueError naming `layout` unless every round's
-    pieces make one contiguous part, in round order."""
-    from attngym.distributed.schemes.ulysses import exchange_order
-
-    order = exchange_order(layout, world_size, seq_len)
-    rounds = len(order[0])
+    j-th piece at position [j][p] of part j), from the exchange's order (`order[p]`: the global
+    pieces of rank p's chunks); ValueError naming `layout` unless every round's pieces make one
+    contiguous part, in round order."""
+    world_size, rounds = len(order), len(order[0])
     where = tuple(tuple(order[p][j] - j * world_size for p in range(world_size))
                   for j in range(rounds))  # fmt: skip
     if rounds < 2 or any(sorted(w) != list(range(world_size)) for w in where):
@@ -300,21 +298,18 @@ def rounds_attention(q, k, v, calls: RoundCalls, ex: _Exchanges) -> torch.Tensor
 # Simulated (topology.simulate=true; attngym.distributed.model.simulate).
 
 
-def simulate_rounds(sc) -> Simulation:
-    """Every rank's calls of the rounds on its head slice (K/V heads repeated as the exchange
-    does), each timed through the clock: forward in the round that completes it, backward from
-    the whole problem's out and lse of those heads (one call, not timed) in the order the
-    backward runs them; the exchanges' bytes as ulysses counts them."""
-    from attngym.distributed.schemes.ulysses import check_ulysses_heads, exchange_bytes
-
+def simulate_rounds(sc, rounds: int, qkv_bytes: int, out_bytes: int) -> Simulation:
+    """Every rank's calls of the `rounds` rounds on its head slice (K/V heads repeated as the
+    exchange does), each timed through the clock: forward in the round that completes it,
+    backward from the whole problem's out and lse of those heads (one call, not timed) in the
+    order the backward runs them; `qkv_bytes` and `out_bytes` a rank's shard's exchanges, as
+    ulysses counts them (ulysses.simulate_ulysses checks the heads and gives them)."""
     q, k, v, P, opts, clock = sc.q, sc.k, sc.v, sc.world_size, sc.options, sc.clock
     b, h, seq_len, d = q.shape
-    check_ulysses_heads(h, k.shape[1], P)
-    m = len(round_pieces(sc.layout, P, seq_len))
+    m = rounds
     replicas = math.lcm(k.shape[1], P) // k.shape[1]
     k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
     hp, rp = h // P, k_rep.shape[1] // P
-    qkv_bytes, out_bytes = exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, q.element_size())
     works, pairs, peak = [], 0, 0
     for r in range(P):
         q_h, k_h, v_h = (t[:, r * n : (r + 1) * n].contiguous()
