@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Workloads and the varlen contender on one H200 (issue "your data and your real alternative"):
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
+#   BATCHES=N: the workload's first N batches only (default 16), for a short call
 # PHASE: tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses
 # workload_ulysses_rounds workload_hybrid workload_auto workload_auto_profile (default: all but the
 # profile; a 10-minute call takes one_gpu and tests, or about three workload runs).
@@ -26,7 +27,7 @@ export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
 has() { [[ $WHAT == *" $1 "* ]]; }
 AG="python3 -m attngym logger=none"
-WL="workload=documents workload.batches=16 workload.median=2048 workload.sigma=1.2 workload.max_len=65536"
+WL="workload=documents workload.batches=${BATCHES:-16} workload.median=2048 workload.sigma=1.2 workload.max_len=65536"
 SIM="topology.simulate=true topology.cuda_graph=true topology.world_size=8 shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=131072 attention=document topology.transport=nccl validate=false benchmark.warmup=1 benchmark.repeats=5"
 if has one_gpu; then
   T_TIMEOUT=420 t one_gpu $AG +experiment=flex_vs_sdpa shape.seq_len=8192 shape.head_dim=128 \
