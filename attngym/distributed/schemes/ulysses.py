@@ -196,10 +196,15 @@ def exchange(
         q_h = a2a(q, 1, True)([q])[0]
         k_h, v_h = a2a(k, 2, True)([k, v]).unbind(0)
     out_h = attend(q_h, k_h, v_h, variant, r * (h // P))
-    if stats is not None:
-        sent = q.numel() + k.numel() + v.numel() + q.numel()  # q, k, v out; the output back
-        stats.bytes_sent += sent * q.element_size() * (P - 1) // P
+    _count_sent(stats, q, k, v, P)
     return a2a(out_h, 1, False)([out_h])[0]
+
+
+def _count_sent(stats: CPStats | None, q, k, v, P: int) -> None:
+    """What this rank sends (q, k, v out; the output back; K/V heads as repeated) into stats."""
+    if stats is not None:
+        sent = q.numel() + k.numel() + v.numel() + q.numel()
+        stats.bytes_sent += sent * q.element_size() * (P - 1) // P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,10 +324,9 @@ def _in_rounds(q, k, v, variant, *, group, transport, layout, options: CPOptions
     calls = rounds.round_calls(variant, r * hp, hp, s * P, len(where), options, q.device)
     if stats is not None:
         stats.pairs_computed += sum(len(calls.plan.calls(j)) for j in range(len(where)))
+        stats.backward = calls.backward
     ex = rounds.exchanges(cls, q, k, where, group=group, timeout_s=options.timeout_s)
-    if stats is not None:
-        sent = q.numel() + k.numel() + v.numel() + q.numel()  # q, k, v out; the output back
-        stats.bytes_sent += sent * q.element_size() * (P - 1) // P
+    _count_sent(stats, q, k, v, P)
     return rounds.rounds_attention(q, k, v, calls, ex)
 
 
