@@ -3,7 +3,7 @@ so that a round's attention runs while the next round arrives, and a round's out
 its gradients) goes home as soon as it is final.
 
 One all-to-all before the call and one after leave the exchanges bare: on packed documents at
-128K over 8 ranks they were 10-25 % of Ulysses' step. A zigzag rank holds pieces r and 2P-1-r of
+128K over 8 ranks they were 9-31 % of Ulysses' step. A zigzag rank holds pieces r and 2P-1-r of
 the sequence, so the ranks' first pieces are the sequence's first half and their second pieces
 its second half: exchanged one piece at a time, round j brings every rank its heads of the j-th
 part of the sequence, in order. Its queries attend the keys that have arrived (the parts up to
