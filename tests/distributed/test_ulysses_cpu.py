@@ -101,6 +101,11 @@ def _rounds_worker(rank, world_size):
             backward=backward, stats=stats,
         )  # fmt: skip
         pairs[name] = stats.pairs_computed
+    # kernel options (a dict) reach the rounds' calls as the one call's
+    errors[("causal", 4, "kernel_options")] = _errors(
+        ulysses_attention, rank, world_size, variants.get("causal"), 4, "zigzag", 99,
+        pipeline=True, options=CPOptions(kernel_options={"BLOCK_M": 16}, backward="recompute"),
+    )  # fmt: skip
     x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
     try:
         ulysses_attention(x, x, x, variants.get("causal"), transport="gloo", pipeline=True)

@@ -142,15 +142,16 @@ class RoundCalls:
         return grads
 
 
-# Variant -> {(head offset, heads, seq_len, rounds, options, device): RoundCalls}; weak keys, as
-# ulysses.head_plan's.
+# Variant -> {(head offset, heads, seq_len, rounds, options' repr, device): RoundCalls}; weak
+# keys, as ulysses.head_plan's.
 _CALLS: weakref.WeakKeyDictionary[Variant, dict[tuple, RoundCalls]] = weakref.WeakKeyDictionary()
 
 
 def round_calls(variant, head_offset, heads, seq_len, rounds, options, device) -> RoundCalls:
     """RoundCalls of one rank's head slice, memoised on the variant."""
     per = _CALLS.setdefault(variant, {})
-    key = (head_offset, heads, seq_len, rounds, options, device)
+    # repr: kernel_options is a dict (CPOptions does not hash); equal options, equal reprs
+    key = (head_offset, heads, seq_len, rounds, repr(options), device)
     if key not in per:
         per[key] = RoundCalls(variant, head_offset, heads, seq_len, rounds, options, device)
     return per[key]
