@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from attngym import kernels
-from attngym.distributed.call.accumulate import Accumulator
+from attngym.distributed.call.accumulate import Accumulator, GradSum
 from attngym.distributed.call.cp import CPCall, CPOptions, attend_chunk, resolve_backward
 from attngym.distributed.model.simulate import Item, Simulation
 from attngym.distributed.model.transfer_model import Fabric, RankWork
@@ -266,24 +266,25 @@ class _Rounds(torch.autograd.Function):
         started = {j: ex.q[j].start([dout[:, :, j * piece : (j + 1) * piece]])
                    for j in reversed(range(m))}  # fmt: skip
         acc = torch.float64 if k_all.dtype == torch.float64 else torch.float32
-        dk_all = torch.zeros(k_all.shape, dtype=acc, device=k_all.device)
-        dv_all = torch.zeros_like(dk_all)
-        dq, home = [None] * m, {}
+
+        def sums(shape):  # one a round: each round's rows go home on their own
+            return [GradSum.of(calls.call, shape, acc, k_all.device) for _ in range(m)]
+
+        dq, dk, dv = sums(q_h[0].shape), *(sums((*k_all.shape[:2], span, k_all.shape[3]))
+                                           for _ in range(2))  # fmt: skip
+        home = {}
         for j in reversed(range(m)):
             g = ex.q[j].wait(started[j])[0]
-            dq_j = torch.zeros(q_h[j].shape, dtype=acc, device=q_h[j].device)
             for a, b in plan.calls(j):
                 dq_c, dk_c, dv_c = calls.grads(q_h[j], k_all[:, :, a:b], v_all[:, :, a:b],
                                                outs[j], lses[j], g, j * span, a)  # fmt: skip
-                dq_j += dq_c
-                dk_all[:, :, a:b] += dk_c
-                dv_all[:, :, a:b] += dv_c
-            dq[j] = dq_j.to(q_h[j].dtype)
+                dq[j].add(0, dq_c)
+                for i in range(a // span, b // span):  # each round's rows of the keys read
+                    dk[i].add(0, dk_c.narrow(2, i * span - a, span))
+                    dv[i].add(0, dv_c.narrow(2, i * span - a, span))
             while len(home) < m and plan.grads_ready(m - 1 - len(home)) >= j:
                 i = m - 1 - len(home)
-                rows = slice(i * span, (i + 1) * span)
-                home[i] = ex.home(i, dq[i], dk_all[:, :, rows].to(k_all.dtype),
-                                  dv_all[:, :, rows].to(k_all.dtype))  # fmt: skip
+                home[i] = ex.home(i, *(t[i].total(k_all.dtype) for t in (dq, dk, dv)))
         parts = [ex.arrived_home(j, home[j]) for j in range(m)]
         dq_s, dk_s, dv_s = (torch.cat([p[n] for p in parts], dim=2) for n in range(3))
         return dq_s, dk_s, dv_s, None, None
