@@ -355,44 +355,77 @@ def alltoall_transfer_ms(
 # Simulated and priced (topology.simulate=true; attngym.distributed.model.simulate, transfer_model).
 
 
+@dataclasses.dataclass(frozen=True)
+class SimulatedHeads:
+    """What every simulated Ulysses rank holds after the exchange, whichever way it attends:
+    per rank (q_h, k_h, v_h, grad_out_h or None), its global head offset, and its exchanges:
+    `fwd_bytes` (q/k/v in) and `tail_bytes` (the output back) as the transfer model reads them,
+    `sent` as CPStats counts a forward, `peak_bytes` the head slices held (beside a call's own)."""
+
+    ranks: list[tuple]
+    head_offsets: list[int]
+    fwd_bytes: float
+    tail_bytes: float
+    sent: int
+    peak_bytes: int
+
+
+def simulated_heads(sc: SimulatedCall) -> SimulatedHeads:
+    """Every rank's head slice of the whole sequence, K/V heads repeated up to lcm(G, P) as the
+    all-to-all does; the exchanges' bytes as exchange counts them."""
+    q, k, v, P = sc.q, sc.k, sc.v, sc.world_size
+    b, h, seq_len, d = q.shape
+    check_ulysses_heads(h, k.shape[1], P)
+    replicas = math.lcm(k.shape[1], P) // k.shape[1]
+    k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
+    hp, rp = h // P, k_rep.shape[1] // P
+    ranks = []
+    for r in range(P):
+        q_h, k_h, v_h = (
+            t[:, r * n : (r + 1) * n].contiguous() for t, n in ((q, hp), (k_rep, rp), (v_rep, rp))
+        )
+        g = sc.grad_out
+        ranks.append(
+            (q_h, k_h, v_h, None if g is None else g[:, r * hp : (r + 1) * hp].contiguous())
+        )
+    itemsize = q.element_size()
+    qkv_bytes, out_bytes = exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, itemsize)
+    return SimulatedHeads(
+        ranks=ranks,
+        head_offsets=[r * hp for r in range(P)],
+        fwd_bytes=qkv_bytes * (P - 1) / P,
+        tail_bytes=out_bytes * (P - 1) / P,
+        sent=(qkv_bytes + out_bytes) * (P - 1) // P,
+        peak_bytes=(2 * hp + 2 * rp) * b * seq_len * d * itemsize,
+    )
+
+
 def simulate_ulysses(sc: SimulatedCall) -> Simulation:
-    """Every rank's one call on its head slice of the whole sequence (K/V heads repeated up to
-    lcm(G, P) as the all-to-all does), with the head-shifted variant and block mask of
-    ulysses_attention; the exchanges' bytes as exchange counts them. With pipeline, the rounds'
-    calls (ulysses_rounds.simulate_rounds); without it on zigzag, the rounds are offered to
-    `auto` as an alternative."""
+    """Every rank's one call on its head slice of the whole sequence (simulated_heads), with the
+    head-shifted variant and block mask of ulysses_attention. With pipeline, the rounds' calls
+    (ulysses_rounds.simulate_rounds); without it on zigzag, the rounds are offered to `auto` as
+    an alternative."""
+    heads = simulated_heads(sc)
     if sc.scheme_options.get("pipeline") and sc.world_size > 1:
         from attngym.distributed.schemes import ulysses_rounds as rounds
 
-        P, (b, h, s, d) = sc.world_size, sc.q.shape
-        check_ulysses_heads(h, sc.k.shape[1], P)
-        where = rounds.round_pieces(sc.layout, exchange_order(sc.layout, P, s))
-        kv_heads = math.lcm(sc.k.shape[1], P)  # repeated as the exchange does
-        sent = exchange_bytes(b, h, kv_heads, s // P, d, sc.q.element_size())
-        return rounds.simulate_rounds(sc, len(where), *sent)
-    sim = _simulate_one_call(sc)
+        order = exchange_order(sc.layout, sc.world_size, sc.q.shape[2])
+        return rounds.simulate_rounds(sc, len(rounds.round_pieces(sc.layout, order)), heads)
+    sim = _simulate_one_call(sc, heads)
     if sc.layout == "zigzag" and sc.world_size > 1:
         sim.extra["alternatives"] = [{"pipeline": True}]
     return sim
 
 
-def _simulate_one_call(sc: SimulatedCall) -> Simulation:
-    q, k, v, P, opts, clock = sc.q, sc.k, sc.v, sc.world_size, sc.options, sc.clock
-    b, h, seq_len, d = q.shape
-    check_ulysses_heads(h, k.shape[1], P)
-    backend = kernels.resolve_backend(opts.backend, q.device)
-    replicas = math.lcm(k.shape[1], P) // k.shape[1]
-    k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
-    hp, rp = h // P, k_rep.shape[1] // P
-    itemsize = q.element_size()
-    works, sent, peak = [], 0, 0
-    for r in range(P):
-        q_h, k_h, v_h = (
-            t[:, r * n : (r + 1) * n].contiguous() for t, n in ((q, hp), (k_rep, rp), (v_rep, rp))
-        )
-        heads = hp if kernels.offsets_as_tables(opts.kernel_options) else None
+def _simulate_one_call(sc: SimulatedCall, heads: SimulatedHeads) -> Simulation:
+    opts, clock, seq_len = sc.options, sc.clock, sc.q.shape[2]
+    backend = kernels.resolve_backend(opts.backend, sc.q.device)
+    works = []
+    for (q_h, k_h, v_h, g_h), offset in zip(heads.ranks, heads.head_offsets, strict=True):
+        hp = q_h.shape[1]
+        tables = hp if kernels.offsets_as_tables(opts.kernel_options) else None
         shifted, block_mask = head_plan(
-            sc.variant, r * hp, heads, seq_len, opts.block_size, backend, q.device
+            sc.variant, offset, tables, seq_len, opts.block_size, backend, sc.q.device
         )
 
         def attend(*qkv, shifted=shifted, block_mask=block_mask):
@@ -403,8 +436,7 @@ def _simulate_one_call(sc: SimulatedCall) -> Simulation:
                 attend(*qkv)
 
         bwd = None
-        if sc.grad_out is not None:
-            g_h = sc.grad_out[:, r * hp : (r + 1) * hp].contiguous()
+        if g_h is not None:
             leaves = [t.detach().requires_grad_() for t in (q_h, k_h, v_h)]
 
             def bwd(attend=attend, leaves=leaves, g_h=g_h):
@@ -414,22 +446,20 @@ def _simulate_one_call(sc: SimulatedCall) -> Simulation:
         key = ("ulysses", tuple(q_h.shape), tuple(k_h.shape), clock.mask_key(block_mask))
         item = Item(key=key, fwd=fwd, bwd=bwd, block_masks=(block_mask,))
         fwd = clock.time(item, "fwd")
-        both = clock.time(item, "bwd") if sc.grad_out is not None else None
-        qkv_bytes, out_bytes = exchange_bytes(b, h, k_rep.shape[1], seq_len // P, d, itemsize)
-        sent = max(sent, (qkv_bytes + out_bytes) * (P - 1) // P)
+        both = clock.time(item, "bwd") if g_h is not None else None
         works.append(
             RankWork(
                 fwd_ms=(fwd.ms,),
                 bwd_ms=() if both is None else (max(both.ms - fwd.ms, 0.0),),
-                fwd_bytes=(qkv_bytes * (P - 1) / P,),
-                tail_fwd_bytes=out_bytes * (P - 1) / P,
+                fwd_bytes=(heads.fwd_bytes,),
+                tail_fwd_bytes=heads.tail_bytes,
                 host_fwd_ms=fwd.host_ms,
                 host_bwd_ms=0.0 if both is None else max(both.host_ms - fwd.host_ms, 0.0),
             )
         )
-        heads_whole = (hp + 2 * rp) * b * seq_len * d * itemsize
-        peak = max(peak, heads_whole + b * hp * seq_len * d * itemsize)
-    return Simulation(P, works, 1, pairs_computed=P, bytes_moved=sent, peak_mem_bytes=peak)
+    P = sc.world_size
+    return Simulation(P, works, 1, pairs_computed=P, bytes_moved=heads.sent,
+                      peak_mem_bytes=heads.peak_bytes)  # fmt: skip
 
 
 def exchange_bytes(b: int, h: int, kv_heads: int, shard: int, d: int, itemsize: int):

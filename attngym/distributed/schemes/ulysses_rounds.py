@@ -22,7 +22,6 @@ Contract as ulysses_attention's (attngym.distributed.schemes.ulysses), with thes
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from typing import Any
 
@@ -300,27 +299,18 @@ def rounds_attention(q, k, v, calls: RoundCalls, ex: _Exchanges) -> torch.Tensor
 # Simulated (topology.simulate=true; attngym.distributed.model.simulate).
 
 
-def simulate_rounds(sc, rounds: int, qkv_bytes: int, out_bytes: int) -> Simulation:
-    """Every rank's calls of the `rounds` rounds on its head slice (K/V heads repeated as the
-    exchange does), each timed through the clock: forward in the round that completes it,
-    backward from the whole problem's out and lse of those heads (one call, not timed) in the
-    order the backward runs them; `qkv_bytes` and `out_bytes` a rank's shard's exchanges, as
-    ulysses counts them (ulysses.simulate_ulysses checks the heads and gives them)."""
-    q, k, v, P, opts, clock = sc.q, sc.k, sc.v, sc.world_size, sc.options, sc.clock
-    b, h, seq_len, d = q.shape
-    m = rounds
-    replicas = math.lcm(k.shape[1], P) // k.shape[1]
-    k_rep, v_rep = (t.repeat_interleave(replicas, dim=1) for t in (k, v))
-    hp, rp = h // P, k_rep.shape[1] // P
-    works, pairs, peak = [], 0, 0
-    for r in range(P):
-        q_h, k_h, v_h = (t[:, r * n : (r + 1) * n].contiguous()
-                         for t, n in ((q, hp), (k_rep, rp), (v_rep, rp)))  # fmt: skip
-        calls = round_calls(sc.variant, r * hp, hp, seq_len, m, opts, q.device)
+def simulate_rounds(sc, rounds: int, heads) -> Simulation:
+    """Every rank's calls of the `rounds` rounds on its head slice (`heads`:
+    ulysses.SimulatedHeads, the slices and the exchanges' bytes), each timed through the clock:
+    forward in the round that completes it, backward from the whole problem's out and lse of
+    those heads (one call, not timed) in the order the backward runs them."""
+    opts, clock, seq_len, m = sc.options, sc.clock, sc.q.shape[2], rounds
+    works, pairs = [], 0
+    for (q_h, k_h, v_h, g_h), offset in zip(heads.ranks, heads.head_offsets, strict=True):
+        calls = round_calls(sc.variant, offset, q_h.shape[1], seq_len, m, opts, sc.q.device)
         plan, span = calls.plan, calls.plan.span
-        merged = g_h = None
-        if sc.grad_out is not None:
-            g_h = sc.grad_out[:, r * hp : (r + 1) * hp].contiguous()
+        merged = None
+        if g_h is not None:
             with torch.no_grad():
                 merged = calls.attend(q_h, k_h, v_h, 0, 0)
         fwd_ms, bwd_ms, host = [0.0] * m, [0.0] * m, [0.0, 0.0]
@@ -355,16 +345,14 @@ def simulate_rounds(sc, rounds: int, qkv_bytes: int, out_bytes: int) -> Simulati
         works.append(
             RoundWork(
                 fwd_ms=tuple(fwd_ms), bwd_ms=tuple(bwd_ms) if merged is not None else (),
-                fwd_bytes=(qkv_bytes * (P - 1) / P,), tail_fwd_bytes=out_bytes * (P - 1) / P,
+                fwd_bytes=(heads.fwd_bytes,), tail_fwd_bytes=heads.tail_bytes,
                 host_fwd_ms=host[0], host_bwd_ms=host[1],
                 out_ready=tuple(plan.out_ready(j) for j in range(m)),
                 grads_ready=tuple(plan.grads_ready(j) for j in range(m)),
             )
         )  # fmt: skip
-        heads_whole = (hp + 2 * rp) * b * seq_len * d * q.element_size()
-        peak = max(peak, heads_whole + b * hp * seq_len * d * q.element_size())
-    sent = int((qkv_bytes + out_bytes) * (P - 1) // P)
-    return Simulation(P, works, 1, pairs_computed=pairs, bytes_moved=sent, peak_mem_bytes=peak)
+    return Simulation(sc.world_size, works, 1, pairs_computed=pairs, bytes_moved=heads.sent,
+                      peak_mem_bytes=heads.peak_bytes)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
