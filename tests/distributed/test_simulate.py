@@ -145,6 +145,10 @@ def test_ulysses_in_rounds_hides_the_exchanges_behind_the_rounds_calls():
     assert sims["causal", True].pairs_computed == 4 and sims["full", True].pairs_computed == 6
     assert sims["causal", False].extra["alternatives"] == [{"pipeline": True}]
     assert "alternatives" not in sims["causal", True].extra
+    hybrid = simulate(HYBRID, q, k, v, g, variants.get("causal"), world_size=2, layout="zigzag",
+                      scheme_options={"a2a_size": 2, "across": "ring"},
+                      timer=_counting_timer([]))  # fmt: skip
+    assert "alternatives" not in hybrid.extra  # one all-to-all group: Ulysses' calls, not options
     into = slow.ms("alltoall", causal.fwd_bytes[0] / 2)  # a round's q/k/v
     back = slow.ms("alltoall", causal.tail_fwd_bytes / 2)  # a round's output
     # One call: every byte in, the call (1 ms), every byte back. In rounds, on this fabric the

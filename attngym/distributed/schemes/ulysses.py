@@ -412,7 +412,8 @@ def simulate_ulysses(sc: SimulatedCall) -> Simulation:
         order = exchange_order(sc.layout, sc.world_size, sc.q.shape[2])
         return rounds.simulate_rounds(sc, len(rounds.round_pieces(sc.layout, order)), heads)
     sim = _simulate_one_call(sc, heads)
-    if sc.layout == "zigzag" and sc.world_size > 1:
+    # Ulysses' own options only: hybrid's one group simulates through here with its own
+    if "pipeline" in sc.scheme_options and sc.layout == "zigzag" and sc.world_size > 1:
         sim.extra["alternatives"] = [{"pipeline": True}]
     return sim
 
