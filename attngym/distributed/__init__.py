@@ -4,8 +4,8 @@ Importing this package is light: no symmetric memory, cuda.bindings or pynvml. T
 classes and the NVLink-domain helpers are imported when first used.
 
 Public API:
-    shard, unshard, plan, load_imbalance, Layout   sequence layouts (contiguous, zigzag, balanced,
-                                        or a balancer of your own)
+    shard, unshard, plan, load_imbalance, Layout   sequence layouts (contiguous, zigzag,
+                                        double_zigzag, balanced, or a balancer of your own)
     P2PChannel, P2PAllGather, P2PAllToAll    the transport interface over NCCL / gloo
     CopyEngineChannel, CopyEngineAllGather, CopyEngineAllToAll   the same over symmetric memory
     in_one_nvlink_domain, nvlink_domain

@@ -3,8 +3,8 @@
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
 #   BATCHES=N: the workload's first N batches only (default 16), for a short call
 # PHASE: tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses
-# workload_ulysses_rounds workload_hybrid workload_auto workload_auto_profile (default: all but the
-# profile; a 10-minute call takes one_gpu and tests, or about three workload runs).
+# workload_ulysses_rounds workload_ulysses_rounds4 workload_hybrid workload_auto workload_auto_profile
+# (default: all but the profile; a 10-minute call takes one_gpu and tests, or about three workload runs).
 #   tests     the varlen kernels against float64 (GPU tests), CP calls captured as CUDA graphs
 #             against eager ones, and a two-rank workload sharing the GPU
 #   tests_ulysses  Ulysses (one call and in rounds) and the copy-engine all-to-all on two ranks
@@ -14,14 +14,14 @@
 #   workload_<scheme>  16 lognormal batches (median 2K, tail to 64K) of 128K, P=8 simulated with
 #               CUDA graphs: ring (PyTorch's CP predicted beside it with its balancers), all-gather
 #               (both balanced), Ulysses and hybrid (contiguous), Ulysses in rounds (zigzag,
-#               topology.options.pipeline=true)
+#               topology.options.pipeline=true; _rounds4: double_zigzag, four rounds)
 #   workload_auto  the same batches, topology=auto: one pick for the workload, its choice's
 #               seconds and auto_dynamic_gain (graphs weighed, not fixed)
 #   workload_auto_profile  the same with a cProfile of the run's Python (run_profile.txt): where
 #               the choice's seconds go (the profiler slows it: its auto_s is not the answer's)
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses workload_ulysses_rounds workload_hybrid workload_auto} "
+WHAT=" ${*:-tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses workload_ulysses_rounds workload_ulysses_rounds4 workload_hybrid workload_auto} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
@@ -69,6 +69,8 @@ has workload_allgather && scheme workload_allgather 240 topology=allgather topol
 has workload_ulysses && scheme workload_ulysses 150 topology=ulysses topology.layout=contiguous 'baselines=[]'
 has workload_ulysses_rounds && scheme workload_ulysses_rounds 150 topology=ulysses topology.layout=zigzag \
   topology.options.pipeline=true 'baselines=[]'
+has workload_ulysses_rounds4 && scheme workload_ulysses_rounds4 150 topology=ulysses \
+  topology.layout=double_zigzag topology.options.pipeline=true 'baselines=[]'
 has workload_hybrid && scheme workload_hybrid 200 topology=hybrid topology.layout=contiguous \
   topology.options.a2a_size=4 'baselines=[]'
 if has workload_auto; then

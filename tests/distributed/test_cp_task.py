@@ -244,7 +244,8 @@ def test_every_topology_is_a_registered_task_and_its_spec_the_registry_entry():
     from attngym.distributed.schemes.hybrid import HybridOptions
 
     assert registry.get("topology", "hybrid").options is HybridOptions
-    assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag")
+    assert registry.get("topology", "ulysses").layouts == ("contiguous", "zigzag", "double_zigzag")
+    assert registry.get("topology", "hybrid").layouts == ("contiguous", "zigzag")
     with pytest.raises(ValueError, match=r"unknown topology 'rnig'.*did you mean 'ring'"):
         registry.get("topology", "rnig")
 
@@ -388,7 +389,8 @@ def test_ulysses_heads_and_layout_are_checked_before_any_rank_starts():
     settings = _settings(kind="ulysses", world_size=3, seq_len=768)  # 2 heads over 3 ranks
     with pytest.raises(ConfigError, match=r"shape.heads: 2 query heads cannot be split over 3"):
         check_hardware(CPRun.of(settings))
-    with pytest.raises(ConfigError, match=r"topology.layout: .*'balanced'.*contiguous, zigzag"):
+    allowed = r"contiguous, double_zigzag, zigzag"
+    with pytest.raises(ConfigError, match=rf"topology.layout: .*'balanced'.*{allowed}"):
         check_hardware(CPRun.of(_settings(kind="ulysses", layout="balanced")))
     check_hardware(CPRun.of(_settings(kind="ulysses", layout="zigzag")))
 

@@ -236,12 +236,26 @@ def test_zigzag_chunks_balance_causal_work():
     assert shard(x, 1, 2, "zigzag").flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
+def test_double_zigzag_is_a_zigzag_of_each_half_and_balances_causal_work(rng):
+    # S = 32, P = 2: 8 chunks of 4; rank 0 holds the halves' chunks 0 and 3, rank 1 1 and 2
+    assert layout.chunks(0, 2, 32, "double_zigzag") == [(0, 4), (12, 4), (16, 4), (28, 4)]
+    assert layout.chunks(1, 2, 32, "double_zigzag") == [(4, 4), (8, 4), (20, 4), (24, 4)]
+    x = torch.randn(1, 2, 48, 3, generator=rng)
+    for world_size in (1, 2, 3, 4):
+        shards = [shard(x, r, world_size, "double_zigzag") for r in range(world_size)]
+        assert torch.equal(unshard(shards, "double_zigzag"), x)
+    placed = layout.plan("double_zigzag", 4, 256)
+    assert len(set(_loads(placed, variants.get("causal"), 256, 4))) == 1
+    with pytest.raises(ValueError, match=r"divisible by 16 .* \(4P equal chunks\)"):
+        layout.plan("double_zigzag", 4, 24)
+
+
 def test_layout_rejects_bad_values_by_name():
     x = torch.randn(1, 1, 12, 2)
     with pytest.raises(
         ValueError,
-        match=r"layout must be one of contiguous, zigzag, balanced or a balancer's import path "
-        r"\(module.function\); got 'zigzg'",
+        match=r"layout must be one of contiguous, zigzag, double_zigzag, balanced or a balancer's "
+        r"import path \(module.function\); got 'zigzg'",
     ):
         shard(x, 0, 2, "zigzg")
     with pytest.raises(ValueError, match=r"seq_len=12 must be divisible by 8"):

@@ -69,6 +69,10 @@ def _ulysses_worker(rank, world_size):
             errors[(name, kv_heads, layout)] = _errors(
                 ulysses_attention, rank, world_size, variant, kv_heads, layout, n
             )
+    errors[("document", 2, "double_zigzag")] = _errors(  # four pieces a rank, one call
+        ulysses_attention, rank, world_size, variants.get("document", **PARAMS["document"]), 2,
+        "double_zigzag", 98,
+    )  # fmt: skip
     try:  # 3 heads over 2 ranks: refused before any exchange, on every rank alike
         x = torch.randn(1, 3, S // world_size, 8, dtype=torch.float64)
         ulysses_attention(x, x, x, variants.get("causal"), transport="gloo")
@@ -81,26 +85,28 @@ def _ulysses_worker(rank, world_size):
 def test_ulysses_matches_reference_for_every_variant_fwd_bwd():
     assert sorted(PARAMS) == variants.names(), "give every catalogue variant its test parameters"
     errors, refused = launch(_ulysses_worker, 2, timeout_s=120)
-    assert len(errors) == len(PARAMS) * 2
+    assert len(errors) == len(PARAMS) * 2 + 1
     bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
     assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
     assert refused is not None and refused.startswith("heads: 3 query heads"), refused
 
 
 def _rounds_worker(rank, world_size):
-    """pipeline=True (zigzag, two rounds) for every variant, in turn MHA, GQA split and K/V
-    heads replicated, each backward choice; its pairs counted; contiguous refused."""
+    """pipeline=True for every variant, in turn on zigzag (two rounds) and double_zigzag (four),
+    MHA, GQA split and K/V heads replicated, each backward choice; its pairs counted; contiguous
+    refused."""
     errors, pairs = {}, {}
     for n, name in enumerate(variants.names()):
         variant = variants.get(name, **PARAMS[name])
         kv_heads = (4, 2, 1)[n % 3]
         backward = ("auto", "flex", "recompute")[n % 3]
+        layout = ("zigzag", "double_zigzag")[n % 2]
         stats = CPStats()
-        errors[(name, kv_heads, backward)] = _errors(
-            ulysses_attention, rank, world_size, variant, kv_heads, "zigzag", n, pipeline=True,
+        errors[(name, kv_heads, backward, layout)] = _errors(
+            ulysses_attention, rank, world_size, variant, kv_heads, layout, n, pipeline=True,
             backward=backward, stats=stats,
         )  # fmt: skip
-        pairs[name] = stats.pairs_computed
+        pairs[name] = (layout, stats.pairs_computed)
     # kernel options (a dict) reach the rounds' calls as the one call's
     errors[("causal", 4, "kernel_options")] = _errors(
         ulysses_attention, rank, world_size, variants.get("causal"), 4, "zigzag", 99,
@@ -119,8 +125,10 @@ def test_ulysses_in_rounds_matches_reference_for_every_variant_fwd_bwd():
     errors, pairs, refused = launch(_rounds_worker, 2, timeout_s=180)
     bad = {case: errs for case, errs in errors.items() if max(errs) >= TOL}
     assert bad == {}, f"max |err| of out, dq, dk, dv: {bad}"
-    # a causal mask reads no later round's keys (one call a round); full attention does
-    assert pairs["causal"] == 2 and pairs["full"] == 3, pairs
+    # a causal mask reads no later round's keys (one call a round); full attention reads every
+    # later round's: 2 + 1 calls in two rounds, 4 + 3 + 2 + 1 in four
+    calls = {"zigzag": {"causal": 2, "full": 3}, "double_zigzag": {"causal": 4, "full": 10}}
+    assert all(pairs[name][1] == calls[pairs[name][0]][name] for name in ("causal", "full")), pairs
     assert refused is not None and refused.startswith("layout: pipeline=True"), refused
 
 

@@ -37,7 +37,7 @@ def _worker(rank, world_size, transport):
         "hybrid_a2a2_allgather": functools.partial(
             hybrid_attention, a2a_size=2, across="allgather"
         ),
-        "ulysses_rounds": functools.partial(ulysses_attention, pipeline=True),  # zigzag only
+        "ulysses_rounds": functools.partial(ulysses_attention, pipeline=True),
     }
     errors = {}
     for n, (name, variant) in enumerate(cases.items()):
@@ -51,7 +51,8 @@ def _worker(rank, world_size, transport):
         ref_out, _ = reference.attention(qr, kr, vr, variant.score_mod, variant.mask_mod)
         ref_out.backward(dout.double())
         for call, fn in calls.items():
-            for layout in ("contiguous", "zigzag")[call == "ulysses_rounds" :]:
+            rounds = call == "ulysses_rounds"  # two rounds, four
+            for layout in ("zigzag", "double_zigzag") if rounds else ("contiguous", "zigzag"):
                 q_s, k_s, v_s = (
                     shard(t, rank, world_size, layout).requires_grad_() for t in (q, k, v)
                 )
@@ -74,6 +75,6 @@ def test_ulysses_and_hybrid_on_cuda_match_reference(transport, monkeypatch):
     if torch.cuda.device_count() < 2:
         monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     errors = launch(_worker, 2, args=(transport,), device="cuda", timeout_s=300)
-    assert len(errors) == 3 * 3 * 2 + 3
+    assert len(errors) == 3 * 4 * 2
     bad = {case: rel for case, rel in errors.items() if max(rel) >= REL}
     assert bad == {}, f"{transport}: relative errors of out, dq, dk, dv: {bad}"

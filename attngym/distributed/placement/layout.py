@@ -6,6 +6,10 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
     zigzag      S is cut into 2P equal chunks; rank r holds chunk r, then chunk 2P-1-r. Under a
                 causal mask every rank then does the same amount of work (the early chunk is cheap,
                 the late one expensive).
+    double_zigzag  each half of S a zigzag: S is cut into 4P equal chunks; rank r holds chunks r,
+                2P-1-r, 2P+r and 4P-1-r, as even under a causal mask. The ranks' j-th chunks are
+                the sequence's j-th quarter, so Ulysses exchanges it in four rounds
+                (attngym.distributed.schemes.ulysses_rounds) where zigzag gives two.
     balanced    placed from the variant's block mask: S is cut into n = 2P·m equal pieces
                 (m = 1, 2 or 4), each piece priced by the cost model below, and a greedy
                 placement (largest piece first, to the least loaded rank that still has room)
@@ -61,7 +65,9 @@ import torch
 
 from attngym.errors import ConfigError
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
+LAYOUTS = ("contiguous", "zigzag", "double_zigzag", "balanced")
+# Those placed from (P, S) alone, without the variant.
+FIXED_LAYOUTS = ("contiguous", "zigzag", "double_zigzag")
 
 # The keywords a user's balancer may name (it gets those it names; with **kwargs, all of them).
 BALANCER_ARGUMENTS = ("variant", "block_mask", "seq_len", "world_size", "block_size", "device")
@@ -165,10 +171,10 @@ def _check(layout: str, world_size: int) -> None:
 
 
 def pieces(layout: str, world_size: int) -> int:
-    """How many equal pieces S is at least cut into: 2P (zigzag, balanced) or P (contiguous, and
-    a user's balancer, which may place any S/P positions on a rank)."""
+    """How many equal pieces S is at least cut into: 2P (zigzag, balanced), 4P (double_zigzag)
+    or P (contiguous, and a user's balancer, which may place any S/P positions on a rank)."""
     _check(layout, world_size)
-    return 2 * world_size if layout in ("zigzag", "balanced") else world_size
+    return world_size * {"zigzag": 2, "balanced": 2, "double_zigzag": 4}.get(layout, 1)
 
 
 def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
@@ -177,7 +183,7 @@ def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
     if seq_len % n:
         raise ValueError(
             f"seq_len={seq_len} must be divisible by {n} for layout={layout!r} with "
-            f"world_size={world_size} ({'P' if n == world_size else '2P'} equal chunks)"
+            f"world_size={world_size} ({n // world_size if n > world_size else ''}P equal chunks)"
         )
 
 
@@ -204,10 +210,15 @@ def _fixed(layout: str, world_size: int, seq_len: int) -> Layout:
     check_seq_len(seq_len, world_size, layout)
     n = pieces(layout, world_size)
     size = seq_len // n
-    if layout == "contiguous":
+    zigzags = n // (2 * world_size)  # each over 2P chunks of its part of S (contiguous: none)
+    if not zigzags:
         placement = [((r * size, size),) for r in range(world_size)]
     else:
-        placement = [((r * size, size), ((n - 1 - r) * size, size)) for r in range(world_size)]
+        span = 2 * world_size
+        placement = [
+            tuple(((z * span + i) * size, size) for z in range(zigzags) for i in (r, span - 1 - r))
+            for r in range(world_size)
+        ]
     return Layout(layout, world_size, seq_len, tuple(placement))
 
 
@@ -693,8 +704,8 @@ def plan(
     P and S).
 
     Args:
-        layout: contiguous | zigzag | balanced, a user's balancer as `module.function`, or a
-            Layout made earlier.
+        layout: contiguous | zigzag | double_zigzag | balanced, a user's balancer as
+            `module.function`, or a Layout made earlier.
         world_size, seq_len: P and S.
         variant: the attention variant; `balanced` and a user's balancer need it.
         block_size: (q, kv) kernel block size the cost model prices (and a balancer is given).
@@ -782,11 +793,11 @@ def chunks(
         rank: 0 <= rank < world_size.
         world_size: P.
         seq_len: S, the whole sequence.
-        layout: contiguous | zigzag | balanced or a balancer's path (with `variant`), or a
-            Layout.
+        layout: contiguous | zigzag | double_zigzag | balanced or a balancer's path (with
+            `variant`), or a Layout.
 
     Returns:
-        One pair for contiguous, two for zigzag; lengths sum to S/P.
+        One pair for contiguous, two for zigzag, four for double_zigzag; lengths sum to S/P.
     """
     placed_from_variant = layout == "balanced" or is_user_layout(layout)
     if isinstance(layout, str) and placed_from_variant and variant is not None:
@@ -811,8 +822,8 @@ def shard(
     Args:
         x: the whole tensor, e.g. q_BHSD with S at `dim`.
         rank, world_size: which shard of how many.
-        layout: contiguous | zigzag | balanced or a balancer's path (with `variant`), or a
-            Layout.
+        layout: contiguous | zigzag | double_zigzag | balanced or a balancer's path (with
+            `variant`), or a Layout.
         dim: the sequence dimension.
 
     Returns:

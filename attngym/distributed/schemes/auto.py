@@ -41,9 +41,9 @@ class AutoOptions:
     """The schemes to simulate (default: every one auto may pick, `candidates()`). Checked by
     `_known_candidates`."""
     layouts: tuple[str, ...] = ()
-    """The layouts to try, each with the schemes that take it: contiguous, zigzag, balanced or
-    a balancer of yours (module.function) (default: the three; a topology.layout other than
-    auto fixes it). Checked by `_known_layouts`."""
+    """The layouts to try, each with the schemes that take it: contiguous, zigzag,
+    double_zigzag, balanced or a balancer of yours (module.function) (default: attngym's four; a
+    topology.layout other than auto fixes it). Checked by `_known_layouts`."""
     transports: tuple[CandidateTransport, ...] = ()
     """The transports to price (default: on a fabric measured per transport,
     transfer_model.MEASURED_FABRICS, those while the ranks fit in one NVLink domain, NCCL

@@ -29,7 +29,6 @@ from attngym.distributed.model.transfer_model import Fabric, Prediction, RankWor
 from attngym.distributed.placement import layout as layouts
 from attngym.distributed.schemes.spec import TopologySpec
 from attngym.distributed.schemes.ulysses import (
-    HEAD_PARALLEL_LAYOUTS,
     alltoall_rank_ms,
     check_layout,
     check_ulysses_heads,
@@ -46,6 +45,8 @@ from attngym.variants.base import Variant
 # The algorithm among hybrid attention's groups (ranks holding the same head slice).
 Across = Literal["ring", "allgather"]
 ACROSS = get_args(Across)
+# The layouts whose group shards compose (see hybrid_attention).
+HYBRID_LAYOUTS = ("contiguous", "zigzag")
 
 
 # Default group -> {(ranks of the group, a2a_size): (a2a group, across group)}: kept for the life
@@ -188,7 +189,7 @@ def hybrid_attention(
     from attngym.distributed.schemes.allgather import allgather_attention
     from attngym.distributed.schemes.ring import ring_attention
 
-    check_layout("hybrid_attention", layout)
+    check_layout("hybrid_attention", layout, HYBRID_LAYOUTS)
     opts = options_from(options, **overrides)
     if across not in ACROSS:
         raise ValueError(f"across: expected one of {', '.join(ACROSS)}, got {across!r}")
@@ -416,7 +417,7 @@ def hybrid_option_sets(topology: Mapping[str, Any], shape: Mapping[str, Any]) ->
 HYBRID = TopologySpec(
     name="hybrid",
     attention=hybrid_attention,
-    layouts=HEAD_PARALLEL_LAYOUTS,
+    layouts=HYBRID_LAYOUTS,
     options=HybridOptions,
     rules=(_hybrid_groups_split,),
     shards=hybrid_sequence_shards,

@@ -186,12 +186,13 @@ class TopologySpec:
         block_size=(128, 128),
     ) -> Any:
         """What this topology's calls and the run's shards are given for `layout`: the name of
-        contiguous or zigzag, or the one Layout planned for this topology (balanced, priced for
-        its kernels; a user's balancer, called once): shard, unshard and the call must see the
-        same placement."""
-        if layout in ("contiguous", "zigzag"):
-            return layout
+        a fixed one (contiguous, zigzag, double_zigzag), or the one Layout planned for this
+        topology (balanced, priced for its kernels; a user's balancer, called once): shard,
+        unshard and the call must see the same placement."""
         from attngym.distributed.placement import layout as layouts
+
+        if layout in layouts.FIXED_LAYOUTS:
+            return layout
 
         kernels = self.kernel_pricing(batch_heads, device)
         try:

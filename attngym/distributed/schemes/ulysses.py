@@ -57,15 +57,15 @@ from attngym.variants.base import Variant
 
 # The layouts whose shards the all-to-all puts back in global order (exchange_order): a balanced
 # placement would need its variant's plan on every exchange.
-HEAD_PARALLEL_LAYOUTS = ("contiguous", "zigzag")
+HEAD_PARALLEL_LAYOUTS = layouts.FIXED_LAYOUTS
 
 
-def check_layout(fn: str, layout: Any) -> None:
-    """ValueError naming `layout` unless the all-to-all takes it."""
-    if not isinstance(layout, str) or layout not in HEAD_PARALLEL_LAYOUTS:
+def check_layout(fn: str, layout: Any, allowed: tuple[str, ...] = HEAD_PARALLEL_LAYOUTS) -> None:
+    """ValueError naming `layout` unless the all-to-all takes it (one of `allowed`)."""
+    if not isinstance(layout, str) or layout not in allowed:
         raise ValueError(
-            f"layout: {fn} takes one of {', '.join(HEAD_PARALLEL_LAYOUTS)} (the all-to-all puts "
-            f"those shards back in global order), got {layout!r}"
+            f"layout: {fn} takes one of {', '.join(allowed)} (the all-to-all puts those shards "
+            f"back in global order), got {layout!r}"
         )
 
 
@@ -212,7 +212,8 @@ class UlyssesOptions:
     """ulysses' own options: topology.options.<field>, ulysses_attention's keywords."""
 
     pipeline: bool = False
-    """Exchange the layout's pieces round by round (zigzag: two), each round attended while the
+    """Exchange the layout's pieces round by round (zigzag: two; double_zigzag: four), each round
+    attended while the
     next arrives and its output and gradients sent home once final (ulysses_rounds); False:
     one all-to-all before the one call and one after."""
 
@@ -257,7 +258,8 @@ def ulysses_attention(
             already on q's device to reuse its block mask across calls.
         group: process group of the P ranks (default: the world).
         transport: auto | copy_engine | nccl | gloo (attngym.distributed.transport).
-        layout: contiguous | zigzag (HEAD_PARALLEL_LAYOUTS; attngym.distributed.placement.layout).
+        layout: contiguous | zigzag | double_zigzag (HEAD_PARALLEL_LAYOUTS;
+            attngym.distributed.placement.layout).
         pipeline: UlyssesOptions.pipeline: the exchanges in rounds (zigzag), each round's calls
             beside the next round's exchange (attngym.distributed.schemes.ulysses_rounds).
         options: kernel choices (CPOptions; default CPOptions()). block_size is that of the
@@ -403,8 +405,8 @@ def simulated_heads(sc: SimulatedCall) -> SimulatedHeads:
 def simulate_ulysses(sc: SimulatedCall) -> Simulation:
     """Every rank's one call on its head slice of the whole sequence (simulated_heads), with the
     head-shifted variant and block mask of ulysses_attention. With pipeline, the rounds' calls
-    (ulysses_rounds.simulate_rounds); without it on zigzag, the rounds are offered to `auto` as
-    an alternative."""
+    (ulysses_rounds.simulate_rounds); without it on a layout whose pieces make rounds (zigzag,
+    double_zigzag), the rounds are offered to `auto` as an alternative."""
     heads = simulated_heads(sc)
     if sc.scheme_options.get("pipeline") and sc.world_size > 1:
         from attngym.distributed.schemes import ulysses_rounds as rounds
@@ -413,9 +415,22 @@ def simulate_ulysses(sc: SimulatedCall) -> Simulation:
         return rounds.simulate_rounds(sc, len(rounds.round_pieces(sc.layout, order)), heads)
     sim = _simulate_one_call(sc, heads)
     # Ulysses' own options only: hybrid's one group simulates through here with its own
-    if "pipeline" in sc.scheme_options and sc.layout == "zigzag" and sc.world_size > 1:
+    if "pipeline" in sc.scheme_options and _in_rounds_allowed(sc.layout, sc.world_size):
         sim.extra["alternatives"] = [{"pipeline": True}]
     return sim
+
+
+def _in_rounds_allowed(layout: str, world_size: int) -> bool:
+    """Whether the layout's pieces make rounds (ulysses_rounds.round_pieces) at P > 1."""
+    from attngym.distributed.schemes.ulysses_rounds import round_pieces
+
+    if world_size < 2:
+        return False
+    try:
+        round_pieces(layout, exchange_order(layout, world_size, layouts.pieces(layout, world_size)))
+    except ValueError:
+        return False
+    return True
 
 
 def _simulate_one_call(sc: SimulatedCall, heads: SimulatedHeads) -> Simulation:
@@ -511,7 +526,7 @@ def _heads_split(*, heads: int, kv_heads: int | None, world_size: int | None, **
 
 def _rounds_of_layout(*, layout: Any, options: dict[str, Any], world_size: int | None,
                       seq_len: int, **_: Any) -> None:  # fmt: skip
-    """pipeline=True: the layout's pieces make the rounds (zigzag)."""
+    """pipeline=True: the layout's pieces make the rounds (zigzag, double_zigzag)."""
     if not options.get("pipeline") or world_size is None or not isinstance(layout, str):
         return
     from attngym.distributed.schemes.ulysses_rounds import round_pieces

@@ -13,7 +13,8 @@ round's gradients first, each round's dq, dK and dV sent home once no call left 
 FPDT (Yao et al., 2024, arXiv:2408.16978) pipelines DeepSpeed-Ulysses by sequence chunks alike.
 
 Contract as ulysses_attention's (attngym.distributed.schemes.ulysses), with these differences:
-    * The layout must bring each round a contiguous part of the sequence (zigzag: two rounds).
+    * The layout must bring each round a contiguous part of the sequence (zigzag: two rounds;
+      double_zigzag, each half of the sequence a zigzag: four).
     * The gradient is flex's backward op of each call from its rows' merged out and lse
       (attngym.distributed.call.flex_backward), or the call re-run (backward=recompute, and
       where the op is unusable), not autograd through one call.
@@ -46,7 +47,8 @@ def round_pieces(layout: str, order) -> tuple[tuple[int, ...], ...]:
     if rounds < 2 or any(sorted(w) != list(range(world_size)) for w in where):
         raise ValueError(
             f"layout: pipeline=True exchanges the layout's pieces round by round, each round a "
-            f"part of the sequence in order, which {layout!r} does not give; use zigzag"
+            f"part of the sequence in order, which {layout!r} does not give; use zigzag (two "
+            f"rounds) or double_zigzag (four)"
         )
     return where
 
@@ -199,8 +201,9 @@ def exchanges(cls, q: torch.Tensor, k: torch.Tensor, where, *, group, timeout_s)
     with_q = k.shape == q.shape
 
     def a2a(heads: int, parts: int, j: int):
+        # tagged by round: rounds of one order (double_zigzag's 0 and 2) are in flight together
         return cached(cls, (q.shape[0], heads, piece, q.shape[3]), parts, 1, 2, dtype=q.dtype,
-                      device=q.device, timeout_s=timeout_s,
+                      device=q.device, timeout_s=timeout_s, tag=f"ulysses round {j}",
                       concat_order=tuple((w,) for w in where[j]), group=group)  # fmt: skip
 
     made = _Exchanges(

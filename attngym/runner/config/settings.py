@@ -238,9 +238,9 @@ class Topology:
     """auto or a registered transport (copy_engine, nccl, gloo); resolved on the ranks."""
     layout: str = "contiguous"
     """How the sequence is cut into shards: one of the layouts the topology's spec takes
-    (contiguous, zigzag, balanced for ring, allgather and custom; contiguous, zigzag for ulysses
-    and hybrid), or your own balancer's import path (module.function) where the spec takes one.
-    Unused on one device."""
+    (contiguous, zigzag, double_zigzag, balanced for ring, allgather and custom; contiguous,
+    zigzag, double_zigzag for ulysses; contiguous, zigzag for hybrid), or your own balancer's
+    import path (module.function) where the spec takes one. Unused on one device."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The topology's own options (topology.options.<key>), typed and checked by its spec's
     options dataclass (hybrid: a2a_size, across); a topology ignores other topologies' keys,
