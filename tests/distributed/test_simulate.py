@@ -52,6 +52,7 @@ def _settings(simulate: bool, kind: str, layout: str, attention: dict, options=N
         ("allgather", "contiguous", {"name": "sliding_window", "window_size": 64}, None),  # halo
         ("ulysses", "zigzag", {"name": "causal"}, None),
         ("ulysses", "zigzag", {"name": "full"}, {"pipeline": True}),  # later rounds' keys too
+        ("ulysses", "double_zigzag", {"name": "causal"}, {"pipeline": True}),  # four rounds
     ],
 )
 def test_two_simulated_ranks_do_the_real_two_rank_work(tmp_path, kind, layout, attention,
@@ -161,6 +162,15 @@ def test_ulysses_in_rounds_hides_the_exchanges_behind_the_rounds_calls():
     assert rounds._pipeline((2.0, 2.0), 1.0, 1.0, (0, 1)) == 6.0
     assert rounds._pipeline((2.0, 2.0), 1.0, 1.0, (1, 1)) == 7.0
     assert rounds._pipeline((0.5, 0.5), 1.0, 1.0, (0, 1)) == 4.0
+    # double_zigzag: four rounds of a quarter each, offered to auto from the one call alike
+    four = {pipeline: simulate(
+        ULYSSES, q, k, v, g, variants.get("causal"), world_size=2, layout="double_zigzag",
+        scheme_options={"pipeline": pipeline}, timer=_counting_timer([]),
+    ) for pipeline in (False, True)}  # fmt: skip
+    assert four[False].extra["alternatives"] == [{"pipeline": True}]
+    quarter = four[True].ranks[0]
+    assert (quarter.fwd_ms, quarter.out_ready) == ((1.0,) * 4, (0, 1, 2, 3))
+    assert ULYSSES.price(four[True], slow, False).fwd_ms == pytest.approx(in_rounds)
 
 
 def test_torch_cp_is_simulated_over_whole_shards_in_one_kernel_shape():
