@@ -428,3 +428,30 @@ def test_graphs_that_cannot_speed_a_candidate_up_price_it_without_a_second_simul
         assert [r.model_ms for r in again if r.transport == row.transport] == [
             pytest.approx(row.model_ms)
         ]
+
+
+def test_double_zigzag_is_tried_for_ulysses_alone_unless_the_layouts_name_it():
+    """Ulysses runs in four rounds on double_zigzag; a ring or an all-gather would run zigzag's
+    calls on twice the chunks, tried only where topology.options.layouts names it."""
+    from attngym.runner.config import Settings, Shape, Topology
+    from attngym.runner.tasks.cp_auto import Pricing
+    from attngym.runner.tasks.cp_setup import CPRun
+
+    def planned(**options):
+        settings = Settings(
+            attention={"name": "causal"}, device="cpu",
+            shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
+            topology=Topology(kind="auto", world_size=2, simulate=True, layout="auto",
+                              options=options),
+        )  # fmt: skip
+        return {(name, layout) for name, layout, _ in Pricing(CPRun.of(settings)).planned(settings)}
+
+    default = planned()
+    assert {layout for name, layout in default if name == "ulysses"} == {
+        "contiguous", "zigzag", "double_zigzag"
+    }  # fmt: skip
+    assert {name for name, layout in default if layout == "double_zigzag"} == {"ulysses"}
+    assert ("ring", "balanced") in default and ("allgather", "zigzag") in default
+    named = planned(layouts=["double_zigzag"])
+    assert {name for name, _ in named} >= {"ring", "allgather", "ulysses"}
+    assert {layout for _, layout in named} == {"double_zigzag"}

@@ -42,7 +42,8 @@ class AutoOptions:
     `_known_candidates`."""
     layouts: tuple[str, ...] = ()
     """The layouts to try, each with the schemes that take it: contiguous, zigzag,
-    double_zigzag, balanced or a balancer of yours (module.function) (default: attngym's four; a
+    double_zigzag, balanced or a balancer of yours (module.function) (default: each scheme's
+    TopologySpec.picked_layouts: contiguous, zigzag, balanced, and for Ulysses double_zigzag; a
     topology.layout other than auto fixes it). Checked by `_known_layouts`."""
     transports: tuple[CandidateTransport, ...] = ()
     """The transports to price (default: on a fabric measured per transport,
