@@ -70,9 +70,6 @@ class TopologySpec:
             False for a user's scheme function, which may not: counts it left at 0 are not
             reported (null), not measured zeros.
         pickable: `auto` simulates it as a candidate (`auto.candidates`).
-        picked_layouts: those of its layouts `auto` tries it on where topology.options.layouts
-            names none: contiguous, zigzag and balanced (double_zigzag would be zigzag's calls
-            on twice the chunks); Ulysses adds double_zigzag, on which it runs in four rounds.
         option_sets: (topology, shape) -> the options `auto` tries it with, each a mapping of
             its option fields (the rest at their defaults); None: its defaults only.
     """
@@ -93,7 +90,6 @@ class TopologySpec:
     chooses: bool = False
     fills_stats: bool = True
     pickable: bool = False
-    picked_layouts: tuple[str, ...] = ("contiguous", "zigzag", "balanced")
     option_sets: Sections | None = None
 
     def bind(

@@ -545,7 +545,6 @@ ULYSSES = TopologySpec(
     name="ulysses",
     attention=ulysses_attention,
     layouts=HEAD_PARALLEL_LAYOUTS,
-    picked_layouts=HEAD_PARALLEL_LAYOUTS,
     options=UlyssesOptions,
     rules=(_heads_split, _rounds_of_layout),
     timer=alltoall_transfer_ms,

@@ -209,23 +209,22 @@ class Pricing:
         self.seen: dict[bool, dict] = {False: model.measured, True: {}}
 
     def planned(self, settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
+        from attngym.distributed.placement.layout import PICKED_LAYOUTS
         from attngym.distributed.schemes.auto import PICK
         from attngym.distributed.schemes.topologies import TOPOLOGIES
 
         pickable = [name for name, spec in TOPOLOGIES.items() if spec.pickable]  # table order
 
-        fixed = settings.topology.layout
-
-        def wanted(spec) -> tuple[str, ...]:
-            return (self.opts["layouts"] or spec.picked_layouts) if fixed == PICK else (fixed,)
-
-        specs = [registry.get("topology", name) for name in self.opts["candidates"] or pickable]
+        layout = settings.topology.layout
+        wanted = self.opts["layouts"] or PICKED_LAYOUTS if layout == PICK else (layout,)
         return [
-            (spec.name, layout, own)
-            for spec in specs
-            for layout in wanted(spec)
-            if spec.takes_layout(layout)
-            for own in spec.options_to_try(settings.topology, settings.shape)
+            (name, layout, own)
+            for name in self.opts["candidates"] or pickable
+            for layout in wanted
+            if registry.get("topology", name).takes_layout(layout)
+            for own in registry.get("topology", name).options_to_try(
+                settings.topology, settings.shape
+            )
         ]
 
     def planned_count(self, settings: Settings) -> int:
