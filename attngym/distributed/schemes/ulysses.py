@@ -213,9 +213,8 @@ class UlyssesOptions:
 
     pipeline: bool = False
     """Exchange the layout's pieces round by round (zigzag: two; double_zigzag: four), each round
-    attended while the
-    next arrives and its output and gradients sent home once final (ulysses_rounds); False:
-    one all-to-all before the one call and one after."""
+    attended while the next arrives and its output and gradients sent home once final
+    (ulysses_rounds); False: one all-to-all before the one call and one after."""
 
 
 def _ulysses_options(
@@ -260,8 +259,9 @@ def ulysses_attention(
         transport: auto | copy_engine | nccl | gloo (attngym.distributed.transport).
         layout: contiguous | zigzag | double_zigzag (HEAD_PARALLEL_LAYOUTS;
             attngym.distributed.placement.layout).
-        pipeline: UlyssesOptions.pipeline: the exchanges in rounds (zigzag), each round's calls
-            beside the next round's exchange (attngym.distributed.schemes.ulysses_rounds).
+        pipeline: UlyssesOptions.pipeline: the exchanges in rounds (zigzag, double_zigzag), each
+            round's calls beside the next round's exchange
+            (attngym.distributed.schemes.ulysses_rounds).
         options: kernel choices (CPOptions; default CPOptions()). block_size is that of the
             whole-sequence block mask; backward must stay auto without `pipeline`: the gradient
             is autograd's through the one kernel call and the all-to-alls, with no pairs to

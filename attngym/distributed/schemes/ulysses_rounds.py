@@ -130,12 +130,10 @@ class RoundCalls:
 
     def _first_key(self, q_offset: int, q_len: int, kv_len: int) -> int:
         """The first row of the first key block in [0, kv_len) that queries [q_offset, +q_len)
-        keep; kv_len where they keep none (or where the variant has no block mask)."""
+        keep; kv_len where they keep none."""
         if kv_len == 0:
             return 0
         bm = self.mask(q_offset, q_len, 0, kv_len)
-        if bm is None:
-            return 0
         kept = bm.to_dense().flatten(0, -2).any(0).nonzero()
         return int(kept[0]) * bm.BLOCK_SIZE[1] if len(kept) else kv_len
 
