@@ -46,7 +46,7 @@ if has tests; then
 fi
 if has tests_ulysses; then
   export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
-  T_TIMEOUT=200 t tests_ulysses python3 -m pytest -q -p no:cacheprovider \
+  T_TIMEOUT=420 t tests_ulysses python3 -m pytest -q -p no:cacheprovider \
     "$ROOT/tests/distributed/test_ulysses_gpu.py" "$ROOT/tests/distributed/test_copy_engine_gpu.py" \
     -k "ulysses or alltoall"
   unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
