@@ -387,8 +387,9 @@ def _timing_device(device: str | torch.device | None, warmup: int, repeats: int)
 
 
 def _warm(fn, setup, warmup: int, dev: torch.device, *, sized: bool) -> float:
-    """`warmup` untimed calls (one at least when `sized`); the last one's wall ms (setup
-    included, the device synchronised around it) when `sized`, else 0."""
+    """`warmup` untimed calls (one at least when `sized`); when `sized`, the last one's wall ms
+    as a timed call costs it: setup and, on CUDA, the L2 flush before it included (a 256 MB
+    write, more than a small call itself), the device synchronised around it; else 0."""
     from attngym.device import sync
 
     calls = max(warmup, 1) if sized else warmup
@@ -398,6 +399,8 @@ def _warm(fn, setup, warmup: int, dev: torch.device, *, sized: bool) -> float:
         return 0.0
     sync(dev)
     start = time.perf_counter()
+    if dev.type == "cuda":
+        l2_flush_buffer(dev).zero_()
     fn() if setup is None else fn(setup())
     sync(dev)
     return (time.perf_counter() - start) * 1e3

@@ -2,13 +2,18 @@
 
 A sharded run is checked against the unsharded problem and a ring run is compared with a
 single-device run of the same config, so the draw depends on the shape and the seed alone: it is
-made in float32 on the CPU, then moved and cast.
+made in float32 on the CPU, then moved and cast. It is cut into chunks of DRAW_CHUNK numbers,
+each from its own generator seeded by (seed, tensor, chunk), drawn by threads at once: a 64K
+run's inputs are 4 x 67 M numbers, 1.5 s on one core, and the numbers do not depend on how many
+threads draw them.
 
 Shape legend: B batch, H query heads, G key/value heads, S sequence, D head dim.
 """
 
 from __future__ import annotations
 
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -19,6 +24,7 @@ from attngym.errors import choice_error
 TORCH_DTYPES = {
     name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64")
 }
+DRAW_CHUNK = 1 << 22
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -49,16 +55,34 @@ def make_inputs(
     """
     s = shape
     kv_heads = s.kv_heads
-    gen = torch.Generator().manual_seed(seed)
     shapes = [
         (s.batch, s.heads, s.seq_len, s.head_dim),
         (s.batch, kv_heads, s.seq_len, s.head_dim),
         (s.batch, kv_heads, s.seq_len, s.head_dim),
         (s.batch, s.heads, s.seq_len, s.head_dim),
     ]
-    out = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes]
-    q, k, v, grad_out = out
+    drawn = [torch.empty(shape) for shape in shapes]
+    chunks = [
+        (t.view(-1)[start : start + DRAW_CHUNK], _chunk_seed(seed, i, start // DRAW_CHUNK))
+        for i, t in enumerate(drawn)
+        for start in range(0, t.numel(), DRAW_CHUNK)
+    ]
+    with ThreadPoolExecutor(min(len(chunks), torch.get_num_threads())) as pool:
+        for _ in pool.map(_draw_chunk, chunks):
+            pass
+    q, k, v, grad_out = (t.to(device=device, dtype=dtype) for t in drawn)
     if requires_grad:
         for t in (q, k, v):
             t.requires_grad_(True)
     return q, k, v, grad_out
+
+
+def _chunk_seed(seed: int, tensor: int, chunk: int) -> int:
+    """The seed of one chunk of the draw: unrelated to its neighbours' (a hash, not seed + i)."""
+    digest = hashlib.sha256(f"{seed}/{tensor}/{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _draw_chunk(chunk: tuple[torch.Tensor, int]) -> None:
+    out, seed = chunk
+    torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), out=out)

@@ -365,6 +365,14 @@ METRICS: tuple[Metric, ...] = (
         "the job from its start (the first job of a process: the process's start) to its last file",
     ),
     M(
+        "pictures_kept",
+        "pictures kept",
+        "",
+        "heatmap.png and block_mask.png copied from the cache folder, drawn by an earlier run of "
+        "the same mask, shape and block size (attngym.runner.pictures)",
+        column=False,
+    ),
+    M(
         "phase_<phase>_s",
         "{phase} (s)",
         "s",

@@ -289,7 +289,10 @@ def _run_started(cfg: DictConfig, job: Job, metrics: dict[str, Any]) -> dict[str
                     tracker.begin(_record(cfg, job, settings, metrics, {}))
                 with timeline.phase("pictures"):
                     ran = metrics.get("topology")  # auto's pick, where auto chose
-                    images = pictures.draw_pictures(settings, job.run_dir, ran) if ok else {}
+                    images = pictures.draw_pictures(
+                        settings, job.run_dir, ran,
+                        code=metrics.get("code_fingerprint"), metrics=metrics,
+                    ) if ok else {}  # fmt: skip
                 metrics.update(_run_time())  # the tracker's summary has them, less its own time
                 if tracker is not None:  # None: building it was the failure
                     with timeline.phase("tracker"):

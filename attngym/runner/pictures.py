@@ -5,10 +5,17 @@ sequence pooled and a zoom of HEATMAP_WINDOW tokens) and block_mask.png (the blo
 run's block size). attngym.viz draws them; this module decides what to draw, where, and what
 to skip: a picture of a sequence too long to evaluate in seconds is skipped with the reason, one
 that fails to draw is a warning, and one that cannot be written fails the run.
+
+The same mask at the same shape and block size gives the same pictures, and drawing them costs
+a run 1.5-2.5 s (matplotlib's import and two PNGs): drawn once, they are kept in the cache folder
+(`picture_key` names what they depend on) and a run asked again copies them (`pictures_kept`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import math
 from pathlib import Path
@@ -29,11 +36,26 @@ HEATMAP_WINDOW = 128  # tokens of heatmap.png's zoom
 # with S^2. Above these many pairs on the run's device the pictures are skipped with the reason,
 # so a long run is not followed by minutes of drawing.
 PICTURE_MAX_PAIRS = {"cpu": 2**34, "cuda": 2**40}  # S = 128K on a CPU, 1M on a GPU
+# The kept pictures' folder under attngym.compile_cache.root(), and how many questions it keeps
+# (the newest; a pair of pictures is 50-300 KB).
+KEPT_FOLDER = "pictures"
+KEPT_PICTURES = 256
 
 
-def draw_pictures(settings: Settings, run_dir: Path, ran: str | None = None) -> dict[str, Path]:
+def draw_pictures(
+    settings: Settings,
+    run_dir: Path,
+    ran: str | None = None,
+    *,
+    code: str | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> dict[str, Path]:
     """heatmap.png and block_mask.png for any topology: {picture name: path} of those drawn;
     with a workload, batches.png, its line named by the topology that `ran` (auto's pick).
+
+    The two are copied from the cache folder where an earlier run drew them for the same
+    `picture_key` (`code`: the run's code_fingerprint, the user's mask code it ran), and kept
+    there once drawn; `metrics` gets pictures_kept (whether they were copied).
 
     Both start from the run's BlockMask on its device (attngym.kernels.make_block_mask keeps the
     one the task attended with): the block picture draws its classes, the heatmap evaluates the
@@ -86,6 +108,12 @@ def draw_pictures(settings: Settings, run_dir: Path, ran: str | None = None) -> 
     drawn = {}
     if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
         drawn.update(_batch_picture(settings, run_dir, ran or settings.topology.kind))
+    key = picture_key(settings, code)
+    copied = _copy_kept(key, run_dir)
+    if metrics is not None:
+        metrics["pictures_kept"] = bool(copied)
+    if copied:
+        return {**drawn, **copied}
     for name, draw in (("heatmap", heatmap), ("block_mask", block_mask)):
         path = run_dir / PICTURES[name]
         try:
@@ -95,7 +123,87 @@ def draw_pictures(settings: Settings, run_dir: Path, ran: str | None = None) -> 
             raise  # a write error fails the run
         except Exception as err:
             log.warning("%s not drawn: %s: %s", PICTURES[name], type(err).__name__, err)
+    if all(name in drawn for name in PICTURES):
+        _keep(key, drawn)
     return drawn
+
+
+def picture_key(settings: Settings, code: str | None) -> str:
+    """What the pictures depend on, hashed: the variant's config entry and the user's code it
+    names (`code`), the workload, shape, block size, seed and device, attngym's own sources and
+    the versions of torch and matplotlib."""
+    from dataclasses import asdict
+    from importlib.metadata import version
+
+    import torch
+
+    asked = {
+        "attention": settings.attention,
+        "workload": asdict(settings.workload),
+        "code": code,
+        "shape": asdict(settings.shape),
+        "block_size": list(settings.block_size),
+        "seed": settings.seed,
+        "device": settings.device,
+        "attngym": _own_sources(),
+        "versions": [torch.__version__, version("matplotlib")],
+    }
+    return hashlib.sha256(json.dumps(asked, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _own_sources() -> str:
+    """One digest of attngym's Python files: a picture drawn by other code is not this one."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for file in sorted(root.rglob("*.py")):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _kept_root() -> Path:
+    from attngym import compile_cache
+
+    return compile_cache.root() / KEPT_FOLDER
+
+
+def _copy_kept(key: str, run_dir: Path) -> dict[str, Path]:
+    """The kept pictures of `key` written into the run folder ({} where none are kept or one
+    cannot be read); a write into the run folder that fails raises, as a drawn one's would."""
+    from attngym.fileio import atomic_write
+    from attngym.runner.report import PNG_SIGNATURE
+
+    folder = _kept_root() / key
+    try:
+        found = {name: (folder / file).read_bytes() for name, file in PICTURES.items()}
+        folder.touch()  # the newest kept
+    except OSError:
+        return {}
+    if not all(data.startswith(PNG_SIGNATURE) for data in found.values()):
+        return {}
+    copied = {name: atomic_write(run_dir / PICTURES[name], data) for name, data in found.items()}
+    log.info("%s copied from %s (drawn by an earlier run of the same mask, shape and block size)",
+             " and ".join(PICTURES.values()), folder)  # fmt: skip
+    return copied
+
+
+def _keep(key: str, drawn: dict[str, Path]) -> None:
+    """Keep this run's pictures for `key`, then only the newest KEPT_PICTURES; a cache that
+    cannot be written is logged and left (the run has its pictures)."""
+    import shutil
+
+    from attngym.fileio import atomic_write
+
+    root = _kept_root()
+    try:
+        (root / key).mkdir(parents=True, exist_ok=True)
+        for name, file in PICTURES.items():
+            atomic_write(root / key / file, drawn[name].read_bytes())
+        kept = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in kept[KEPT_PICTURES:]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        log.info("pictures not kept in %s: %s", root, err)
 
 
 def _batch_picture(settings: Settings, run_dir: Path, ran: str) -> dict[str, Path]:
