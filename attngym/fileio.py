@@ -34,6 +34,9 @@ import re
 import stat
 from pathlib import Path
 
+# The first bytes of every PNG file (a picture read back is checked for them).
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
 
 class SymlinkRefused(PermissionError):
     """A write whose target or target folder is a symlink (it could point outside the folder)."""

@@ -170,8 +170,7 @@ def _kept_root() -> Path:
 def _copy_kept(key: str, run_dir: Path) -> dict[str, Path]:
     """The kept pictures of `key` written into the run folder ({} where none are kept or one
     cannot be read); a write into the run folder that fails raises, as a drawn one's would."""
-    from attngym.fileio import atomic_write
-    from attngym.runner.report import PNG_SIGNATURE
+    from attngym.fileio import PNG_SIGNATURE, atomic_write
 
     folder = _kept_root() / key
     try:

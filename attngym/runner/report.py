@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attngym.fileio import ReadRefused, atomic_write, read_inside, write_error
+from attngym.fileio import PNG_SIGNATURE, ReadRefused, atomic_write, read_inside, write_error
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,6 @@ tr.failed td { background: #fde8e8; }
 
 # Far above a real picture (a heatmap is well under 1 MiB): a larger file is not embedded.
 PICTURE_LIMIT = 32 << 20
-# The first bytes of every PNG file.
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _picture(folder: Path, relative: str | Path) -> bytes | None:
