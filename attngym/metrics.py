@@ -324,7 +324,7 @@ METRICS: tuple[Metric, ...] = (
         "{pass} (J)",
         "J",
         "energy of one call: the average power between steps of NVML's energy counter (polled by a "
-        "thread) over a loop of about 0.6 s, times the loop's time per call",
+        "thread) over a loop of about 0.4 s, times the loop's time per call",
     ),
     M("<pass>_watts", "{pass} (W)", "W", "average power over those calls"),
     M("<pass>_joules_per_token", "{pass} (J/token)", "J", "<pass>_joules over batch x seq_len"),

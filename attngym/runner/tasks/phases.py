@@ -331,7 +331,7 @@ ENERGY_PASSES = ("fwd", "fwd_bwd")
 
 def pass_energy(rank: Rank, timings: Mapping[str, Any], meter: Any) -> dict[str, Any]:
     """{pass: energy.Energy} of the measured call's timed passes in ENERGY_PASSES, each from a
-    loop of about 0.6 s (attngym.energy.joules_per_call), in the grad mode they were timed
+    loop of about 0.4 s (attngym.energy.joules_per_call), in the grad mode they were timed
     in; empty when a rank's counter did not move. Every rank makes as many calls (the slowest
     rank's count: the calls may be collectives) and the joules are summed over the devices
     (Rank.sum_over_devices)."""
