@@ -286,7 +286,10 @@ def test_auto_picks_one_scheme_for_the_whole_workload_and_prices_picking_per_bat
     first = table["candidates"][0]  # the least total over both batches
     assert metrics["auto_pick"].startswith(f"{first['scheme']}/{first['layout']}")
     assert metrics["topology"] == first["scheme"]  # every batch ran the one pick
-    assert drawn == [[f"{first['scheme']} (2 ranks), predicted"]]  # batches.png: the pick's line
+    assert metrics["layout"] == first["layout"]
+    rounds = ", in rounds" * bool(metrics.get("pipeline"))
+    # batches.png: the pick's line, named with its layout
+    assert drawn == [[f"{first['scheme']}, {first['layout']}{rounds} (2 ranks), predicted"]]
     assert all(c["predicted_ms"] >= first["predicted_ms"] for c in table["candidates"])
     assert first["predicted_ms"] == pytest.approx(sum(first["batches_ms"]) / 2)
     # The pick was timed on one typical batch, its price on the other scaled by it.

@@ -107,7 +107,7 @@ def draw_pictures(
 
     drawn = {}
     if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
-        drawn.update(_batch_picture(settings, run_dir, ran or settings.topology.kind))
+        drawn.update(_batch_picture(settings, run_dir, ran or settings.topology.kind, metrics))
     key = picture_key(settings, code)
     copied = _copy_kept(key, run_dir)
     if metrics is not None:
@@ -205,17 +205,23 @@ def _keep(key: str, drawn: dict[str, Path]) -> None:
         log.info("pictures not kept in %s: %s", root, err)
 
 
-def _batch_picture(settings: Settings, run_dir: Path, ran: str) -> dict[str, Path]:
-    """batches.png from the run's batches.csv: the run's own call and every contender that
-    timed its batches; a failure to draw is a warning, as above."""
+def _batch_picture(
+    settings: Settings, run_dir: Path, ran: str, metrics: dict[str, Any] | None
+) -> dict[str, Path]:
+    """batches.png from the run's batches.csv: the run's own call (a scheme named with the
+    layout it ran and its rounds, from `metrics`) and every contender that timed its batches;
+    a failure to draw is a warning, as above."""
     import csv
 
     from attngym import viz
 
     with (run_dir / ROWS_FILE).open(newline="") as f:
         rows = list(csv.DictReader(f))
-    topo = settings.topology
-    label = "flex" if ran == "single" else f"{ran} ({topo.world_size} ranks)"
+    got = metrics or {}
+    how = "".join(
+        (f", {got['layout']}" if got.get("layout") else "", ", in rounds" * bool(got.get("pipeline")))
+    )
+    label = "flex" if ran == "single" else f"{ran}{how} ({settings.topology.world_size} ranks)"
     title = f"{settings.variant.name}: {len(rows)} batches of {settings.shape.seq_len} tokens"
     path = run_dir / BATCH_PICTURE
     try:
