@@ -218,9 +218,8 @@ def _batch_picture(
     with (run_dir / ROWS_FILE).open(newline="") as f:
         rows = list(csv.DictReader(f))
     got = metrics or {}
-    how = "".join(
-        (f", {got['layout']}" if got.get("layout") else "", ", in rounds" * bool(got.get("pipeline")))
-    )
+    layout = f", {got['layout']}" if got.get("layout") else ""
+    how = layout + ", in rounds" * bool(got.get("pipeline"))
     label = "flex" if ran == "single" else f"{ran}{how} ({settings.topology.world_size} ranks)"
     title = f"{settings.variant.name}: {len(rows)} batches of {settings.shape.seq_len} tokens"
     path = run_dir / BATCH_PICTURE
