@@ -11,6 +11,9 @@
 #   runs            the default run, the headline (causal B4 H16 8K D128, tuned) and ring /
 #                   all-gather / Ulysses at world size 1, 64K, each twice (RUNS=1: once, on a
 #                   machine whose compile caches earlier phases or calls have warmed)
+#   profiles        (not in the default list) the headline and the ring at world size 1 once
+#                   more, each with a cProfile of its Python (run_profile.txt): where the
+#                   seconds of a warm run go
 set -u
 OUT=${1:?usage: answer.sh OUT [PHASE...]}; shift || true
 WHAT=" ${*:-auto_window auto_window_all auto_documents auto_documents_all runs} "
@@ -52,6 +55,14 @@ if has runs; then
         hydra.run.dir="cp_${s}_$i"
     done
   done
+fi
+if has profiles; then
+  t headline_profile $AG attention=causal shape.batch=4 shape.heads=16 shape.seq_len=8192 \
+    shape.head_dim=128 block_size=tuned profile_run=true hydra.run.dir=headline_profile
+  t cp_ring_profile $AG topology=ring topology.world_size=1 attention=sliding_window \
+    ++attention.window_size=1024 shape.seq_len=65536 shape.heads=8 shape.head_dim=128 \
+    profile_run=true hydra.run.dir=cp_ring_profile
+  for d in headline_profile cp_ring_profile; do cp "$W/$d/run_profile.txt" "$OUT/$d.txt" 2>/dev/null; done
 fi
 for d in "$W"/*/; do [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename "$d").metrics.json"; done
 python3 - "$OUT" <<'PY' | tee "$OUT/answer.txt"
