@@ -44,10 +44,10 @@ FAULTY = textwrap.dedent(
                 time.sleep(30)  # the handler interrupts this
         return metrics
 
-    def killed_before_pictures(settings, run_dir, *ran):
+    def killed_before_pictures(settings, run_dir, *ran, **kept):
         if settings.shape.seq_len == 128:
             os.kill(os.getpid(), signal.SIGKILL)
-        return draw(settings, run_dir, *ran)
+        return draw(settings, run_dir, *ran, **kept)
 
     def enospc_on_png(fd):  # a full disk for the pictures only, where tmpfs cannot be mounted
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".png." + str(os.getpid()) + ".tmp"):
