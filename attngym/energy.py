@@ -6,10 +6,10 @@ read can be up to a step stale and a window of a few steps between two arbitrary
 tens of percent. `joules_per_call` therefore runs the call back to back for about `min_s` while
 a thread polls the counter, takes the average power between the first and the last moment the
 counter moved in the loop, and multiplies it by the loop's time per call. 0.4 s spans three
-or four steps: the 200-300 ms between the first and the last is known to the poll's millisecond, within
-0.5 % (two seconds had cost a default run 4 of its 13 s, 0.6 s 1.2 of its 10). Where there is
-no counter (a CPU run, no NVML, a GPU without it) `meter` returns None and the reason, and
-nothing is recorded as measured.
+or four steps: the 200-300 ms between the first and the last is known to the poll's
+millisecond, within 0.5 % (two seconds had cost a default run 4 of its 13 s, 0.6 s 1.2 of its
+10). Where there is no counter (a CPU run, no NVML, a GPU without it) `meter` returns None and
+the reason, and nothing is recorded as measured.
 """
 
 from __future__ import annotations
