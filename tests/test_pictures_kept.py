@@ -50,6 +50,10 @@ def test_a_run_asked_again_copies_the_pictures_it_drew(tmp_path, cache, monkeypa
     assert metrics["pictures_kept"] is False and len(drawn) == 2
     assert len(list(cache.iterdir())) == 1
 
+    def no_block_mask(settings):
+        raise AssertionError("a kept picture needs no block mask")
+
+    monkeypatch.setattr(pictures, "_block_classes", no_block_mask)
     out = pictures.draw_pictures(_settings(), again, code="abc", metrics=metrics)
     assert metrics["pictures_kept"] is True and len(drawn) == 2  # nothing drawn
     for name, file in pictures.PICTURES.items():

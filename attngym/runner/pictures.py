@@ -78,6 +78,15 @@ def draw_pictures(
             PICTURE_MAX_PAIRS.get(device, PICTURE_MAX_PAIRS["cpu"]),
         )
         return {}
+    drawn = {}
+    if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
+        drawn.update(_batch_picture(settings, run_dir, ran or settings.topology.kind, metrics))
+    key = picture_key(settings, code)
+    copied = _copy_kept(key, run_dir)
+    if metrics is not None:
+        metrics["pictures_kept"] = bool(copied)
+    if copied:
+        return {**drawn, **copied}
     classes = _block_classes(settings)
 
     def heatmap(path: Path) -> None:
@@ -105,15 +114,6 @@ def draw_pictures(
             classes=classes,
         )
 
-    drawn = {}
-    if (run_dir / ROWS_FILE).is_file():  # a workload: its batches too
-        drawn.update(_batch_picture(settings, run_dir, ran or settings.topology.kind, metrics))
-    key = picture_key(settings, code)
-    copied = _copy_kept(key, run_dir)
-    if metrics is not None:
-        metrics["pictures_kept"] = bool(copied)
-    if copied:
-        return {**drawn, **copied}
     for name, draw in (("heatmap", heatmap), ("block_mask", block_mask)):
         path = run_dir / PICTURES[name]
         try:
