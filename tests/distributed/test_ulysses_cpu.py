@@ -112,14 +112,6 @@ def _rounds_worker(rank, world_size):
         ulysses_attention, rank, world_size, variants.get("causal"), 4, "zigzag", 99,
         pipeline=True, options=CPOptions(kernel_options={"BLOCK_M": 16}, backward="recompute"),
     )  # fmt: skip
-    # each round's keys trimmed to the blocks its queries keep: documents [10, 14, 8] in blocks
-    # of 2 over four rounds of 8 read keys from 0, 0, 10 and 24 (test_round_calls_read_...)
-    for backward in ("flex", "recompute"):
-        errors[("document", 2, backward, "trimmed keys")] = _errors(
-            ulysses_attention, rank, world_size, variants.get("document", **PARAMS["document"]),
-            2, "double_zigzag", 97, pipeline=True,
-            options=CPOptions(block_size=(2, 2), backward=backward),
-        )  # fmt: skip
     x = torch.randn(1, HEADS, S // world_size, 8, dtype=torch.float64)
     try:
         ulysses_attention(x, x, x, variants.get("causal"), transport="gloo", pipeline=True)
@@ -138,26 +130,6 @@ def test_ulysses_in_rounds_matches_reference_for_every_variant_fwd_bwd():
     calls = {"zigzag": {"causal": 2, "full": 3}, "double_zigzag": {"causal": 4, "full": 10}}
     assert all(pairs[name][1] == calls[pairs[name][0]][name] for name in ("causal", "full")), pairs
     assert refused is not None and refused.startswith("layout: pipeline=True"), refused
-
-
-def test_round_calls_read_keys_from_the_first_block_their_queries_keep():
-    """A round's own call starts at the first key block its queries keep (no later than the
-    round's own keys): packed documents read from the start of the document that runs into the
-    round; a causal mask from 0; the later rounds a full mask reads are calls of their own."""
-    from attngym.distributed.schemes.ulysses_rounds import RoundCalls
-
-    def plan(variant, block):
-        options = CPOptions(block_size=(block, block))
-        calls = RoundCalls(variant, 0, 2, S, 4, options, torch.device("cpu"))
-        return calls.plan
-
-    documents = variants.get("document", **PARAMS["document"])  # [10, 14, 8]
-    assert plan(documents, 2).first == (0, 0, 10, 24)  # within a round: rows 2..7 of its keys
-    assert plan(documents, 4).first == (0, 0, 8, 24)
-    assert plan(documents, 8).calls(2) == [(8, 24)]
-    assert plan(variants.get("causal"), 4).first == (0, 0, 0, 0)
-    full = plan(variants.get("full"), 4)
-    assert full.first == (0, 0, 0, 0) and full.calls(1) == [(0, 16), (16, 24), (24, 32)]
 
 
 def _options_worker(rank, world_size):

@@ -7,10 +7,9 @@ One all-to-all before the call and one after leave the exchanges bare: on packed
 the sequence, so the ranks' first pieces are the sequence's first half and their second pieces
 its second half: exchanged one piece at a time, round j brings every rank its heads of the j-th
 part of the sequence, in order. Its queries attend the keys that have arrived (the parts up to
-their own, from the first key block they keep: one call); keys of a later part that they read
-(a mask that is not causal) are attended when that part arrives and merged by their lse.
-Backward goes the other way: the last round's gradients first, each round's dq, dK and dV sent
-home once no call left adds to them.
+their own: one call); keys of a later part that they read (a mask that is not causal) are
+attended when that part arrives and merged by their lse. Backward goes the other way: the last
+round's gradients first, each round's dq, dK and dV sent home once no call left adds to them.
 FPDT (Yao et al., 2024, arXiv:2408.16978) pipelines DeepSpeed-Ulysses by sequence chunks alike.
 
 Contract as ulysses_attention's (attngym.distributed.schemes.ulysses), with these differences:
@@ -62,22 +61,17 @@ class RoundPlan:
         rounds: the exchange's rounds (the layout's pieces a rank).
         span: tokens a round brings (seq_len / rounds).
         later: later[j], the later rounds whose keys round j's queries read (the mask keeps a
-            block there).
-        first: first[j], the first key row round j's own call reads: the first key block its
-            queries keep (packed documents: the start of the document that runs into the
-            round), at most the round's own start. The call covers keys first[j]..end of round
-            j; each key block it leaves out is one the backward would launch over for nothing.
+            block there); round j's own call covers the keys of rounds 0..j.
     """
 
     rounds: int
     span: int
     later: tuple[tuple[int, ...], ...]
-    first: tuple[int, ...]
 
     def calls(self, j: int) -> list[tuple[int, int]]:
         """Round j's queries' calls, as the key rows (start, stop) each reads."""
         s = self.span
-        return [(self.first[j], (j + 1) * s), *((i * s, (i + 1) * s) for i in self.later[j])]
+        return [(0, (j + 1) * s), *((i * s, (i + 1) * s) for i in self.later[j])]
 
     def out_ready(self, j: int) -> int:
         """The round after whose calls round j's output is final."""
@@ -109,9 +103,7 @@ class RoundCalls:
                   if not kernels.block_mask_is_empty(self.mask(j * span, span, i * span, span)))
             for j in range(rounds)
         )  # fmt: skip
-        first = tuple(min(self._first_key(j * span, span, j * span), j * span)
-                      for j in range(rounds))  # fmt: skip
-        self.plan = RoundPlan(rounds, span, later, first)
+        self.plan = RoundPlan(rounds, span, later)
         # What the backward helpers shared with the other schemes read: variant and options.
         self.call = CPCall(variant=self.variant, group=None, transport=None, layout=None,
                            options=options, backend=self.backend, backward=self.backward,
@@ -127,15 +119,6 @@ class RoundCalls:
                 block_size=self.options.block_size, device=self.device, full_when_unmasked=True,
             )  # fmt: skip
         return self._masks[key]
-
-    def _first_key(self, q_offset: int, q_len: int, kv_len: int) -> int:
-        """The first row of the first key block in [0, kv_len) that queries [q_offset, +q_len)
-        keep; kv_len where they keep none."""
-        if kv_len == 0:
-            return 0
-        bm = self.mask(q_offset, q_len, 0, kv_len)
-        kept = bm.to_dense().flatten(0, -2).any(0).nonzero()
-        return int(kept[0]) * bm.BLOCK_SIZE[1] if len(kept) else kv_len
 
     def attend(self, q, k, v, q_offset: int, kv_offset: int):
         """(out, lse) of round queries at q_offset over keys at kv_offset."""
@@ -259,7 +242,7 @@ class _Rounds(torch.autograd.Function):
             fused = calls.options.compile and q_j.device.type == "cuda"
             accs.append(Accumulator(q_j, q_j.shape[3], fused=fused))
             for i in [*(i for i in range(j) if j in plan.later[i]), j]:  # calls these keys end
-                a, b = (j * span, (j + 1) * span) if i < j else plan.calls(j)[0]
+                a, b = (j * span, (j + 1) * span) if i < j else (0, (j + 1) * span)
                 part = calls.attend(q_h[i], k_all[:, :, a:b], v_all[:, :, a:b], i * span, a)
                 accs[i].add(slice(0, span), *part)
             while len(back) < m and plan.out_ready(len(back)) <= j:
@@ -299,9 +282,8 @@ class _Rounds(torch.autograd.Function):
                                                outs[j], lses[j], g, j * span, a)  # fmt: skip
                 dq[j].add(0, dq_c)
                 for i in range(a // span, b // span):  # each round's rows of the keys read
-                    lo = max(a, i * span)
-                    dk[i].add(lo - i * span, dk_c.narrow(2, lo - a, (i + 1) * span - lo))
-                    dv[i].add(lo - i * span, dv_c.narrow(2, lo - a, (i + 1) * span - lo))
+                    dk[i].add(0, dk_c.narrow(2, i * span - a, span))
+                    dv[i].add(0, dv_c.narrow(2, i * span - a, span))
             while len(home) < m and plan.grads_ready(m - 1 - len(home)) >= j:
                 i = m - 1 - len(home)
                 home[i] = ex.home(i, *(t[i].total(k_all.dtype) for t in (dq, dk, dv)))
