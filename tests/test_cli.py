@@ -501,3 +501,14 @@ def test_torchrun_ranks_tag_their_terminal_lines():
         assert "[rank3][INFO] hello" in handler.format(record)
     finally:
         root.removeHandler(handler)
+
+
+def test_profile_run_writes_a_profile_pstats_loads(tmp_path, attngym_cli):
+    import pstats
+
+    run_dir = tmp_path / "run"
+    proc = attngym_cli([*SMALL, "profile_run=true", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    functions = {name for _, _, name in pstats.Stats(str(run_dir / "run_profile.prof")).stats}
+    assert "_run_locked" in functions, len(functions)
+    assert "_run_locked" in (run_dir / "run_profile.txt").read_text()

@@ -233,11 +233,11 @@ def _profiled(run_dir: Path, on: bool) -> Iterator[None]:
         yield
     finally:
         profile.disable()
-        profile.create_stats()
         text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+        stats = pstats.Stats(profile, stream=text)  # takes the profile's stats, leaving it none
+        stats.sort_stats("cumulative").print_stats(60)
         try:  # as every file of the run: atomically, never through a symlink
-            atomic_write(run_dir / "run_profile.prof", marshal.dumps(profile.stats))
+            atomic_write(run_dir / "run_profile.prof", marshal.dumps(stats.stats))
             atomic_write(run_dir / "run_profile.txt", text.getvalue())
             log.info("run profile: %s", run_dir / "run_profile.txt")
         except OSError as err:
