@@ -10,6 +10,16 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site PYTHONPYCACHEPREFIX=/tmp/pyc
+# Compiled bytecode kept between runs in /tmp/pyc, as an installed Python keeps it next to its
+# sources: the image of the GPU machines these experiments ran on sets PYTHONDONTWRITEBYTECODE=1
+# and its site-packages hold no bytecode, so every run compiled the modules it imports again
+# (torch's import 12-14 s, against 5.5 s with bytecode kept; one H100, 2026-12-07:
+# experiments/run_time, "An eighth time").
+unset PYTHONDONTWRITEBYTECODE
+# The GPU tests' timeouts are pytest-timeout's marks: without the plugin a hung test holds its
+# phase to the phase's own limit (tests_ulysses, 420 s on 2026-12-07).
+python3 -c "import pytest_timeout" 2>/dev/null ||
+  echo "pytest-timeout is not installed: its wheel belongs in .whl/ (a hung GPU test hangs its phase)" | tee -a "$OUT/summary.txt" >&2
 # The CuTe DSL (FLASH) puts its packages on sys.path from a .pth file, which PYTHONPATH skips.
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 t() {

@@ -11,6 +11,9 @@
 #   runs            the default run, the headline (causal B4 H16 8K D128, tuned) and ring /
 #                   all-gather / Ulysses at world size 1, 64K, each twice (RUNS=1: once, on a
 #                   machine whose compile caches earlier phases or calls have warmed)
+#   one_device      (not in the default list) the default run and the headline, each twice
+#   bytecode        (not in the default list) what keeping compiled bytecode between runs is
+#                   worth here: torch's import, twice with and without writing it
 #   profiles        (not in the default list) the headline and the ring at world size 1 once
 #                   more, each with a cProfile of its Python (run_profile.txt): where the
 #                   seconds of a warm run go
@@ -55,6 +58,30 @@ if has runs; then
         hydra.run.dir="cp_${s}_$i"
     done
   done
+fi
+if has one_device; then
+  for i in 1 2; do
+    t "default$i" $AG hydra.run.dir="default$i"
+    t "headline$i" $AG attention=causal shape.batch=4 shape.heads=16 shape.seq_len=8192 \
+      shape.head_dim=128 block_size=tuned hydra.run.dir="headline$i"
+  done
+fi
+if has bytecode; then
+  { env | grep '^PYTHON' | grep -v '^PYTHONPATH'
+    python3 -c 'import sys; print("dont_write_bytecode", sys.flags.dont_write_bytecode, "pycache_prefix", sys.pycache_prefix)'
+    IMPORT='import torch, torch._dynamo, torch._inductor.lowering'
+    for how in prefix_no_writes no_prefix_no_writes prefix_writes; do
+      for i in 1 2; do
+        s=$(date +%s.%N)
+        case $how in
+          prefix_no_writes) env PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/tmp/pyc_a python3 -c "$IMPORT" ;;
+          no_prefix_no_writes) env -u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1 python3 -c "$IMPORT" ;;
+          prefix_writes) env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc_b python3 -c "$IMPORT" ;;
+        esac
+        echo "$how, import $i: $(python3 -c "print(round($(date +%s.%N) - $s, 2))") s"
+      done
+    done
+    du -sh /tmp/pyc_a /tmp/pyc_b 2>&1; } > "$OUT/bytecode.txt" 2>&1
 fi
 if has profiles; then
   t headline_profile $AG attention=causal shape.batch=4 shape.heads=16 shape.seq_len=8192 \
