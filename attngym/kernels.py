@@ -413,6 +413,17 @@ def _block_mask_from_rule(rule, mask_mod, seq_q, seq_kv, q_offset, kv_offset, bl
     """The BlockMask create_block_mask would build, from the variant's block rule: a few
     operations per block pair instead of the mask_mod on every (query, key) pair (documents at
     1M tokens: milliseconds, where evaluating 10^12 pairs takes seconds)."""
+    classes = rule_classes(rule, seq_q, seq_kv, q_offset, kv_offset, block_size, device)
+    return block_mask_of_grid(
+        classes == 1, classes == 2, block_size=tuple(block_size), mask_mod=mask_mod,
+        seq_lengths=(seq_q, seq_kv),
+    )  # fmt: skip
+
+
+def rule_classes(rule, seq_q, seq_kv, q_offset, kv_offset, block_size, device) -> torch.Tensor:
+    """(q blocks, kv blocks) classes of a block rule's blocks, as create_block_mask would class
+    them: 0 empty, 1 partial (evaluated per entry), 2 full; a block cut by the end of the
+    sequence holds masked padding, so it is never full."""
     dev = torch.device(device)
     bq, bkv = block_size
 
@@ -424,13 +435,8 @@ def _block_mask_from_rule(rule, mask_mod, seq_q, seq_kv, q_offset, kv_offset, bl
     q_lo, q_hi, q_cut = ranges(seq_q, bq, q_offset)
     kv_lo, kv_hi, kv_cut = ranges(seq_kv, bkv, kv_offset)
     classes = rule(q_lo[:, None], q_hi[:, None], kv_lo[None, :], kv_hi[None, :])
-    # A block cut by the end of the sequence holds masked padding: never full (create_block_mask).
     cut = q_cut[:, None] | kv_cut[None, :]
-    classes = torch.where(cut & (classes == 2), 1, classes)
-    return block_mask_of_grid(
-        classes == 1, classes == 2, block_size=(bq, bkv), mask_mod=mask_mod,
-        seq_lengths=(seq_q, seq_kv),
-    )  # fmt: skip
+    return torch.where(cut & (classes == 2), 1, classes)
 
 
 def block_mask_of_grid(partial: torch.Tensor, full: torch.Tensor, *, block_size, mask_mod,

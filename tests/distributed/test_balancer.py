@@ -161,6 +161,29 @@ def test_balanced_is_never_predicted_more_imbalanced_than_zigzag_or_contiguous(r
         )
 
 
+def test_a_placement_of_whole_block_pieces_is_priced_as_the_sum_of_its_pieces(rng):
+    """One call per rank over pieces of whole blocks: `balanced` prices its pieces once and a
+    rank as their sum; the cost model pricing each rank's chunks as a whole agrees."""
+    S, P = 4096, 4
+    documents = variants.get("document", doc_lengths=_random_documents(rng, S, 9))
+    window = variants.get("sliding_window", window_size=300)
+    for what, variant in (("documents", documents), ("window", window)):
+        model = layout._TimeModel(variant, S, (128, 128), "cpu")
+        for pieces in (2 * P, 8 * P):
+            size = S // pieces
+            costs = layout._piece_costs(model, size)
+            owned = layout._greedy(costs, P)
+            placement = [[(i * size, size) for i in o] for o in owned]
+            whole = model.rank_times(placement)
+            summed = [sum(costs[i] for i in o) for o in owned]
+            assert summed == pytest.approx(whole, rel=1e-12), (what, pieces)
+        placed = layout.plan("balanced", P, S, variant)
+        assert max(model.rank_times(placed.placement)) <= min(
+            max(model.rank_times(layout.plan(name, P, S).placement))
+            for name in ("zigzag", "contiguous")
+        ), what
+
+
 def test_held_out_documents_are_balanced_in_time_and_in_blocks():
     """The review's case: pieces of 192 tokens straddle the 128-token blocks, so every rank
     of the piece placement is slower than contiguous's halves; balanced keeps contiguous (named

@@ -48,9 +48,11 @@ def block_grid(
 
 def _build_grid(variant: Variant, seq_len: int, block, device) -> tuple[torch.Tensor, ...]:
     bq, bkv = block
-    if variant.block_rule is not None:
-        mask = kernels.make_block_mask(variant, seq_len, seq_len, block_size=block, device=device)
-        return _grid_of(mask, -(-seq_len // bkv))
+    if variant.block_rule is not None:  # read off the rule: no BlockMask to build and read back
+        if variant.device is not None and variant.device != device:
+            variant = variant.to(device)
+        classes = kernels.rule_classes(variant.block_rule, seq_len, seq_len, 0, 0, block, device)
+        return classes == 1, classes == 2
     from torch.nn.attention.flex_attention import create_block_mask
 
     if variant.device is not None and variant.device != device:

@@ -20,10 +20,12 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 Each such placement, zigzag and contiguous are then priced as a whole, and the
                 one whose slowest rank is fastest is kept (named "balanced" whichever it is): a
                 piece's price is only a guide (a rank's blocks may straddle its pieces), so
-                balanced is never predicted slower than the fixed layouts. For causal it finds
-                zigzag; for packed documents it spreads each document's expensive tail (the
-                designs PyTorch's per-document head-tail and PTRR load balancers follow; those
-                count blocks, this weighs them by what they cost).
+                balanced is never predicted slower than the fixed layouts. With one call per
+                rank over pieces of whole blocks a rank's price is its pieces' sum, and the
+                pieces are priced once from the whole sequence's blocks (_piece_costs).
+                For causal it finds zigzag; for packed documents it spreads each document's
+                expensive tail (the designs PyTorch's per-document head-tail and PTRR load
+                balancers follow; those count blocks, this weighs them by what they cost).
     module.fn   a user's balancer by import path (is_user_layout; attngym.user_code resolves it):
                 called once per variant with the keywords it names out of BALANCER_ARGUMENTS,
                 it returns each rank's (offset, length) chunks, checked here (see plan).
@@ -491,6 +493,15 @@ def _swapped(owner: torch.Tensor, prices: _ShardPairPrices, ranks: int) -> torch
     return owner
 
 
+def _piece_costs(model: _TimeModel, size: int) -> list[float]:
+    """Each piece's time of one call per rank (the pieces of `size` in order, whole blocks):
+    its query blocks' rows of the whole sequence's blocks, summed once, so a placement of them
+    is priced without reading the mask again."""
+    full, partial = model.whole_block_kinds()
+    rows = model.cost(full.sum(1), partial.sum(1))  # (q blocks,): exact counts, priced once
+    return [math.fsum(piece) for piece in rows.reshape(-1, size // model.block_size[0]).tolist()]
+
+
 def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
     """Pieces per rank: largest first, to the least loaded rank with room (ties: lower index)."""
     per_rank = len(costs) // world_size
@@ -523,6 +534,9 @@ def _balanced(
     _needs_variant("balanced", variant)
     check_seq_len(seq_len, world_size, "balanced")  # so zigzag and contiguous fit as well
     model = _TimeModel(variant, seq_len, block_size, device, kernels, block_costs)
+    # One call per rank over pieces of whole blocks: a rank's time is its pieces' sum.
+    additive = kernels is None and not seq_len % (2 * world_size * max(BALANCE_SPLITS)
+                                                  * math.lcm(*block_size))  # fmt: skip
     candidates, by_pieces = [], {}
     for m in BALANCE_SPLITS:
         n = 2 * world_size * m
@@ -538,24 +552,31 @@ def _balanced(
             owner = _swapped(_owner(owned, n), prices, world_size)
             owned = [(owner == r).nonzero()[:, 0].tolist() for r in range(world_size)]
             times = prices.rank_times(owner, world_size).tolist()
+        elif additive:
+            costs = _piece_costs(model, size)
+            owned = _greedy(costs, world_size)
+            times = [math.fsum(costs[i] for i in o) for o in owned]
         else:
             owned = _greedy(model.rank_times([[(i * size, size)] for i in range(n)]), world_size)
         placement = tuple(_joined([(i * size, size) for i in o]) for o in owned)
-        if not searched:
+        if not (searched or additive):
             times = model.rank_times(placement)
         candidates.append((max(times), placement))
         if max(times) <= GOOD_ENOUGH * sum(times) / world_size and not searched:
             break
     for fixed in ("zigzag", "contiguous"):
         placement = _fixed(fixed, world_size, seq_len).placement
-        prices = by_pieces.get(seq_len // (2 * world_size))  # their pieces are these
-        if prices is None:
-            times = model.rank_times(placement)
-        else:
-            piece = prices.piece
-            owned = [[i for o, n in chunks for i in range(o // piece, (o + n) // piece)]
-                     for chunks in placement]  # fmt: skip
+        piece = seq_len // (2 * world_size)  # their pieces are these
+        prices = by_pieces.get(piece)
+        owned = [[i for o, n in chunks for i in range(o // piece, (o + n) // piece)]
+                 for chunks in placement]  # fmt: skip
+        if prices is not None:
             times = prices.rank_times(_owner(owned, 2 * world_size), world_size).tolist()
+        elif additive:
+            costs = _piece_costs(model, piece)
+            times = [math.fsum(costs[i] for i in o) for o in owned]
+        else:
+            times = model.rank_times(placement)
         candidates.append((max(times), placement))
     # The slowest rank sets the call's time; the first of equals wins (fewest pieces).
     slowest, best = candidates[0]
