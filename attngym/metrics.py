@@ -420,6 +420,14 @@ METRICS: tuple[Metric, ...] = (
         column=False,
     ),
     M(
+        "bytecode_kept",
+        "bytecode kept",
+        "",
+        "Python keeps torch's compiled bytecode for the next run (false: PYTHONDONTWRITEBYTECODE "
+        "is set and none is kept, so every run compiles torch's sources again)",
+        column=False,
+    ),
+    M(
         "peak_mem_bytes",
         "peak memory",
         "bytes",

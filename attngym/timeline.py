@@ -19,6 +19,10 @@ A job's metrics (attngym.metrics: the `Run time` rows):
     compile_cache_hits, compile_cache_misses
                       Inductor's FX-graph and AOTAutograd cache lookups: a warm cache turns a
                       compile into a load (attngym.compile_cache)
+    bytecode_kept     whether Python keeps torch's compiled bytecode for the next run: false
+                      where PYTHONDONTWRITEBYTECODE is set and none is kept (common in container
+                      images), so every run compiles torch's sources again, 5-9 s of its startup
+                      on a GPU machine (experiments/run_time, "An eighth time")
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import collections
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -134,8 +139,16 @@ class Timeline:
             recompiles=len(self.recompiles),
             compile_cache_hits=hits - self._hits_before,
             compile_cache_misses=misses - self._misses_before,
+            bytecode_kept=bytecode_kept(sys.modules.get("torch")),
         )
         return out
+
+
+def bytecode_kept(module: Any) -> bool:
+    """Whether the next process finds `module`'s compiled bytecode: written where it is missing,
+    or there (beside its source, or under PYTHONPYCACHEPREFIX, as importlib looks for it)."""
+    cached = getattr(getattr(module, "__spec__", None), "cached", None)
+    return not sys.dont_write_bytecode or not cached or os.path.exists(cached)
 
 
 _current: Timeline | None = None
@@ -198,6 +211,12 @@ def largest(metrics: Mapping[str, Any], n: int = LARGEST) -> str:
     line = f"wall {wall:.1f} s" + (f", most in {where}" if where else "")
     if metrics.get("recompiles") and metrics.get("device") != "cpu":  # see _on_compile_start
         line += f"; {metrics['recompiles']} recompiles (see the log)"
+    if metrics.get("bytecode_kept") is False:
+        line += (
+            "; Python keeps no bytecode here (PYTHONDONTWRITEBYTECODE), so every run compiles "
+            "torch's sources again: unset it (PYTHONPYCACHEPREFIX=<a writable folder> where "
+            "site-packages is read-only)"
+        )
     return line
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +111,28 @@ def test_the_closing_line_names_the_largest_three():
     )
     assert timeline.largest({}) == ""
     assert "recompiles" not in timeline.largest({**metrics, "device": "cpu"})
+    assert "PYTHONDONTWRITEBYTECODE" in timeline.largest({**metrics, "bytecode_kept": False})
+    assert "PYTHONDONTWRITEBYTECODE" not in timeline.largest({**metrics, "bytecode_kept": True})
+
+
+def test_bytecode_is_kept_unless_writing_is_off_and_none_is_there(tmp_path, monkeypatch):
+    """A container's PYTHONDONTWRITEBYTECODE=1 with no bytecode shipped makes every run compile
+    torch's sources again; kept where writing is on, or where the bytecode is there to read."""
+    import importlib
+    import py_compile
+
+    source = tmp_path / "a_module_for_bytecode.py"
+    source.write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    module = importlib.import_module("a_module_for_bytecode")
+    monkeypatch.delitem(sys.modules, "a_module_for_bytecode")
+    assert not Path(module.__spec__.cached).exists()
+    assert timeline.bytecode_kept(module) is False
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert timeline.bytecode_kept(module) is True  # the next process writes it
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    py_compile.compile(str(source), cfile=module.__spec__.cached)
+    assert timeline.bytecode_kept(module) is True  # shipped: read, not compiled
+    assert timeline.bytecode_kept(None) is True  # torch not imported: nothing to say
+    assert "bytecode_kept" in timeline.Timeline().metrics()
