@@ -425,21 +425,32 @@ class _ShardPairPrices:
         cols = torch.zeros(ranks, self.by_q_piece.shape[1], dtype=f64).index_add_(
             0, owner, self.by_q_piece
         )
+        # Each piece's longest block row against each kv rank, and each rank's longest block
+        # column in each kv piece (a piece's blocks are consecutive): a swap changes only the
+        # two ranks' own, so only theirs are taken again, and a max is exact in any order.
+        piece_rows = rows.reshape(n, self.q_per, ranks).amax(1)  # [q piece, kv rank]
+        piece_cols = cols.reshape(ranks, n, self.kv_per).amax(2)  # [q rank, kv piece]
         if len(pairs) == 0:
-            owners, by_q_rank, rows, cols = (x.unsqueeze(0) for x in (owner, by_q_rank, rows, cols))
-        else:
+            owners, by_q_rank, piece_rows, piece_cols = (
+                x.unsqueeze(0) for x in (owner, by_q_rank, piece_rows, piece_cols)
+            )
+        else:  # pieces of two ranks (ri != rj)
             i, j, at = pairs[:, 0], pairs[:, 1], torch.arange(len(pairs))
-            ri, rj = owner[i], owner[j]
-            owners = owner.repeat(len(pairs), 1)
+            trials, ri, rj = len(pairs), owner[i], owner[j]
+            owners = owner.repeat(trials, 1)
             owners[at, i], owners[at, j] = rj, ri
-            by_q_rank, rows, cols = (x.repeat(len(pairs), 1, 1) for x in (by_q_rank, rows, cols))
-            for moved, by_piece in ((by_q_rank, self.total), (cols, self.by_q_piece)):
-                change = by_piece[j] - by_piece[i]  # rank ri's queries gain piece j, lose piece i
-                moved[at, ri] += change
-                moved[at, rj] -= change
+            by_q_rank, piece_rows, piece_cols = (
+                x.repeat(trials, 1, 1) for x in (by_q_rank, piece_rows, piece_cols)
+            )
+            change = self.total[j] - self.total[i]  # rank ri's queries gain piece j, lose piece i
+            by_q_rank[at, ri] += change
+            by_q_rank[at, rj] -= change
             change = self.by_kv_piece[:, j].T - self.by_kv_piece[:, i].T  # [swap, q block]
-            rows[at, :, ri] += change
-            rows[at, :, rj] -= change
+            for r, new in ((ri, rows[:, ri].T + change), (rj, rows[:, rj].T - change)):
+                piece_rows[at, :, r] = new.reshape(trials, n, self.q_per).amax(2)
+            change = self.by_q_piece[j] - self.by_q_piece[i]  # [swap, kv block]
+            for r, new in ((ri, cols[ri] + change), (rj, cols[rj] - change)):
+                piece_cols[at, r] = new.reshape(trials, n, self.kv_per).amax(2)
         trials = len(owners)
         # [trial, q rank, kv rank]: each trial's ranks numbered apart, so one index_add sums all.
         flat = (owners + ranks * torch.arange(trials).unsqueeze(1)).reshape(-1)
@@ -447,10 +458,10 @@ class _ShardPairPrices:
             1, flat, by_q_rank.transpose(0, 1).reshape(ranks, -1)
         )
         total = total.reshape(ranks, trials, ranks).transpose(0, 1)
-        q_rank = owners.repeat_interleave(self.q_per, 1).unsqueeze(2).expand_as(rows)
-        row = torch.zeros_like(total).scatter_reduce_(1, q_rank, rows, "amax")  # longest row
-        kv_rank = owners.repeat_interleave(self.kv_per, 1).unsqueeze(1).expand_as(cols)
-        col = torch.zeros_like(total).scatter_reduce_(2, kv_rank, cols, "amax")  # longest column
+        q_rank = owners.unsqueeze(2).expand_as(piece_rows)
+        row = torch.zeros_like(total).scatter_reduce_(1, q_rank, piece_rows, "amax")  # longest row
+        kv_rank = owners.unsqueeze(1).expand_as(piece_cols)
+        col = torch.zeros_like(total).scatter_reduce_(2, kv_rank, piece_cols, "amax")  # longest col
         price = _pair_price(self.kernels, total, row, col).reshape(trials * ranks, ranks)
         times = torch.zeros(trials * ranks, 1, dtype=f64).index_add_(
             1, owner.new_zeros(ranks), price
