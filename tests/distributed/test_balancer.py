@@ -169,6 +169,9 @@ def test_a_placement_of_whole_block_pieces_is_priced_as_the_sum_of_its_pieces(rn
     window = variants.get("sliding_window", window_size=300)
     for what, variant in (("documents", documents), ("window", window)):
         model = layout._TimeModel(variant, S, (128, 128), "cpu")
+        whole = [[(0, S)]]  # the whole sequence's blocks, read off the tiles when they are blocks
+        read = layout._TimeModel(variant, S, (128, 128), "cpu").block_kinds(whole, whole)[:2]
+        assert all(map(torch.equal, model.whole_block_kinds(), read)), what
         for pieces in (2 * P, 8 * P):
             size = S // pieces
             costs = layout._piece_costs(model, size)

@@ -345,8 +345,17 @@ class _TimeModel:
         """([q block, kv block] full, partial) int32 flags of the whole sequence in position
         order (computed once): exact, so sums of them are the same on every rank."""
         if self._whole is None:
-            whole = [[(0, self.seq_len)]]
-            self._whole = self.block_kinds(whole, whole)[:2]
+            block_q, block_kv = self.block_size
+            if block_q == block_kv and not self.seq_len % block_q:  # each tile is a block
+                if block_q not in self._tiles:
+                    self._tiles[block_q] = _block_classes(
+                        self.variant, self.seq_len, block_q, self.device
+                    )
+                classes = self._tiles[block_q]
+                self._whole = ((classes == FULL).int(), (classes == PARTIAL).int())
+            else:
+                whole = [[(0, self.seq_len)]]
+                self._whole = self.block_kinds(whole, whole)[:2]
         return self._whole
 
     def cost(self, full: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
