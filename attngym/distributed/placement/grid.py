@@ -48,15 +48,13 @@ def block_grid(
 
 def _build_grid(variant: Variant, seq_len: int, block, device) -> tuple[torch.Tensor, ...]:
     bq, bkv = block
+    if variant.device is not None and variant.device != device:
+        variant = variant.to(device)  # its lookup tables where the mask is evaluated
     if variant.block_rule is not None:  # read off the rule: no BlockMask to build and read back
-        if variant.device is not None and variant.device != device:
-            variant = variant.to(device)
         classes = kernels.rule_classes(variant.block_rule, seq_len, seq_len, 0, 0, block, device)
         return classes == 1, classes == 2
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if variant.device is not None and variant.device != device:
-        variant = variant.to(device)
     band = max(bq, kernels.COMPILED_MASK_ENTRIES // seq_len // bq * bq)
     partial, full = [], []
     for start in range(0, seq_len, band):

@@ -347,16 +347,18 @@ class _TimeModel:
         if self._whole is None:
             block_q, block_kv = self.block_size
             if block_q == block_kv and not self.seq_len % block_q:  # each tile is a block
-                if block_q not in self._tiles:
-                    self._tiles[block_q] = _block_classes(
-                        self.variant, self.seq_len, block_q, self.device
-                    )
-                classes = self._tiles[block_q]
+                classes = self._tile_classes(block_q)
                 self._whole = ((classes == FULL).int(), (classes == PARTIAL).int())
             else:
                 whole = [[(0, self.seq_len)]]
                 self._whole = self.block_kinds(whole, whole)[:2]
         return self._whole
+
+    def _tile_classes(self, tile: int) -> torch.Tensor:
+        """The variant's (tile x tile) classes (_block_classes), read once per tile size."""
+        if tile not in self._tiles:
+            self._tiles[tile] = _block_classes(self.variant, self.seq_len, tile, self.device)
+        return self._tiles[tile]
 
     def cost(self, full: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         """float64 time of `full` and `partial` blocks (flags, or exact counts of them)."""
@@ -370,9 +372,7 @@ class _TimeModel:
         `chunks`: boundaries the tiles must also divide."""
         block_q, block_kv = self.block_size
         tile = math.gcd(block_q, block_kv, *(x for c in chunks for x in c))
-        if tile not in self._tiles:
-            self._tiles[tile] = _block_classes(self.variant, self.seq_len, tile, self.device)
-        classes = self._tiles[tile]
+        classes = self._tile_classes(tile)
         tiles = self.seq_len // tile
         q_block, q_group = _kernel_blocks(q_groups, tile, block_q, tiles)
         kv_block, kv_group = _kernel_blocks(kv_groups, tile, block_kv, tiles)
@@ -522,6 +522,11 @@ def _piece_costs(model: _TimeModel, size: int) -> list[float]:
     return [math.fsum(piece) for piece in rows.reshape(-1, size // model.block_size[0]).tolist()]
 
 
+def _summed(costs: list[float], owned: Sequence[Sequence[int]]) -> list[float]:
+    """Each rank's time: the sum of its pieces' `costs` (_piece_costs)."""
+    return [math.fsum(costs[i] for i in pieces) for pieces in owned]
+
+
 def _greedy(costs: list[float], world_size: int) -> list[list[int]]:
     """Pieces per rank: largest first, to the least loaded rank with room (ties: lower index)."""
     per_rank = len(costs) // world_size
@@ -575,7 +580,7 @@ def _balanced(
         elif additive:
             costs = _piece_costs(model, size)
             owned = _greedy(costs, world_size)
-            times = [math.fsum(costs[i] for i in o) for o in owned]
+            times = _summed(costs, owned)
         else:
             owned = _greedy(model.rank_times([[(i * size, size)] for i in range(n)]), world_size)
         placement = tuple(_joined([(i * size, size) for i in o]) for o in owned)
@@ -593,8 +598,7 @@ def _balanced(
         if prices is not None:
             times = prices.rank_times(_owner(owned, 2 * world_size), world_size).tolist()
         elif additive:
-            costs = _piece_costs(model, piece)
-            times = [math.fsum(costs[i] for i in o) for o in owned]
+            times = _summed(_piece_costs(model, piece), owned)
         else:
             times = model.rank_times(placement)
         candidates.append((max(times), placement))
