@@ -149,9 +149,12 @@ def _attention_worker(rank, world_size):
     # Rank 1 reads 3 blocks of rank 0's shard (a document of 24 rows from row 4): its call also
     # holds the unread block before them as zeros (ReadPlan.pads); exact all the same, forward
     # and backward.
+    # The same with the call split around the exchange: the received rows' call holds those
+    # zeros too (received_pieces), and its queries the rows that read them, widened.
     docs = variants.get("document", doc_lengths=[4, 24, 4])
-    errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
-                          ("contiguous",), overlap=False, block_size=(4, 4)))  # fmt: skip
+    for overlap in (False, True):
+        errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
+                              ("contiguous",), overlap=overlap, block_size=(4, 4)))  # fmt: skip
     # Pairs computed / skipped by a causal forward, per rank.
     counts = {}
     gen = torch.Generator().manual_seed(1)

@@ -173,6 +173,38 @@ def test_ulysses_in_rounds_hides_the_exchanges_behind_the_rounds_calls():
     assert ULYSSES.price(four[True], slow, False).fwd_ms == pytest.approx(in_rounds)
 
 
+def test_overlapped_allgather_calls_take_a_few_kernel_shapes_over_a_workload():
+    """The overlap's received call holds the rows received and pads beside them, its queries the
+    rows that read them widened, each a power-of-two number of blocks: batches of documents
+    that fall anywhere give a few kernel shapes (each compiles once), not one per rank and
+    batch."""
+    from attngym.distributed.schemes.allgather import ALLGATHER
+
+    q, k, v, g = make_inputs(Shape(batch=1, heads=2, seq_len=2048, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    shapes, n, block = set(), 2048 // 8, 128
+    for _ in range(4):  # four batches of 2-5 documents at random lengths (whole blocks)
+        cuts = sorted(
+            torch.randperm(15, generator=gen)[: int(torch.randint(1, 5, (1,), generator=gen))]
+        )
+        edges = [0, *[(int(c) + 1) * block for c in cuts], 2048]
+        docs = variants.get(
+            "document", doc_lengths=[b - a for a, b in zip(edges, edges[1:], strict=False)]
+        )
+        calls: list = []
+        simulate(ALLGATHER, q, k, v, g, docs, world_size=8, layout="contiguous",
+                 options=CPOptions(block_size=(block, block)), scheme_options={"overlap": True},
+                 timer=_counting_timer(calls))  # fmt: skip
+        for _, key in calls:  # ("allgather", part, ["tables",] q shape, k shape, mask)
+            if key[1] == "received":
+                q_shape, k_shape = [x for x in key[2:] if isinstance(x, tuple)][:2]
+                shapes.add((q_shape[2], k_shape[2]))
+    assert shapes, "no rank received rows"
+    pow2 = {block << i for i in range(8)}
+    assert all(rows in pow2 | {n} and keys in pow2 | {7 * n} for rows, keys in shapes), shapes
+
+
 def test_torch_cp_is_simulated_over_whole_shards_in_one_kernel_shape():
     """PyTorch's CP gathers every shard whole and runs one call per rank over all S keys: so is it
     simulated (the all-gather's ranks read a window's halo only, each rank's keys a length of

@@ -219,6 +219,29 @@ def key_pieces(
     return tuple(sorted(pieces, key=lambda piece: int(first[piece[0]][piece[1]])))
 
 
+@functools.lru_cache(maxsize=256)
+def received_pieces(
+    layout: Layout, rank: int, plan: ReadPlan
+) -> tuple[tuple[int, int, int, int | None], ...]:
+    """key_pieces without the rank's own chunks: the keys of the overlap's received call (its
+    rows received and their pads, a power-of-two number of blocks however the batch's documents
+    fall, so that a workload's calls compile a few kernel shapes, not one per rank and batch)."""
+    return tuple(piece for piece in key_pieces(layout, rank, plan) if piece[0] != rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _call_rows(layout: Layout, rank: int, plan: ReadPlan, device) -> torch.Tensor:
+    """For each row of what rank `rank` received (sources in rank order), its row among the
+    received call's keys (received_pieces): where its gradient is read to be sent home."""
+    rows, start = [], 0
+    for _, a, b, offset in received_pieces(layout, rank, plan):
+        if offset is not None:
+            rows.append((offset, torch.arange(start, start + b - a)))
+        start += b - a
+    ordered = [r for _, r in sorted(rows, key=lambda x: x[0])]
+    return torch.cat(ordered).to(device) if ordered else torch.zeros(0, dtype=torch.long).to(device)
+
+
 def key_positions(layout: Layout, rank: int, plan: ReadPlan, device) -> torch.Tensor:
     """The global position of each key of rank `rank`'s call, in the order the call holds them."""
     every = [layout.positions(p, device) for p in range(layout.world_size)]
@@ -301,9 +324,8 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall | slice]]
 
 def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") -> PositionedCall:
     """This rank's call at the global positions of its queries and its keys: `part` "all" (the
-    one call's keys, key_positions), "own" (its own shard's) or "received" (the exchange's rows,
-    sources in rank order, as they arrive; its queries only `_reading_rows`). Memoised per
-    variant."""
+    one call's keys, key_positions), "own" (its own shard's) or "received" (the exchange's rows
+    and their pads, received_pieces; its queries only `_reading_rows`). Memoised per variant."""
     key = _mapped_key(call, q, plan, part)
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
@@ -315,8 +337,8 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") ->
             kv_pos = layout.positions(r, q.device)
         else:
             every = [layout.positions(p, q.device) for p in range(layout.world_size)]
-            kv_pos = torch.cat([every[src][a:b] for src, runs in enumerate(plan.runs[r])
-                                for a, b in runs])  # fmt: skip
+            pieces = received_pieces(layout, r, plan)
+            kv_pos = torch.cat([every[src][a:b] for src, a, b, _ in pieces])
         name = f"{call.variant.name}@{layout.name}.rank{r}.{part}"
         pc = positioned(call, q_pos, kv_pos, name)
         if part == "received":
@@ -341,9 +363,11 @@ def _received_rows(call: CPCall, q: torch.Tensor, plan: ReadPlan) -> slice:
 
 
 def _reading_rows(block_mask, n: int) -> slice:
-    """The span of query rows whose blocks read any key of `block_mask` (all n where it is None).
-    The received rows of a window's halo are read by the shard's first rows only: the rest of a
-    call over every row would run empty blocks, and its backward write dq rows of zeros."""
+    """The span of query rows whose blocks read any key of `block_mask` (all n where it is None),
+    widened to a power-of-two number of blocks (pow2_blocks: a few kernel shapes, however the
+    batch's documents fall; the rows added read nothing). The received rows of a window's halo
+    are read by the shard's first rows only: the rest of a call over every row would run empty
+    blocks, and its backward write dq rows of zeros."""
     if block_mask is None:
         return slice(0, n)
     reads = block_mask.kv_num_blocks.sum(dim=(0, 1))
@@ -353,7 +377,10 @@ def _reading_rows(block_mask, n: int) -> slice:
     if not blocks:
         return slice(0, n)
     size = block_mask.BLOCK_SIZE[0]
-    return slice(blocks[0] * size, min(n, (blocks[-1] + 1) * size))
+    start = blocks[0] * size
+    rows = pow2_blocks(min(n, (blocks[-1] + 1) * size) - start, n, size)
+    start = min(start, n - rows)
+    return slice(start, start + rows)
 
 
 class _MappedCall(torch.autograd.Function):
@@ -474,8 +501,17 @@ class _Overlapped(torch.autograd.Function):
         clock.start()
         kv = _unpacked(ex.wait(started), k)
         clock.stop("step_wait_ms")
-        k_r, v_r = kv[0].contiguous(), kv[1].contiguous()
-        if received:
+        k_r, v_r = kv[0], kv[1]
+        if received:  # the call's keys: the rows received and their pads, in position order
+            k_r, v_r = _call_keys(
+                received_pieces(call.layout, call.rank, plan),
+                lambda src, a, b, o: tuple(
+                    kv[j][:, :, o : o + b - a]
+                    if o is not None
+                    else kv[j].new_zeros(*k.shape[:2], b - a, k.shape[3])
+                    for j in (0, 1)
+                ),  # fmt: skip
+            )
             clock.start()
             out, lse = _merged_rows(
                 call,
@@ -488,6 +524,7 @@ class _Overlapped(torch.autograd.Function):
             clock.stop("step_compute_ms")
         ctx.save_for_backward(q, k, v, k_r, v_r, out, lse, rows)
         ctx.call, ctx.ex, ctx.parts, ctx.reading = call, ex, (own, got), reading
+        ctx.received = _call_rows(call.layout, call.rank, plan, k.device) if received else None
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -509,7 +546,7 @@ class _Overlapped(torch.autograd.Function):
         if got is not None:
             dq_r, dk_r, dv_r = _part_grads(call, _rows_of(saved, ctx.reading), k_r, v_r, got)
             dq.add(a, dq_r)
-            home = torch.stack([dk_r, dv_r])
+            home = torch.stack([dk_r, dv_r]).index_select(3, ctx.received)  # pads' dropped
         back = ctx.ex.inverse()
         started = back.start(home.permute(3, 0, 1, 2, 4).reshape(-1))
         dq_o, dk, dv = _part_grads(call, saved, k, v, own)
@@ -789,11 +826,12 @@ def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> Ran
     q_r, ks, vs = ranks.qs[r], ranks.ks, ranks.vs
     call, saved = ranks.call(r), ranks.saved[r] if ranks.saved is not None else None
     n = q_r.shape[2]
-    got = [(src, a, b) for src, runs in enumerate(plan.runs[r]) for a, b in runs]
     parts = [("own", ks[r], vs[r])]
-    if got:
-        parts.append(("received", *(torch.cat([t[src][:, :, a:b] for src, a, b in got], dim=2)
-                                    for t in (ks, vs))))  # fmt: skip
+    if plan.received(r):  # a pad's rows as they are: the mask keeps none of them for this rank
+        parts.append(("received", *_call_keys(
+            received_pieces(call.layout, r, plan),
+            lambda src, a, b, o: (ks[src][:, :, a:b], vs[src][:, :, a:b]),
+        )))  # fmt: skip
     fwd_ms, bwd_ms, host = [], [], [0.0, 0.0]
     own = _mapped(call, q_r, plan, "own")
     with torch.no_grad():  # the own keys' partial, which the received rows' call merges into
