@@ -2,8 +2,9 @@
 # Workloads and the varlen contender on one H200 (issue "your data and your real alternative"):
 #   bash experiments/workloads/run.sh OUT [PHASE...]     (from the repository root; wheels in .whl/)
 #   BATCHES=N: the workload's first N batches only (default 16), for a short call
-# PHASE: tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses
-# workload_ulysses_rounds workload_ulysses_rounds4 workload_hybrid workload_auto workload_auto_profile
+# PHASE: tests tests_ulysses tests_documents one_gpu headline workload_ring workload_allgather
+# workload_ring_documents workload_allgather_documents workload_ulysses workload_ulysses_rounds
+# workload_ulysses_rounds4 workload_hybrid workload_auto workload_auto_profile
 # (default: all but the profile; a 10-minute call takes one_gpu and tests, or about three workload runs).
 #   tests     the varlen kernels against float64 (GPU tests), CP calls captured as CUDA graphs
 #             against eager ones, and a two-rank workload sharing the GPU
@@ -15,13 +16,17 @@
 #               CUDA graphs: ring (PyTorch's CP predicted beside it with its balancers), all-gather
 #               (both balanced), Ulysses and hybrid (contiguous), Ulysses in rounds (zigzag,
 #               topology.options.pipeline=true; _rounds4: double_zigzag, four rounds)
+#   workload_ring_documents, workload_allgather_documents  the same batches on layout=documents
+#               (whole documents placed from their lengths, the long ones split head and tail)
+#   tests_documents  a 3-batch workload on two ranks sharing the GPU, ring and all-gather (its
+#             call split around the exchange) on layout=documents, each batch against float64
 #   workload_auto  the same batches, topology=auto: one pick for the workload, its choice's
 #               seconds and auto_dynamic_gain (graphs weighed, not fixed)
 #   workload_auto_profile  the same with a cProfile of the run's Python (run_profile.txt): where
 #               the choice's seconds go (the profiler slows it: its auto_s is not the answer's)
 set -u
 OUT=${1:?usage: run.sh OUT [PHASE...]}; shift || true
-WHAT=" ${*:-tests tests_ulysses one_gpu headline workload_ring workload_allgather workload_ulysses workload_ulysses_rounds workload_ulysses_rounds4 workload_hybrid workload_auto} "
+WHAT=" ${*:-tests tests_ulysses tests_documents one_gpu headline workload_ring workload_allgather workload_ring_documents workload_allgather_documents workload_ulysses workload_ulysses_rounds workload_ulysses_rounds4 workload_hybrid workload_auto} "
 ROOT=$PWD && mkdir -p "$OUT" && W=$(mktemp -d) && source experiments/gpu_env.sh
 export PYTHONPATH=/tmp/site:$PWD ATTNGYM_PROGRESS=0
 python3 -c "import attngym.conf" 2>/dev/null || ln -sfn "$PWD/conf" attngym/conf
@@ -42,6 +47,16 @@ if has tests; then
   T_TIMEOUT=120 t workload_2ranks $AG $WL workload.batches=3 attention=document topology=ring topology.world_size=2 \
     topology.layout=balanced shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=16384 \
     hydra.run.dir=workload_2ranks
+  unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
+fi
+if has tests_documents; then  # layout=documents on two ranks sharing the GPU, each batch validated
+  export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  for s in ring "allgather topology.options.overlap=true"; do
+    T_TIMEOUT=120 t "workload_2ranks_documents_${s%% *}" $AG $WL workload.batches=3 \
+      attention=document topology=$s topology.world_size=2 topology.layout=documents \
+      shape.batch=1 shape.heads=8 shape.head_dim=128 shape.seq_len=16384 \
+      hydra.run.dir="workload_2ranks_documents_${s%% *}"
+  done
   unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
 fi
 if has tests_ulysses; then
@@ -71,6 +86,9 @@ has workload_ulysses_rounds && scheme workload_ulysses_rounds 150 topology=ulyss
   topology.options.pipeline=true 'baselines=[]'
 has workload_ulysses_rounds4 && scheme workload_ulysses_rounds4 150 topology=ulysses \
   topology.layout=double_zigzag topology.options.pipeline=true 'baselines=[]'
+has workload_ring_documents && scheme workload_ring_documents 300 topology=ring topology.layout=documents
+has workload_allgather_documents && scheme workload_allgather_documents 200 topology=allgather \
+  topology.layout=documents 'baselines=[]'
 has workload_hybrid && scheme workload_hybrid 200 topology=hybrid topology.layout=contiguous \
   topology.options.a2a_size=4 'baselines=[]'
 if has workload_auto; then

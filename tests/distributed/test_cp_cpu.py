@@ -146,6 +146,13 @@ def _attention_worker(rank, world_size):
                           kernels=layouts.PairKernels(2, 2))  # fmt: skip
     assert priced.placement != layouts.plan("balanced", world_size, S, docs, (4, 4)).placement
     errors.update(_parity(rank, world_size, "document", docs, 4, 4, (ring_attention,), (priced,)))
+    # Whole documents placed from their lengths (layout=documents), the longest split head and
+    # tail: the ring and the all-gather (its call split around the exchange too).
+    errors.update(_parity(rank, world_size, "document", docs, 4, 2, (ring_attention,),
+                          ("documents",)))  # fmt: skip
+    for overlap in (False, True):
+        errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
+                              ("documents",), overlap=overlap))  # fmt: skip
     # Rank 1 reads 3 blocks of rank 0's shard (a document of 24 rows from row 4): its call also
     # holds the unread block before them as zeros (ReadPlan.pads); exact all the same, forward
     # and backward.
@@ -153,8 +160,9 @@ def _attention_worker(rank, world_size):
     # zeros too (received_pieces), and its queries the rows that read them, widened.
     docs = variants.get("document", doc_lengths=[4, 24, 4])
     for overlap in (False, True):
-        errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
-                              ("contiguous",), overlap=overlap, block_size=(4, 4)))  # fmt: skip
+        errors.update(_parity(rank, world_size, "document pads", docs, 4, 2,
+                              (allgather_attention,), ("contiguous",), overlap=overlap,
+                              block_size=(4, 4)))  # fmt: skip
     # Pairs computed / skipped by a causal forward, per rank.
     counts = {}
     gen = torch.Generator().manual_seed(1)
@@ -256,8 +264,9 @@ def test_a_users_mask_on_four_ranks_every_layout_matches_float64_fwd_bwd():
 def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
-    # + the ring on its pair-priced placement, the all-gather with pads
-    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1) + 2
+    # + the ring on its pair-priced placement, the all-gather with pads (one call, and split),
+    # the ring and the all-gather (one call, and split) on layout=documents
+    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1) + 3 + 3
     assert reruns["ring_attention", "flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no re-run
     # zigzag: a step is one call over the rank's two chunks, so one re-run per step
     assert reruns["ring_attention", "recompute"] == (2, 5, "recompute")

@@ -254,7 +254,8 @@ def test_layout_rejects_bad_values_by_name():
     x = torch.randn(1, 1, 12, 2)
     with pytest.raises(
         ValueError,
-        match=r"layout must be one of contiguous, zigzag, double_zigzag, balanced or a balancer's "
+        match=r"layout must be one of contiguous, zigzag, double_zigzag, balanced, documents or a "
+        r"balancer's "
         r"import path \(module.function\); got 'zigzg'",
     ):
         shard(x, 0, 2, "zigzg")

@@ -26,6 +26,10 @@ Layouts (S tokens, P ranks, sharded along `dim`, the sequence dim 2 of (B, H, S,
                 For causal it finds zigzag; for packed documents it spreads each document's
                 expensive tail (the designs PyTorch's per-document head-tail and PTRR load
                 balancers follow; those count blocks, this weighs them by what they cost).
+    documents   packed documents placed whole, from their lengths (the variant's varlen form),
+                the long ones split head-and-tail over a few ranks
+                (attngym.distributed.placement.documents): on short documents a rank reads
+                little of another's shard, where balanced spreads every document over all.
     module.fn   a user's balancer by import path (is_user_layout; attngym.user_code resolves it):
                 called once per variant with the keywords it names out of BALANCER_ARGUMENTS,
                 it returns each rank's (offset, length) chunks, checked here (see plan).
@@ -67,14 +71,14 @@ import torch
 
 from attngym.errors import ConfigError
 
-LAYOUTS = ("contiguous", "zigzag", "double_zigzag", "balanced")
+LAYOUTS = ("contiguous", "zigzag", "double_zigzag", "balanced", "documents")
 # Those placed from (P, S) alone, without the variant.
 FIXED_LAYOUTS = ("contiguous", "zigzag", "double_zigzag")
 # Those `topology=auto` tries where topology.options.layouts names none: double_zigzag is
 # zigzag's calls on twice the chunks for a ring or an all-gather, and Ulysses' four rounds on it
 # were slower than its one call on packed documents at 128K over 8 simulated ranks of an H100
 # (experiments/workloads).
-PICKED_LAYOUTS = ("contiguous", "zigzag", "balanced")
+PICKED_LAYOUTS = ("contiguous", "zigzag", "balanced", "documents")
 
 # The keywords a user's balancer may name (it gets those it names; with **kwargs, all of them).
 BALANCER_ARGUMENTS = ("variant", "block_mask", "seq_len", "world_size", "block_size", "device")
@@ -547,6 +551,39 @@ def _needs_variant(layout: str, variant) -> None:
         )
 
 
+def applies(layout: Any, variant) -> bool:
+    """Whether `layout` can place `variant`: documents needs the documents' lengths."""
+    return layout != "documents" or _documents_of(variant) is not None
+
+
+def check_applies(layout: Any, variant) -> None:
+    """ConfigError (topology.layout) unless `layout` can place `variant` (applies)."""
+    if not applies(layout, variant):
+        raise ConfigError(
+            "topology.layout",
+            f"documents places packed documents from their lengths, and {variant.name!r} names "
+            "none (its varlen form has no documents): use balanced, which places from the mask",
+        )
+
+
+def _documents_of(variant):
+    """The variant's varlen form where it names documents (layout=documents), else None."""
+    varlen = getattr(variant, "varlen", None)
+    return varlen if varlen is not None and varlen.documents is not None else None
+
+
+def _documents(world_size: int, seq_len: int, variant) -> Layout:
+    from attngym.distributed.placement import documents
+
+    _needs_variant("documents", variant)
+    check_applies("documents", variant)
+    varlen = _documents_of(variant)
+    if sum(varlen.documents) != seq_len:
+        raise ValueError(f"the documents hold {sum(varlen.documents)} tokens, seq_len={seq_len}")
+    placed = documents.place(varlen.documents, world_size, varlen.left, varlen.right)
+    return Layout("documents", world_size, seq_len, tuple(_joined(c) for c in placed))
+
+
 def _balanced(
     world_size: int,
     seq_len: int,
@@ -754,10 +791,11 @@ def plan(
     P and S).
 
     Args:
-        layout: contiguous | zigzag | double_zigzag | balanced, a user's balancer as
+        layout: contiguous | zigzag | double_zigzag | balanced | documents, a user's balancer as
             `module.function`, or a Layout made earlier.
         world_size, seq_len: P and S.
-        variant: the attention variant; `balanced` and a user's balancer need it.
+        variant: the attention variant; `balanced`, `documents` (its varlen form's documents)
+            and a user's balancer need it.
         block_size: (q, kv) kernel block size the cost model prices (and a balancer is given).
         device: where the block mask is built (large S: CUDA, see kernels.make_block_mask).
         block_costs: `balanced`'s (full, partial) block time (BLOCK_COSTS; (1, 1) counts blocks).
@@ -786,6 +824,10 @@ def plan(
     block_size = (int(block_size[0]), int(block_size[1]))
     if layout == "balanced":
         return _balanced(world_size, seq_len, variant, block_size, device, block_costs, kernels)
+    if layout == "documents":
+        return _remembered(
+            variant, (layout, world_size, seq_len), lambda: _documents(world_size, seq_len, variant)
+        )
     if is_user_layout(layout):
         check_seq_len(seq_len, world_size, layout)
         _needs_variant(layout, variant)

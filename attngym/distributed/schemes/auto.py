@@ -42,9 +42,9 @@ class AutoOptions:
     `_known_candidates`."""
     layouts: tuple[str, ...] = ()
     """The layouts to try, each with the schemes that take it: contiguous, zigzag,
-    double_zigzag, balanced or a balancer of yours (module.function) (default: PICKED_LAYOUTS,
-    contiguous, zigzag and balanced; a topology.layout other than auto fixes it). Checked by
-    `_known_layouts`."""
+    double_zigzag, balanced, documents or a balancer of yours (module.function) (default:
+    PICKED_LAYOUTS, contiguous, zigzag, balanced and documents where the variant names
+    documents; a topology.layout other than auto fixes it). Checked by `_known_layouts`."""
     transports: tuple[CandidateTransport, ...] = ()
     """The transports to price (default: on a fabric measured per transport,
     transfer_model.MEASURED_FABRICS, those while the ranks fit in one NVLink domain, NCCL

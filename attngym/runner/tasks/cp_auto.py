@@ -209,7 +209,7 @@ class Pricing:
         self.seen: dict[bool, dict] = {False: model.measured, True: {}}
 
     def planned(self, settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
-        from attngym.distributed.placement.layout import PICKED_LAYOUTS
+        from attngym.distributed.placement.layout import PICKED_LAYOUTS, applies
         from attngym.distributed.schemes.auto import PICK
         from attngym.distributed.schemes.topologies import TOPOLOGIES
 
@@ -217,6 +217,8 @@ class Pricing:
 
         layout = settings.topology.layout
         wanted = self.opts["layouts"] or PICKED_LAYOUTS if layout == PICK else (layout,)
+        if wanted is PICKED_LAYOUTS:  # those that can place this variant (documents: its lengths)
+            wanted = [each for each in wanted if applies(each, settings.variant)]
         return [
             (name, layout, own)
             for name in self.opts["candidates"] or pickable
