@@ -255,7 +255,7 @@ METRICS: tuple[Metric, ...] = (
         "planning (ms)",
         "ms",
         "context parallelism: placing the sequence on the ranks (a balanced layout plans from "
-        "the block mask), once per run or batch",
+        "the block mask, documents from the documents' lengths), once per run or batch",
     ),
     M("workload_batches", "batches", "", "batches in the workload", shown="run"),
     M("workload_batches_done", "batches done", "", "batches run so far", column=False),
