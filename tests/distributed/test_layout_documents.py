@@ -102,13 +102,20 @@ def test_shard_and_unshard_round_trip_on_the_documents_layout():
     assert planned.placement == layout.plan("documents", 4, 1024, variant, (128, 128)).placement
 
 
-def test_a_variant_without_documents_is_refused_naming_the_key():
+@pytest.mark.parametrize("simulate", [False, True])
+def test_a_variant_without_documents_is_refused_naming_the_key(tmp_path, simulate):
+    from attngym import registry
+    from attngym.runner.config import Benchmark
+
+    settings = Settings(
+        attention={"name": "causal"},
+        device="cpu",
+        shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
+        topology=Topology(kind="ring", world_size=2, layout="documents", simulate=simulate),
+        benchmark=Benchmark(warmup=0, repeats=1),
+        baselines=(),
+    )
     with pytest.raises(ConfigError, match="topology.layout: documents places packed documents"):
-        Settings(
-            attention={"name": "causal"},
-            device="cpu",
-            shape=Shape(batch=1, heads=2, seq_len=512, head_dim=8),
-            topology=Topology(kind="ring", world_size=2, layout="documents"),
-        )
+        registry.get("task", "ring")(settings, tmp_path)
     assert not layout.applies("documents", variants.get("causal"))
     assert layout.applies("documents", variants.get("document", doc_lengths=[10, 22]))

@@ -412,10 +412,6 @@ class Settings:
             self.variant = build_variant(
                 self.attention, seq_len=self.shape.seq_len, heads=self.shape.heads
             )
-        if self.topology.kind != "single":  # a layout placed from what the variant names
-            from attngym.distributed.placement.layout import check_applies
-
-            check_applies(self.topology.layout, self.variant)
 
     def _resolve_auto(self) -> None:
         """An `auto` left in a field, resolved on this machine as from_config resolves it."""

@@ -67,8 +67,12 @@ class CPRun:
         return torch.device("cpu")
 
     def check(self) -> None:
-        """The topology's rules (TopologySpec.check) on the run's sections."""
+        """The topology's rules (TopologySpec.check) on the run's sections, and its layout's on
+        the variant (documents: the variant names its documents)."""
+        from attngym.distributed.placement import layout as layouts
+
         self.spec.check(self.settings.topology, self.settings.shape)
+        layouts.check_applies(self.settings.topology.layout, self.settings.variant)
 
     def metrics(self) -> dict[str, Any]:
         """The topology's options, and a custom topology's scheme path, as metrics."""

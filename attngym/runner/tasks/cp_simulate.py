@@ -146,6 +146,7 @@ def run_simulated(
     the whole problem on this device (the CP task's one-device phase), {} when skipped.
     """
     settings = run.settings
+    run.check()  # before the inputs are drawn
     device = run.on_rank()
     if (caveat := cpu_caveat(settings)) is not None:
         log.warning("%s", caveat)
