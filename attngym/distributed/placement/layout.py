@@ -77,7 +77,7 @@ FIXED_LAYOUTS = ("contiguous", "zigzag", "double_zigzag")
 # Those `topology=auto` tries where topology.options.layouts names none: double_zigzag is
 # zigzag's calls on twice the chunks for a ring or an all-gather, and Ulysses' four rounds on it
 # were slower than its one call on packed documents at 128K over 8 simulated ranks of an H100
-# (experiments/workloads).
+# (experiments/workloads). documents only where the variant names its documents (applies).
 PICKED_LAYOUTS = ("contiguous", "zigzag", "balanced", "documents")
 
 # The keywords a user's balancer may name (it gets those it names; with **kwargs, all of them).
