@@ -91,6 +91,15 @@ def test_short_documents_stay_whole_and_a_long_one_is_split_head_and_tail():
     assert len({halves[j][0] for j in range(4)}) == 4
 
 
+def test_a_batch_of_one_document_is_placed_as_zigzag():
+    """One causal document is every rank's work: head and tail over all P ranks, zigzag's
+    shards (the middle pair on rank 0)."""
+    variant = variants.get("document", doc_lengths=[8192])
+    for P in (2, 4, 8):
+        placed = layout.plan("documents", P, 8192, variant).placement
+        assert sorted(placed) == sorted(layout.plan("zigzag", P, 8192).placement)
+
+
 def test_shard_and_unshard_round_trip_on_the_documents_layout():
     variant = variants.get("document", doc_lengths=[300, 20, 500, 204])
     x = torch.randn(1, 2, 1024, 4)
