@@ -10,6 +10,7 @@ reach Hydra untouched.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import sys
@@ -36,6 +37,12 @@ main = hydra.main(config_path=f"pkg://{CONF_PACKAGE}", config_name="config", ver
 def entry(argv: list[str] | None = None) -> None:
     """Console script: `attngym report DIR ...` or a Hydra run/sweep with `argv` overrides."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # At the process's exit, after the other exit handlers (W&B's), everything is written: the
+    # interpreter's teardown need not collect what torch, Dynamo and Inductor built (1-3 s of
+    # garbage collection after the run's last line; gc.freeze leaves those objects out). At
+    # exit only, so that a caller of entry() in its own process keeps collecting them.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     if argv and argv[0] == "report":
         from attngym.runner import report
 
@@ -60,11 +67,6 @@ def entry(argv: list[str] | None = None) -> None:
         _record_stop(stop)
         print(f"attngym: {stop}", file=sys.stderr, flush=True)
         raise SystemExit(stop.exit_code) from None
-    finally:
-        # Everything is written: the interpreter's exit need not collect what torch, Dynamo and
-        # Inductor built (1-3 s of garbage collection as modules are torn down, after the run's
-        # last line; gc.freeze leaves those objects out of the collections).
-        gc.freeze()
 
 
 def _record_stop(stop: Interrupted) -> None:

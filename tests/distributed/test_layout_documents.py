@@ -128,5 +128,10 @@ def test_a_variant_without_documents_is_refused_naming_the_key(tmp_path, simulat
     )
     with pytest.raises(ConfigError, match="topology.layout: documents places packed documents"):
         registry.get("task", "ring")(settings, tmp_path)
+    # auto's candidates named by topology.options.layouts, before any candidate runs
+    settings.topology = Topology(kind="auto", world_size=2, layout="auto", simulate=True,
+                                 options={"layouts": ["zigzag", "documents"]})  # fmt: skip
+    with pytest.raises(ConfigError, match="topology.options.layouts: documents places"):
+        registry.get("task", "auto")(settings, tmp_path)
     assert not layout.applies("documents", variants.get("causal"))
     assert layout.applies("documents", variants.get("document", doc_lengths=[10, 22]))

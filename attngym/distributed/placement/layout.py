@@ -556,11 +556,11 @@ def applies(layout: Any, variant) -> bool:
     return layout != "documents" or _documents_of(variant) is not None
 
 
-def check_applies(layout: Any, variant) -> None:
-    """ConfigError (topology.layout) unless `layout` can place `variant` (applies)."""
+def check_applies(layout: Any, variant, key: str = "topology.layout") -> None:
+    """ConfigError naming `key` unless `layout` can place `variant` (applies)."""
     if not applies(layout, variant):
         raise ConfigError(
-            "topology.layout",
+            key,
             f"documents places packed documents from their lengths, and {variant.name!r} names "
             "none (its varlen form has no documents): use balanced, which places from the mask",
         )
@@ -568,7 +568,7 @@ def check_applies(layout: Any, variant) -> None:
 
 def _documents_of(variant):
     """The variant's varlen form where it names documents (layout=documents), else None."""
-    varlen = getattr(variant, "varlen", None)
+    varlen = variant.varlen
     return varlen if varlen is not None and varlen.documents is not None else None
 
 

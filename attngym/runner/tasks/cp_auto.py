@@ -127,6 +127,7 @@ def choose(settings: Settings, run_dir: Path | None, metrics: dict[str, Any]):
     start = time.perf_counter()
     caveat = cpu_caveat(settings)
     run = CPRun.of(settings)
+    run.check()  # options.layouts against the variant, before any input is drawn
     opts = run.scheme_options
     key, asked, answer = _asked(settings, opts, metrics)
     if caveat is not None and not (answer and settings.topology.simulate):  # else its run says it
@@ -344,6 +345,7 @@ def choose_for_workload(settings: Settings, run_dir: Path | None, metrics: dict[
 
     start = time.perf_counter()
     run = CPRun.of(settings)
+    run.check()  # options.layouts against the variant, before any input is drawn
     opts = run.scheme_options
     key, asked, answer = _asked(settings, opts, metrics)
     if answer is not None:

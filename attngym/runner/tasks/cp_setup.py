@@ -67,12 +67,15 @@ class CPRun:
         return torch.device("cpu")
 
     def check(self) -> None:
-        """The topology's rules (TopologySpec.check) on the run's sections, and its layout's on
-        the variant (documents: the variant names its documents)."""
+        """The topology's rules (TopologySpec.check) on the run's sections, and its layouts' on
+        the variant (documents: the variant names its documents), auto's candidates too."""
         from attngym.distributed.placement import layout as layouts
 
-        self.spec.check(self.settings.topology, self.settings.shape)
-        layouts.check_applies(self.settings.topology.layout, self.settings.variant)
+        topo, variant = self.settings.topology, self.settings.variant
+        self.spec.check(topo, self.settings.shape)
+        layouts.check_applies(topo.layout, variant)
+        for layout in topo.options.get("layouts") or ():
+            layouts.check_applies(layout, variant, key="topology.options.layouts")
 
     def metrics(self) -> dict[str, Any]:
         """The topology's options, and a custom topology's scheme path, as metrics."""
