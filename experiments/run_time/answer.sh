@@ -14,9 +14,9 @@
 #   one_device      (not in the default list) the default run and the headline, each twice
 #   bytecode        (not in the default list) what keeping compiled bytecode between runs is
 #                   worth here: torch's import, twice with and without writing it
-#   profiles        (not in the default list) the headline and the ring at world size 1 once
-#                   more, each with a cProfile of its Python (run_profile.txt): where the
-#                   seconds of a warm run go
+#   profiles        (not in the default list) the default run, the headline and the ring at
+#                   world size 1 once more, each with a cProfile of its Python
+#                   (run_profile.txt): where the seconds of a warm run go
 set -u
 OUT=${1:?usage: answer.sh OUT [PHASE...]}; shift || true
 WHAT=" ${*:-auto_window auto_window_all auto_documents auto_documents_all runs} "
@@ -84,12 +84,13 @@ if has bytecode; then
     du -sh /tmp/pyc_a /tmp/pyc_b 2>&1; } > "$OUT/bytecode.txt" 2>&1
 fi
 if has profiles; then
+  t default_profile $AG profile_run=true hydra.run.dir=default_profile
   t headline_profile $AG attention=causal shape.batch=4 shape.heads=16 shape.seq_len=8192 \
     shape.head_dim=128 block_size=tuned profile_run=true hydra.run.dir=headline_profile
   t cp_ring_profile $AG topology=ring topology.world_size=1 attention=sliding_window \
     ++attention.window_size=1024 shape.seq_len=65536 shape.heads=8 shape.head_dim=128 \
     profile_run=true hydra.run.dir=cp_ring_profile
-  for d in headline_profile cp_ring_profile; do cp "$W/$d/run_profile.txt" "$OUT/$d.txt" 2>/dev/null; done
+  for d in default_profile headline_profile cp_ring_profile; do cp "$W/$d/run_profile.txt" "$OUT/$d.txt" 2>/dev/null; done
 fi
 for d in "$W"/*/; do [ -f "$d/metrics.json" ] && cp "$d/metrics.json" "$OUT/$(basename "$d").metrics.json"; done
 python3 - "$OUT" <<'PY' | tee "$OUT/answer.txt"
