@@ -43,6 +43,24 @@ def test_the_interval_of_separated_samples_excludes_1(rng):
     assert bench.ratio_ci95(under, over)[1] < 1.0  # the other way round: below 1
 
 
+@pytest.mark.parametrize("n", [5, 6, 41, 300])
+def test_the_interval_is_the_bootstraps_percentiles_of_resampled_medians(rng, n):
+    """ratio_ci95 counts order statistics instead of sorting each resample: it must draw the
+    very interval the plain bootstrap does (quantile of each resample; the same seeded draws),
+    ties among the calls included."""
+    over, under = _times(rng, n), _times(rng, n)
+    over[1] = over[0]
+    gen = torch.Generator().manual_seed(bench.CI_SEED)
+
+    def medians(sample):
+        picks = torch.randint(n, (bench.CI_RESAMPLES, n), generator=gen)
+        return torch.tensor(sample, dtype=torch.float64)[picks].quantile(0.5, dim=1)
+
+    ratios = medians(over) / medians(under)
+    plain = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    assert list(bench.ratio_ci95(over, under)) == plain
+
+
 def test_too_few_timed_calls_give_no_interval(rng):
     few = _times(rng, bench.MIN_CI_REPEATS - 1)
     assert bench.ratio_ci95(few, _times(rng)) is None
