@@ -26,6 +26,7 @@ ring's balanced placement takes 0.7 s (experiments/workloads/planning.py).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -90,7 +91,7 @@ def place(
     unit = unit_rows(seq_len, P)
     units, shard = seq_len // unit, seq_len // (P * unit)  # in units
     starts = list(itertools.accumulate(documents, initial=0))
-    before = price_before(documents, starts, left, right)
+    before = functools.cache(price_before(documents, starts, left, right))
     cuts = sorted({min(units, round(s / unit)) for s in starts} | {0, units})
     items = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
