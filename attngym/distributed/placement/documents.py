@@ -19,7 +19,7 @@ documents instead and split only the long ones. So does this layout:
       to it, and the rest goes on to the next least loaded rank.
 
 Every rank holds S/P rows; a rank's chunks are in position order. Planning is a pass over the
-documents (no block mask is built): about 2 ms a batch of 128K on a 2-core CPU box, where the
+documents (no block mask is built): about 1 ms a batch of 128K on a 2-core CPU box, where the
 ring's balanced placement takes 0.7 s (experiments/workloads/planning.py).
 """
 
