@@ -16,26 +16,34 @@ from attngym.errors import ConfigError
 from attngym.runner.config import Settings, Shape, Topology
 
 
-def _brute_before(docs, left, right):
-    """Keys read by the rows before each position, row by row."""
-    out = [0.0]
-    for n in docs:
-        for j in range(n):
-            lo = 0 if left < 0 else max(0, j - left)
-            hi = n if right < 0 else min(n, j + right + 1)
-            out.append(out[-1] + hi - lo)
-    return out
+def _brute_prices(docs, unit, left, right):
+    """Each block row's price from the dense mask, block by block (layout.BLOCK_COSTS)."""
+    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    j = torch.arange(sum(docs))
+    keep = doc[:, None] == doc[None, :]
+    if left >= 0:
+        keep &= j[None, :] >= j[:, None] - left
+    if right >= 0:
+        keep &= j[None, :] <= j[:, None] + right
+    blocks = keep.view(len(j) // unit, unit, len(j) // unit, unit)
+    some, every = blocks.any(3).any(1), blocks.all(3).all(1)
+    full, partial = every.sum(1).double(), (some & ~every).sum(1).double()
+    price = full * layout.BLOCK_COSTS[0] + partial * layout.BLOCK_COSTS[1]
+    return torch.cat([price.new_zeros(1), price.cumsum(0)]).tolist()
 
 
-def test_the_price_before_a_position_is_the_keys_its_rows_read():
+def test_the_price_before_a_block_row_is_its_blocks_full_and_partial():
     rng = random.Random(0)
-    for _ in range(100):
-        docs = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
-        left, right = rng.choice([-1, 0, 1, 3, 10]), rng.choice([-1, 0, 2, 7])
-        want = _brute_before(docs, left, right)
-        before = documents.price_before(docs, list(itertools.accumulate(docs, initial=0)),
-                                        left, right)  # fmt: skip
-        assert [before(p) for p in range(sum(docs) + 1)] == pytest.approx(want), (docs, left)
+    for _ in range(200):
+        unit = rng.choice([4, 8, 16])
+        docs, left_to_fill = [], unit * rng.randint(1, 12)
+        while left_to_fill:
+            docs.append(min(left_to_fill, rng.randint(1, 3 * unit)))
+            left_to_fill -= docs[-1]
+        left, right = rng.choice([-1, 0, 1, 3, 10, 17]), rng.choice([-1, 0, 2, 7, 20])
+        want = _brute_prices(docs, unit, left, right)
+        got = documents.block_prices(docs, unit, left, right)
+        assert got == pytest.approx(want), (docs, unit, left, right)
 
 
 def _lognormal(rng, seq_len: int) -> list[int]:

@@ -7,8 +7,9 @@ built for packed documents (WLB-LLM, FlexSP, ByteScale, Megatron's dynamic CP) p
 documents instead and split only the long ones. So does this layout:
 
     * The sequence is cut at its documents' starts, rounded to whole units (unit_rows: a kernel
-      block of 128 rows at most), into items; an item's price is the keys its rows read (the
-      variant's varlen form: documents, and a window inside each), its rows' sum.
+      block of 128 rows at most), into items; an item's price is its block rows' blocks, full
+      and partial, as one call against every key computes them (block_prices, from the
+      variant's varlen form: documents, and a window inside each).
     * An item priced above a rank's share (the whole price over P), or longer than a shard, is
       split over k ranks (k its price over the share, at least its rows over a shard's): cut
       into 2k chunks of whole units, rank j holding chunks j and 2k-1-j (head and tail, as
@@ -26,10 +27,11 @@ ring's balanced placement takes 0.7 s (experiments/workloads/planning.py).
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import math
 from collections.abc import Sequence
+
+import torch
 
 # The rows placed together, at most (unit_rows): a kernel block.
 UNIT = 128
@@ -38,32 +40,48 @@ UNIT = 128
 SLACK = 0.1
 
 
-def price_before(documents: Sequence[int], starts: Sequence[int], left: int, right: int):
-    """F(p): the keys read by the rows before position p, each row reading the keys of its
-    document `left` before and `right` after it (-1: no bound; the Varlen form's window). In
-    closed form per document (starts: the documents' first positions, then S), so that planning
-    prices a few dozen spans, not S rows."""
-    whole = list(itertools.accumulate((_first_rows(n, n, left, right) for n in documents),
-                                      initial=0.0))  # fmt: skip
+def block_prices(documents: Sequence[int], unit: int, left: int, right: int) -> list[float]:
+    """The price of the rows before each unit boundary (units + 1 values, from 0): each block
+    row of `unit` rows priced as one call against every key prices it (layout.BLOCK_COSTS: its
+    full and partial blocks; the kernel computes a partial block whole, so a short document
+    costs more than the keys it reads), a row j of a document reading its keys
+    [j - left, j + right] (-1: no bound; the Varlen form's window). In closed form for the
+    block rows inside one document, counted for the few that straddle two, so that planning
+    builds no block mask."""
+    from attngym.distributed.placement.layout import BLOCK_COSTS
 
-    def at(p: int) -> float:
-        d = bisect.bisect_right(starts, p) - 1
-        if d >= len(documents):
-            return whole[-1]
-        return whole[d] + _first_rows(documents[d], p - starts[d], left, right)
+    def floor(x: torch.Tensor) -> torch.Tensor:
+        return x.div(unit, rounding_mode="floor")
 
-    return at
-
-
-def _first_rows(n: int, m: int, left: int, right: int) -> float:
-    """The keys read by the first m rows of a document of n rows: row j reads keys
-    [max(0, j - left), min(n, j + right + 1))."""
-    after = n if right < 0 else right
-    behind = n if left < 0 else left
-    c = min(max(n - after, 0), m)  # rows whose window ends inside the document
-    ends = c * (c - 1) / 2 + c * (after + 1) + (m - c) * n
-    late = max(0, m - 1 - behind)  # rows whose window starts after the document's first key
-    return ends - late * (late + 1) / 2
+    starts = list(itertools.accumulate(documents, initial=0))
+    at = torch.tensor(starts)
+    first = torch.arange(sum(documents) // unit) * unit  # each block row's first row
+    doc = torch.searchsorted(at, first, right=True) - 1
+    s, t = at[doc], at[doc + 1]  # its first row's document
+    lo = s if left < 0 else torch.maximum(s, first - left)  # the keys its rows read
+    hi = t if right < 0 else torch.minimum(t, first + unit + right)
+    touched = floor(hi - 1) - floor(lo) + 1
+    # the whole blocks of its document that every row of it reads
+    full_lo = -floor(-s)
+    if left >= 0:  # from the first key its last row reads
+        full_lo = torch.maximum(full_lo, -floor(left + 1 - first - unit))
+    full_hi = floor(t) - 1
+    if right >= 0:  # to the last key its first row reads
+        full_hi = torch.minimum(full_hi, floor(first + right + 1) - 1)
+    full = (full_hi - full_lo + 1).clamp(min=0)
+    costly, cheap = BLOCK_COSTS[1], BLOCK_COSTS[0]
+    price = full.double() * cheap + (touched - full).double() * costly
+    for u in torch.nonzero(t < first + unit).flatten().tolist():  # block rows of two documents
+        a, seen = u * unit, set()
+        for d in range(bisect.bisect_right(starts, a) - 1, len(documents)):
+            if starts[d] >= a + unit:
+                break
+            rows = (max(a, starts[d]), min(a + unit, starts[d + 1]))  # its rows in the block row
+            since = starts[d] if left < 0 else max(starts[d], rows[0] - left)  # its keys
+            until = starts[d + 1] if right < 0 else min(starts[d + 1], rows[1] + right)
+            seen.update(range(since // unit, (until - 1) // unit + 1))
+        price[u] = len(seen) * costly  # none whole: rows of two documents read different keys
+    return torch.cat([price.new_zeros(1), price.cumsum(0)]).tolist()
 
 
 def unit_rows(seq_len: int, world_size: int) -> int:
@@ -91,12 +109,12 @@ def place(
     unit = unit_rows(seq_len, P)
     units, shard = seq_len // unit, seq_len // (P * unit)  # in units
     starts = list(itertools.accumulate(documents, initial=0))
-    before = functools.cache(price_before(documents, starts, left, right))
+    before = block_prices(documents, unit, left, right)
     cuts = sorted({min(units, round(s / unit)) for s in starts} | {0, units})
     items = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
     def price(a: int, b: int) -> float:  # of units [a, b)
-        return before(b * unit) - before(a * unit)
+        return before[b] - before[a]
 
     share = price(0, units) / P
     load, room = [0.0] * P, [shard] * P
