@@ -16,6 +16,7 @@ counts 2.5 × the forward (five matmuls instead of two). Softmax and score_mod w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import statistics
@@ -356,32 +357,40 @@ def ratio_ci95(over_ms: list[float], under_ms: list[float]) -> tuple[float, floa
     """A 95 % interval of median(over_ms) / median(under_ms), from the timed calls of both.
 
     A percentile bootstrap over the two samples apart (their calls are not paired): each of
-    CI_RESAMPLES draws resamples both with replacement, with a fixed seed (CI_SEED), and takes
-    the ratio of the two medians; the interval is the 2.5th and 97.5th percentiles of those
-    ratios. None when either side has fewer than MIN_CI_REPEATS calls: too few to tell.
+    CI_RESAMPLES draws resamples both with replacement, each side with its own fixed seed
+    (CI_SEED over, CI_SEED + 1 under), and takes the ratio of the two medians; the interval is
+    the 2.5th and 97.5th percentiles of those ratios. None when either side has fewer than
+    MIN_CI_REPEATS calls: too few to tell.
     """
     if min(len(over_ms), len(under_ms)) < MIN_CI_REPEATS:
         return None
-    gen = torch.Generator().manual_seed(CI_SEED)
-
-    def medians(sample: list[float]) -> torch.Tensor:
-        # quantile(0.5) of each resample, without sorting CI_RESAMPLES rows (4x slower at the
-        # 1,000 calls a budget gives a small kernel, and a run draws dozens of intervals): each
-        # resample's middle two order statistics, found by counting the picks by their rank.
-        n = len(sample)
-        values, order = torch.tensor(sample, dtype=torch.float64).sort(stable=True)
-        rank = torch.empty(n, dtype=torch.long)
-        rank[order] = torch.arange(n)
-        picks = rank[torch.randint(n, (CI_RESAMPLES, n), generator=gen)]
-        ones = torch.ones(CI_RESAMPLES, n, dtype=torch.int32)
-        seen = torch.zeros_like(ones).scatter_add_(1, picks, ones).cumsum_(1)
-        middle = torch.tensor([[(n - 1) // 2, n // 2]], dtype=torch.int32).repeat(CI_RESAMPLES, 1)
-        low, high = values[torch.searchsorted(seen, middle, right=True)].unbind(1)
-        return low + (high - low) * 0.5
-
-    ratios = medians(over_ms) / medians(under_ms)
+    over = _resampled_medians(tuple(over_ms), CI_SEED)
+    ratios = over / _resampled_medians(tuple(under_ms), CI_SEED + 1)
     lo, hi = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return lo, hi
+
+
+@functools.lru_cache(maxsize=64)
+def _resampled_medians(sample: tuple[float, ...], seed: int) -> torch.Tensor:
+    """The medians of CI_RESAMPLES resamples of `sample` (drawn with `seed`; not to be written).
+
+    Kept per sample: a run's flex timing is the under side of every contender's ratio, and a
+    contender's the over side of its ratio and of the best contender's. Each resample's
+    quantile(0.5) is found from its middle two order statistics, by counting its picks by their
+    rank, not by sorting CI_RESAMPLES rows (4x slower at the 1,000 calls a budget gives a small
+    kernel).
+    """
+    n = len(sample)
+    gen = torch.Generator().manual_seed(seed)
+    values, order = torch.tensor(sample, dtype=torch.float64).sort(stable=True)
+    rank = torch.empty(n, dtype=torch.long)
+    rank[order] = torch.arange(n)
+    picks = rank[torch.randint(n, (CI_RESAMPLES, n), generator=gen)]
+    ones = torch.ones(CI_RESAMPLES, n, dtype=torch.int32)
+    seen = torch.zeros_like(ones).scatter_add_(1, picks, ones).cumsum_(1)
+    middle = torch.tensor([[(n - 1) // 2, n // 2]], dtype=torch.int32).repeat(CI_RESAMPLES, 1)
+    low, high = values[torch.searchsorted(seen, middle, right=True)].unbind(1)
+    return low + (high - low) * 0.5
 
 
 def _timing_device(device: str | torch.device | None, warmup: int, repeats: int) -> torch.device:

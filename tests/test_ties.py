@@ -45,20 +45,26 @@ def test_the_interval_of_separated_samples_excludes_1(rng):
 
 @pytest.mark.parametrize("n", [5, 6, 41, 300])
 def test_the_interval_is_the_bootstraps_percentiles_of_resampled_medians(rng, n):
-    """ratio_ci95 counts order statistics instead of sorting each resample: it must draw the
-    very interval the plain bootstrap does (quantile of each resample; the same seeded draws),
-    ties among the calls included."""
+    """ratio_ci95 counts order statistics instead of sorting each resample, and keeps a
+    sample's resampled medians: it must draw the very interval the plain bootstrap does
+    (quantile of each resample; the same seeded draws, a seed a side), ties among the calls
+    included, and the same again when a side comes back in another ratio."""
     over, under = _times(rng, n), _times(rng, n)
     over[1] = over[0]
-    gen = torch.Generator().manual_seed(bench.CI_SEED)
 
-    def medians(sample):
+    def medians(sample, seed):
+        gen = torch.Generator().manual_seed(seed)
         picks = torch.randint(n, (bench.CI_RESAMPLES, n), generator=gen)
         return torch.tensor(sample, dtype=torch.float64)[picks].quantile(0.5, dim=1)
 
-    ratios = medians(over) / medians(under)
-    plain = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    assert list(bench.ratio_ci95(over, under)) == plain
+    def plain(over, under):
+        ratios = medians(over, bench.CI_SEED) / medians(under, bench.CI_SEED + 1)
+        return torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+    assert list(bench.ratio_ci95(over, under)) == plain(over, under)
+    other = _times(rng, n)
+    assert list(bench.ratio_ci95(other, under)) == plain(other, under)  # under's kept medians
+    assert list(bench.ratio_ci95(under, over)) == plain(under, over)  # each side its own seed
 
 
 def test_too_few_timed_calls_give_no_interval(rng):
