@@ -614,6 +614,13 @@ METRICS: tuple[Metric, ...] = (
     M("rank_compute_ms_min", "least rank compute (ms)", "ms", "simulate: the lightest rank"),
     M("rank_compute_ms_max", "most rank compute (ms)", "ms", "simulate: the heaviest rank"),
     M(
+        "rank_compute_ms",
+        "each rank's compute (ms)",
+        "",
+        "simulate: every rank's compute alone in ms, rank 0 first, separated by spaces (which "
+        "ranks a placement overloads)",
+    ),
+    M(
         "rank_host_ms_max",
         "most rank host time (ms)",
         "ms",

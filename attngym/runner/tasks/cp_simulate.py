@@ -189,6 +189,7 @@ def simulated_metrics(run: CPRun, kind, metrics, result, inputs, one_device) -> 
             "predicted_fwd_bwd_ms": prediction.fwd_bwd_ms,
             "rank_compute_ms_min": min(prediction.rank_compute_ms),
             "rank_compute_ms_max": max(prediction.rank_compute_ms),
+            "rank_compute_ms": " ".join(f"{ms:.4f}" for ms in prediction.rank_compute_ms),
             "rank_host_ms_max": max(prediction.rank_host_ms, default=0.0),
             "time_imbalance": prediction.time_imbalance,
             "bottleneck": None if caveat else prediction.bottleneck,
