@@ -42,7 +42,7 @@ def test_the_price_before_a_block_row_is_its_blocks_full_and_partial():
             left_to_fill -= docs[-1]
         left, right = rng.choice([-1, 0, 1, 3, 10, 17]), rng.choice([-1, 0, 2, 7, 20])
         want = _brute_prices(docs, unit, left, right)
-        got = documents.block_prices(docs, unit, left, right)
+        got = documents.block_prices(docs, unit, left, right, layout.BLOCK_COSTS)
         assert got == pytest.approx(want), (docs, unit, left, right)
 
 
@@ -70,7 +70,7 @@ def test_every_position_is_placed_once_and_every_rank_holds_a_shard(world_size, 
     rng = random.Random(world_size)
     for left, right in ((-1, 0), (-1, -1), (256, 0)):
         docs = _lognormal(rng, seq_len)
-        placement = documents.place(docs, world_size, left, right)
+        placement = documents.place(docs, world_size, left, right, layout.BLOCK_COSTS)
         owner = _owners(placement, seq_len)
         assert -1 not in owner
         for chunks in placement:
@@ -86,12 +86,12 @@ def test_short_documents_stay_whole_and_a_long_one_is_split_head_and_tail():
     rng = random.Random(1)
     docs = [rng.choice([256, 512, 768]) for _ in range(40)]
     docs.append(S - sum(docs))
-    owner = _owners(documents.place(docs, P), S)
+    owner = _owners(documents.place(docs, P, -1, 0, layout.BLOCK_COSTS), S)
     starts = list(itertools.accumulate(docs, initial=0))
     split = [d for d, (a, b) in enumerate(itertools.pairwise(starts)) if len(set(owner[a:b])) > 1]
     assert len(split) <= P - 1, split
     long = [S // 2, *[512] * 16]
-    owner = _owners(documents.place(long, P), S)
+    owner = _owners(documents.place(long, P, -1, 0, layout.BLOCK_COSTS), S)
     halves = [owner[i * S // 16 : (i + 1) * S // 16] for i in range(8)]  # 2k = 8 chunks of it
     assert all(len(set(h)) == 1 for h in halves)
     for j in range(4):  # chunk j and chunk 7 - j on one rank

@@ -40,15 +40,16 @@ UNIT = 128
 SLACK = 0.1
 
 
-def block_prices(documents: Sequence[int], unit: int, left: int, right: int) -> list[float]:
+def block_prices(
+    documents: Sequence[int], unit: int, left: int, right: int, costs: tuple[float, float]
+) -> list[float]:
     """The price of the rows before each unit boundary (units + 1 values, from 0): each block
-    row of `unit` rows priced as one call against every key prices it (layout.BLOCK_COSTS: its
-    full and partial blocks; the kernel computes a partial block whole, so a short document
-    costs more than the keys it reads), a row j of a document reading its keys
+    row of `unit` rows priced as one call against every key prices it, its full and partial
+    blocks at `costs` (layout.BLOCK_COSTS: the kernel computes a partial block whole, so a
+    short document costs more than the keys it reads), a row j of a document reading its keys
     [j - left, j + right] (-1: no bound; the Varlen form's window). In closed form for the
     block rows inside one document, counted for the few that straddle two, so that planning
     builds no block mask."""
-    from attngym.distributed.placement.layout import BLOCK_COSTS
 
     def floor(x: torch.Tensor) -> torch.Tensor:
         return x.div(unit, rounding_mode="floor")
@@ -69,7 +70,7 @@ def block_prices(documents: Sequence[int], unit: int, left: int, right: int) -> 
     if right >= 0:  # to the last key its first row reads
         full_hi = torch.minimum(full_hi, floor(first + right + 1) - 1)
     full = (full_hi - full_lo + 1).clamp(min=0)
-    costly, cheap = BLOCK_COSTS[1], BLOCK_COSTS[0]
+    cheap, costly = costs
     price = full.double() * cheap + (touched - full).double() * costly
     for u in torch.nonzero(t < first + unit).flatten().tolist():  # block rows of two documents
         a, seen = u * unit, set()
@@ -95,10 +96,15 @@ def unit_rows(seq_len: int, world_size: int) -> int:
 
 
 def place(
-    documents: Sequence[int], world_size: int, left: int = -1, right: int = 0
+    documents: Sequence[int],
+    world_size: int,
+    left: int,
+    right: int,
+    costs: tuple[float, float],
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Each rank's (offset, length) chunks, in position order (module docstring); `left` and
-    `right` are the window inside each document (the Varlen form's, -1: no bound).
+    `right` are the window inside each document (the Varlen form's, -1: no bound); `costs` a
+    full and a partial block's time (layout.BLOCK_COSTS; (1, 1): blocks counted).
 
     Raises:
         ValueError: where S does not split into P shards.
@@ -109,7 +115,7 @@ def place(
     unit = unit_rows(seq_len, P)
     units, shard = seq_len // unit, seq_len // (P * unit)  # in units
     starts = list(itertools.accumulate(documents, initial=0))
-    before = block_prices(documents, unit, left, right)
+    before = block_prices(documents, unit, left, right, costs)
     cuts = sorted({min(units, round(s / unit)) for s in starts} | {0, units})
     items = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 

@@ -580,7 +580,7 @@ def _documents(world_size: int, seq_len: int, variant) -> Layout:
     varlen = _documents_of(variant)
     if sum(varlen.documents) != seq_len:
         raise ValueError(f"the documents hold {sum(varlen.documents)} tokens, seq_len={seq_len}")
-    placed = documents.place(varlen.documents, world_size, varlen.left, varlen.right)
+    placed = documents.place(varlen.documents, world_size, varlen.left, varlen.right, BLOCK_COSTS)
     return Layout("documents", world_size, seq_len, tuple(_joined(c) for c in placed))
 
 
