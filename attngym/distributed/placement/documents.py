@@ -104,7 +104,7 @@ def place(
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Each rank's (offset, length) chunks, in position order (module docstring); `left` and
     `right` are the window inside each document (the Varlen form's, -1: no bound); `costs` a
-    full and a partial block's time (layout.BLOCK_COSTS; (1, 1): blocks counted).
+    full and a partial block's time (layout.BLOCK_COSTS).
 
     Raises:
         ValueError: where S does not split into P shards.
