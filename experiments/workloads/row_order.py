@@ -9,7 +9,10 @@ call (fwd, fwd+bwd) with its block rows in three orders, against the same call's
 
     position   the shard as placed (chunks in position order): what runs today
     heavy      block rows sorted by their price, costliest first (longest-processing-time first)
-    reversed   the shard's block rows last to first
+    folded     the heads folded into the rows (q viewed as one head of H x S/P rows, the keys as
+               one of H x S, the mask pairing each query head with its keys' head), and these
+               (head, block row) rows sorted costliest first: the longest rows of every head
+               start first, where flex's grid runs the heads one after the other
 
 Each rank's keys are the whole sequence (global order; the block mask skips what the rank does not
 read), so that every rank and order is one kernel shape and one compile; the masks read positions
@@ -24,7 +27,7 @@ import csv
 import statistics
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from triton.testing import do_bench
 
 from attngym.distributed.placement import layout
@@ -37,9 +40,33 @@ WORKLOAD = {"name": "documents", "distribution": "lognormal", "seed": 0, "median
 SHARD = SEQ_LEN // WORLD
 
 
+ORDERS = ("position", "heavy", "folded")
+
+
+def folded_mask(bm, order: torch.Tensor, heads: int, mask_mod):
+    """The rank's block mask `bm` (one head) with the heads folded into the rows: row i is the
+    (head, block row) `order[i]` (head-major numbering), its key blocks shifted into that head's
+    keys."""
+    rows, cols = bm.kv_indices.shape[-2:]
+    head = (order // rows).view(-1, 1)
+    row = order % rows
+
+    def fold(num, idx):
+        idx = torch.nn.functional.pad(idx[0, 0][row] + head * cols, (0, cols * (heads - 1)))
+        return num[0, 0][row].view(1, 1, -1), idx.view(1, 1, len(order), cols * heads).int()
+
+    kv_num, kv_idx = fold(bm.kv_num_blocks, bm.kv_indices)
+    full_num, full_idx = fold(bm.full_kv_num_blocks, bm.full_kv_indices)
+    q_len, kv_len = bm.seq_lengths
+    return BlockMask.from_kv_blocks(kv_num.int(), kv_idx, full_num.int(), full_idx,
+                                    BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len * heads, kv_len * heads))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--layouts", nargs="+", default=["documents", "balanced"])
     parser.add_argument("--out", default="row_order.csv")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -47,6 +74,8 @@ def main() -> None:
     # the tables the masks read, updated in place (one mask function, one compile)
     doc = torch.empty(SEQ_LEN, dtype=torch.long, device=dev)
     qpos = torch.empty(SHARD, dtype=torch.long, device=dev)
+    fpos = torch.empty(HEADS * SHARD, dtype=torch.long, device=dev)  # folded row -> position
+    fhead = torch.empty(HEADS * SHARD, dtype=torch.long, device=dev)  # folded row -> head
 
     def rank_mask(b, h, q, kv):
         p = qpos[q]
@@ -55,12 +84,16 @@ def main() -> None:
     def whole_mask(b, h, q, kv):
         return (doc[q] == doc[kv]) & (q >= kv)
 
+    def fold_mask(b, h, q, kv):
+        p, k = fpos[q], kv % SEQ_LEN
+        return (fhead[q] == kv // SEQ_LEN) & (doc[p] == doc[k]) & (p >= k)
+
     attend = torch.compile(flex_attention, dynamic=False)
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def tensors(rows):
-        return [torch.randn(1, HEADS, n, DIM, device=dev, dtype=torch.bfloat16, generator=gen,
-                            requires_grad=True) for n in (rows, SEQ_LEN, SEQ_LEN)]  # fmt: skip
+    def tensors(heads, rows, keys):
+        return [torch.randn(1, heads, n, DIM, device=dev, dtype=torch.bfloat16, generator=gen,
+                            requires_grad=True) for n in (rows, keys, keys)]  # fmt: skip
 
     def timed(q, k, v, bm):
         fwd = do_bench(lambda: attend(q, k, v, block_mask=bm), warmup=25, rep=100)
@@ -71,8 +104,9 @@ def main() -> None:
         return fwd, both
 
     rows = []
-    qkv = tensors(SHARD)
-    whole = tensors(SEQ_LEN)
+    qkv = tensors(HEADS, SHARD, SEQ_LEN)
+    folded_qkv = tensors(1, HEADS * SHARD, HEADS * SEQ_LEN)
+    whole = tensors(HEADS, SEQ_LEN, SEQ_LEN)
     for i, docs in enumerate(workload_batches(data)):
         ids = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
         doc.copy_(ids)
@@ -80,51 +114,51 @@ def main() -> None:
         single = timed(*whole, bm)
         variant = build_variant({"name": "document", "doc_lengths": list(docs)},
                                 seq_len=SEQ_LEN, heads=HEADS)  # fmt: skip
-        placed = layout.plan("documents", WORLD, SEQ_LEN, variant, (BLOCK, BLOCK), "cpu")
         print(
             f"batch {i}: {len(docs)} documents, longest {max(docs)}; one device fwd "
             f"{single[0]:.3f} ms, fwd+bwd {single[1]:.3f} ms (ideal at P={WORLD}: "
             f"{single[1] / WORLD:.3f})",
             flush=True,
         )
-        for r in range(WORLD):
-            pos = placed.positions(r).to(dev)
-            qpos.copy_(pos)
-            bm = create_block_mask(rank_mask, 1, 1, SHARD, SEQ_LEN, device=dev, _compile=True)
-            full = bm.full_kv_num_blocks[0, 0].double()
-            partial = bm.kv_num_blocks[0, 0].double()
-            price = full * layout.BLOCK_COSTS[0] + partial * layout.BLOCK_COSTS[1]
-            by_row = pos.view(-1, BLOCK)
-            orders = {
-                "position": torch.arange(len(by_row), device=dev),
-                "heavy": torch.argsort(price, descending=True, stable=True),
-                "reversed": torch.arange(len(by_row) - 1, -1, -1, device=dev),
-            }
-            for name, order in orders.items():
-                qpos.copy_(by_row[order].flatten())
+        for how in args.layouts:
+            placed = layout.plan(how, WORLD, SEQ_LEN, variant, (BLOCK, BLOCK), "cpu")
+            for r in range(WORLD):
+                pos = placed.positions(r).to(dev)
+                qpos.copy_(pos)
                 bm = create_block_mask(rank_mask, 1, 1, SHARD, SEQ_LEN, device=dev, _compile=True)
-                fwd, both = timed(*qkv, bm)
-                rows.append({
-                    "batch": i, "rank": r, "order": name, "fwd_ms": fwd, "fwd_bwd_ms": both,
-                    "blocks_full": int(full.sum()), "blocks_partial": int(partial.sum()),
-                    "price": float(price.sum()), "longest_row_blocks": int((full + partial).max()),
-                    "single_fwd_ms": single[0], "single_fwd_bwd_ms": single[1],
-                })  # fmt: skip
-                print(
-                    f"  rank {r} {name:9s} fwd {fwd:.3f} fwd+bwd {both:.3f} ms "
-                    f"price {float(price.sum()):.0f}, longest row "
-                    f"{int((full + partial).max())} blocks",
-                    flush=True,
-                )
-        for name in ("position", "heavy", "reversed"):
-            mine = [x for x in rows if x["batch"] == i and x["order"] == name]
-            most = max(x["fwd_bwd_ms"] for x in mine)
-            print(
-                f"batch {i} {name}: slowest rank {most:.3f} ms fwd+bwd, mean "
-                f"{statistics.fmean(x['fwd_bwd_ms'] for x in mine):.3f}, slowest over ideal "
-                f"{most / (single[1] / WORLD):.3f}",
-                flush=True,
-            )
+                full = bm.full_kv_num_blocks[0, 0].double()
+                partial = bm.kv_num_blocks[0, 0].double()
+                price = full * layout.BLOCK_COSTS[0] + partial * layout.BLOCK_COSTS[1]
+                for name in ORDERS:
+                    if name == "folded":
+                        order = torch.argsort(price.repeat(HEADS), descending=True, stable=True)
+                        fpos.copy_(pos.view(-1, BLOCK)[order % len(price)].flatten())
+                        fhead.copy_((order // len(price)).repeat_interleave(BLOCK))
+                        fwd, both = timed(*folded_qkv, folded_mask(bm, order, HEADS, fold_mask))
+                    else:
+                        order = torch.arange(len(price), device=dev)
+                        if name == "heavy":
+                            order = torch.argsort(price, descending=True, stable=True)
+                        qpos.copy_(pos.view(-1, BLOCK)[order].flatten())
+                        mask = create_block_mask(rank_mask, 1, 1, SHARD, SEQ_LEN, device=dev,
+                                                 _compile=True)  # fmt: skip
+                        fwd, both = timed(*qkv, mask)
+                    rows.append({
+                        "batch": i, "layout": how, "rank": r, "order": name, "fwd_ms": fwd,
+                        "fwd_bwd_ms": both, "blocks_full": int(full.sum()),
+                        "blocks_partial": int(partial.sum()), "price": float(price.sum()),
+                        "longest_row_blocks": int((full + partial).max()),
+                        "single_fwd_ms": single[0], "single_fwd_bwd_ms": single[1],
+                    })  # fmt: skip
+                    print(f"  {how} rank {r} {name:8s} fwd {fwd:.3f} fwd+bwd {both:.3f} ms, "
+                          f"price {float(price.sum()):.0f}, longest row "
+                          f"{int((full + partial).max())} blocks", flush=True)  # fmt: skip
+            for name in ORDERS:
+                mine = [x for x in rows if (x["batch"], x["layout"], x["order"]) == (i, how, name)]
+                most = max(x["fwd_bwd_ms"] for x in mine)
+                print(f"batch {i} {how} {name}: slowest rank {most:.3f} ms fwd+bwd, mean "
+                      f"{statistics.fmean(x['fwd_bwd_ms'] for x in mine):.3f}, slowest over "
+                      f"ideal {most / (single[1] / WORLD):.3f}", flush=True)  # fmt: skip
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
