@@ -185,6 +185,13 @@ METRICS: tuple[Metric, ...] = (
         column=False,
     ),
     M(
+        "fold",
+        "fold",
+        "",
+        "allgather: the batch and heads folded into the call's rows, costliest first",
+        column=False,
+    ),
+    M(
         "pipeline",
         "pipeline",
         "",

@@ -4,8 +4,9 @@
 #   BATCHES=N: the workload's first N batches only (default 16), for a short call
 # PHASE: tests tests_ulysses tests_documents one_gpu headline workload_ring workload_allgather
 # workload_ring_documents workload_allgather_documents workload_ulysses workload_ulysses_rounds
-# workload_ulysses_rounds4 workload_hybrid workload_auto workload_auto_profile
-# (default: all but the profile; a 10-minute call takes one_gpu and tests, or about three workload runs).
+# workload_ulysses_rounds4 workload_hybrid workload_auto workload_auto_profile workload_allgather_unfolded
+# workload_allgather_documents_unfolded
+# (default: all but the profile and the unfolded; a 10-minute call takes one_gpu and tests, or about three workload runs).
 #   tests     the varlen kernels against float64 (GPU tests), CP calls captured as CUDA graphs
 #             against eager ones, and a two-rank workload sharing the GPU
 #   tests_ulysses  Ulysses (one call and in rounds) and the copy-engine all-to-all on two ranks
@@ -18,6 +19,9 @@
 #               topology.options.pipeline=true; _rounds4: double_zigzag, four rounds)
 #   workload_ring_documents, workload_allgather_documents  the same batches on layout=documents
 #               (whole documents placed from their lengths, the long ones split head and tail)
+#   workload_allgather_unfolded, workload_allgather_documents_unfolded  (not in the default
+#               list) the all-gather's two with topology.options.fold=false: its calls with the
+#               heads one after the other, as flex runs them unfolded
 #   tests_documents  a 3-batch workload on two ranks sharing the GPU, ring and all-gather (its
 #             call split around the exchange) on layout=documents, each batch against float64
 #   workload_auto  the same batches, topology=auto: one pick for the workload, its choice's
@@ -81,6 +85,8 @@ scheme() {  # NAME TIMEOUT OVERRIDES...
 }
 has workload_ring && scheme workload_ring 400 topology=ring topology.layout=balanced
 has workload_allgather && scheme workload_allgather 240 topology=allgather topology.layout=balanced 'baselines=[]'
+has workload_allgather_unfolded && scheme workload_allgather_unfolded 240 topology=allgather \
+  topology.layout=balanced topology.options.fold=false 'baselines=[]'
 has workload_ulysses && scheme workload_ulysses 150 topology=ulysses topology.layout=contiguous 'baselines=[]'
 has workload_ulysses_rounds && scheme workload_ulysses_rounds 150 topology=ulysses topology.layout=zigzag \
   topology.options.pipeline=true 'baselines=[]'
@@ -89,6 +95,8 @@ has workload_ulysses_rounds4 && scheme workload_ulysses_rounds4 150 topology=uly
 has workload_ring_documents && scheme workload_ring_documents 300 topology=ring topology.layout=documents
 has workload_allgather_documents && scheme workload_allgather_documents 200 topology=allgather \
   topology.layout=documents 'baselines=[]'
+has workload_allgather_documents_unfolded && scheme workload_allgather_documents_unfolded 200 \
+  topology=allgather topology.layout=documents topology.options.fold=false 'baselines=[]'
 has workload_hybrid && scheme workload_hybrid 200 topology=hybrid topology.layout=contiguous \
   topology.options.a2a_size=4 'baselines=[]'
 if has workload_auto; then

@@ -137,6 +137,16 @@ def _attention_worker(rank, world_size):
                 ("contiguous",), overlap=True, block_size=(4, 4),
             )
         )  # fmt: skip
+        # The batch and heads folded into the call's rows, its costliest block rows first
+        # (AllGatherOptions.fold; blocks of 4 rows, so that a shard is whole blocks): ALiBi
+        # reads each row's head, GQA its keys' head, the batch of 2 its batch. With flex's
+        # backward op: the call re-run under autograd is folded on flex (CUDA) only.
+        errors.update(
+            _parity(
+                rank, world_size, name, variant, 4, kv_heads, (allgather_attention,),
+                ("zigzag", "balanced"), fold=True, block_size=(4, 4),
+            )
+        )  # fmt: skip
     # The ring's placement priced per pair kernel (here another one than by blocks: rank 0
     # holds the second half), handed to shard and to the call as one Layout.
     from attngym.distributed.placement import layout as layouts
@@ -153,6 +163,9 @@ def _attention_worker(rank, world_size):
     for overlap in (False, True):
         errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
                               ("documents",), overlap=overlap))  # fmt: skip
+        errors.update(_parity(rank, world_size, "document", docs, 4, 2, (allgather_attention,),
+                              ("documents",), overlap=overlap, fold=True,
+                              block_size=(4, 4)))  # fmt: skip
     # Rank 1 reads 3 blocks of rank 0's shard (a document of 24 rows from row 4): its call also
     # holds the unread block before them as zeros (ReadPlan.pads); exact all the same, forward
     # and backward.
@@ -265,8 +278,8 @@ def test_ring_and_allgather_match_reference_fwd_bwd_and_skip_masked_pairs():
     errors, counts, seen, reruns = launch(_attention_worker, 2, timeout_s=120)
     assert seen == {(False, "max-autotune"), (True, "default")}
     # + the ring on its pair-priced placement, the all-gather with pads (one call, and split),
-    # the ring and the all-gather (one call, and split) on layout=documents
-    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1) + 3 + 3
+    # the ring and the all-gather (one call, and split; each folded too) on layout=documents
+    assert len(errors) == 4 * (2 * 3 + 2 + 4 + 1 + 2) + 3 + 5
     assert reruns["ring_attention", "flex"] == (0, 5, "flex")  # zigzag causal: 5 pairs, no re-run
     # zigzag: a step is one call over the rank's two chunks, so one re-run per step
     assert reruns["ring_attention", "recompute"] == (2, 5, "recompute")

@@ -352,10 +352,11 @@ def op_args(
 
 def grads(
     call, q, k, v, out, lse, dout, block_mask, *, q_offset=0, kv_offset=0, lse2=None,
-    q_positions=None, kv_positions=None,
+    q_positions=None, kv_positions=None, variant=None,
 ) -> tuple | None:  # fmt: skip
-    """(dq, dk, dv) of one call of a CP scheme (cp.CPCall `call`, its options) from its merged
-    out and lse (attend_backward's arguments); None when flex failed under backward=auto.
+    """(dq, dk, dv) of one call of a CP scheme (cp.CPCall `call`, its options; `variant` where
+    the call's is read otherwise, a folded call's) from its merged out and lse (attend_backward's
+    arguments); None when flex failed under backward=auto.
 
     An explicit backward='flex', or any FLASH backward, never falls back: its failure propagates.
     """
@@ -365,7 +366,8 @@ def grads(
         return None
     try:
         return attend_backward(
-            q, k, v, out, lse, dout, call.variant, q_offset=q_offset, kv_offset=kv_offset,
+            q, k, v, out, lse, dout, call.variant if variant is None else variant,
+            q_offset=q_offset, kv_offset=kv_offset,
             block_mask=block_mask, scale=opts.scale, kernel_options=opts.kernel_options,
             compile=opts.compile, compile_mode=opts.compile_mode, lse2=lse2,
             q_positions=q_positions, kv_positions=kv_positions,

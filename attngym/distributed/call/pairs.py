@@ -234,6 +234,20 @@ class PositionedCall:
     variant: Variant
     block_mask: Any  # None on the reference backend when flex's backward op does not run
     maps: Any  # positions.BackwardMaps
+    fold: Any = None  # fold.Fold: the call runs with its heads folded into its rows
+
+
+def attend_at(call: CPCall, q, k, v, pc: PositionedCall):
+    """(out, lse) of the call at positions `pc` (folded where pc.fold says, the results unfolded),
+    differentiable w.r.t. q, k, v."""
+    from attngym.distributed.call import fold
+
+    f = pc.fold
+    if f is None:
+        return attend(call, q, k, v, 0, 0, pc.block_mask, variant=pc.variant)
+    k, v = fold.keys_in(f, k), fold.keys_in(f, v)
+    out, lse = attend(call, fold.rows_in(f, q), k, v, 0, 0, f.block_mask, variant=f.variant)
+    return fold.rows_out(f, out), fold.rows_out(f, lse)
 
 
 def positioned(

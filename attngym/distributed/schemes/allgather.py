@@ -47,11 +47,13 @@ from typing import Any
 import torch
 
 from attngym import kernels
+from attngym.distributed.call import fold
 from attngym.distributed.call.accumulate import Accumulator, GradSum
-from attngym.distributed.call.cp import CPCall, CPOptions, CPStats, StepClock, attend, run
+from attngym.distributed.call.cp import CPCall, CPOptions, CPStats, StepClock, run
 from attngym.distributed.call.pairs import (
     PositionedCall,
     Saved,
+    attend_at,
     pairs,
     positioned,
     pow2_blocks,
@@ -66,7 +68,7 @@ from attngym.distributed.model.simulate import (
     nbytes,
 )
 from attngym.distributed.model.transfer_model import Fabric, Prediction, RankWork, predict
-from attngym.distributed.placement.layout import LAYOUTS, Layout
+from attngym.distributed.placement.layout import BLOCK_COSTS, LAYOUTS, Layout
 from attngym.distributed.schemes.spec import TopologySpec
 from attngym.variants.base import Variant
 
@@ -84,6 +86,12 @@ class AllGatherOptions:
     """Attend the own keys while the rows read from other shards arrive, then those (two calls,
     merged by their lse), their gradients sent home during the own keys' backward; None: where
     the exchange brings some rank at least a shard's rows. Whole-shard gathers are not split."""
+
+    fold: bool | None = None
+    """Fold the batch and heads into the call's rows and run its costliest block rows first
+    (attngym.distributed.call.fold: flex runs the heads one after the other, so each head's
+    longest rows would start late and end alone); None: on CUDA flex, where the call's longest
+    block row costs fold.SPREAD times its mean or more (packed documents, not windows)."""
 
 
 Run = tuple[int, int]  # [start, stop) local rows of a shard
@@ -322,11 +330,14 @@ _MAPPED: weakref.WeakKeyDictionary[Variant, dict[tuple, PositionedCall | slice]]
 )
 
 
-def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") -> PositionedCall:
+def _mapped(
+    call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all", folding=None
+) -> PositionedCall:
     """This rank's call at the global positions of its queries and its keys: `part` "all" (the
     one call's keys, key_positions), "own" (its own shard's) or "received" (the exchange's rows
-    and their pads, received_pieces; its queries only `_reading_rows`). Memoised per variant."""
-    key = _mapped_key(call, q, plan, part)
+    and their pads, received_pieces; its queries only `_reading_rows`), folded where `folding`
+    (_folding) says. Memoised per variant."""
+    key = _mapped_key(call, q, plan, part, folding)
     per = _MAPPED.setdefault(call.variant, {})
     if key not in per:
         layout, r = call.layout, call.rank
@@ -344,22 +355,36 @@ def _mapped(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str = "all") ->
         if part == "received":
             rows = _reading_rows(pc.block_mask, q_pos.numel())
             if rows != slice(0, q_pos.numel()):
-                pc = positioned(call, q_pos[rows], kv_pos, f"{name}[{rows.start}:{rows.stop}]")
+                q_pos = q_pos[rows]
+                pc = positioned(call, q_pos, kv_pos, f"{name}[{rows.start}:{rows.stop}]")
             per[key + ("rows",)] = rows
+        if folding is not None and pc.block_mask is not None:
+            *heads, forced = folding
+            if forced or fold.worth_it(pc.block_mask, BLOCK_COSTS):
+                folded = fold.fold(call.variant, q_pos, kv_pos, pc.block_mask, heads, BLOCK_COSTS)
+                pc = pc if folded is None else dataclasses.replace(pc, fold=folded)
         per[key] = pc
     return per[key]
 
 
-def _mapped_key(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str) -> tuple:
+def _mapped_key(call: CPCall, q: torch.Tensor, plan: ReadPlan, part: str, folding=None) -> tuple:
     tables = kernels.offsets_as_tables(call.options.kernel_options)
     return (call.layout, call.rank, q.device, call.options.block_size, call.backend, plan,
-            tables, call.backward, part)  # fmt: skip
+            tables, call.backward, part, folding)  # fmt: skip
 
 
-def _received_rows(call: CPCall, q: torch.Tensor, plan: ReadPlan) -> slice:
+def _folding(call: CPCall, q: torch.Tensor, k: torch.Tensor, option: bool | None):
+    """(B, H, G, forced) where this rank's calls may fold their heads into their rows
+    (AllGatherOptions.fold: True forced, None on CUDA flex where fold.worth_it), else None."""
+    if option is False or (option is None and (call.backend != "flex" or q.device.type != "cuda")):
+        return None
+    return (*q.shape[:2], k.shape[1], option is True)
+
+
+def _received_rows(call: CPCall, q: torch.Tensor, plan: ReadPlan, folding=None) -> slice:
     """The query rows of this rank's "received" call (_mapped)."""
-    _mapped(call, q, plan, "received")
-    return _MAPPED[call.variant][_mapped_key(call, q, plan, "received") + ("rows",)]
+    _mapped(call, q, plan, "received", folding)
+    return _MAPPED[call.variant][_mapped_key(call, q, plan, "received", folding) + ("rows",)]
 
 
 def _reading_rows(block_mask, n: int) -> slice:
@@ -392,7 +417,7 @@ class _MappedCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: CPCall, pc: PositionedCall):
         q, k, v = (t.detach() for t in (q, k, v))
-        out, lse = attend(call, q, k, v, 0, 0, pc.block_mask, variant=pc.variant)
+        out, lse = attend_at(call, q, k, v, pc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call, ctx.pc = call, pc
         ctx.mark_non_differentiable(lse)
@@ -407,18 +432,29 @@ class _MappedCall(torch.autograd.Function):
 
 def _part_grads(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
     """(dq, dk, dv) of one call at positions from the merged out and lse in `saved`: flex's
-    backward op, or the call re-run, weighted (backward recompute, or the op failed under
-    backward=auto, logged)."""
+    backward op (on the folded call where pc.fold says, its gradients unfolded), or the call
+    re-run, weighted (backward recompute, or the op failed under backward=auto, logged)."""
     from attngym.distributed.call import flex_backward
 
     maps, whole = pc.maps, slice(0, saved.q.shape[2])
+    lse2 = None if saved.lse2 is None else saved.lse2.get((0, whole.stop))
     grads = None
-    if call.backward == "flex":
+    if call.backward == "flex" and pc.fold is not None:
+        f = pc.fold
+        rows = [fold.rows_in(f, t) for t in (saved.q, saved.out, saved.lse, saved.dout)]
+        grads = flex_backward.grads(
+            call, rows[0], fold.keys_in(f, k), fold.keys_in(f, v), *rows[1:3], rows[3],
+            f.block_mask, lse2=None if lse2 is None else fold.rows_in(f, lse2),
+            variant=f.variant,
+        )  # fmt: skip
+        if grads is not None:
+            dq, dk, dv = grads
+            return fold.rows_out(f, dq), fold.keys_out(f, dk), fold.keys_out(f, dv)
+    elif call.backward == "flex":
         grads = flex_backward.grads(
             call, saved.q, k, v, saved.out, saved.lse, saved.dout, pc.block_mask,
             q_offset=maps.q_offset, kv_offset=maps.kv_offset, q_positions=maps.q_positions,
-            kv_positions=maps.kv_positions,
-            lse2=None if saved.lse2 is None else saved.lse2.get((0, whole.stop)),
+            kv_positions=maps.kv_positions, lse2=lse2,
         )  # fmt: skip
     if grads is None:
         grads = recompute_pair(call, saved, whole, k, v, (0, 0), (0, 0), pc.block_mask,
@@ -461,7 +497,7 @@ def mapped_call(call: CPCall, q, k, v, pc: PositionedCall):
     own autograd (the reference's on a CPU)."""
     if call.backward == "flex":
         return _MappedCall.apply(q, k, v, call, pc)
-    return attend(call, q, k, v, 0, 0, pc.block_mask, variant=pc.variant)
+    return attend_at(call, q, k, v, pc)
 
 
 def _packed(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -487,16 +523,16 @@ class _Overlapped(torch.autograd.Function):
     also one that sends or receives nothing."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: CPCall, plan: ReadPlan, ex, clock: StepClock):
+    def forward(ctx, q, k, v, call: CPCall, plan: ReadPlan, ex, clock: StepClock, folding):
         q, k, v = (t.detach() for t in (q, k, v))
         rows = _sent_rows(plan, call.rank, k.device)
         started = ex.start(_packed(k, v, rows))
         received = plan.received(call.rank)
-        own = _mapped(call, q, plan, "own")
-        got = _mapped(call, q, plan, "received") if received else None
-        reading = _received_rows(call, q, plan) if received else slice(0, 0)
+        own = _mapped(call, q, plan, "own", folding)
+        got = _mapped(call, q, plan, "received", folding) if received else None
+        reading = _received_rows(call, q, plan, folding) if received else slice(0, 0)
         clock.start()
-        out, lse = attend(call, q, k, v, 0, 0, own.block_mask, variant=own.variant)
+        out, lse = attend_at(call, q, k, v, own)
         clock.stop("step_compute_ms")
         clock.start()
         kv = _unpacked(ex.wait(started), k)
@@ -519,7 +555,7 @@ class _Overlapped(torch.autograd.Function):
                 out,
                 lse,
                 reading,
-                attend(call, q[:, :, reading], k_r, v_r, 0, 0, got.block_mask, variant=got.variant),
+                attend_at(call, q[:, :, reading], k_r, v_r, got),
             )
             clock.stop("step_compute_ms")
         ctx.save_for_backward(q, k, v, k_r, v_r, out, lse, rows)
@@ -554,18 +590,24 @@ class _Overlapped(torch.autograd.Function):
         arrived = _unpacked(back.wait(started), k)
         dk = dk.index_add(2, rows, arrived[0].to(dk.dtype))
         dv = dv.index_add(2, rows, arrived[1].to(dv.dtype))
-        return dq.total(q.dtype), dk, dv, None, None, None, None
+        return dq.total(q.dtype), dk, dv, None, None, None, None, None
 
 
 def _allgather(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CPCall, overlap: bool | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: CPCall,
+    overlap: bool | None = None,
+    fold: bool | None = None,
 ) -> torch.Tensor:
     stats, clock = call.stats, StepClock(call.stats, q.device)
     P, r = call.world_size, call.rank
     plan = read_plan(call, q) if P > 1 else ReadPlan((((),),), k.shape[2])
+    folding = _folding(call, q, k, fold)
     if plan.overlaps(overlap):
         ex = _exchange(call, plan, k)
-        out, lse = _Overlapped.apply(q, k, v, call, plan, ex, clock)
+        out, lse = _Overlapped.apply(q, k, v, call, plan, ex, clock, folding)
         if stats is not None:
             stats.bytes_sent += ex.sent(r) * k.element_size()
         _record(call, q, out, lse)
@@ -610,7 +652,7 @@ def _allgather(
     if stats is not None:
         stats.bytes_sent += sent * k.element_size()
     clock.start()
-    out, lse = mapped_call(call, q, k_all, v_all, _mapped(call, q, plan))
+    out, lse = mapped_call(call, q, k_all, v_all, _mapped(call, q, plan, folding=folding))
     clock.stop("step_compute_ms")
     _record(call, q, out, lse)
     return out
@@ -640,6 +682,7 @@ def allgather_attention(
     options: CPOptions | None = None,
     stats: CPStats | None = None,
     overlap: bool | None = None,
+    fold: bool | None = None,
     **overrides: Any,
 ) -> torch.Tensor:
     """Attention of this rank's q shard over the whole sequence, K/V all-gathered, one kernel call.
@@ -654,12 +697,14 @@ def allgather_attention(
         group, transport, layout, options, stats, **overrides: as in ring_attention.
         overlap: AllGatherOptions.overlap (None: where the exchange brings some rank at least a
             shard's rows).
+        fold: AllGatherOptions.fold (None: on CUDA flex, where the call's block rows differ in
+            cost).
 
     Returns:
         (B, H, S/P, D) this rank's output shard, in q's dtype; differentiable w.r.t. q, k, v.
     """
     return run(
-        functools.partial(_allgather, overlap=overlap),
+        functools.partial(_allgather, overlap=overlap, fold=fold),
         q,
         k,
         v,
@@ -707,8 +752,12 @@ def simulate_allgather(sc: SimulatedCall, whole: bool = False) -> Simulation:
     ranks = SequenceRanks(sc)
     works, whole_shards, sent, buffers, pattern = [], [], 0, 0, "allgather"
     overlap = sc.scheme_options.get("overlap")
+    # PyTorch's scheme (whole) runs its calls as they are
+    option = False if whole else sc.scheme_options.get("fold")
     for r in range(sc.world_size):
-        work, received, buffer, pattern = _simulated_rank(ranks, r, sc.clock, overlap, whole)
+        work, received, buffer, pattern = _simulated_rank(
+            ranks, r, sc.clock, overlap, whole, option
+        )
         works.append(work)
         sent, buffers = max(sent, received), max(buffers, buffer)
         gathered = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
@@ -746,10 +795,16 @@ def whole_plan(world_size: int, shard_rows: int) -> ReadPlan:
 
 
 def _simulated_rank(
-    ranks: SequenceRanks, r: int, clock, overlap: bool | None, whole: bool = False
+    ranks: SequenceRanks,
+    r: int,
+    clock,
+    overlap: bool | None,
+    whole: bool = False,
+    fold: bool | None = False,
 ) -> tuple[RankWork, int, int, str]:
     """Rank r's RankWork, the bytes it receives, its received buffer's bytes and the transfer's
-    pattern (allgather, or alltoall for the exchange); `whole`: every shard gathered whole."""
+    pattern (allgather, or alltoall for the exchange); `whole`: every shard gathered whole;
+    `fold`: AllGatherOptions.fold."""
     P, q_r, ks, vs = ranks.world_size, ranks.qs[r], ranks.ks, ranks.vs
     call, counted = ranks.call(r), ranks.call(r, counted=True)
     saved = ranks.saved[r] if ranks.saved is not None else None
@@ -765,7 +820,8 @@ def _simulated_rank(
     grads = 2 if saved is not None else 1
     if plan.overlaps(overlap):
         received = row * plan.received(r)
-        return _overlapped_rank(ranks, r, clock, plan), received, received * grads, pattern
+        work = _overlapped_rank(ranks, r, clock, plan, _folding(call, q_r, ks[r], fold))
+        return work, received, received * grads, pattern
     if plan.gathers:  # the gathered buffer, rank order
         k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
         received, buffer = row * n * (P - 1), row * n * P
@@ -778,11 +834,11 @@ def _simulated_rank(
         received = buffer = row * plan.received(r)
     else:
         k_all, v_all, received, buffer = ks[r], vs[r], 0, 0
-    pc = _mapped(call, q_r, plan)
+    pc = _mapped(call, q_r, plan, folding=_folding(call, q_r, ks[r], fold))
 
     def fwd():
         with torch.no_grad():
-            attend(call, q_r, k_all, v_all, 0, 0, pc.block_mask, variant=pc.variant)
+            attend_at(call, q_r, k_all, v_all, pc)
 
     bwd = None
     if saved is not None:
@@ -813,13 +869,16 @@ def _simulated_rank(
 
 def _read_through(pc: PositionedCall) -> tuple[str, ...]:
     """("tables",) for a call whose callbacks read positions through tables (a rank's rows or
-    keys in several runs), a kind of item the model prices apart from calls with offsets (on
-    CPU ranks it timed 1.5 times the offsets' line)."""
+    keys in several runs), ("folded",) for a folded call (AllGatherOptions.fold): kinds of item
+    the model prices apart from calls with offsets (on CPU ranks tables timed 1.5 times the
+    offsets' line)."""
+    if pc.fold is not None:
+        return ("folded",)
     maps = pc.maps
     return ("tables",) if maps is not None and maps.q_positions is not None else ()
 
 
-def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> RankWork:
+def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan, folding) -> RankWork:
     """Rank r's two calls of the overlap, as _Overlapped runs them: forward (own keys, then the
     received rows with the merge), backward (the received rows', then the own keys') from the
     whole problem's merged out and lse at its rows."""
@@ -833,17 +892,17 @@ def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan) -> Ran
             lambda src, a, b, o: (ks[src][:, :, a:b], vs[src][:, :, a:b]),
         )))  # fmt: skip
     fwd_ms, bwd_ms, host = [], [], [0.0, 0.0]
-    own = _mapped(call, q_r, plan, "own")
+    own = _mapped(call, q_r, plan, "own", folding)
     with torch.no_grad():  # the own keys' partial, which the received rows' call merges into
-        own_partial = attend(call, q_r, ks[r], vs[r], 0, 0, own.block_mask, variant=own.variant)
+        own_partial = attend_at(call, q_r, ks[r], vs[r], own)
     for part, k_p, v_p in parts:
-        pc = _mapped(call, q_r, plan, part)
-        rows = _received_rows(call, q_r, plan) if part == "received" else slice(0, n)
+        pc = _mapped(call, q_r, plan, part, folding)
+        rows = _received_rows(call, q_r, plan, folding) if part == "received" else slice(0, n)
         q_p = q_r[:, :, rows]
 
         def fwd(pc=pc, q_p=q_p, k_p=k_p, v_p=v_p, rows=rows, merged=part == "received"):
             with torch.no_grad():
-                out, lse = attend(call, q_p, k_p, v_p, 0, 0, pc.block_mask, variant=pc.variant)
+                out, lse = attend_at(call, q_p, k_p, v_p, pc)
                 if merged:  # into the own keys' partial at its rows, as _Overlapped does
                     _merged_rows(call, q_r, *own_partial, rows, (out, lse))
 

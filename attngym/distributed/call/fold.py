@@ -1,0 +1,176 @@
+"""A call's batch and heads folded into its rows, its costliest block rows first.
+
+flex runs one program per (query block row, batch, head), the rows fastest: all of the first
+head's rows, then the next head's. On a rank's shard of packed documents the rows differ in cost
+by 10x and more (a long document's last rows read all its keys, a short one's a few blocks), and
+a shard holds about one program per SM and head, so every head's longest row starts when that
+head's turn comes, the last head's at the end: the call waits for it alone. Simulated as flex's
+programs taken in grid order by 132 SMs, the all-gather's heaviest rank on a workload of packed
+documents ran 1.37-1.53x the ideal on `balanced` where its blocks say 0.97-0.99x, which is the
+measured 1.20-1.45x's pattern batch by batch (experiments/workloads, "The longest rows last").
+
+Folded, the call is one of B·H·S/P rows (q viewed as (1, 1, B·H·S/P, D), its block rows in any
+order: a gathered copy) against B·G·Skv keys (k and v viewed so, no copy), the block mask moved
+to match (each row's key blocks shifted to its batch and head's keys) and the variant read
+through tables (a folded row's batch, head and position; a key's position). Its block rows are
+sorted costliest first, over every head at once, so the longest rows start first, as a
+longest-processing-time-first schedule takes them (the simulation's heaviest rank: 1.00-1.13x).
+The kernel computes the same blocks; the fold adds gathers of q, out, dout and dq (a few tens of
+microseconds at 16K rows, 8 heads) and a block mask B·H times the rows and columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from attngym.variants.base import Variant
+
+# Fold a call (where CPOptions leave it to the call) when its longest block row costs at least
+# this many times its mean: a window's rows cost alike and gain nothing.
+SPREAD = 2.0
+_TABLES = ("fold_b", "fold_h", "fold_q", "fold_kv")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fold:
+    """A folded call: `rows[i]` is the flat (B·H·Sq) query row of folded row i, `back` its
+    inverse; `variant` and `block_mask` are the folded call's; `shape` is (B, H, G, Sq, Skv)."""
+
+    rows: torch.Tensor
+    back: torch.Tensor
+    variant: Variant
+    block_mask: object
+    shape: tuple[int, int, int, int, int]
+
+
+def row_prices(block_mask, costs: tuple[float, float]) -> torch.Tensor:
+    """Each block row's price (of every batch and head the mask holds): its full and partial
+    blocks at `costs` (layout.BLOCK_COSTS)."""
+    price = block_mask.kv_num_blocks.double() * costs[1]
+    if block_mask.full_kv_num_blocks is not None:
+        price = price + block_mask.full_kv_num_blocks.double() * costs[0]
+    return price
+
+
+def worth_it(block_mask, costs: tuple[float, float]) -> bool:
+    """Whether the call's longest block row costs SPREAD times its mean (or more)."""
+    if block_mask is None:
+        return False
+    price = row_prices(block_mask, costs)
+    return bool(price.max() >= SPREAD * price.mean().clamp(min=1e-9))
+
+
+def fold(
+    variant: Variant,
+    q_positions: torch.Tensor,
+    kv_positions: torch.Tensor,
+    block_mask,
+    shape: Sequence[int],
+    costs: tuple[float, float],
+) -> Fold | None:
+    """The Fold of a call of queries at `q_positions` against keys at `kv_positions` (global
+    positions, local order) with `block_mask` (the call's own), for q (B, H, Sq, D) and k, v
+    (B, G, Skv, D) given as `shape` (B, H, G); None where a block would straddle two heads (Sq
+    or Skv not whole blocks)."""
+    B, H, G = (int(x) for x in shape)
+    Sq, Skv = q_positions.numel(), kv_positions.numel()
+    bq, bkv = block_mask.BLOCK_SIZE
+    if Sq % bq or Skv % bkv:
+        return None
+    device = block_mask.kv_num_blocks.device
+    Rb, C = Sq // bq, Skv // bkv
+    price = row_prices(block_mask, costs)  # (Bm, Hm, Rb)
+    flat = torch.arange(B * H * Rb, device=device)
+    b, h, r = flat // (H * Rb), (flat // Rb) % H, flat % Rb
+    Bm, Hm = price.shape[:2]
+    order = torch.argsort(price[b % Bm, h % Hm, r], descending=True, stable=True)
+    b, h, r = b[order], h[order], r[order]
+    shift = ((b * G + h // (H // G)) * C).view(-1, 1)  # the row's keys in the folded keys
+
+    def moved(num, idx):
+        idx = torch.nn.functional.pad(idx[b % Bm, h % Hm, r] + shift, (0, C * (B * G - 1)))
+        return num[b % Bm, h % Hm, r].view(1, 1, -1).int(), idx.view(1, 1, len(order), -1).int()
+
+    within = torch.arange(bq, device=device)
+    rows = (((b * H + h) * Rb + r) * bq).view(-1, 1).add(within).flatten()
+    q_at = (r * bq).view(-1, 1).add(within).flatten()
+    tables = {
+        "fold_b": b.repeat_interleave(bq),
+        "fold_h": h.repeat_interleave(bq),
+        "fold_q": q_positions.to(device).long()[q_at],
+        "fold_kv": kv_positions.to(device).long(),
+    }
+    folded = _folded_variant(variant.to(device), tables, G * Skv, Skv, H // G)
+    kv = moved(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full = (None, None)
+    if block_mask.full_kv_num_blocks is not None:
+        full = moved(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    from torch.nn.attention.flex_attention import BlockMask
+
+    mask = BlockMask.from_kv_blocks(
+        *kv, *full, BLOCK_SIZE=(bq, bkv), mask_mod=folded.mask_mod,
+        seq_lengths=(B * H * Sq, B * G * Skv),
+    )  # fmt: skip
+    return Fold(rows, torch.argsort(rows), folded, mask, (B, H, G, Sq, Skv))
+
+
+def _folded_variant(variant: Variant, tables: dict, batch_keys: int, keys: int, group: int):
+    """The variant over folded rows and keys: folded row i is batch fold_b[i], head fold_h[i],
+    position fold_q[i]; folded key j is batch j // batch_keys, kv head (j // keys) % G, position
+    fold_kv[j % keys]; a pair of another batch or head is masked."""
+    names = sorted(variant.buffers)
+
+    def bind(buffers):
+        inner_score, inner_mask = (
+            variant.bind({n: buffers[n] for n in names})
+            if names
+            else (variant.score_mod, variant.mask_mod)
+        )
+        fb, fh, fq, fkv = (buffers[n] for n in _TABLES)
+
+        def mask_mod(b, h, q, kv):
+            bb, hh = fb[q], fh[q]
+            same = (kv // batch_keys == bb) & ((kv % batch_keys) // keys == hh // group)
+            if inner_mask is None:
+                return same
+            return same & inner_mask(bb, hh, fq[q], fkv[kv % keys])
+
+        score_mod = None
+        if inner_score is not None:
+
+            def score_mod(score, b, h, q, kv):
+                return inner_score(score, fb[q], fh[q], fq[q], fkv[kv % keys])
+
+        return score_mod, mask_mod
+
+    buffers = {**variant.buffers, **tables}
+    score_mod, mask_mod = bind(buffers)
+    return dataclasses.replace(
+        variant, name=f"{variant.name}.folded", score_mod=score_mod, mask_mod=mask_mod,
+        buffers=buffers, bind=bind, seq_len=None, sdpa=None, varlen=None, block_rule=None,
+    )  # fmt: skip
+
+
+def rows_in(f: Fold, x: torch.Tensor) -> torch.Tensor:
+    """(B, H, Sq, ...) -> the folded call's (1, 1, B·H·Sq, ...), its rows in the fold's order."""
+    B, H, _, Sq, _ = f.shape
+    return x.reshape(B * H * Sq, *x.shape[3:]).index_select(0, f.rows).unsqueeze(0).unsqueeze(0)
+
+
+def rows_out(f: Fold, x: torch.Tensor) -> torch.Tensor:
+    """The folded call's (1, 1, B·H·Sq, ...) -> (B, H, Sq, ...)."""
+    B, H, _, Sq, _ = f.shape
+    return x[0, 0].index_select(0, f.back).reshape(B, H, Sq, *x.shape[3:])
+
+
+def keys_in(f: Fold, x: torch.Tensor) -> torch.Tensor:
+    """(B, G, Skv, D) -> (1, 1, B·G·Skv, D): a view where x is contiguous."""
+    return x.reshape(1, 1, -1, x.shape[-1])
+
+
+def keys_out(f: Fold, x: torch.Tensor) -> torch.Tensor:
+    B, _, G, _, Skv = f.shape
+    return x.reshape(B, G, Skv, x.shape[-1])
