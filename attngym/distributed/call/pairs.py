@@ -388,7 +388,7 @@ def forward_pairs(call: CPCall, acc: Accumulator, q, k, v, kv_rank: int, window=
             pairs(call, q, kv_rank, window=window, masks=False)
         step = step_call(call, q, kv_rank, window)
         if step is not None:
-            out_i, lse_i = attend(call, q, k, v, 0, 0, step.block_mask, variant=step.variant)
+            out_i, lse_i = attend_at(call, q, k, v, step)
             acc.add(slice(0, q.shape[2]), out_i, lse_i)
         return
     for q_rows, kv_rows, qc, kc, block_mask in pairs(call, q, kv_rank, window=window):
@@ -464,27 +464,46 @@ def backward_pairs(
 
 def _step_backward(call: CPCall, saved: Saved, k, v, step: PositionedCall, dq, dk, dv, dkv_offset):
     """A step call's gradients added into dq (the whole shard) and dk, dv (held rows at
-    `dkv_offset`): flex's backward op at the step's positions, or its forward re-run."""
-    from attngym.distributed.call import flex_backward
+    `dkv_offset`)."""
+    dq_i, dk_i, dv_i = grads_at(call, saved, k, v, step)
+    dq.add(0, dq_i)
+    dk.add(dkv_offset, dk_i)
+    dv.add(dkv_offset, dv_i)
+
+
+def grads_at(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
+    """(dq, dk, dv) of a call at positions `pc` over all of `saved`'s rows, from its merged out
+    and lse: flex's backward op (on the folded call where pc.fold says, its gradients unfolded),
+    or the call re-run, weighted (backward recompute, or the op failed under backward=auto,
+    logged)."""
+    from attngym.distributed.call import flex_backward, fold
 
     whole = slice(0, saved.q.shape[2])
-    grads = None
-    if call.backward == "flex":
-        maps = step.maps
+    lse2 = None if saved.lse2 is None else saved.lse2.get((0, whole.stop))
+    grads, f = None, pc.fold
+    if call.backward == "flex" and f is not None:
+        q, out, lse, dout = (
+            fold.rows_in(f, t) for t in (saved.q, saved.out, saved.lse, saved.dout)
+        )
         grads = flex_backward.grads(
-            call, saved.q, k, v, saved.out, saved.lse, saved.dout, step.block_mask,
-            q_offset=maps.q_offset, kv_offset=maps.kv_offset,
-            lse2=None if saved.lse2 is None else saved.lse2.get((0, whole.stop)),
+            call, q, fold.keys_in(f, k), fold.keys_in(f, v), out, lse, dout, f.block_mask,
+            lse2=None if lse2 is None else fold.rows_in(f, lse2), variant=f.variant,
+        )  # fmt: skip
+        if grads is not None:
+            dq, dk, dv = grads
+            return fold.rows_out(f, dq), fold.keys_out(f, dk), fold.keys_out(f, dv)
+    elif call.backward == "flex":
+        maps = pc.maps
+        grads = flex_backward.grads(
+            call, saved.q, k, v, saved.out, saved.lse, saved.dout, pc.block_mask,
+            q_offset=maps.q_offset, kv_offset=maps.kv_offset, lse2=lse2,
             q_positions=maps.q_positions, kv_positions=maps.kv_positions,
         )  # fmt: skip
     if grads is None:  # recompute, or flex failed under backward=auto (logged)
         grads = recompute_pair(
-            call, saved, whole, k, v, (0, 0), (0, 0), step.block_mask, variant=step.variant
+            call, saved, whole, k, v, (0, 0), (0, 0), pc.block_mask, variant=pc.variant
         )
-    dq_i, dk_i, dv_i = grads
-    dq.add(0, dq_i)
-    dk.add(dkv_offset, dk_i)
-    dv.add(dkv_offset, dv_i)
+    return grads
 
 
 def recompute_pair(call: CPCall, saved: Saved, q_rows, k_i, v_i, qc, kc, block_mask, variant=None):

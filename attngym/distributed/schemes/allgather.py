@@ -54,10 +54,10 @@ from attngym.distributed.call.pairs import (
     PositionedCall,
     Saved,
     attend_at,
+    grads_at,
     pairs,
     positioned,
     pow2_blocks,
-    recompute_pair,
     runs_read,
 )
 from attngym.distributed.model.simulate import (
@@ -427,39 +427,7 @@ class _MappedCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
-        return *_part_grads(ctx.call, Saved(q, out, lse, dout), k, v, ctx.pc), None, None
-
-
-def _part_grads(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
-    """(dq, dk, dv) of one call at positions from the merged out and lse in `saved`: flex's
-    backward op (on the folded call where pc.fold says, its gradients unfolded), or the call
-    re-run, weighted (backward recompute, or the op failed under backward=auto, logged)."""
-    from attngym.distributed.call import flex_backward
-
-    maps, whole = pc.maps, slice(0, saved.q.shape[2])
-    lse2 = None if saved.lse2 is None else saved.lse2.get((0, whole.stop))
-    grads = None
-    if call.backward == "flex" and pc.fold is not None:
-        f = pc.fold
-        rows = [fold.rows_in(f, t) for t in (saved.q, saved.out, saved.lse, saved.dout)]
-        grads = flex_backward.grads(
-            call, rows[0], fold.keys_in(f, k), fold.keys_in(f, v), *rows[1:3], rows[3],
-            f.block_mask, lse2=None if lse2 is None else fold.rows_in(f, lse2),
-            variant=f.variant,
-        )  # fmt: skip
-        if grads is not None:
-            dq, dk, dv = grads
-            return fold.rows_out(f, dq), fold.keys_out(f, dk), fold.keys_out(f, dv)
-    elif call.backward == "flex":
-        grads = flex_backward.grads(
-            call, saved.q, k, v, saved.out, saved.lse, saved.dout, pc.block_mask,
-            q_offset=maps.q_offset, kv_offset=maps.kv_offset, q_positions=maps.q_positions,
-            kv_positions=maps.kv_positions, lse2=lse2,
-        )  # fmt: skip
-    if grads is None:
-        grads = recompute_pair(call, saved, whole, k, v, (0, 0), (0, 0), pc.block_mask,
-                               variant=pc.variant)  # fmt: skip
-    return grads
+        return *grads_at(ctx.call, Saved(q, out, lse, dout), k, v, ctx.pc), None, None
 
 
 def _merged_rows(call: CPCall, q, out, lse, rows: slice, part) -> tuple:
@@ -580,12 +548,12 @@ class _Overlapped(torch.autograd.Function):
         dq = GradSum.of(call, q.shape, lse.dtype, q.device)
         home = k_r.new_zeros((2, *k_r.shape))
         if got is not None:
-            dq_r, dk_r, dv_r = _part_grads(call, _rows_of(saved, ctx.reading), k_r, v_r, got)
+            dq_r, dk_r, dv_r = grads_at(call, _rows_of(saved, ctx.reading), k_r, v_r, got)
             dq.add(a, dq_r)
             home = torch.stack([dk_r, dv_r]).index_select(3, ctx.received)  # pads' dropped
         back = ctx.ex.inverse()
         started = back.start(home.permute(3, 0, 1, 2, 4).reshape(-1))
-        dq_o, dk, dv = _part_grads(call, saved, k, v, own)
+        dq_o, dk, dv = grads_at(call, saved, k, v, own)
         dq.add(0, dq_o)
         arrived = _unpacked(back.wait(started), k)
         dk = dk.index_add(2, rows, arrived[0].to(dk.dtype))
@@ -908,7 +876,7 @@ def _overlapped_rank(ranks: SequenceRanks, r: int, clock, plan: ReadPlan, foldin
 
         def bwd(pc=pc, k_p=k_p, v_p=v_p, rows=rows):
             with torch.no_grad():
-                _part_grads(call, _rows_of(saved, rows), k_p, v_p, pc)
+                grads_at(call, _rows_of(saved, rows), k_p, v_p, pc)
 
         key = ("allgather", part, *_read_through(pc), tuple(q_p.shape), tuple(k_p.shape),
                clock.mask_key(pc.block_mask))  # fmt: skip
