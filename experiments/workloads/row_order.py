@@ -13,6 +13,10 @@ call (fwd, fwd+bwd) with its block rows in three orders, against the same call's
                one of H x S, the mask pairing each query head with its keys' head), and these
                (head, block row) rows sorted costliest first: the longest rows of every head
                start first, where flex's grid runs the heads one after the other
+    attngym    the same fold as attngym.distributed.call.fold makes it (the variant read through
+               its tables), on q already folded
+    attngym_copies  the same with q gathered into the fold's order and the output (and in the
+               backward dq) gathered back, as the all-gather's call does
 
 Each rank's keys are the whole sequence (global order; the block mask skips what the rank does not
 read), so that every rank and order is one kernel shape and one compile; the masks read positions
@@ -30,6 +34,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from triton.testing import do_bench
 
+from attngym.distributed.call import fold
 from attngym.distributed.placement import layout
 from attngym.runner.config import workload_batches
 from attngym.variants.spec import build_variant
@@ -40,7 +45,7 @@ WORKLOAD = {"name": "documents", "distribution": "lognormal", "seed": 0, "median
 SHARD = SEQ_LEN // WORLD
 
 
-ORDERS = ("position", "heavy", "folded")
+ORDERS = ("position", "heavy", "folded", "attngym", "attngym_copies")
 
 
 def folded_mask(bm, order: torch.Tensor, heads: int, mask_mod):
@@ -95,12 +100,21 @@ def main() -> None:
         return [torch.randn(1, heads, n, DIM, device=dev, dtype=torch.bfloat16, generator=gen,
                             requires_grad=True) for n in (rows, keys, keys)]  # fmt: skip
 
-    def timed(q, k, v, bm):
-        fwd = do_bench(lambda: attend(q, k, v, block_mask=bm), warmup=25, rep=100)
-        out = attend(q, k, v, block_mask=bm)
-        grad = torch.randn_like(out)
-        both = do_bench(lambda: torch.autograd.grad(attend(q, k, v, block_mask=bm), (q, k, v),
-                                                    grad), warmup=25, rep=100)  # fmt: skip
+    def timed(q, k, v, bm, variant=None, f=None):
+        """fwd and fwd+bwd ms of the call (with `variant`'s score and mask; `f`: q, k, v in
+        their own layout, folded around the call as the all-gather folds them)."""
+        score = None if variant is None else variant.score_mod
+
+        def call():
+            if f is None:
+                return attend(q, k, v, score_mod=score, block_mask=bm)
+            out = attend(fold.rows_in(f, q), fold.keys_in(f, k), fold.keys_in(f, v),
+                         score_mod=score, block_mask=bm)  # fmt: skip
+            return fold.rows_out(f, out)
+
+        fwd = do_bench(call, warmup=25, rep=100)
+        grad = torch.randn_like(call())
+        both = do_bench(lambda: torch.autograd.grad(call(), (q, k, v), grad), warmup=25, rep=100)
         return fwd, both
 
     rows = []
@@ -130,7 +144,15 @@ def main() -> None:
                 partial = bm.kv_num_blocks[0, 0].double()
                 price = full * layout.BLOCK_COSTS[0] + partial * layout.BLOCK_COSTS[1]
                 for name in ORDERS:
-                    if name == "folded":
+                    if name.startswith("attngym"):
+                        keys = torch.arange(SEQ_LEN, device=dev)
+                        f = fold.fold(variant.to(dev), pos, keys, bm, (1, HEADS, HEADS),
+                                      layout.BLOCK_COSTS, exact=False)  # fmt: skip
+                        if name == "attngym":
+                            fwd, both = timed(*folded_qkv, f.block_mask, f.variant)
+                        else:
+                            fwd, both = timed(*qkv, f.block_mask, f.variant, f)
+                    elif name == "folded":
                         order = torch.argsort(price.repeat(HEADS), descending=True, stable=True)
                         fpos.copy_(pos.view(-1, BLOCK)[order % len(price)].flatten())
                         fhead.copy_((order // len(price)).repeat_interleave(BLOCK))

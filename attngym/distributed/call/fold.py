@@ -70,11 +70,14 @@ def fold(
     block_mask,
     shape: Sequence[int],
     costs: tuple[float, float],
+    exact: bool = True,
 ) -> Fold | None:
     """The Fold of a call of queries at `q_positions` against keys at `kv_positions` (global
     positions, local order) with `block_mask` (the call's own), for q (B, H, Sq, D) and k, v
     (B, G, Skv, D) given as `shape` (B, H, G); None where a block would straddle two heads (Sq
-    or Skv not whole blocks)."""
+    or Skv not whole blocks). `exact`: the mask itself hides the pairs of two batches or heads
+    (a kernel that evaluates it everywhere, the dense reference); else only the block mask
+    does (flex reads the mask inside the blocks it keeps, each of one batch and head)."""
     B, H, G = (int(x) for x in shape)
     Sq, Skv = q_positions.numel(), kv_positions.numel()
     bq, bkv = block_mask.BLOCK_SIZE
@@ -98,12 +101,12 @@ def fold(
     rows = (((b * H + h) * Rb + r) * bq).view(-1, 1).add(within).flatten()
     q_at = (r * bq).view(-1, 1).add(within).flatten()
     tables = {
-        "fold_b": b.repeat_interleave(bq),
-        "fold_h": h.repeat_interleave(bq),
-        "fold_q": q_positions.to(device).long()[q_at],
-        "fold_kv": kv_positions.to(device).long(),
+        "fold_b": b.repeat_interleave(bq).int(),
+        "fold_h": h.repeat_interleave(bq).int(),
+        "fold_q": q_positions.to(device)[q_at].int(),
+        "fold_kv": kv_positions.to(device).int(),
     }
-    folded = _folded_variant(variant.to(device), tables, G * Skv, Skv, H // G)
+    folded = _folded_variant(variant.to(device), tables, G * Skv, Skv, H // G, exact)
     kv = moved(block_mask.kv_num_blocks, block_mask.kv_indices)
     full = (None, None)
     if block_mask.full_kv_num_blocks is not None:
@@ -117,10 +120,12 @@ def fold(
     return Fold(rows, torch.argsort(rows), folded, mask, (B, H, G, Sq, Skv))
 
 
-def _folded_variant(variant: Variant, tables: dict, batch_keys: int, keys: int, group: int):
+def _folded_variant(
+    variant: Variant, tables: dict, batch_keys: int, keys: int, group: int, exact: bool
+):
     """The variant over folded rows and keys: folded row i is batch fold_b[i], head fold_h[i],
     position fold_q[i]; folded key j is batch j // batch_keys, kv head (j // keys) % G, position
-    fold_kv[j % keys]; a pair of another batch or head is masked."""
+    fold_kv[j % keys]; with `exact`, a pair of another batch or head is masked."""
     names = sorted(variant.buffers)
 
     def bind(buffers):
@@ -133,10 +138,11 @@ def _folded_variant(variant: Variant, tables: dict, batch_keys: int, keys: int, 
 
         def mask_mod(b, h, q, kv):
             bb, hh = fb[q], fh[q]
+            kept = inner_mask(bb, hh, fq[q], fkv[kv % keys]) if inner_mask else None
+            if not exact:
+                return kv >= 0 if kept is None else kept
             same = (kv // batch_keys == bb) & ((kv % batch_keys) // keys == hh // group)
-            if inner_mask is None:
-                return same
-            return same & inner_mask(bb, hh, fq[q], fkv[kv % keys])
+            return same if kept is None else same & kept
 
         score_mod = None
         if inner_score is not None:

@@ -361,7 +361,8 @@ def _mapped(
         if folding is not None and pc.block_mask is not None:
             *heads, forced = folding
             if forced or fold.worth_it(pc.block_mask, BLOCK_COSTS):
-                folded = fold.fold(call.variant, q_pos, kv_pos, pc.block_mask, heads, BLOCK_COSTS)
+                folded = fold.fold(call.variant, q_pos, kv_pos, pc.block_mask, heads,
+                                   BLOCK_COSTS, exact=call.backend != "flex")  # fmt: skip
                 pc = pc if folded is None else dataclasses.replace(pc, fold=folded)
         per[key] = pc
     return per[key]
