@@ -12,10 +12,9 @@ measured 1.20-1.45x's pattern batch by batch (experiments/workloads, "The longes
 Folded, the call is one of B·H·S/P rows (q viewed as (1, 1, B·H·S/P, D), its block rows in any
 order: a gathered copy) against B·G·Skv keys (k and v viewed so, no copy), the block mask moved
 to match (each row's key blocks shifted to its batch and head's keys) and the variant read
-through tables (a folded row's batch, head and position; a key's position). Its long block rows
-go first, costliest first, over every head at once, so that they start first, as a
-longest-processing-time-first schedule takes them (the simulation's heaviest rank: 1.00-1.13x);
-the other rows follow in grid order.
+through tables (a folded row's batch, head and position; a key's position). Its block rows are
+sorted costliest first, over every head at once, so the longest rows start first, as a
+longest-processing-time-first schedule takes them (the simulation's heaviest rank: 1.00-1.13x).
 The kernel computes the same blocks; the fold adds gathers of q, out, dout and dq (a few tens of
 microseconds at 16K rows, 8 heads) and a block mask B·H times the rows and columns.
 """
@@ -90,12 +89,7 @@ def fold(
     flat = torch.arange(B * H * Rb, device=device)
     b, h, r = flat // (H * Rb), (flat // Rb) % H, flat % Rb
     Bm, Hm = price.shape[:2]
-    # the long rows (SPREAD times the mean or more) first, costliest first; the others after
-    # them in grid order, where neighbours read the same keys (sorted too, they measured slower
-    # on batches of many short documents: one H100, experiments/workloads)
-    rows_price = price[b % Bm, h % Hm, r]
-    long = rows_price >= SPREAD * rows_price.mean()
-    order = torch.argsort(torch.where(long, rows_price, -1.0), descending=True, stable=True)
+    order = torch.argsort(price[b % Bm, h % Hm, r], descending=True, stable=True)
     b, h, r = b[order], h[order], r[order]
     shift = ((b * G + h // (H // G)) * C).view(-1, 1)  # the row's keys in the folded keys
 
