@@ -121,6 +121,31 @@ def test_overlapped_allgather_simulates_its_two_calls_and_hides_the_exchange():
     assert "alternatives" not in causal.extra
 
 
+def test_allgather_names_its_calls_unfolded_for_auto_where_it_folded_them(monkeypatch):
+    """fold=None folds a call whose block rows' costs spread (on CUDA flex; here that rule
+    stands in for the device check): rank 1 holds a long document's last two block rows among
+    14 rows of short ones (one call a rank). auto is then offered the calls unfolded; not once
+    fold is given."""
+    from attngym.distributed.schemes import allgather
+
+    def on_cuda(call, q, k, option):  # the rule's answer on CUDA flex
+        return None if option is False else (*q.shape[:2], k.shape[1], option is True)
+
+    monkeypatch.setattr(allgather, "_folding", on_cuda)
+    q, k, v, g = make_inputs(Shape(batch=1, heads=2, seq_len=1024, head_dim=8), 0, "cpu",
+                             torch.float32)  # fmt: skip
+    docs = variants.get("document", doc_lengths=[288] + [16] * 46)
+    alternatives = {}
+    for fold in (None, False, True):
+        sim = simulate(allgather.ALLGATHER, q, k, v, g, docs, world_size=4, layout="contiguous",
+                       options=CPOptions(block_size=(16, 16)),
+                       scheme_options={"fold": fold, "overlap": False},
+                       timer=_counting_timer([]))  # fmt: skip
+        alternatives[fold] = sim.extra.get("alternatives", [])
+    assert {"fold": False} in alternatives[None]
+    assert all("fold" not in a for a in alternatives[False] + alternatives[True])
+
+
 def test_ulysses_in_rounds_hides_the_exchanges_behind_the_rounds_calls():
     """pipeline=True on zigzag: each rank's calls timed round by round (a causal mask: one call
     a round; full attention: round 0's queries read round 1's keys too), priced with each

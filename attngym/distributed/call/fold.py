@@ -5,18 +5,25 @@ head's rows, then the next head's. On a rank's shard of packed documents the row
 by 10x and more (a long document's last rows read all its keys, a short one's a few blocks), and
 a shard holds about one program per SM and head, so every head's longest row starts when that
 head's turn comes, the last head's at the end: the call waits for it alone. Simulated as flex's
-programs taken in grid order by 132 SMs, the all-gather's heaviest rank on a workload of packed
-documents ran 1.37-1.53x the ideal on `balanced` where its blocks say 0.97-0.99x, which is the
-measured 1.20-1.45x's pattern batch by batch (experiments/workloads, "The longest rows last").
+programs taken in grid order by 132 SMs, the all-gather's ranks on `balanced` ran 1.10-1.43x
+max over min on 16 batches of packed documents where their blocks say 1.00-1.03x, the measured
+1.11-1.31x's pattern batch by batch (experiments/workloads, "The longest rows last").
 
 Folded, the call is one of B·H·S/P rows (q viewed as (1, 1, B·H·S/P, D), its block rows in any
 order: a gathered copy) against B·G·Skv keys (k and v viewed so, no copy), the block mask moved
 to match (each row's key blocks shifted to its batch and head's keys) and the variant read
 through tables (a folded row's batch, head and position; a key's position). Its block rows are
 sorted costliest first, over every head at once, so the longest rows start first, as a
-longest-processing-time-first schedule takes them (the simulation's heaviest rank: 1.00-1.13x).
-The kernel computes the same blocks; the fold adds gathers of q, out, dout and dq (a few tens of
-microseconds at 16K rows, 8 heads) and a block mask B·H times the rows and columns.
+longest-processing-time-first schedule takes them. The kernel computes the same blocks; the fold
+adds gathers of q, out, dout and dq and a block mask B·H times the rows and columns.
+
+Measured (one H100, experiments/workloads/row_order.py and run.sh), about half of what the
+simulation promised (batch 0's heaviest rank from 1.49x to 1.04x the ideal) is kept: the slowest
+rank of batch 0 on `balanced` went from 1.39 to 1.18 times the ideal (the fold as made here, q
+already folded), every rank now alike (5.15-5.64 ms); in the all-gather, gathers included, 3
+batches' efficiency was 0.738, 0.809 and 0.621 against 0.675, 0.717 and 0.668 unfolded: a batch
+of many short documents is slower folded, so the simulation names the unfolded call to
+`topology=auto` (AllGatherOptions.fold).
 """
 
 from __future__ import annotations

@@ -91,7 +91,9 @@ class AllGatherOptions:
     """Fold the batch and heads into the call's rows and run its costliest block rows first
     (attngym.distributed.call.fold: flex runs the heads one after the other, so each head's
     longest rows would start late and end alone); None: on CUDA flex, where the call's longest
-    block row costs fold.SPREAD times its mean or more (packed documents, not windows)."""
+    block row costs fold.SPREAD times its mean or more (packed documents, not windows), the
+    unfolded call offered to topology=auto (a batch of many short documents measured slower
+    folded)."""
 
 
 Run = tuple[int, int]  # [start, stop) local rows of a shard
@@ -723,10 +725,12 @@ def simulate_allgather(sc: SimulatedCall, whole: bool = False) -> Simulation:
     overlap = sc.scheme_options.get("overlap")
     # PyTorch's scheme (whole) runs its calls as they are
     option = False if whole else sc.scheme_options.get("fold")
+    folded = False
     for r in range(sc.world_size):
-        work, received, buffer, pattern = _simulated_rank(
+        work, received, buffer, pattern, rank_folded = _simulated_rank(
             ranks, r, sc.clock, overlap, whole, option
         )
+        folded |= rank_folded
         works.append(work)
         sent, buffers = max(sent, received), max(buffers, buffer)
         gathered = nbytes(2, *ranks.ks[r].shape, itemsize=ranks.ks[r].element_size())
@@ -745,6 +749,10 @@ def simulate_allgather(sc: SimulatedCall, whole: bool = False) -> Simulation:
         # The default split (or not) around the exchange is a rule of thumb: the other way may
         # be faster (a halo's small second call once the host is out of the way, CUDA graphs).
         sim.extra["alternatives"] = [{"overlap": not plan.overlaps(None)}]
+    if option is None and folded:
+        # So is folding by the spread of the rows: on a batch of many short documents the
+        # folded calls measured slower (one H100, 2026-12-08, experiments/workloads).
+        sim.extra.setdefault("alternatives", []).append({"fold": False})
     return sim
 
 
@@ -770,10 +778,10 @@ def _simulated_rank(
     overlap: bool | None,
     whole: bool = False,
     fold: bool | None = False,
-) -> tuple[RankWork, int, int, str]:
-    """Rank r's RankWork, the bytes it receives, its received buffer's bytes and the transfer's
-    pattern (allgather, or alltoall for the exchange); `whole`: every shard gathered whole;
-    `fold`: AllGatherOptions.fold."""
+) -> tuple[RankWork, int, int, str, bool]:
+    """Rank r's RankWork, the bytes it receives, its received buffer's bytes, the transfer's
+    pattern (allgather, or alltoall for the exchange) and whether its calls were folded;
+    `whole`: every shard gathered whole; `fold`: AllGatherOptions.fold."""
     P, q_r, ks, vs = ranks.world_size, ranks.qs[r], ranks.ks, ranks.vs
     call, counted = ranks.call(r), ranks.call(r, counted=True)
     saved = ranks.saved[r] if ranks.saved is not None else None
@@ -789,8 +797,11 @@ def _simulated_rank(
     grads = 2 if saved is not None else 1
     if plan.overlaps(overlap):
         received = row * plan.received(r)
-        work = _overlapped_rank(ranks, r, clock, plan, _folding(call, q_r, ks[r], fold))
-        return work, received, received * grads, pattern
+        folding = _folding(call, q_r, ks[r], fold)
+        work = _overlapped_rank(ranks, r, clock, plan, folding)
+        parts = ("own", "received") if plan.received(r) else ("own",)
+        folded = any(_mapped(call, q_r, plan, p, folding).fold is not None for p in parts)
+        return work, received, received * grads, pattern, folded
     if plan.gathers:  # the gathered buffer, rank order
         k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
         received, buffer = row * n * (P - 1), row * n * P
@@ -833,7 +844,7 @@ def _simulated_rank(
         host_fwd_ms=fwd.host_ms,
         host_bwd_ms=0.0 if both is None else max(both.host_ms - fwd.host_ms, 0.0),
     )
-    return work, received, buffer * grads, pattern
+    return work, received, buffer * grads, pattern, pc.fold is not None
 
 
 def _read_through(pc: PositionedCall) -> tuple[str, ...]:
