@@ -35,7 +35,7 @@ import torch
 
 from attngym.variants.base import Variant
 
-# Fold a call (where CPOptions leave it to the call) when its longest block row costs at least
+# Fold a call (the all-gather's fold=None, on CUDA) when its longest block row costs at least
 # this many times its mean: a window's rows cost alike and gain nothing.
 SPREAD = 2.0
 _TABLES = ("fold_b", "fold_h", "fold_q", "fold_kv")
@@ -185,5 +185,6 @@ def keys_in(f: Fold, x: torch.Tensor) -> torch.Tensor:
 
 
 def keys_out(f: Fold, x: torch.Tensor) -> torch.Tensor:
+    """The folded call's (1, 1, B·G·Skv, D) keys' gradient -> (B, G, Skv, D)."""
     B, _, G, _, Skv = f.shape
     return x.reshape(B, G, Skv, x.shape[-1])
