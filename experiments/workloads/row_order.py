@@ -5,7 +5,7 @@ query blocks in shard order, head after head, and a causal document's costliest 
 last, so a long document's longest rows start last and end alone. This script times each rank's
 call (fwd, fwd+bwd) with its block rows in three orders, against the same call's price:
 
-    python experiments/workloads/row_order.py [--batches 2] [--out row_order.csv]
+    python experiments/workloads/row_order.py [--first 0] [--batches 2] [--out row_order.csv]
 
     position   the shard as placed (chunks in position order): what runs today
     heavy      block rows sorted by their price, costliest first (longest-processing-time first)
@@ -13,6 +13,8 @@ call (fwd, fwd+bwd) with its block rows in three orders, against the same call's
                one of H x S, the mask pairing each query head with its keys' head), and these
                (head, block row) rows sorted costliest first: the longest rows of every head
                start first, where flex's grid runs the heads one after the other
+    folded_long  folded, only the long rows (fold.SPREAD times the mean or more) first and the
+               others after them in grid order, where neighbours read the same keys
     attngym    the same fold as attngym.distributed.call.fold makes it (the variant read through
                its tables), on q already folded
     attngym_copies  the same with q gathered into the fold's order and the output (and in the
@@ -45,7 +47,7 @@ WORKLOAD = {"name": "documents", "distribution": "lognormal", "seed": 0, "median
 SHARD = SEQ_LEN // WORLD
 
 
-ORDERS = ("position", "heavy", "folded", "attngym", "attngym_copies")
+ORDERS = ("position", "heavy", "folded", "folded_long", "attngym", "attngym_copies")
 
 
 def folded_mask(bm, order: torch.Tensor, heads: int, mask_mod):
@@ -71,11 +73,13 @@ def folded_mask(bm, order: torch.Tensor, heads: int, mask_mod):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--first", type=int, default=0, help="the workload's batch to start at")
     parser.add_argument("--layouts", nargs="+", default=["documents", "balanced"])
     parser.add_argument("--out", default="row_order.csv")
     args = parser.parse_args()
     dev = torch.device("cuda")
-    data = {"workload": {**WORKLOAD, "batches": args.batches}, "shape": {"seq_len": SEQ_LEN}}
+    batches = args.first + args.batches
+    data = {"workload": {**WORKLOAD, "batches": batches}, "shape": {"seq_len": SEQ_LEN}}
     # the tables the masks read, updated in place (one mask function, one compile)
     doc = torch.empty(SEQ_LEN, dtype=torch.long, device=dev)
     qpos = torch.empty(SHARD, dtype=torch.long, device=dev)
@@ -122,6 +126,8 @@ def main() -> None:
     folded_qkv = tensors(1, HEADS * SHARD, HEADS * SEQ_LEN)
     whole = tensors(HEADS, SEQ_LEN, SEQ_LEN)
     for i, docs in enumerate(workload_batches(data)):
+        if i < args.first:
+            continue
         ids = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
         doc.copy_(ids)
         bm = create_block_mask(whole_mask, 1, 1, SEQ_LEN, SEQ_LEN, device=dev, _compile=True)
@@ -152,8 +158,11 @@ def main() -> None:
                             fwd, both = timed(*folded_qkv, f.block_mask, f.variant)
                         else:
                             fwd, both = timed(*qkv, f.block_mask, f.variant, f)
-                    elif name == "folded":
-                        order = torch.argsort(price.repeat(HEADS), descending=True, stable=True)
+                    elif name.startswith("folded"):
+                        every = price.repeat(HEADS)
+                        if name == "folded_long":  # the others: -1, in grid order
+                            every = torch.where(every >= fold.SPREAD * every.mean(), every, -1.0)
+                        order = torch.argsort(every, descending=True, stable=True)
                         fpos.copy_(pos.view(-1, BLOCK)[order % len(price)].flatten())
                         fhead.copy_((order // len(price)).repeat_interleave(BLOCK))
                         fwd, both = timed(*folded_qkv, folded_mask(bm, order, HEADS, fold_mask))
