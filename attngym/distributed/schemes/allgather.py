@@ -91,9 +91,9 @@ class AllGatherOptions:
     """Fold the batch and heads into the call's rows and run its costliest block rows first
     (attngym.distributed.call.fold: flex runs the heads one after the other, so each head's
     longest rows would start late and end alone); None: on CUDA flex, where the call's longest
-    block row costs fold.SPREAD times its mean or more (packed documents, not windows), the
-    unfolded call offered to topology=auto (a batch of many short documents measured slower
-    folded)."""
+    block row costs fold.SPREAD times its mean or more (packed documents; not windows nor a
+    causal mask), the unfolded call offered to topology=auto (a batch of many short documents
+    measured slower folded)."""
 
 
 Run = tuple[int, int]  # [start, stop) local rows of a shard
