@@ -1,11 +1,13 @@
-"""Does the order of a rank's block rows change its call's time? The all-gather on
-`layout=documents` measured its heaviest rank 1.13-1.33x the ideal where its placement's model
-(the blocks each rank's call computes) says 1.00-1.02. One suspect: flex's grid runs a rank's
-query blocks in shard order, head after head, and a causal document's costliest block rows are its
-last, so a long document's longest rows start last and end alone. This script times each rank's
-call (fwd, fwd+bwd) with its block rows in three orders, against the same call's price:
+"""Does the order of a rank's block rows change its call's time? The all-gather's heaviest rank
+measured 1.13-1.33x the ideal on packed documents where its placement's model (the blocks each
+rank's call computes) says 1.00-1.02. One suspect: flex's grid runs a rank's query blocks in
+shard order, head after head, and a causal document's costliest block rows are its last, so a
+long document's longest rows start last and end alone. This script times each rank's call (fwd,
+fwd+bwd) on `layout=documents` and `balanced` with its block rows in these orders, beside the
+call's price:
 
-    python experiments/workloads/row_order.py [--first 0] [--batches 2] [--out row_order.csv]
+    python experiments/workloads/row_order.py [--first 0] [--batches 2]
+        [--layouts documents balanced] [--out row_order.csv]
 
     position   the shard as placed (chunks in position order): what runs today
     heavy      block rows sorted by their price, costliest first (longest-processing-time first)
