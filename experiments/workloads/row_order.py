@@ -114,7 +114,7 @@ def main() -> None:
         def call():
             if f is None:
                 return attend(q, k, v, score_mod=score, block_mask=bm)
-            out = attend(fold.rows_in(f, q), fold.keys_in(f, k), fold.keys_in(f, v),
+            out = attend(fold.rows_in(f, q), fold.keys_in(k), fold.keys_in(v),
                          score_mod=score, block_mask=bm)  # fmt: skip
             return fold.rows_out(f, out)
 
@@ -150,12 +150,12 @@ def main() -> None:
                 bm = create_block_mask(rank_mask, 1, 1, SHARD, SEQ_LEN, device=dev, _compile=True)
                 full = bm.full_kv_num_blocks[0, 0].double()
                 partial = bm.kv_num_blocks[0, 0].double()
-                price = full * layout.BLOCK_COSTS[0] + partial * layout.BLOCK_COSTS[1]
+                price = layout.block_row_prices(bm)[0, 0]
                 for name in ORDERS:
                     if name.startswith("attngym"):
                         keys = torch.arange(SEQ_LEN, device=dev)
                         f = fold.fold(variant.to(dev), pos, keys, bm, (1, HEADS, HEADS),
-                                      layout.BLOCK_COSTS, exact=False)  # fmt: skip
+                                      exact=False)  # fmt: skip
                         if name == "attngym":
                             fwd, both = timed(*folded_qkv, f.block_mask, f.variant)
                         else:

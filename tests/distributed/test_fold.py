@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from attngym import reference, variants
 from attngym.distributed.call import fold
-from attngym.distributed.placement.layout import BLOCK_COSTS
+from attngym.distributed.placement.layout import block_row_prices
 
 B, H, G, D, BLOCK = 2, 4, 2, 8, 16
 # A rank's rows: two chunks out of order; its keys: the positions they read, in order.
@@ -44,7 +44,7 @@ def test_the_folded_call_is_the_call(exact):
     k, v = (torch.randn(B, G, len(KV_POS), D, generator=gen, dtype=torch.float64) for _ in "kv")
     want_out, want_lse = reference.attention(q, k, v, variant.score_mod, variant.mask_mod,
                                              q_positions=Q_POS, kv_positions=KV_POS)  # fmt: skip
-    f = fold.fold(variant, Q_POS, KV_POS, _block_mask(variant), (B, H, G), BLOCK_COSTS, exact)
+    f = fold.fold(variant, Q_POS, KV_POS, _block_mask(variant), (B, H, G), exact)
     mask = f.variant.mask_mod
     if not exact:  # as flex computes it: the mask inside the blocks the block mask keeps
         kept = f.block_mask.to_dense()[0, 0].repeat_interleave(BLOCK, 0)
@@ -53,7 +53,7 @@ def test_the_folded_call_is_the_call(exact):
         def mask(b, h, q_idx, kv_idx):
             return f.variant.mask_mod(b, h, q_idx, kv_idx) & kept[q_idx, kv_idx]
 
-    out, lse = reference.attention(fold.rows_in(f, q), fold.keys_in(f, k), fold.keys_in(f, v),
+    out, lse = reference.attention(fold.rows_in(f, q), fold.keys_in(k), fold.keys_in(v),
                                    f.variant.score_mod, mask)  # fmt: skip
     assert (fold.rows_out(f, out) - want_out).abs().max() < 1e-12
     assert torch.equal(fold.rows_out(f, lse).isinf(), want_lse.isinf())
@@ -64,9 +64,9 @@ def test_the_folded_call_is_the_call(exact):
 def test_the_costliest_rows_go_first_and_every_row_once():
     variant = _variant()
     bm = _block_mask(variant)
-    f = fold.fold(variant, Q_POS, KV_POS, bm, (B, H, G), BLOCK_COSTS)
+    f = fold.fold(variant, Q_POS, KV_POS, bm, (B, H, G))
     assert torch.equal(torch.sort(f.rows).values, torch.arange(B * H * len(Q_POS)))
-    price = fold.row_prices(bm, BLOCK_COSTS)[0, 0]
+    price = block_row_prices(bm)[0, 0]
     first = f.rows[::BLOCK] // BLOCK % len(price)  # each folded block row's row of the shard
     assert torch.all(price[first][:-1] >= price[first][1:])
     x = torch.randn(B, H, len(Q_POS), 3)
@@ -76,7 +76,7 @@ def test_the_costliest_rows_go_first_and_every_row_once():
 def test_a_call_of_rows_that_are_not_whole_blocks_is_not_folded():
     variant = _variant()
     bm = _block_mask(variant)
-    assert fold.fold(variant, Q_POS[:40], KV_POS, bm, (B, H, G), BLOCK_COSTS) is None
+    assert fold.fold(variant, Q_POS[:40], KV_POS, bm, (B, H, G)) is None
 
 
 def test_worth_it_where_the_rows_costs_spread():
@@ -89,12 +89,12 @@ def test_worth_it_where_the_rows_costs_spread():
         return docs.mask_mod(b, h, rows[q], kv)
 
     spread = create_block_mask(at_rows, None, None, 64, 256, device="cpu", BLOCK_SIZE=BLOCK)
-    assert fold.worth_it(spread, BLOCK_COSTS)
+    assert fold.worth_it(spread)
     window = variants.get("sliding_window", window_size=32)
 
     def band(b, h, q, kv):
         return window.mask_mod(b, h, q + 256, kv + 256)
 
     uniform = create_block_mask(band, None, None, 128, 128, device="cpu", BLOCK_SIZE=BLOCK)
-    assert not fold.worth_it(uniform, BLOCK_COSTS)
-    assert not fold.worth_it(None, BLOCK_COSTS)
+    assert not fold.worth_it(uniform)
+    assert not fold.worth_it(None)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from attngym.distributed.placement.layout import block_row_prices
 from attngym.variants.base import Variant
 
 # Fold a call (the all-gather's fold=None, on CUDA) when its longest block row costs at least
@@ -55,20 +56,12 @@ class Fold:
     shape: tuple[int, int, int, int, int]
 
 
-def row_prices(block_mask, costs: tuple[float, float]) -> torch.Tensor:
-    """Each block row's price (of every batch and head the mask holds): its full and partial
-    blocks at `costs` (layout.BLOCK_COSTS)."""
-    price = block_mask.kv_num_blocks.double() * costs[1]
-    if block_mask.full_kv_num_blocks is not None:
-        price = price + block_mask.full_kv_num_blocks.double() * costs[0]
-    return price
-
-
-def worth_it(block_mask, costs: tuple[float, float]) -> bool:
-    """Whether the call's longest block row costs SPREAD times its mean (or more)."""
+def worth_it(block_mask) -> bool:
+    """Whether the call's longest block row costs SPREAD times its mean (or more), priced by
+    layout.block_row_prices."""
     if block_mask is None:
         return False
-    price = row_prices(block_mask, costs)
+    price = block_row_prices(block_mask)
     return bool(price.max() >= SPREAD * price.mean().clamp(min=1e-9))
 
 
@@ -78,7 +71,6 @@ def fold(
     kv_positions: torch.Tensor,
     block_mask,
     shape: Sequence[int],
-    costs: tuple[float, float],
     exact: bool = True,
 ) -> Fold | None:
     """The Fold of a call of queries at `q_positions` against keys at `kv_positions` (global
@@ -94,7 +86,7 @@ def fold(
         return None
     device = block_mask.kv_num_blocks.device
     Rb, C = Sq // bq, Skv // bkv
-    price = row_prices(block_mask, costs)  # (Bm, Hm, Rb)
+    price = block_row_prices(block_mask)  # (Bm, Hm, Rb)
     flat = torch.arange(B * H * Rb, device=device)
     b, h, r = flat // (H * Rb), (flat // Rb) % H, flat % Rb
     Bm, Hm = price.shape[:2]
@@ -181,8 +173,8 @@ def rows_out(f: Fold, x: torch.Tensor) -> torch.Tensor:
     return x[0, 0].index_select(0, f.back).reshape(B, H, Sq, *x.shape[3:])
 
 
-def keys_in(f: Fold, x: torch.Tensor) -> torch.Tensor:
-    """(B, G, Skv, D) -> (1, 1, B·G·Skv, D): a view where x is contiguous."""
+def keys_in(x: torch.Tensor) -> torch.Tensor:
+    """(B, G, Skv, D) -> the folded call's (1, 1, B·G·Skv, D): a view where x is contiguous."""
     return x.reshape(1, 1, -1, x.shape[-1])
 
 

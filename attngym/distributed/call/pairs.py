@@ -245,7 +245,7 @@ def attend_at(call: CPCall, q, k, v, pc: PositionedCall):
     f = pc.fold
     if f is None:
         return attend(call, q, k, v, 0, 0, pc.block_mask, variant=pc.variant)
-    k, v = fold.keys_in(f, k), fold.keys_in(f, v)
+    k, v = fold.keys_in(k), fold.keys_in(v)
     out, lse = attend(call, fold.rows_in(f, q), k, v, 0, 0, f.block_mask, variant=f.variant)
     return fold.rows_out(f, out), fold.rows_out(f, lse)
 
@@ -486,7 +486,7 @@ def grads_at(call: CPCall, saved: Saved, k, v, pc: PositionedCall):
             fold.rows_in(f, t) for t in (saved.q, saved.out, saved.lse, saved.dout)
         )
         grads = flex_backward.grads(
-            call, q, fold.keys_in(f, k), fold.keys_in(f, v), out, lse, dout, f.block_mask,
+            call, q, fold.keys_in(k), fold.keys_in(v), out, lse, dout, f.block_mask,
             lse2=None if lse2 is None else fold.rows_in(f, lse2), variant=f.variant,
         )  # fmt: skip
         if grads is not None:

@@ -185,13 +185,7 @@ def block_units(item: Item) -> float | None:
     one; None where an item has no block masks to count (a reference backend's)."""
     if not item.block_masks or any(bm is None for bm in item.block_masks):
         return None
-    full_cost, partial_cost = layouts.BLOCK_COSTS
-    units = 0.0
-    for bm in item.block_masks:
-        units += partial_cost * float(bm.kv_num_blocks.sum())
-        if bm.full_kv_num_blocks is not None:
-            units += full_cost * float(bm.full_kv_num_blocks.sum())
-    return units
+    return sum(float(layouts.block_row_prices(bm).sum()) for bm in item.block_masks)
 
 
 def _kind(item: Item, which: str) -> tuple:

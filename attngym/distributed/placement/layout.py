@@ -95,6 +95,16 @@ GOOD_ENOUGH = 1.02
 BLOCK_COSTS = (1.0, 1.82)
 
 
+def block_row_prices(block_mask) -> torch.Tensor:
+    """Each block row's price (B, H, rows; the batches and heads the mask holds): its full
+    and partial blocks at BLOCK_COSTS."""
+    full_cost, partial_cost = BLOCK_COSTS
+    price = block_mask.kv_num_blocks.double() * partial_cost
+    if block_mask.full_kv_num_blocks is not None:
+        price = price + block_mask.full_kv_num_blocks.double() * full_cost
+    return price
+
+
 # A kernel launch and its fixed work (fwd+bwd), in full-block times of one program: about 20 us
 # per chunk pair (two launches, the backward's preprocessing) against 9.6 us per full block and
 # program (305.1 ms for 523776 blocks x 8 heads over 132 SMs, causal 128K in BLOCK_COSTS' source).

@@ -68,7 +68,7 @@ from attngym.distributed.model.simulate import (
     nbytes,
 )
 from attngym.distributed.model.transfer_model import Fabric, Prediction, RankWork, predict
-from attngym.distributed.placement.layout import BLOCK_COSTS, LAYOUTS, Layout
+from attngym.distributed.placement.layout import LAYOUTS, Layout
 from attngym.distributed.schemes.spec import TopologySpec
 from attngym.variants.base import Variant
 
@@ -362,9 +362,9 @@ def _mapped(
             per[key + ("rows",)] = rows
         if folding is not None and pc.block_mask is not None:
             *heads, forced = folding
-            if forced or fold.worth_it(pc.block_mask, BLOCK_COSTS):
+            if forced or fold.worth_it(pc.block_mask):
                 folded = fold.fold(call.variant, q_pos, kv_pos, pc.block_mask, heads,
-                                   BLOCK_COSTS, exact=call.backend != "flex")  # fmt: skip
+                                   exact=call.backend != "flex")  # fmt: skip
                 pc = pc if folded is None else dataclasses.replace(pc, fold=folded)
         per[key] = pc
     return per[key]
